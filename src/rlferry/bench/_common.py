@@ -1,0 +1,43 @@
+"""Helpers the benchmarks share: the memcpy baseline, timing, the result table."""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Run ``fn`` once to warm up, then ``repeat`` times; (best, median) seconds."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
+    """Median time of one memcpy of ``nbytes`` between two pre-faulted buffers."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def copy() -> None:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+
+    return best_and_median(copy, repeat)[1]
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    """A markdown table, so a run's output pastes into RESULTS.md as it is."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""The wire: a zero-copy codec (msgpack header + raw tensor frames) and zmq sockets.
+
+Every plane of rlferry speaks through this package. Nothing is pickled.
+"""
+
+from ._address import default_address, is_local
+from ._codec import decode, encode
+from ._errors import (
+    ChannelClosed,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    SecurityError,
+    WireError,
+)
+from ._loop import wire_loop
+from ._sockets import AsyncClient, Client, Server
+
+__all__ = [
+    "encode",
+    "decode",
+    "Server",
+    "AsyncClient",
+    "Client",
+    "default_address",
+    "is_local",
+    "wire_loop",
+    "WireError",
+    "ChannelClosed",
+    "PeerGone",
+    "RequestTimeout",
+    "RemoteError",
+    "SecurityError",
+]

@@ -1,0 +1,372 @@
+"""The codec: a value becomes one msgpack header plus one raw frame per tensor buffer.
+
+Frame 0 is the header, ``[MAGIC, number_of_data_frames, tree]``. The tree is the
+value itself in msgpack, with msgpack *extension* nodes where msgpack has no
+type of its own: tensors, numpy arrays, tuples, ragged lists of tensors and
+jagged nested tensors. An extension node holds a small msgpack description
+(dtype, shape, index of its data frame); the bytes themselves are the data
+frames that follow the header, never copied into it.
+
+Decoding builds every tensor as a view over its frame: no copy. Every length in
+a header is checked against the frames actually received before anything is
+built, so a lying header raises :class:`WireError` and never allocates memory
+sized by the sender. Nothing is ever pickled: a value of a type not listed in
+:func:`encode` is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from ._errors import WireError
+
+__all__ = ["encode", "decode", "Buffer"]
+
+Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
+
+MAGIC = "rlf1"
+MAX_DIMS = 64
+
+# Extension codes of the header tree.
+_TENSOR = 1  # [dtype, shape, frame]
+_NDARRAY = 2  # [dtype.str, shape, frame]
+_TUPLE = 3  # packed list of the items
+_RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
+_JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
+
+_DTYPES: dict[str, torch.dtype] = {}
+for _name in (
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
+    "float64 complex32 complex64 complex128 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+    "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2"
+).split():
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        _DTYPES[_name] = _dt
+_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
+_NUMPY_KINDS = "biufc"
+
+ACCEPTED = (
+    "torch.Tensor, numpy.ndarray, None, bool, int, float, str, bytes, "
+    "list, tuple, dict with str keys"
+)
+
+
+class _Refused(Exception):
+    """Raised deep in the tree; the path is added while the stack unwinds."""
+
+    def __init__(self, path: list[str], reason: str) -> None:
+        self.path = path
+        self.reason = reason
+
+
+def _tensor_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, keeping the tensor alive."""
+    nbytes = t.numel() * t.element_size()
+    holder = (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else (ctypes.c_char * 0)()
+    holder._rlferry_owner = t  # type: ignore[attr-defined]
+    return memoryview(holder).cast("B")
+
+
+def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise _Refused([], f"tensor layout {t.layout} is not supported (dense or jagged nested only)")
+    if t.dtype not in _DTYPE_NAMES:
+        raise _Refused([], f"tensor dtype {t.dtype} is not supported")
+    if t.device.type != "cpu":
+        if t.device.type == "meta":
+            raise _Refused([], "a meta tensor has no data to send")
+        t = t.detach().to("cpu")
+    return t.detach().contiguous()
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.frames: list[Buffer] = []
+        self._packer = msgspec.msgpack.Encoder()
+
+    def _add(self, buf: Buffer) -> int:
+        self.frames.append(buf)
+        return len(self.frames)  # data frames are numbered from 1; frame 0 is the header
+
+    def tensor_node(self, t: torch.Tensor) -> list[Any]:
+        t = _host_contiguous(t)
+        return [_DTYPE_NAMES[t.dtype], list(t.shape), self._add(_tensor_buffer(t))]
+
+    def value(self, obj: Any) -> Any:
+        # The common scalar kinds first: they need no work.
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if obj.is_nested:
+                return self.nested(obj)
+            return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.tensor_node(obj)))
+        if isinstance(obj, dict):
+            out = {}
+            for k, v in obj.items():
+                if not isinstance(k, str):
+                    raise _Refused([], f"dict key {k!r} of type {type(k).__name__} (keys must be str)")
+                try:
+                    out[k] = self.value(v)
+                except _Refused as e:
+                    e.path.append(f".{k}")
+                    raise
+            return out
+        if isinstance(obj, list):
+            ragged = self.ragged(obj)
+            if ragged is not None:
+                return ragged
+            return self.items(obj)
+        if isinstance(obj, tuple):
+            return msgspec.msgpack.Ext(_TUPLE, self._packer.encode(self.items(obj)))
+        if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
+            return self.ndarray(obj)
+        raise _Refused([], f"type {type(obj).__module__}.{type(obj).__qualname__}")
+
+    def items(self, seq: Sequence[Any]) -> list[Any]:
+        out = []
+        for i, v in enumerate(seq):
+            try:
+                out.append(self.value(v))
+            except _Refused as e:
+                e.path.append(f"[{i}]")
+                raise
+        return out
+
+    def ragged(self, seq: list[Any]) -> msgspec.msgpack.Ext | None:
+        """A non-empty list of dense tensors of one dtype travels as one packed frame."""
+        if not seq or not all(type(t) is torch.Tensor and not t.is_nested for t in seq):
+            return None
+        dtype = seq[0].dtype
+        if any(t.dtype != dtype for t in seq) or dtype not in _DTYPE_NAMES:
+            return None
+        if any(t.layout != torch.strided or t.device.type == "meta" for t in seq):
+            return None
+        flat = [t.detach().reshape(-1).to("cpu").view(torch.uint8) if t.dim() else
+                t.detach().reshape(1).to("cpu").view(torch.uint8) for t in seq]
+        packed = torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()
+        shapes = [list(t.shape) for t in seq]
+        node = [_DTYPE_NAMES[dtype], shapes, self._add(_tensor_buffer(packed))]
+        return msgspec.msgpack.Ext(_RAGGED, self._packer.encode(node))
+
+    def nested(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
+        if t.layout != torch.jagged:
+            raise _Refused([], "a strided nested tensor (convert it to layout=torch.jagged)")
+        if getattr(t, "_lengths", None) is not None:
+            raise _Refused([], "a jagged nested tensor with holes (call .contiguous() first)")
+        values = self.tensor_node(t.values())
+        offsets = self.tensor_node(t.offsets())
+        node = [values, offsets, int(t._ragged_idx)]  # type: ignore[attr-defined]
+        return msgspec.msgpack.Ext(_JAGGED, self._packer.encode(node))
+
+    def ndarray(self, a: Any) -> msgspec.msgpack.Ext:
+        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+            raise _Refused([], f"numpy dtype {a.dtype} (only bool, int, uint, float, complex)")
+        import numpy as np
+
+        a = np.ascontiguousarray(a)
+        buf = memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+        node = [a.dtype.str, list(a.shape), self._add(buf)]
+        return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
+
+
+def encode(obj: Any) -> list[Buffer]:
+    """Encode ``obj`` into frames: a msgpack header, then one frame per tensor or array.
+
+    Accepted values: torch tensors of every dtype (0-d, empty and non-contiguous
+    ones too; non-contiguous ones are made contiguous, a copy); jagged nested
+    tensors (``layout=torch.jagged``); numpy arrays of bool, int, uint, float and
+    complex dtypes; None, bool, int, float, str, bytes; lists, tuples and dicts
+    with str keys, nested to any depth. A list whose items are all dense tensors
+    of one dtype is packed into one frame (one copy) and comes back as a list
+    of tensors with the same shapes.
+
+    CUDA tensors are copied to host memory once, here; they come back on the CPU.
+
+    Frames of contiguous CPU tensors are views of the tensors' memory: send them
+    with ``copy=False`` and do not modify the tensors until the send completed.
+
+    Raises:
+        WireError: a value of any other type, naming its path (``$.meta[3]``).
+    """
+    enc = _Encoder()
+    try:
+        tree = enc.value(obj)
+        header = msgspec.msgpack.encode([MAGIC, len(enc.frames), tree])
+    except _Refused as e:
+        path = "$" + "".join(reversed(e.path))
+        raise WireError(
+            f"cannot encode `{path}`: {e.reason}; accepted: {ACCEPTED} "
+            "(convert the value to one of these; rlferry never pickles)"
+        ) from None
+    except OverflowError as e:
+        raise WireError(f"cannot encode: {e} (ints must fit in 64 bits)") from None
+    return [header, *enc.frames]
+
+
+class _Decoding:
+    """The state of one decode: the frames, which of them were used."""
+
+    def __init__(self, frames: Sequence[Buffer]) -> None:
+        self.views = [_byte_view(f, i + 1) for i, f in enumerate(frames)]
+        self.used = [False] * len(self.views)
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
+
+    def frame(self, index: Any, what: str) -> memoryview:
+        if type(index) is not int or not 1 <= index <= len(self.views):
+            raise WireError(f"malformed message: {what} names frame {index!r}, "
+                            f"the message has frames 1..{len(self.views)}")
+        if self.used[index - 1]:
+            raise WireError(f"malformed message: frame {index} is used twice")
+        self.used[index - 1] = True
+        return self.views[index - 1]
+
+    def ext(self, code: int, data: memoryview) -> Any:
+        if code == _TUPLE:
+            items = self.decoder.decode(data)
+            if not isinstance(items, list):
+                raise WireError("malformed message: a tuple node does not hold a list")
+            return tuple(items)
+        node = msgspec.msgpack.decode(data)
+        if code == _TENSOR:
+            return self.tensor(node)
+        if code == _RAGGED:
+            return self.ragged(node)
+        if code == _JAGGED:
+            return self.jagged(node)
+        if code == _NDARRAY:
+            return self.ndarray(node)
+        raise WireError(f"malformed message: unknown extension code {code}")
+
+    def tensor(self, node: Any) -> torch.Tensor:
+        if not (isinstance(node, list) and len(node) == 3):
+            raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
+        name, shape, index = node
+        dtype = _DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise WireError(f"malformed message: unknown dtype {name!r}")
+        numel = _checked_numel(shape)
+        view = self.frame(index, "a tensor")
+        if numel * dtype.itemsize != view.nbytes:
+            raise WireError(f"malformed message: tensor of shape {shape} and dtype {name} "
+                            f"needs {numel * dtype.itemsize} bytes, frame {index} has {view.nbytes}")
+        return _as_tensor(view, dtype, shape)
+
+    def ragged(self, node: Any) -> list[torch.Tensor]:
+        if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):
+            raise WireError("malformed message: a ragged node is not [dtype, shapes, frame]")
+        name, shapes, index = node
+        dtype = _DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise WireError(f"malformed message: unknown dtype {name!r}")
+        sizes = [_checked_numel(s) * dtype.itemsize for s in shapes]
+        view = self.frame(index, "a ragged list")
+        if sum(sizes) != view.nbytes:
+            raise WireError(f"malformed message: ragged shapes need {sum(sizes)} bytes, "
+                            f"frame {index} has {view.nbytes}")
+        whole = _as_tensor(view, torch.uint8, [view.nbytes])
+        out, at = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            part = whole[at:at + size]
+            out.append(part.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype))
+            at += size
+        return out
+
+    def jagged(self, node: Any) -> torch.Tensor:
+        if not (isinstance(node, list) and len(node) == 3 and type(node[2]) is int):
+            raise WireError("malformed message: a jagged node is not [values, offsets, ragged_idx]")
+        values, offsets = self.tensor(node[0]), self.tensor(node[1])
+        rows = values.shape[0] if values.dim() else -1
+        if (offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1
+                or int(offsets[0]) != 0 or int(offsets[-1]) != rows
+                or bool((offsets[1:] < offsets[:-1]).any()) or node[2] < 1):
+            raise WireError("malformed message: jagged offsets do not describe the values")
+        return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=node[2])
+
+    def ndarray(self, node: Any) -> Any:
+        import numpy as np
+
+        if not (isinstance(node, list) and len(node) == 3 and isinstance(node[0], str)):
+            raise WireError("malformed message: an array node is not [dtype, shape, frame]")
+        try:
+            dtype = np.dtype(node[0])
+        except TypeError:
+            raise WireError(f"malformed message: unknown numpy dtype {node[0]!r}") from None
+        if dtype.kind not in _NUMPY_KINDS or dtype.fields is not None:
+            raise WireError(f"malformed message: numpy dtype {node[0]!r} is not allowed")
+        numel = _checked_numel(node[1])
+        view = self.frame(node[2], "an array")
+        if numel * dtype.itemsize != view.nbytes:
+            raise WireError(f"malformed message: array of shape {node[1]} needs "
+                            f"{numel * dtype.itemsize} bytes, frame {node[2]} has {view.nbytes}")
+        return np.frombuffer(view, dtype=dtype).reshape(node[1])
+
+
+def _checked_numel(shape: Any) -> int:
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        raise WireError(f"malformed message: {shape!r} is not a shape (non-negative ints)")
+    return math.prod(shape)
+
+
+def _byte_view(frame: Buffer, index: int) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise WireError(f"frame {index} is a {type(frame).__name__}, not a buffer") from None
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if view.readonly:  # bytes: torch cannot alias read-only memory safely, so copy once
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def decode(frames: Sequence[Buffer]) -> Any:
+    """Rebuild the value of :func:`encode` from its frames, without copying tensor data.
+
+    Tensors and arrays are views over the frames' memory (zmq frames received
+    with ``copy=False`` are writable, so the tensors are too); read-only frames
+    such as ``bytes`` are copied once.
+
+    Raises:
+        WireError: missing, extra or truncated frames, or a header that does not
+            describe them. Nothing is allocated from sizes the header claims.
+    """
+    if not frames:
+        raise WireError("malformed message: no frames (expected a header frame)")
+    head = _byte_view(frames[0], 0)
+    state = _Decoding(frames[1:])
+    try:
+        msg = state.decoder.decode(head)
+    except WireError:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError, OverflowError) as e:
+        raise WireError(f"malformed message: header does not decode ({e})") from None
+    finally:
+        del state.decoder  # break the decoder <-> hook cycle: frames are freed by refcount
+    if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == MAGIC):
+        raise WireError("malformed message: the header is not an rlferry header "
+                        f"(expected [{MAGIC!r}, frames, value])")
+    if msg[1] != len(frames) - 1:
+        raise WireError(f"malformed message: header announces {msg[1]!r} data frames, "
+                        f"{len(frames) - 1} arrived")
+    if not all(state.used):
+        raise WireError(f"malformed message: frame {state.used.index(False) + 1} is not used by the header")
+    return msg[2]
+
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("rlferry.wire sends tensors in native byte order and needs a little-endian host")

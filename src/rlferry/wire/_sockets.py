@@ -1,0 +1,422 @@
+"""Request/reply over zmq: an asyncio server and client, and a sync client.
+
+Messages are the codec's frames behind an 8-byte request id (and, on replies, a
+status byte). Frames are sent and received with ``copy=False``. A client
+watches its socket's monitor: when the peer disconnects, every waiting request
+fails with :class:`PeerGone` at once instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+import zmq.auth.thread
+from zmq.utils.monitor import parse_monitor_message
+
+from ._address import check_bind, curve_keys, default_address
+from ._codec import decode, encode
+from ._errors import ChannelClosed, PeerGone, RemoteError, RequestTimeout, WireError
+from ._loop import wire_loop
+from ._shm import AVAILABLE as _SHM_AVAILABLE
+from ._shm import exports, pack_bulk, unpack_bulk
+
+__all__ = ["Server", "AsyncClient", "Client", "Handler"]
+
+log = logging.getLogger("rlferry.wire")
+
+Handler = Callable[[Any, bytes], Awaitable[Any]]
+"""``await handler(value, peer)`` returns the reply value; an exception becomes a RemoteError."""
+
+_OK, _ERR = b"\x00", b"\x01"
+_CONTROL = bytes(8)  # request id of a release message
+_release_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[int]))
+_SOCKOPTS = {
+    zmq.HEARTBEAT_IVL: 1000,
+    zmq.HEARTBEAT_TIMEOUT: 5000,
+    zmq.HEARTBEAT_TTL: 5000,
+    zmq.SNDBUF: 4 << 20,
+    zmq.RCVBUF: 4 << 20,
+}
+
+_context_lock = threading.Lock()
+_context: zmq.asyncio.Context | None = None
+_auth: _Authenticator | None = None
+
+
+def shared_context() -> zmq.asyncio.Context:
+    """The zmq context all rlferry sockets of this process share."""
+    global _context
+    with _context_lock:
+        if _context is None or _context.closed:
+            _context = zmq.asyncio.Context(io_threads=2)
+        return _context
+
+
+class _Authenticator:
+    """The context's ZAP handler: admits a client whose key matches the server's domain."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.allowed: dict[str, bytes] = {}
+        self.thread = zmq.auth.thread.ThreadAuthenticator(zmq.Context(shadow=ctx.underlying))
+        self.thread.start()
+        self.thread.configure_curve_callback("*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return self.allowed.get(domain) == key
+
+
+def _authenticator(ctx: zmq.asyncio.Context) -> _Authenticator:
+    global _auth
+    with _context_lock:
+        if _auth is None:
+            _auth = _Authenticator(ctx)
+        return _auth
+
+
+def _uses_shm(address: str) -> bool:
+    return _SHM_AVAILABLE and address.startswith("ipc://")
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The sending process's pid, as libzmq reads it from an ipc:// connection."""
+    try:
+        return int(frame.get("Peer-Address").rsplit(":", 1)[1])
+    except (zmq.ZMQError, ValueError, IndexError):
+        return None
+
+
+class _Releases:
+    """Release messages owed to peers, queued from any thread, sent from the loop."""
+
+    def __init__(self, send: Callable[[bytes, list[int]], Awaitable[None]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._send = send
+        self._owed: dict[bytes, list[int]] = {}
+
+    def owe(self, peer: bytes, eid: int) -> None:
+        if self._loop.is_closed():
+            return  # the process is shutting down: its peers see it disconnect
+        self._loop.call_soon_threadsafe(self._add, peer, eid)
+
+    def _add(self, peer: bytes, eid: int) -> None:
+        if not self._owed:
+            self._loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
+        self._owed.setdefault(peer, []).append(eid)
+
+    async def _flush(self) -> None:
+        owed, self._owed = self._owed, {}
+        for peer, ids in owed.items():
+            await self._send(peer, ids)
+
+
+class Server:
+    """An asyncio request/reply service on a ROUTER socket.
+
+    Each request runs ``handler`` as its own task, so a request that waits (a
+    parked ``get``) does not hold up the others. Bind defaults to 127.0.0.1 on
+    a free port; a non-loopback bind needs ``secret`` (CURVE, keys derived from
+    it) and raises :class:`SecurityError` without one. Over ipc:// large
+    frames travel through shared memory (see ``rlferry.wire._shm``).
+    """
+
+    def __init__(
+        self, handler: Handler, address: str | None = None, *, secret: str | bytes | None = None
+    ) -> None:
+        address = address or default_address("tcp")
+        check_bind(address, secret)
+        self._handler = handler
+        self._secret = secret
+        self._bind = address
+        self._shm = _uses_shm(address)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._bg: list[asyncio.Task[None]] = []
+        self._peers_by_fd: dict[int, bytes] = {}
+        self._releases: _Releases | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        """Bind and start serving on the running loop; returns the bound address."""
+        ctx = shared_context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        for opt, val in _SOCKOPTS.items():
+            sock.setsockopt(opt, val)
+        if self._secret is not None:
+            keys = curve_keys(self._secret)
+            domain = "rlferry-" + keys.server_public.decode()
+            _authenticator(ctx).allowed[domain] = keys.client_public
+            sock.zap_domain = domain.encode()
+            sock.curve_server = True
+            sock.curve_secretkey = keys.server_secret
+            sock.curve_publickey = keys.server_public
+        try:
+            sock.bind(self._bind)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise WireError(f"bind {self._bind!r}: {e}") from None
+        self._sock = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._releases = _Releases(self._send_release)
+        self._bg = [asyncio.ensure_future(self._serve())]
+        if self._shm:
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._bg.append(asyncio.ensure_future(self._watch(monitor)))
+        return self.address
+
+    async def _send_release(self, peer: bytes, ids: list[int]) -> None:
+        if self._sock is not None:
+            try:
+                await self._sock.send_multipart([peer, _CONTROL, _release_codec[0].encode(ids)])
+            except zmq.ZMQError:
+                log.debug("release to a client that is gone was dropped")
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                peer = self._peers_by_fd.pop(event["value"], None)
+                if peer is not None:
+                    exports.peer_gone(peer)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        finally:
+            monitor.close(0)
+
+    async def _serve(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frames = await self._sock.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if len(frames) < 3:
+                log.warning("dropped a message of %d frames (not an rlferry request)", len(frames))
+                continue
+            if frames[1].bytes == _CONTROL:
+                self._released(frames[0].bytes, frames[2].bytes)
+                continue
+            task = asyncio.ensure_future(self._answer(frames))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _released(self, peer: bytes, body: bytes) -> None:
+        try:
+            exports.release(peer, _release_codec[1].decode(body))
+        except msgspec.DecodeError:
+            log.warning("dropped a malformed release message")
+
+    async def _answer(self, frames: list[zmq.Frame]) -> None:
+        peer, rid = frames[0].bytes, frames[1].bytes
+        assert self._releases is not None
+        try:
+            body = frames[3:]
+            if frames[2].bytes:
+                if not self._shm:
+                    raise WireError("malformed message: shared memory offered over a remote socket")
+                self._peers_by_fd[frames[-1].get(zmq.SRCFD)] = peer
+                releases = self._releases
+                body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]),
+                                   lambda eid: releases.owe(peer, eid))
+            value = decode(body)
+            del body, frames
+            result = await self._handler(value, peer)
+            del value  # lets the request's shared memory go back to the client early
+            reply, status = encode(result), _OK
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # the error travels back to the caller, named
+            if not isinstance(e, WireError):
+                log.debug("handler raised", exc_info=True)
+            reply, status = encode([type(e).__name__, str(e)]), _ERR
+        desc = b""
+        if self._shm:
+            desc, reply = pack_bulk(reply, peer)
+        if self._sock is None:
+            return
+        try:
+            await self._sock.send_multipart([peer, rid, status, desc, *reply], copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client left before its answer
+            log.info("reply to a client that is gone was dropped: %s", e)
+            exports.peer_gone(peer)
+
+    async def close(self) -> None:
+        """Stop serving; requests in progress are cancelled (their clients see PeerGone)."""
+        for t in [*self._bg, *self._tasks]:
+            t.cancel()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+
+class AsyncClient:
+    """An asyncio client of a :class:`Server`; many requests may be in flight at once.
+
+    End of life: :class:`ChannelClosed` after :meth:`close`; :class:`PeerGone`
+    when the server disconnects while requests wait; :class:`RequestTimeout`
+    when no reply comes in time; :class:`RemoteError` when the handler raised.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+        self.address = address
+        self._secret = secret
+        self._shm = _uses_shm(address)
+        self._key = f"server:{id(self)}:{address}".encode()  # names the server in exports
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending: dict[bytes, asyncio.Future[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._releases: _Releases | None = None
+        self._closed = False
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise ChannelClosed(f"client of {self.address} is closed")
+        if self._sock is not None:
+            return self._sock
+        sock = shared_context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        for opt, val in _SOCKOPTS.items():
+            sock.setsockopt(opt, val)
+        if self._secret is not None:
+            keys = curve_keys(self._secret)
+            sock.curve_serverkey = keys.server_public
+            sock.curve_publickey = keys.client_public
+            sock.curve_secretkey = keys.client_secret
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        sock.connect(self.address)
+        self._sock = sock
+        self._releases = _Releases(self._send_release)
+        self._tasks = [
+            asyncio.ensure_future(self._read(sock)),
+            asyncio.ensure_future(self._watch(monitor)),
+        ]
+        return sock
+
+    async def _send_release(self, peer: bytes, ids: list[int]) -> None:
+        if self._sock is not None:
+            await self._sock.send_multipart([_CONTROL, _release_codec[0].encode(ids)])
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if frames[0].bytes == _CONTROL:
+                try:
+                    exports.release(self._key, _release_codec[1].decode(frames[1].bytes))
+                except msgspec.DecodeError:
+                    log.warning("dropped a malformed release message")
+                continue
+            fut = self._pending.pop(frames[0].bytes, None)
+            try:
+                body = frames[3:]
+                if frames[2].bytes:
+                    releases, key = self._releases, self._key
+                    assert releases is not None
+                    body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]),
+                                       lambda eid: releases.owe(key, eid))
+                if fut is None or fut.done():
+                    continue  # timed out or cancelled meanwhile; the views go, the release goes
+                value = decode(body)
+                del body
+                if frames[1].bytes == _ERR:
+                    fut.set_exception(RemoteError(str(value[0]), str(value[1])))
+                else:
+                    fut.set_result(value)
+            except WireError as e:
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                exports.peer_gone(self._key)
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._fail_all(PeerGone(f"{self.address} refused our key (wrong secret?)"))
+                else:
+                    self._fail_all(PeerGone(f"{self.address} disconnected (the server closed or died)"))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        finally:
+            monitor.close(0)
+
+    def _fail_all(self, exc: WireError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def request(self, value: Any, timeout: float | None = None) -> Any:
+        """Send ``value``, wait for the reply value.
+
+        Raises:
+            RequestTimeout: no reply within ``timeout`` seconds (None: no limit).
+            PeerGone: the server disconnected while we waited.
+            ChannelClosed: this client was closed.
+            RemoteError: the server's handler raised.
+            WireError: ``value`` cannot be encoded.
+        """
+        frames = encode(value)
+        sock = self._connect()
+        desc = b""
+        if self._shm:
+            desc, frames = pack_bulk(frames, self._key)
+        rid = next(self._ids).to_bytes(8, "little")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await sock.send_multipart([rid, desc, *frames], copy=False)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply from {self.address} within {timeout} s") from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def close(self) -> None:
+        """Close the socket; waiting requests raise :class:`ChannelClosed`."""
+        self._closed = True
+        self._fail_all(ChannelClosed(f"client of {self.address} was closed"))
+        exports.peer_gone(self._key)
+        for t in self._tasks:
+            t.cancel()
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._sock.close(0)
+            self._sock = None
+
+
+class Client:
+    """The sync client: :class:`AsyncClient` driven on the process's wire loop.
+
+    Safe to share between threads. Same errors as :class:`AsyncClient`.
+    """
+
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+        self._loop = wire_loop()
+        self._client = AsyncClient(address, secret=secret)
+        self.address = address
+
+    def request(self, value: Any, timeout: float | None = None) -> Any:
+        return self._loop.run(self._client.request(value, timeout))
+
+    def close(self) -> None:
+        self._loop.run(self._client.close())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
