@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
     return best_and_median(copy, repeat)[1]
 
 
-def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     """A markdown table, so a run's output pastes into RESULTS.md as it is."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -65,17 +65,26 @@ def run(samples: int = 1024, fields: int = 9, seq_len: int = 8192, repeat: int =
             raise RuntimeError(f"the {transport} server process did not start within 60 s")
         address = parent.recv()
         with Client(address) as client:
+
             def once() -> None:
                 assert client.request(batch, timeout=120) == nbytes
 
-            best, med = best_and_median(once, repeat)
+            med = best_and_median(once, repeat)[1]
         parent.send("stop")
         proc.join(10)
-        rows.append((f"rlferry wire, {transport}://", f"{med * 1e3:.1f}",
-                     f"{gbps(nbytes, med):.2f}", f"{base / med:.2f}"))
-    head = (f"{samples} x {fields} fields x {seq_len} float32 = {nbytes / 2**30:.2f} GiB; "
-            f"median of {repeat}; {platform.node()}, {torch.get_num_threads()} threads, "
-            f"{time.strftime('%Y-%m-%d')}")
+        rows.append(
+            (
+                f"rlferry wire, {transport}://",
+                f"{med * 1e3:.1f}",
+                f"{gbps(nbytes, med):.2f}",
+                f"{base / med:.2f}",
+            )
+        )
+    head = (
+        f"{samples} x {fields} fields x {seq_len} float32 = {nbytes / 2**30:.2f} GiB; "
+        f"median of {repeat}; {platform.node()}, {torch.get_num_threads()} threads, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     return head + "\n\n" + table(rows, ("path", "ms", "GB/s", "x memcpy"))
 
 

@@ -17,18 +17,18 @@ from ._loop import wire_loop
 from ._sockets import AsyncClient, Client, Server
 
 __all__ = [
-    "encode",
-    "decode",
-    "Server",
     "AsyncClient",
+    "ChannelClosed",
     "Client",
+    "PeerGone",
+    "RemoteError",
+    "RequestTimeout",
+    "SecurityError",
+    "Server",
+    "WireError",
+    "decode",
     "default_address",
+    "encode",
     "is_local",
     "wire_loop",
-    "WireError",
-    "ChannelClosed",
-    "PeerGone",
-    "RequestTimeout",
-    "RemoteError",
-    "SecurityError",
 ]

@@ -13,7 +13,7 @@ import zmq.utils.z85
 
 from ._errors import SecurityError
 
-__all__ = ["default_address", "is_local", "CurveKeys", "curve_keys"]
+__all__ = ["CurveKeys", "curve_keys", "default_address", "is_local"]
 
 _LOOPBACK_HOSTS = {"localhost", "::1", "[::1]"}
 
@@ -80,7 +80,8 @@ def curve_keys(secret: str | bytes) -> CurveKeys:
         secret = secret.encode()
     if len(secret) < 16:
         raise SecurityError(
-            f"secret: expected at least 16 bytes, got {len(secret)} (use e.g. `openssl rand -hex 32`)"
+            f"secret: expected at least 16 bytes, got {len(secret)} "
+            "(use e.g. `openssl rand -hex 32`)"
         )
     spub, ssec = _pair(secret, b"server")
     cpub, csec = _pair(secret, b"client")

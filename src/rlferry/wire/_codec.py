@@ -27,7 +27,7 @@ import torch
 
 from ._errors import WireError
 
-__all__ = ["encode", "decode", "Buffer"]
+__all__ = ["Buffer", "decode", "encode"]
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
@@ -42,11 +42,30 @@ _RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one f
 _JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
 
 _DTYPES: dict[str, torch.dtype] = {}
-for _name in (
-    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
-    "float64 complex32 complex64 complex128 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
-    "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2"
-).split():
+for _name in [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]:
     _dt = getattr(torch, _name, None)
     if isinstance(_dt, torch.dtype):
         _DTYPES[_name] = _dt
@@ -70,14 +89,18 @@ class _Refused(Exception):
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, keeping the tensor alive."""
     nbytes = t.numel() * t.element_size()
-    holder = (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else (ctypes.c_char * 0)()
+    holder = (
+        (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else (ctypes.c_char * 0)()
+    )
     holder._rlferry_owner = t  # type: ignore[attr-defined]
     return memoryview(holder).cast("B")
 
 
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
-        raise _Refused([], f"tensor layout {t.layout} is not supported (dense or jagged nested only)")
+        raise _Refused(
+            [], f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
+        )
     if t.dtype not in _DTYPE_NAMES:
         raise _Refused([], f"tensor dtype {t.dtype} is not supported")
     if t.device.type != "cpu":
@@ -112,7 +135,9 @@ class _Encoder:
             out = {}
             for k, v in obj.items():
                 if not isinstance(k, str):
-                    raise _Refused([], f"dict key {k!r} of type {type(k).__name__} (keys must be str)")
+                    raise _Refused(
+                        [], f"dict key {k!r} of type {type(k).__name__} (keys must be str)"
+                    )
                 try:
                     out[k] = self.value(v)
                 except _Refused as e:
@@ -149,8 +174,12 @@ class _Encoder:
             return None
         if any(t.layout != torch.strided or t.device.type == "meta" for t in seq):
             return None
-        flat = [t.detach().reshape(-1).to("cpu").view(torch.uint8) if t.dim() else
-                t.detach().reshape(1).to("cpu").view(torch.uint8) for t in seq]
+        flat = [
+            t.detach().reshape(-1).to("cpu").view(torch.uint8)
+            if t.dim()
+            else t.detach().reshape(1).to("cpu").view(torch.uint8)
+            for t in seq
+        ]
         packed = torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()
         shapes = [list(t.shape) for t in seq]
         node = [_DTYPE_NAMES[dtype], shapes, self._add(_tensor_buffer(packed))]
@@ -162,7 +191,7 @@ class _Encoder:
         if getattr(t, "_lengths", None) is not None:
             raise _Refused([], "a jagged nested tensor with holes (call .contiguous() first)")
         values = self.tensor_node(t.values())
-        offsets = self.tensor_node(t.offsets())
+        offsets = self.tensor_node(t.offsets())  # type: ignore[attr-defined]
         node = [values, offsets, int(t._ragged_idx)]  # type: ignore[attr-defined]
         return msgspec.msgpack.Ext(_JAGGED, self._packer.encode(node))
 
@@ -171,9 +200,10 @@ class _Encoder:
             raise _Refused([], f"numpy dtype {a.dtype} (only bool, int, uint, float, complex)")
         import numpy as np
 
-        a = np.ascontiguousarray(a)
-        buf = memoryview(a).cast("B") if a.nbytes else memoryview(b"")
-        node = [a.dtype.str, list(a.shape), self._add(buf)]
+        shape = list(a.shape)
+        flat: Any = np.ascontiguousarray(a).reshape(-1)
+        buf = memoryview(flat).cast("B") if flat.nbytes else memoryview(b"")
+        node = [a.dtype.str, shape, self._add(buf)]
         return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
 
 
@@ -211,6 +241,9 @@ def encode(obj: Any) -> list[Buffer]:
     return [header, *enc.frames]
 
 
+_HEAD = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
+
+
 class _Decoding:
     """The state of one decode: the frames, which of them were used."""
 
@@ -221,8 +254,10 @@ class _Decoding:
 
     def frame(self, index: Any, what: str) -> memoryview:
         if type(index) is not int or not 1 <= index <= len(self.views):
-            raise WireError(f"malformed message: {what} names frame {index!r}, "
-                            f"the message has frames 1..{len(self.views)}")
+            raise WireError(
+                f"malformed message: {what} names frame {index!r}, "
+                f"the message has frames 1..{len(self.views)}"
+            )
         if self.used[index - 1]:
             raise WireError(f"malformed message: frame {index} is used twice")
         self.used[index - 1] = True
@@ -255,8 +290,10 @@ class _Decoding:
         numel = _checked_numel(shape)
         view = self.frame(index, "a tensor")
         if numel * dtype.itemsize != view.nbytes:
-            raise WireError(f"malformed message: tensor of shape {shape} and dtype {name} "
-                            f"needs {numel * dtype.itemsize} bytes, frame {index} has {view.nbytes}")
+            raise WireError(
+                f"malformed message: tensor of shape {shape} and dtype {name} "
+                f"needs {numel * dtype.itemsize} bytes, frame {index} has {view.nbytes}"
+            )
         return _as_tensor(view, dtype, shape)
 
     def ragged(self, node: Any) -> list[torch.Tensor]:
@@ -269,12 +306,14 @@ class _Decoding:
         sizes = [_checked_numel(s) * dtype.itemsize for s in shapes]
         view = self.frame(index, "a ragged list")
         if sum(sizes) != view.nbytes:
-            raise WireError(f"malformed message: ragged shapes need {sum(sizes)} bytes, "
-                            f"frame {index} has {view.nbytes}")
+            raise WireError(
+                f"malformed message: ragged shapes need {sum(sizes)} bytes, "
+                f"frame {index} has {view.nbytes}"
+            )
         whole = _as_tensor(view, torch.uint8, [view.nbytes])
         out, at = [], 0
         for shape, size in zip(shapes, sizes, strict=True):
-            part = whole[at:at + size]
+            part = whole[at : at + size]
             out.append(part.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype))
             at += size
         return out
@@ -284,9 +323,15 @@ class _Decoding:
             raise WireError("malformed message: a jagged node is not [values, offsets, ragged_idx]")
         values, offsets = self.tensor(node[0]), self.tensor(node[1])
         rows = values.shape[0] if values.dim() else -1
-        if (offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1
-                or int(offsets[0]) != 0 or int(offsets[-1]) != rows
-                or bool((offsets[1:] < offsets[:-1]).any()) or node[2] < 1):
+        if (
+            offsets.dim() != 1
+            or offsets.dtype != torch.int64
+            or offsets.numel() < 1
+            or int(offsets[0]) != 0
+            or int(offsets[-1]) != rows
+            or bool((offsets[1:] < offsets[:-1]).any())
+            or node[2] < 1
+        ):
             raise WireError("malformed message: jagged offsets do not describe the values")
         return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=node[2])
 
@@ -304,21 +349,25 @@ class _Decoding:
         numel = _checked_numel(node[1])
         view = self.frame(node[2], "an array")
         if numel * dtype.itemsize != view.nbytes:
-            raise WireError(f"malformed message: array of shape {node[1]} needs "
-                            f"{numel * dtype.itemsize} bytes, frame {node[2]} has {view.nbytes}")
+            raise WireError(
+                f"malformed message: array of shape {node[1]} needs "
+                f"{numel * dtype.itemsize} bytes, frame {node[2]} has {view.nbytes}"
+            )
         return np.frombuffer(view, dtype=dtype).reshape(node[1])
 
 
 def _checked_numel(shape: Any) -> int:
-    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
-        type(d) is int and d >= 0 for d in shape
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)
     ):
         raise WireError(f"malformed message: {shape!r} is not a shape (non-negative ints)")
     return math.prod(shape)
 
 
 def _byte_view(frame: Buffer, index: int) -> memoryview:
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    buf: Any = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
     try:
         view = memoryview(buf)
     except TypeError:
@@ -347,26 +396,36 @@ def decode(frames: Sequence[Buffer]) -> Any:
     """
     if not frames:
         raise WireError("malformed message: no frames (expected a header frame)")
-    head = _byte_view(frames[0], 0)
+    try:
+        magic, count, tree = _HEAD.decode(_byte_view(frames[0], 0))
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        raise WireError(
+            "malformed message: the header is not an rlferry header "
+            f"(expected [{MAGIC!r}, frames, value])"
+        ) from None
+    if magic != MAGIC:
+        raise WireError(f"malformed message: header version {magic!r}, expected {MAGIC!r}")
+    if count != len(frames) - 1:
+        raise WireError(
+            f"malformed message: header announces {count} data frames, {len(frames) - 1} arrived"
+        )
     state = _Decoding(frames[1:])
     try:
-        msg = state.decoder.decode(head)
+        value = state.decoder.decode(tree)
     except WireError:
         raise
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError, OverflowError) as e:
         raise WireError(f"malformed message: header does not decode ({e})") from None
     finally:
         del state.decoder  # break the decoder <-> hook cycle: frames are freed by refcount
-    if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == MAGIC):
-        raise WireError("malformed message: the header is not an rlferry header "
-                        f"(expected [{MAGIC!r}, frames, value])")
-    if msg[1] != len(frames) - 1:
-        raise WireError(f"malformed message: header announces {msg[1]!r} data frames, "
-                        f"{len(frames) - 1} arrived")
     if not all(state.used):
-        raise WireError(f"malformed message: frame {state.used.index(False) + 1} is not used by the header")
-    return msg[2]
+        raise WireError(
+            f"malformed message: frame {state.used.index(False) + 1} is not used by the header"
+        )
+    return value
 
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-    raise ImportError("rlferry.wire sends tensors in native byte order and needs a little-endian host")
+    raise ImportError(
+        "rlferry.wire sends tensors in native byte order and needs a little-endian host"
+    )

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 __all__ = [
-    "WireError",
     "ChannelClosed",
     "PeerGone",
-    "RequestTimeout",
     "RemoteError",
+    "RequestTimeout",
     "SecurityError",
+    "WireError",
 ]
 
 

@@ -265,7 +265,7 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
         keep.append(exports.use(seg))
         at = 0
         for i, view in to_copy:
-            seg.mm[at:at + view.nbytes] = view
+            seg.mm[at : at + view.nbytes] = view
             entries.append([i, seg.fd, seg.ino, seg.size, at, view.nbytes])
             at += _aligned(view.nbytes)
     eid = exports.export(peer, keep)
@@ -309,6 +309,6 @@ def unpack_bulk(
             raise WireError("malformed message: shared-memory entry out of range")
         mem = exports.open_remote(pid, fd, ino, size)
         holder = (ctypes.c_char * length).from_address(mem.base + offset)
-        holder._rlferry_keep = (mem, lease)  # type: ignore[attr-defined]
+        holder._rlferry_keep = (mem, lease)
         out[index] = memoryview(holder).cast("B")
     return out

@@ -28,7 +28,7 @@ from ._loop import wire_loop
 from ._shm import AVAILABLE as _SHM_AVAILABLE
 from ._shm import exports, pack_bulk, unpack_bulk
 
-__all__ = ["Server", "AsyncClient", "Client", "Handler"]
+__all__ = ["AsyncClient", "Client", "Handler", "Server"]
 
 log = logging.getLogger("rlferry.wire")
 
@@ -67,7 +67,10 @@ class _Authenticator:
         self.allowed: dict[str, bytes] = {}
         self.thread = zmq.auth.thread.ThreadAuthenticator(zmq.Context(shadow=ctx.underlying))
         self.thread.start()
-        self.thread.configure_curve_callback("*", credentials_provider=self)
+
+    def allow(self, domain: str, client_public: bytes) -> None:
+        self.allowed[domain] = client_public
+        self.thread.configure_curve_callback(domain, credentials_provider=self)
 
     def callback(self, domain: str, key: bytes) -> bool:
         return self.allowed.get(domain) == key
@@ -88,7 +91,7 @@ def _uses_shm(address: str) -> bool:
 def _peer_pid(frame: zmq.Frame) -> int | None:
     """The sending process's pid, as libzmq reads it from an ipc:// connection."""
     try:
-        return int(frame.get("Peer-Address").rsplit(":", 1)[1])
+        return int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
     except (zmq.ZMQError, ValueError, IndexError):
         return None
 
@@ -154,7 +157,7 @@ class Server:
         if self._secret is not None:
             keys = curve_keys(self._secret)
             domain = "rlferry-" + keys.server_public.decode()
-            _authenticator(ctx).allowed[domain] = keys.client_public
+            _authenticator(ctx).allow(domain, keys.client_public)
             sock.zap_domain = domain.encode()
             sock.curve_server = True
             sock.curve_secretkey = keys.server_secret
@@ -225,8 +228,12 @@ class Server:
                     raise WireError("malformed message: shared memory offered over a remote socket")
                 self._peers_by_fd[frames[-1].get(zmq.SRCFD)] = peer
                 releases = self._releases
-                body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]),
-                                   lambda eid: releases.owe(peer, eid))
+                body = unpack_bulk(
+                    frames[2].bytes,
+                    body,
+                    _peer_pid(frames[-1]),
+                    lambda eid: releases.owe(peer, eid),
+                )
             value = decode(body)
             del body, frames
             result = await self._handler(value, peer)
@@ -308,6 +315,12 @@ class AsyncClient:
             await self._sock.send_multipart([_CONTROL, _release_codec[0].encode(ids)])
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        releases, key = self._releases, self._key
+        assert releases is not None
+
+        def owe(eid: int) -> None:
+            releases.owe(key, eid)
+
         while True:
             try:
                 frames = await sock.recv_multipart(copy=False)
@@ -323,10 +336,7 @@ class AsyncClient:
             try:
                 body = frames[3:]
                 if frames[2].bytes:
-                    releases, key = self._releases, self._key
-                    assert releases is not None
-                    body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]),
-                                       lambda eid: releases.owe(key, eid))
+                    body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]), owe)
                 if fut is None or fut.done():
                     continue  # timed out or cancelled meanwhile; the views go, the release goes
                 value = decode(body)
@@ -347,7 +357,9 @@ class AsyncClient:
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self._fail_all(PeerGone(f"{self.address} refused our key (wrong secret?)"))
                 else:
-                    self._fail_all(PeerGone(f"{self.address} disconnected (the server closed or died)"))
+                    self._fail_all(
+                        PeerGone(f"{self.address} disconnected (the server closed or died)")
+                    )
         except (asyncio.CancelledError, zmq.ZMQError):
             return
         finally:

@@ -1,0 +1,42 @@
+"""The ``rlferry`` command line."""
+
+import subprocess
+import sys
+
+import rlferry
+
+
+def test_version_flag_prints_the_package_version():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == f"rlferry {rlferry.__version__}"
+
+
+def test_bench_wire_prints_a_table_with_ratios():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlferry.cli",
+            "bench",
+            "wire",
+            "--samples",
+            "16",
+            "--fields",
+            "2",
+            "--seq-len",
+            "256",
+            "--repeat",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "| memcpy (baseline) |" in out.stdout
+    assert "| rlferry wire, ipc:// |" in out.stdout and "x memcpy" in out.stdout

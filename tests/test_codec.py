@@ -1,0 +1,149 @@
+"""The wire codec: exact round trips, zero-copy decoding, exact refusals."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from rlferry.wire import WireError, decode, encode
+from rlferry.wire._codec import _DTYPES
+
+
+def roundtrip(value):
+    # bytearray frames are writable, as zmq frames received with copy=False are
+    return decode([bytearray(memoryview(f).cast("B")) for f in encode(value)])
+
+
+@pytest.mark.parametrize("name", sorted(_DTYPES))
+def test_every_dtype_round_trips_bit_exact(name):
+    dtype = _DTYPES[name]
+    raw = torch.randint(0, 256, (3, 5 * dtype.itemsize), dtype=torch.uint8)
+    t = raw.view(dtype)
+    out = roundtrip(t)
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.view(torch.uint8), raw)
+
+
+def test_zero_dim_empty_and_non_contiguous_tensors_round_trip():
+    scalar = torch.tensor(2.5, dtype=torch.bfloat16)
+    empty = torch.empty(0, 7, dtype=torch.int64)
+    strided = torch.arange(24.0).reshape(4, 6).t()[::2]
+    out = roundtrip({"s": scalar, "e": empty, "t": strided})
+    assert out["s"].shape == () and out["s"].dtype == torch.bfloat16 and out["s"].item() == 2.5
+    assert out["e"].shape == (0, 7) and out["e"].dtype == torch.int64
+    assert torch.equal(out["t"], strided)
+
+
+def test_list_of_tensors_of_different_lengths_comes_back_as_that_list():
+    ragged = [torch.arange(3), torch.arange(5), torch.arange(0), torch.arange(1)]
+    frames = encode(ragged)
+    assert len(frames) == 2  # packed in one frame, not one per tensor
+    out = roundtrip(ragged)
+    assert isinstance(out, list) and len(out) == 4
+    for a, b in zip(ragged, out, strict=True):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+
+
+def test_list_of_equal_shape_tensors_is_not_stacked():
+    same = [torch.ones(2, 3), torch.zeros(2, 3)]
+    out = roundtrip(same)
+    assert isinstance(out, list) and [t.shape for t in out] == [(2, 3), (2, 3)]
+    assert torch.equal(out[0], same[0]) and torch.equal(out[1], same[1])
+
+
+def test_jagged_nested_tensor_comes_back_jagged():
+    nt = torch.nested.nested_tensor(
+        [torch.randn(2, 4), torch.randn(5, 4), torch.randn(1, 4)], layout=torch.jagged
+    )
+    out = roundtrip(nt)
+    assert out.is_nested and out.layout == torch.jagged
+    for a, b in zip(nt.unbind(), out.unbind(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_numpy_arrays_round_trip():
+    arrays = [
+        np.arange(10, dtype=np.int16).reshape(2, 5),
+        np.array(3.5),
+        np.zeros((0, 3)),
+        np.array([True, False]),
+        np.arange(6, dtype=np.complex64)[::2],
+    ]
+    out = roundtrip(arrays)
+    for a, b in zip(arrays, out, strict=True):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b)
+
+
+def test_plain_values_round_trip_with_their_types():
+    value = {
+        "none": None,
+        "bool": True,
+        "int": -(2**63),
+        "uint": 2**64 - 1,
+        "float": 1.5,
+        "str": "héllo",
+        "bytes": b"\x00\xff",
+        "list": [1, [2, (3, "x")]],
+        "tuple": (1, None, {"k": (torch.ones(1),)}),
+        "empty": {},
+        "emptylist": [],
+    }
+    out = roundtrip(value)
+    assert out.keys() == value.keys()
+    for k in ("none", "bool", "int", "uint", "float", "str", "bytes", "list", "empty", "emptylist"):
+        assert out[k] == value[k] and type(out[k]) is type(value[k])
+    assert type(out["list"][1][1]) is tuple
+    assert type(out["tuple"]) is tuple and torch.equal(out["tuple"][2]["k"][0], torch.ones(1))
+
+
+def test_decoded_tensor_is_a_view_of_the_received_frame():
+    frames = [bytearray(memoryview(f).cast("B")) for f in encode({"x": torch.arange(1000.0)})]
+    out = decode(frames)
+    frame = frames[1]
+    start = ctypes.addressof(ctypes.c_char.from_buffer(frame))
+    assert start <= out["x"].data_ptr() < start + len(frame)
+    frame[0:4] = torch.tensor([42.0]).view(torch.uint8).numpy().tobytes()
+    assert out["x"][0].item() == 42.0  # same memory: no copy was made
+
+
+def test_cuda_tensors_would_be_copied_to_host_once():
+    assert "copied to host memory once" in encode.__doc__
+
+
+def test_unsupported_value_names_its_path_and_type():
+    with pytest.raises(WireError) as e:
+        encode({"meta": [1, 2, 3, object()]})
+    assert str(e.value) == (
+        "cannot encode `$.meta[3]`: type builtins.object; accepted: torch.Tensor, numpy.ndarray, "
+        "None, bool, int, float, str, bytes, list, tuple, dict with str keys "
+        "(convert the value to one of these; rlferry never pickles)"
+    )
+
+
+def test_non_str_dict_key_is_refused_with_its_path():
+    with pytest.raises(WireError, match=r"cannot encode `\$\.a\[0\]`: dict key 1 of type int"):
+        encode({"a": [{1: "x"}]})
+
+
+def test_set_and_int_overflow_are_refused():
+    with pytest.raises(WireError, match=r"`\$\[1\]`: type builtins.set"):
+        encode((1, {2}))
+    with pytest.raises(WireError, match="ints must fit in 64 bits"):
+        encode(2**70)
+
+
+def test_strided_nested_and_sparse_tensors_are_refused():
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(
+        WireError, match=r"`\$`: a strided nested tensor \(convert it to layout=torch.jagged\)"
+    ):
+        encode(nt)
+    with pytest.raises(WireError, match=r"layout torch\.sparse_coo is not supported"):
+        encode(torch.eye(3).to_sparse())
+
+
+def test_numpy_object_arrays_are_refused():
+    with pytest.raises(WireError, match=r"`\$\.a`: numpy dtype object"):
+        encode({"a": np.array([object()])})

@@ -1,0 +1,171 @@
+"""Malformed messages raise WireError: never a crash, a hang or an attacker-sized allocation."""
+
+import contextlib
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlferry.wire import WireError, decode, encode
+from rlferry.wire._codec import _RAGGED, _TENSOR, MAGIC
+
+
+def frames_of(value):
+    return [bytearray(memoryview(f).cast("B")) for f in encode(value)]
+
+
+def header(tree, nframes):
+    return msgspec.msgpack.encode([MAGIC, nframes, tree])
+
+
+def tensor_ext(dtype, shape, frame):
+    return msgspec.msgpack.Ext(_TENSOR, msgspec.msgpack.encode([dtype, shape, frame]))
+
+
+def test_no_frames():
+    with pytest.raises(
+        WireError, match=r"^malformed message: no frames \(expected a header frame\)$"
+    ):
+        decode([])
+
+
+def test_missing_frame():
+    frames = frames_of({"a": torch.ones(4), "b": torch.zeros(2)})
+    with pytest.raises(WireError, match="header announces 2 data frames, 1 arrived"):
+        decode(frames[:-1])
+
+
+def test_extra_frame():
+    frames = frames_of(torch.ones(4))
+    with pytest.raises(WireError, match=r"header announces 1 data frames, 2 arrived"):
+        decode([*frames, bytearray(8)])
+
+
+def test_truncated_header():
+    frames = frames_of({"a": torch.ones(4)})
+    with pytest.raises(WireError, match=r"^malformed message: the header is not an rlferry header"):
+        decode([frames[0][:-3], *frames[1:]])
+
+
+def test_truncated_data_frame():
+    frames = frames_of(torch.ones(4))
+    with pytest.raises(
+        WireError, match=(r"tensor of shape \[4\] and dtype float32 needs 16 bytes, frame 1 has 12")
+    ):
+        decode([frames[0], frames[1][:12]])
+
+
+def test_not_an_rlferry_header():
+    with pytest.raises(WireError, match="the header is not an rlferry header"):
+        decode([msgspec.msgpack.encode({"x": 1})])
+
+
+def test_absurd_shape_allocates_nothing():
+    # 2**62 elements claimed over an 8-byte frame: refused before any allocation
+    msg = [header(tensor_ext("float32", [2**31, 2**31], 1), 1), bytearray(8)]
+    with pytest.raises(WireError, match="needs 18446744073709551616 bytes, frame 1 has 8"):
+        decode(msg)
+
+
+def test_empty_tensor_with_huge_dimension_allocates_nothing():
+    msg = [header(tensor_ext("float32", [0, 2**62], 1), 1), bytearray(0)]
+    out = decode(msg)
+    assert out.shape == (0, 2**62)
+
+
+def test_negative_dimension_and_unknown_dtype():
+    with pytest.raises(WireError, match=r"\[-1\] is not a shape"):
+        decode([header(tensor_ext("float32", [-1], 1), 1), bytearray(4)])
+    with pytest.raises(WireError, match="unknown dtype 'object'"):
+        decode([header(tensor_ext("object", [1], 1), 1), bytearray(8)])
+
+
+def test_frame_index_out_of_range_or_used_twice():
+    with pytest.raises(WireError, match=r"a tensor names frame 5, the message has frames 1..1"):
+        decode([header(tensor_ext("uint8", [1], 5), 1), bytearray(1)])
+    two = [tensor_ext("uint8", [1], 1), tensor_ext("uint8", [1], 1)]
+    with pytest.raises(WireError, match="frame 1 is used twice"):
+        decode([header(two, 1), bytearray(1)])
+
+
+def test_unused_frame():
+    with pytest.raises(WireError, match="frame 1 is not used by the header"):
+        decode([header([], 1), bytearray(1)])
+
+
+def test_ragged_shapes_that_do_not_fit_the_frame():
+    ext = msgspec.msgpack.Ext(_RAGGED, msgspec.msgpack.encode(["int64", [[2], [3]], 1]))
+    with pytest.raises(WireError, match="ragged shapes need 40 bytes, frame 1 has 32"):
+        decode([header(ext, 1), bytearray(32)])
+
+
+def test_unknown_extension_code():
+    ext = msgspec.msgpack.Ext(99, b"\x90")
+    with pytest.raises(WireError, match="unknown extension code 99"):
+        decode([header(ext, 0)])
+
+
+def test_deeply_nested_header_is_refused_not_a_crash():
+    deep = b"\x91" * 100_000 + b"\xc0"
+    msg = msgspec.msgpack.encode([MAGIC, 0, None])[:-1] + deep
+    with pytest.raises(WireError):
+        decode([msg])
+
+
+SAMPLE = {
+    "t": torch.arange(12, dtype=torch.int32).reshape(3, 4),
+    "r": [torch.ones(2), torch.ones(3)],
+    "j": torch.nested.nested_tensor([torch.ones(2, 2), torch.ones(1, 2)], layout=torch.jagged),
+    "m": ("x", 1, b"y"),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_mutated_messages_raise_only_wire_error(data):
+    frames = frames_of(SAMPLE)
+    i = data.draw(st.integers(0, len(frames) - 1))
+    f = frames[i]
+    op = data.draw(st.sampled_from(["flip", "truncate", "extend", "drop", "dup"]))
+    if op == "flip" and len(f):
+        pos = data.draw(st.integers(0, len(f) - 1))
+        f[pos] ^= data.draw(st.integers(1, 255))
+    elif op == "truncate":
+        frames[i] = f[: data.draw(st.integers(0, max(0, len(f) - 1)))]
+    elif op == "extend":
+        frames[i] = f + bytearray(data.draw(st.binary(min_size=1, max_size=16)))
+    elif op == "drop":
+        del frames[i]
+    else:
+        frames.insert(i, bytearray(f))
+    with contextlib.suppress(WireError):  # the only failure allowed
+        decode(frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_fuzz_random_bytes_raise_only_wire_error(frames):
+    with contextlib.suppress(WireError):  # the only failure allowed
+        decode([bytearray(f) for f in frames])
+
+
+values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_fuzz_plain_values_round_trip(value):
+    assert decode(frames_of(value)) == value

@@ -1,0 +1,187 @@
+"""Request/reply sockets: replies, timeouts, closed and broken channels, secrets, shared memory."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from rlferry.wire import (
+    AsyncClient,
+    ChannelClosed,
+    Client,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    SecurityError,
+    Server,
+    default_address,
+    wire_loop,
+)
+from rlferry.wire._shm import AVAILABLE as SHM
+from rlferry.wire._shm import exports
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+async def echo(value, peer):
+    if value == "boom":
+        raise ValueError("the handler failed")
+    if value == "hang":
+        await asyncio.Event().wait()
+    return value
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def server(request):
+    srv = Server(echo, default_address(request.param))
+    wire_loop().run(srv.start())
+    yield srv
+    wire_loop().run(srv.close())
+
+
+def test_default_bind_is_loopback_on_a_free_port():
+    srv = Server(echo)
+    address = wire_loop().run(srv.start())
+    try:
+        assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
+    finally:
+        wire_loop().run(srv.close())
+
+
+def test_request_gets_the_reply(server):
+    with Client(server.address) as c:
+        value = {"x": torch.arange(10), "s": "hi", "big": torch.ones(1 << 18)}
+        out = c.request(value, timeout=10)
+        assert torch.equal(out["x"], value["x"]) and out["s"] == "hi"
+        assert torch.equal(out["big"], value["big"])
+
+
+def test_handler_error_comes_back_named(server):
+    with Client(server.address) as c, pytest.raises(RemoteError) as e:
+        c.request("boom", timeout=10)
+    assert e.value.kind == "ValueError" and str(e.value) == "ValueError: the handler failed"
+
+
+def test_timeout_raises_a_timeout_error(server):
+    with Client(server.address) as c, pytest.raises(RequestTimeout) as e:
+        c.request("hang", timeout=0.2)
+    assert isinstance(e.value, TimeoutError)
+    assert str(e.value) == f"no reply from {server.address} within 0.2 s"
+
+
+def test_nobody_listening_times_out():
+    with Client("tcp://127.0.0.1:9") as c, pytest.raises(RequestTimeout):
+        c.request(1, timeout=0.2)
+
+
+def test_closed_client_raises_channel_closed(server):
+    c = Client(server.address)
+    c.close()
+    with pytest.raises(ChannelClosed, match="is closed"):
+        c.request(1, timeout=1)
+
+
+def test_close_wakes_a_waiting_request(server):
+    async def scenario():
+        c = AsyncClient(server.address)
+        waiting = asyncio.ensure_future(c.request("hang", timeout=30))
+        await asyncio.sleep(0.1)  # allowed: lets the request reach the server
+        await c.close()
+        with pytest.raises(ChannelClosed, match="was closed"):
+            await waiting
+
+    asyncio.run(scenario())
+
+
+def _serve_forever(transport, conn):
+    async def main():
+        srv = Server(echo, default_address(transport))
+        conn.send(await srv.start())
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_killed_server_raises_peer_gone_not_a_hang(transport):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_forever, args=(transport, child), daemon=True)
+    proc.start()
+    assert parent.poll(60)
+    address = parent.recv()
+    with Client(address) as c:
+        assert c.request("ping", timeout=30) == "ping"
+        fut = wire_loop().submit(c._client.request("hang", timeout=30))
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerGone, match="disconnected"):
+            fut.result(timeout=20)
+    proc.join(5)
+
+
+def test_non_loopback_bind_needs_a_secret():
+    with pytest.raises(SecurityError) as e:
+        Server(echo, "tcp://0.0.0.0:0")
+    assert str(e.value) == (
+        "bind 'tcp://0.0.0.0:0': a non-loopback bind needs a shared secret "
+        "(pass secret=..., the same on every client; or bind tcp://127.0.0.1)"
+    )
+
+
+def test_short_secret_is_refused():
+    with pytest.raises(SecurityError, match="secret: expected at least 16 bytes, got 5"):
+        wire_loop().run(Server(echo, "tcp://0.0.0.0:0", secret="short").start())
+
+
+def test_curve_secret_lets_the_right_client_in_and_keeps_others_out():
+    srv = Server(echo, "tcp://127.0.0.1:*", secret=SECRET)
+    address = wire_loop().run(srv.start())
+    try:
+        with Client(address, secret=SECRET) as good:
+            assert good.request("ok", timeout=10) == "ok"
+        with (
+            Client(address, secret="another secret of 32 bytes......") as bad,
+            pytest.raises((PeerGone, RequestTimeout)),
+        ):
+            bad.request("ok", timeout=1)
+        with Client(address) as plain, pytest.raises((PeerGone, RequestTimeout)):
+            plain.request("ok", timeout=1)
+    finally:
+        wire_loop().run(srv.close())
+
+
+@pytest.mark.skipif(not SHM, reason="shared-memory frames need Linux memfd")
+def test_ipc_large_frames_travel_in_shared_memory_and_the_segment_is_reused():
+    kept = []
+
+    async def keep(value, peer):
+        if value == "sync":
+            return 0
+        kept.append(value)
+        return value["x"].data_ptr()
+
+    srv = Server(keep, default_address("ipc"))
+    address = wire_loop().run(srv.start())
+    try:
+        with Client(address) as c:
+            x = torch.randn(1 << 20)
+            ptr = c.request({"x": x}, timeout=10)
+            # the server's tensor lies in shared memory, not in a socket buffer
+            assert exports.find(ptr, x.numel() * 4) is not None
+            assert torch.equal(kept[0]["x"], x)
+            lent = exports.statistics()["exports"]
+            assert lent >= 1
+            kept.clear()  # the server drops its views: the release comes back
+            c.request("sync", timeout=10)
+            c.request("sync", timeout=10)
+            assert exports.statistics()["exports"] == lent - 1
+            before = exports.statistics()["segments"]
+            for _ in range(3):
+                c.request({"x": x}, timeout=10)
+                kept.clear()
+            assert exports.statistics()["segments"] <= before + 1  # warm segments reused
+    finally:
+        wire_loop().run(srv.close())
