@@ -14,6 +14,7 @@ from ._errors import (
     WireError,
 )
 from ._loop import wire_loop
+from ._shm import shared_empty
 from ._sockets import AsyncClient, Client, Server
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "encode",
     "is_local",
     "wire_loop",
+    "shared_empty",
 ]

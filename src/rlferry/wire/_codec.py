@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from ._errors import WireError
+from ._shm import shared_empty
 
 __all__ = ["Buffer", "decode", "encode"]
 
@@ -180,7 +181,10 @@ class _Encoder:
             else t.detach().reshape(1).to("cpu").view(torch.uint8)
             for t in seq
         ]
-        packed = torch.cat(flat) if len(flat) > 1 else flat[0].contiguous()
+        if len(flat) > 1:  # packed into warm shared memory: over ipc:// it is not copied again
+            packed = torch.cat(flat, out=shared_empty([sum(f.numel() for f in flat)], torch.uint8))
+        else:
+            packed = flat[0].contiguous()
         shapes = [list(t.shape) for t in seq]
         node = [_DTYPE_NAMES[dtype], shapes, self._add(_tensor_buffer(packed))]
         return msgspec.msgpack.Ext(_RAGGED, self._packer.encode(node))

@@ -31,10 +31,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+import torch
 
 from ._errors import WireError
 
-__all__ = ["AVAILABLE", "BULK_MIN", "exports", "pack_bulk", "unpack_bulk"]
+__all__ = ["AVAILABLE", "BULK_MIN", "exports", "pack_bulk", "shared_empty", "unpack_bulk"]
 
 AVAILABLE = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 BULK_MIN = 64 * 1024  # smaller frames are cheaper through the socket
@@ -312,3 +313,23 @@ def unpack_bulk(
         holder._rlferry_keep = (mem, lease)
         out[index] = memoryview(holder).cast("B")
     return out
+
+
+def shared_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in a warm shared-memory segment of this process's pool.
+
+    Writing into it costs no page faults once the pool is warm, and sending it
+    over ipc:// costs no copy: the peer maps it where it is. The segment goes
+    back to the pool when the tensor (and every peer's view of it) is gone.
+    Small or non-Linux allocations are plain ``torch.empty``.
+    """
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if not AVAILABLE or nbytes < BULK_MIN:
+        return torch.empty(tuple(shape), dtype=dtype)
+    seg = exports.segment(nbytes)
+    holder = (ctypes.c_char * nbytes).from_address(seg.base)
+    holder._rlferry_keep = (seg, exports.use(seg))
+    flat = torch.frombuffer(memoryview(holder).cast("B"), dtype=torch.uint8)
+    return flat.view(dtype).reshape(tuple(shape))

@@ -128,10 +128,19 @@ class Server:
     a free port; a non-loopback bind needs ``secret`` (CURVE, keys derived from
     it) and raises :class:`SecurityError` without one. Over ipc:// large
     frames travel through shared memory (see ``rlferry.wire._shm``).
+
+    ``on_disconnect(peer)``, if given, is called on the loop when a client that
+    sent a request disconnects (closed, died, or silent past the heartbeat):
+    a service that parks requests or holds state per client learns it at once.
     """
 
     def __init__(
-        self, handler: Handler, address: str | None = None, *, secret: str | bytes | None = None
+        self,
+        handler: Handler,
+        address: str | None = None,
+        *,
+        secret: str | bytes | None = None,
+        on_disconnect: Callable[[bytes], None] | None = None,
     ) -> None:
         address = address or default_address("tcp")
         check_bind(address, secret)
@@ -143,6 +152,7 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._peers_by_fd: dict[int, bytes] = {}
+        self._on_disconnect = on_disconnect
         self._releases: _Releases | None = None
         self.address = ""
 
@@ -171,7 +181,7 @@ class Server:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._releases = _Releases(self._send_release)
         self._bg = [asyncio.ensure_future(self._serve())]
-        if self._shm:
+        if self._shm or self._on_disconnect is not None:
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._bg.append(asyncio.ensure_future(self._watch(monitor)))
         return self.address
@@ -190,6 +200,11 @@ class Server:
                 peer = self._peers_by_fd.pop(event["value"], None)
                 if peer is not None:
                     exports.peer_gone(peer)
+                    if self._on_disconnect is not None:
+                        try:
+                            self._on_disconnect(peer)
+                        except Exception:
+                            log.exception("on_disconnect raised")
         except (asyncio.CancelledError, zmq.ZMQError):
             return
         finally:
@@ -223,6 +238,8 @@ class Server:
         assert self._releases is not None
         try:
             body = frames[3:]
+            if self._on_disconnect is not None:
+                self._peers_by_fd[frames[-1].get(zmq.SRCFD)] = peer
             if frames[2].bytes:
                 if not self._shm:
                     raise WireError("malformed message: shared memory offered over a remote socket")

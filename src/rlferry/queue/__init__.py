@@ -1,0 +1,40 @@
+"""The rollout-to-training data plane: a columnar, streaming, DP-aware queue.
+
+>>> with Queue.start(storage_units=2, tasks=("actor_train",)) as q:
+...     c = q.client()
+...     idx = c.put("train_0", {"rewards": torch.tensor([1.0, 0.0])})
+...     b = c.get("train_0", task="actor_train", batch_size=2, fields=["rewards"])
+...     c.ack(b)
+"""
+
+from ._client import AsyncQueueClient, Batch, QueueClient
+from ._errors import (
+    GetTimeout,
+    PutTimeout,
+    QueueClosed,
+    QueueError,
+    SchemaError,
+    ServiceGone,
+    UnknownPartition,
+    UnknownTask,
+)
+from ._queue import Queue
+from ._samplers import GrpoGroups, SeqlenBalanced, Sequential
+
+__all__ = [
+    "Queue",
+    "QueueClient",
+    "AsyncQueueClient",
+    "Batch",
+    "Sequential",
+    "GrpoGroups",
+    "SeqlenBalanced",
+    "QueueError",
+    "SchemaError",
+    "UnknownTask",
+    "UnknownPartition",
+    "GetTimeout",
+    "PutTimeout",
+    "ServiceGone",
+    "QueueClosed",
+]

@@ -1,0 +1,324 @@
+"""Queue clients: asyncio (:class:`AsyncQueueClient`) and sync (:class:`QueueClient`).
+
+A put asks the controller for indexes and placement, sends each storage unit
+its rows (in parallel, directly), then tells the controller the fields exist.
+A get waits at the controller (parked, no polling) for a leased share, then
+reads the rows from the storage units in parallel and assembles the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from rlferry.wire import AsyncClient, ChannelClosed, PeerGone, RemoteError, RequestTimeout, wire_loop
+
+from ._columns import assemble, kind_of, rows_of, signature, split_rows
+from ._errors import ERRORS, QueueClosed, SchemaError, ServiceGone
+from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
+
+__all__ = ["Batch", "AsyncQueueClient", "QueueClient"]
+
+T = TypeVar("T")
+_CONTROL_TIMEOUT = 30.0  # for requests that never wait on other clients
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One share of samples for one task and DP rank, leased until acked."""
+
+    partition: str
+    task: str
+    indexes: list[int]
+    data: dict[str, Any]
+    meta: dict[str, list[Any]] = field(default_factory=dict)
+    partition_meta: dict[str, Any] = field(default_factory=dict)
+    lease: int = 0
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+
+def _check_partition(partition: Any) -> None:
+    if not isinstance(partition, str):
+        raise SchemaError(
+            f"partition: expected str, got {type(partition).__name__} {partition!r} "
+            "(name partitions like 'train_17')"
+        )
+
+
+def _positive(name: str, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        raise SchemaError(f"{name}: expected a positive int, got {value!r}")
+
+
+class AsyncQueueClient:
+    """The asyncio client of a queue. Errors: :mod:`rlferry.queue` ``QueueError`` subclasses."""
+
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+        self.address = address
+        self._secret = secret
+        self._controller = AsyncClient(address, secret=secret)
+        self._units: list[AsyncClient] = []
+        self._batches: dict[tuple[str, str, int, int], int] = {}
+
+    async def _call(self, client: AsyncClient, op: str, args: dict[str, Any],
+                    timeout: float | None) -> Any:
+        try:
+            return await client.request([op, args], timeout)
+        except RemoteError as e:
+            raise ERRORS.get(e.kind, ServiceGone)(e.message) from None
+        except PeerGone as e:
+            raise ServiceGone(f"{client.address}: {e}") from None
+        except RequestTimeout:
+            raise ServiceGone(
+                f"{client.address} did not answer within {timeout} s (is it running?)"
+            ) from None
+        except ChannelClosed:
+            raise QueueClosed("this queue client is closed") from None
+
+    async def _unit(self, unit: int) -> AsyncClient:
+        if unit >= len(self._units):
+            info = await self._call(self._controller, "info", {}, _CONTROL_TIMEOUT)
+            for address in info["units"][len(self._units):]:
+                self._units.append(AsyncClient(address, secret=self._secret))
+        return self._units[unit]
+
+    async def put(
+        self,
+        partition: str,
+        data: dict[str, Any],
+        *,
+        meta: dict[str, Sequence[Any]] | None = None,
+        indexes: Sequence[int] | None = None,
+        partition_meta: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Store samples; returns their global indexes.
+
+        ``data`` maps field names to columns (one row per sample); with
+        ``indexes`` the fields are added to those existing samples. ``meta``
+        maps keys to one value per sample; ``partition_meta`` is merged into the
+        partition's meta. Waits (by event) for room when the queue is full.
+
+        Raises:
+            SchemaError: fields of different lengths, a kind or shape that
+                differs from earlier puts, bad indexes or meta.
+            PutTimeout: no room within ``timeout``.
+            ServiceGone: the controller or a storage unit is unreachable.
+        """
+        _check_partition(partition)
+        if not isinstance(data, dict) or not data:
+            raise SchemaError(
+                f"data: expected a dict of field name -> column, got {data!r:.60} "
+                "(e.g. {'tokens': [...], 'rewards': torch.tensor([...])})"
+            )
+        rows = -1
+        first = ""
+        signatures = {}
+        for name, column in data.items():
+            if not isinstance(name, str):
+                raise SchemaError(f"field {name!r}: expected a str name, got {type(name).__name__}")
+            kind = kind_of(name, column)
+            n = rows_of(column)
+            if rows < 0:
+                rows, first = n, name
+            elif n != rows:
+                raise SchemaError(
+                    f"field `{name}`: expected {rows} rows (as field `{first}`), got {n} "
+                    "(every field of one put must have the same number of samples)"
+                )
+            signatures[name] = signature(kind, column)
+        if rows == 0:
+            raise SchemaError("data: expected at least one sample, got 0 rows")
+        meta = dict(meta or {})
+        for key, values in meta.items():
+            if not isinstance(values, (list, tuple)) or len(values) != rows:
+                got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+                raise SchemaError(
+                    f"meta `{key}`: expected a list of {rows} values (one per sample), got {got}"
+                )
+            meta[key] = list(values)
+        if indexes is not None:
+            indexes = list(indexes)
+            if len(indexes) != rows or not all(type(i) is int for i in indexes):
+                raise SchemaError(
+                    f"indexes: expected {rows} ints (one per row of data), got {indexes!r:.60}"
+                )
+        alloc = await self._call(
+            self._controller,
+            "alloc",
+            {"partition": partition, "rows": rows, "signatures": signatures, "meta": meta,
+             "partition_meta": partition_meta, "indexes": indexes, "timeout": timeout},
+            None if timeout is None else timeout + _CONTROL_TIMEOUT,
+        )
+        placed: list[int] = alloc["indexes"]
+        units: list[int] = alloc["units"]
+        blocks = _blocks(units)
+        sends = []
+        for unit, start, stop in blocks:
+            columns = {name: split_rows(col, [start, stop])[0] for name, col in data.items()}
+            client = await self._unit(unit)
+            args = {"indexes": placed[start:stop], "columns": columns}
+            sends.append(self._call(client, "store", args, _CONTROL_TIMEOUT))
+        await asyncio.gather(*sends)
+        await self._call(
+            self._controller, "produced",
+            {"partition": partition, "indexes": placed, "fields": list(data)}, _CONTROL_TIMEOUT,
+        )
+        return placed
+
+    async def get(
+        self,
+        partition: str,
+        *,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str],
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        sampler: str | Sequential | GrpoGroups | SeqlenBalanced = "sequential",
+        timeout: float | None = None,
+    ) -> Batch:
+        """Wait for ``batch_size`` ready samples of ``partition`` for ``task`` and lease them.
+
+        With ``dp_size=N`` one round of ``N * batch_size`` samples is shared among
+        the N ranks; every caller of one (partition, task, dp_rank, batch number)
+        gets the same samples (TP/PP peers of a DP rank call get alike). Never
+        returns an empty batch.
+
+        Raises:
+            GetTimeout: too few ready samples within ``timeout``; nothing leased.
+            UnknownTask, SchemaError: bad arguments.
+            ServiceGone: the controller or a storage unit is unreachable.
+        """
+        _check_partition(partition)
+        _positive("batch_size", batch_size)
+        _positive("dp_size", dp_size)
+        if type(dp_rank) is not int or not 0 <= dp_rank < dp_size:
+            raise SchemaError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+        fields = list(fields)
+        if not fields or not all(isinstance(f, str) for f in fields):
+            raise SchemaError(f"fields: expected a non-empty list of field names, got {fields!r}")
+        chosen = sampler_from(sampler)
+        key = (partition, task, dp_rank, dp_size)
+        number = self._batches.get(key, 0)
+        share = await self._call(
+            self._controller,
+            "get",
+            {"partition": partition, "task": task, "fields": fields, "batch_size": batch_size,
+             "dp_rank": dp_rank, "dp_size": dp_size, "batch": number,
+             "sampler": msgspec.to_builtins(chosen), "timeout": timeout},
+            None if timeout is None else timeout + _CONTROL_TIMEOUT,
+        )
+        self._batches[key] = number + 1
+        indexes: list[int] = share["indexes"]
+        by_unit: dict[int, list[int]] = {}
+        for pos, unit in enumerate(share["units"]):
+            by_unit.setdefault(unit, []).append(pos)
+        reads = []
+        for unit, positions in by_unit.items():
+            client = await self._unit(unit)
+            args = {"indexes": [indexes[p] for p in positions], "fields": fields}
+            reads.append(self._call(client, "read", args, _CONTROL_TIMEOUT))
+        parts = await asyncio.gather(*reads)
+        data = {}
+        for name in fields:
+            kind = share["kinds"].get(name, "list")
+            data[name] = assemble(
+                kind, [(pos, part[name]) for pos, part in zip(by_unit.values(), parts,
+                                                             strict=True)], len(indexes)
+            )
+        return Batch(partition, task, indexes, data, share["meta"], share["partition_meta"],
+                     share["lease"])
+
+    async def ack(self, batch: Batch) -> int:
+        """Mark the batch consumed for its task; returns how many samples were newly consumed."""
+        return int(await self._call(
+            self._controller, "ack",
+            {"partition": batch.partition, "task": batch.task, "lease": batch.lease,
+             "indexes": batch.indexes}, _CONTROL_TIMEOUT,
+        ))
+
+    async def clear(self, partition: str) -> int:
+        """Drop a partition and its data now, consumed or not; returns how many samples went."""
+        _check_partition(partition)
+        return int(await self._call(self._controller, "clear", {"partition": partition},
+                                    _CONTROL_TIMEOUT))
+
+    async def statistics(self) -> dict[str, Any]:
+        """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""
+        stats = await self._call(self._controller, "stats", {}, _CONTROL_TIMEOUT)
+        info = await self._call(self._controller, "info", {}, _CONTROL_TIMEOUT)
+        units = []
+        for u in range(len(info["units"])):
+            units.append(await self._call(await self._unit(u), "stats", {}, _CONTROL_TIMEOUT))
+        stats["storage_units"] = units
+        stats["bytes_held"] = sum(u["bytes_held"] for u in units)
+        return dict(stats)
+
+    async def close(self) -> None:
+        for c in [self._controller, *self._units]:
+            await c.close()
+
+
+def _blocks(units: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal unit numbers: ``(unit, start, stop)``."""
+    out: list[tuple[int, int, int]] = []
+    for i, u in enumerate(units):
+        if out and out[-1][0] == u and out[-1][2] == i:
+            out[-1] = (u, out[-1][1], i + 1)
+        else:
+            out.append((u, i, i + 1))
+    return out
+
+
+class QueueClient:
+    """The sync client: the same methods as :class:`AsyncQueueClient`, blocking.
+
+    Safe to share between threads; runs on the process's wire loop.
+    """
+
+    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+        self._loop = wire_loop()
+        self._client = AsyncQueueClient(address, secret=secret)
+        self.address = address
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro)
+
+    def put(self, partition: str, data: dict[str, Any], **kw: Any) -> list[int]:
+        return self._run(self._client.put(partition, data, **kw))
+
+    def get(self, partition: str, **kw: Any) -> Batch:
+        return self._run(self._client.get(partition, **kw))
+
+    def ack(self, batch: Batch) -> int:
+        return self._run(self._client.ack(batch))
+
+    def clear(self, partition: str) -> int:
+        return self._run(self._client.clear(partition))
+
+    def statistics(self) -> dict[str, Any]:
+        return self._run(self._client.statistics())
+
+    def close(self) -> None:
+        self._run(self._client.close())
+
+    def __enter__(self) -> QueueClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+put_doc = AsyncQueueClient.put.__doc__
+QueueClient.put.__doc__ = put_doc
+QueueClient.get.__doc__ = AsyncQueueClient.get.__doc__
+QueueClient.ack.__doc__ = AsyncQueueClient.ack.__doc__
+QueueClient.clear.__doc__ = AsyncQueueClient.clear.__doc__
+QueueClient.statistics.__doc__ = AsyncQueueClient.statistics.__doc__

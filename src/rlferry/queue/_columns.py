@@ -1,0 +1,143 @@
+"""Columns: the value of one field for many samples, row by row.
+
+A field's value in a put is one column. Its kind is fixed by the first put of
+the field in a partition and every batch returns the same kind:
+
+- ``tensor``: a dense tensor, one row per sample (``shape[0]`` rows);
+- ``nested``: a jagged nested tensor (``layout=torch.jagged``), one row per sample;
+- ``ndarray``: a numpy array, one row per sample;
+- ``list``: a Python list, one item per sample (strings, numbers, dicts, or tensors
+  of different lengths: a ragged field).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlferry.wire import shared_empty
+
+from ._errors import SchemaError
+
+__all__ = ["kind_of", "rows_of", "split_rows", "take", "assemble", "signature"]
+
+
+def kind_of(field: str, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return "nested"
+        if value.dim() == 0:
+            raise SchemaError(
+                f"field `{field}`: expected one row per sample, got a 0-d tensor "
+                "(wrap a per-sample scalar in a 1-d tensor, one value per sample)"
+            )
+        return "tensor"
+    if isinstance(value, list):
+        return "list"
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        if value.ndim == 0:
+            raise SchemaError(
+                f"field `{field}`: expected one row per sample, got a 0-d array "
+                "(use a 1-d array, one value per sample)"
+            )
+        return "ndarray"
+    raise SchemaError(
+        f"field `{field}`: expected a tensor, a numpy array or a list with one row per sample, "
+        f"got {type(value).__module__}.{type(value).__qualname__}"
+    )
+
+
+def rows_of(value: Any) -> int:
+    return len(value) if isinstance(value, list) else int(value.shape[0])
+
+
+def signature(kind: str, value: Any) -> list[Any]:
+    """What must match between puts of one field: kind, dtype and row shape of dense kinds."""
+    if kind == "tensor":
+        return [kind, str(value.dtype).removeprefix("torch."), list(value.shape[1:])]
+    if kind == "ndarray":
+        return [kind, value.dtype.str, list(value.shape[1:])]
+    if kind == "nested":
+        return [kind, str(value.dtype).removeprefix("torch.")]
+    return [kind]
+
+
+def split_rows(value: Any, bounds: Sequence[int]) -> list[Any]:
+    """Cut a column into consecutive row ranges (views for tensors and arrays)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = list(value.unbind())
+    return [value[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``[start, stop)`` of ascending row numbers."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
+def take(parts: Sequence[tuple[Any, Sequence[int]]]) -> Any:
+    """Rows of stored columns, in order: ``parts`` is ``[(column, rows), ...]``.
+
+    One contiguous run of one dense column comes back as a view (no copy); any
+    other selection of dense rows is gathered once into warm shared memory.
+    """
+    first = parts[0][0]
+    if isinstance(first, list):
+        return [col[r] for col, rows in parts for r in rows]
+    pieces = [(col, a, b) for col, rows in parts for a, b in _runs(rows)]
+    if len(pieces) == 1:
+        col, a, b = pieces[0]
+        return col[a:b]
+    n = sum(b - a for _, a, b in pieces)
+    if isinstance(first, torch.Tensor):
+        out = shared_empty([n, *first.shape[1:]], first.dtype)
+    else:
+        import numpy as np
+
+        out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+    at = 0
+    for col, a, b in pieces:
+        out[at : at + b - a] = col[a:b]
+        at += b - a
+    return out
+
+
+def assemble(kind: str, parts: Sequence[tuple[Sequence[int], Any]], n: int) -> Any:
+    """Put per-storage-unit parts (``(positions in the batch, rows)``) into one column.
+
+    A batch served by one storage unit in order is returned as it came (no copy).
+    """
+    if len(parts) == 1 and list(parts[0][0]) == list(range(n)):
+        value = parts[0][1]
+    elif kind in ("list", "nested"):
+        items: list[Any] = [None] * n
+        for positions, rows in parts:
+            for p, row in zip(positions, rows, strict=True):
+                items[p] = row
+        value = items
+    else:
+        first = parts[0][1]
+        if isinstance(first, torch.Tensor):
+            value = shared_empty([n, *first.shape[1:]], first.dtype)
+            for positions, rows in parts:
+                a = positions[0]
+                if list(positions) == list(range(a, a + len(positions))):
+                    value[a : a + len(positions)] = rows  # a block: one memcpy
+                else:
+                    value.index_copy_(0, torch.as_tensor(positions, dtype=torch.long), rows)
+        else:
+            import numpy as np
+
+            value = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+            for positions, rows in parts:
+                value[list(positions)] = rows
+    if kind == "nested" and not (isinstance(value, torch.Tensor) and value.is_nested):
+        return torch.nested.as_nested_tensor(list(value), layout=torch.jagged)
+    return value

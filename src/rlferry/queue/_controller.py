@@ -1,0 +1,469 @@
+"""The controller: metadata only, never payload.
+
+It knows every partition, every sample's global index, which fields of it are
+produced, which storage unit holds it, its custom meta, and per task whether
+it is leased or consumed. Requests that cannot be served yet (a ``get`` short
+of ready samples, a ``put`` over capacity) are parked on futures and answered
+when the state changes or their timeout expires: nothing polls.
+
+The class holds no process-global state, so it can run in a thread, a child
+process, or a Ray actor alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlferry.wire import AsyncClient
+
+from ._errors import GetTimeout, PutTimeout, SchemaError, UnknownPartition, UnknownTask
+from ._samplers import sampler_from
+
+__all__ = ["Controller"]
+
+
+class Sample:
+    __slots__ = ("consumed", "fields", "index", "leased", "meta", "unit")
+
+    def __init__(self, index: int, unit: int, meta: dict[str, Any]) -> None:
+        self.index = index
+        self.unit = unit
+        self.fields: set[str] = set()
+        self.meta = meta
+        self.consumed: set[str] = set()
+        self.leased: dict[str, int] = {}  # task -> lease id
+
+
+@dataclass
+class Lease:
+    id: int
+    partition: str
+    task: str
+    key: tuple[int, int, int]  # (dp_size, dp_rank, batch number)
+    indexes: list[int]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Partition:
+    name: str
+    samples: dict[int, Sample] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    signatures: dict[str, list[Any]] = field(default_factory=dict)
+    shares: dict[tuple[str, int, int, int], Lease] = field(default_factory=dict)
+    gets: int = 0
+
+
+class Controller:
+    """The queue's controller; ``handle`` is its wire handler."""
+
+    def __init__(
+        self,
+        tasks: tuple[str, ...],
+        units: list[str],
+        *,
+        capacity: int | None = None,
+        max_partitions: int | None = None,
+        lease_timeout: float = 60.0,
+        secret: str | bytes | None = None,
+    ) -> None:
+        self.tasks = tuple(tasks)
+        self.units = list(units)
+        self.capacity = capacity
+        self.max_partitions = max_partitions
+        self.lease_timeout = lease_timeout
+        self.partitions: dict[str, Partition] = {}
+        self.held = 0  # samples held (not yet freed)
+        self.next_index = 0
+        self.lease_ids = itertools.count(1)
+        self.leases: dict[int, Lease] = {}
+        self.changed = asyncio.Event()  # set and replaced on every change waiters care about
+        self.waiting_gets = 0
+        self.waiting_puts = 0
+        self.started = time.monotonic()
+        self._secret = secret
+        self._unit_clients: list[AsyncClient] = []
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._ops: dict[str, Callable[..., Any]] = {
+            "info": self.info,
+            "alloc": self.alloc,
+            "produced": self.produced,
+            "get": self.get,
+            "ack": self.ack,
+            "clear": self.clear,
+            "stats": self.stats,
+            "register_unit": self.register_unit,
+            "dump": self.dump,
+        }
+
+    async def handle(self, value: Any, peer: bytes) -> Any:
+        op, args = value
+        fn = self._ops.get(op)
+        if fn is None:
+            raise SchemaError(f"op: expected one of {sorted(self._ops)}, got {op!r}")
+        result = fn(**args)
+        return await result if asyncio.iscoroutine(result) else result
+
+    # -- helpers ----------------------------------------------------------------
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _until(self, ready: Callable[[], Any], timeout: float | None) -> Any:
+        """Wait, on events, until ``ready()`` returns something other than None."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while (result := ready()) is None:
+            event = self.changed
+            remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                raise TimeoutError from None
+        return result
+
+    def _task(self, task: str) -> None:
+        if task not in self.tasks:
+            raise UnknownTask(
+                f"task `{task}`: expected one of {list(self.tasks)} "
+                "(register every task in Queue.start(tasks=...))"
+            )
+
+    def _partition(self, name: str) -> Partition:
+        p = self.partitions.get(name)
+        if p is None:
+            raise UnknownPartition(
+                f"partition `{name}`: no such partition (it was never put, or was cleared "
+                "or fully consumed)"
+            )
+        return p
+
+    def _unit_client(self, unit: int) -> AsyncClient:
+        while len(self._unit_clients) <= unit:
+            self._unit_clients.append(
+                AsyncClient(self.units[len(self._unit_clients)], secret=self._secret)
+            )
+        return self._unit_clients[unit]
+
+    def _drop(self, by_unit: dict[int, list[int]]) -> None:
+        for unit, indexes in by_unit.items():
+            req = self._unit_client(unit).request(["drop", {"indexes": indexes}], timeout=30)
+            task = asyncio.ensure_future(req)
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+
+    # -- requests ---------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {"tasks": list(self.tasks), "units": self.units}
+
+    def register_unit(self, address: str) -> int:
+        self.units.append(address)
+        return len(self.units) - 1
+
+    async def alloc(
+        self,
+        partition: str,
+        rows: int,
+        signatures: dict[str, list[Any]],
+        meta: dict[str, list[Any]],
+        partition_meta: dict[str, Any] | None,
+        indexes: list[int] | None,
+        timeout: float | None,
+    ) -> dict[str, Any]:
+        """Reserve samples (new ones, or the given existing ones) and say where they go."""
+        if not self.units:
+            raise SchemaError("storage: the queue has no storage unit yet (start one)")
+        if indexes is not None:
+            p = self._partition(partition)
+            missing = [i for i in indexes if i not in p.samples]
+            if missing:
+                raise SchemaError(
+                    f"indexes: {missing[:5]} are not samples of partition `{partition}` "
+                    "(add fields only to indexes a put of this partition returned)"
+                )
+            self._check_signatures(p, signatures)
+            self._set_meta(p, indexes, meta, partition_meta)
+            return {"indexes": indexes, "units": [p.samples[i].unit for i in indexes]}
+        if self.capacity is not None and rows > self.capacity:
+            raise SchemaError(
+                f"put: expected at most capacity={self.capacity} samples, got {rows} "
+                "(split the put, or start the queue with a larger capacity)"
+            )
+
+        def room() -> bool | None:
+            if self.capacity is not None and self.held + rows > self.capacity:
+                return None
+            new = partition not in self.partitions
+            limit = self.max_partitions
+            return None if new and limit is not None and len(self.partitions) >= limit else True
+
+        self.waiting_puts += 1
+        try:
+            await self._until(room, timeout)
+        except TimeoutError:
+            raise PutTimeout(
+                f"put `{partition}`: no room within {timeout} s (held {self.held} samples of "
+                f"capacity {self.capacity}, {len(self.partitions)} partitions of "
+                f"max_partitions {self.max_partitions}; consumers must ack or clear)"
+            ) from None
+        finally:
+            self.waiting_puts -= 1
+        p = self.partitions.get(partition)
+        if p is None:
+            p = self.partitions[partition] = Partition(partition)
+        self._check_signatures(p, signatures)
+        first = self.next_index
+        self.next_index += rows
+        n_units = len(self.units)
+        units = [r * n_units // rows for r in range(rows)]  # contiguous blocks per unit
+        for r in range(rows):
+            p.samples[first + r] = Sample(first + r, units[r], {})
+        new_indexes = list(range(first, first + rows))
+        self._set_meta(p, new_indexes, meta, partition_meta)
+        self.held += rows
+        return {"indexes": new_indexes, "units": units}
+
+    def _check_signatures(self, p: Partition, signatures: dict[str, list[Any]]) -> None:
+        for name, sig in signatures.items():
+            known = p.signatures.get(name)
+            if known is not None and known != sig:
+                raise SchemaError(
+                    f"field `{name}`: expected {_describe(known)} as in earlier puts of "
+                    f"`{p.name}`, got {_describe(sig)} (one field keeps one kind, dtype and "
+                    "row shape; send rows of different lengths as a list of tensors)"
+                )
+        for name, sig in signatures.items():
+            p.signatures.setdefault(name, sig)
+
+    def _set_meta(
+        self,
+        p: Partition,
+        indexes: list[int],
+        meta: dict[str, list[Any]],
+        partition_meta: dict[str, Any] | None,
+    ) -> None:
+        for key, values in meta.items():
+            for i, v in zip(indexes, values, strict=True):
+                p.samples[i].meta[key] = v
+        if partition_meta:
+            p.meta.update(partition_meta)
+
+    def produced(self, partition: str, indexes: list[int], fields: list[str]) -> None:
+        p = self.partitions.get(partition)
+        if p is None:
+            return  # cleared meanwhile; the storage units were told to drop it
+        for i in indexes:
+            s = p.samples.get(i)
+            if s is not None:
+                s.fields.update(fields)
+        self._notify()
+
+    async def get(
+        self,
+        partition: str,
+        task: str,
+        fields: list[str],
+        batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        batch: int,
+        sampler: Any,
+        timeout: float | None,
+    ) -> dict[str, Any]:
+        self._task(task)
+        chosen = sampler_from(sampler)
+        key = (task, dp_size, dp_rank, batch)
+
+        def serve() -> Lease | None:
+            p = self.partitions.get(partition)
+            if p is None:
+                return None
+            lease = p.shares.get(key)
+            if lease is not None:
+                return lease
+            ready = [
+                s.index
+                for s in p.samples.values()
+                if task not in s.consumed and task not in s.leased and s.fields.issuperset(fields)
+            ]
+            has_round = any(k[:2] == key[:2] and k[3] == batch for k in p.shares)
+            size = 1 if has_round else dp_size  # a re-asked share after a lease expired
+            shares = chosen.round(ready, lambda i, k: p.samples[i].meta.get(k), batch_size, size)
+            if shares is None:
+                return None
+            ranks = [dp_rank] if has_round else list(range(dp_size))
+            for r, share in zip(ranks, shares, strict=True):
+                self._lease(p, task, (dp_size, r, batch), share)
+            return p.shares[key]
+
+        self.waiting_gets += 1
+        try:
+            lease = await self._until(serve, timeout)
+        except TimeoutError:
+            p = self.partitions.get(partition)
+            have = 0 if p is None else sum(
+                1 for s in p.samples.values()
+                if task not in s.consumed and task not in s.leased and s.fields.issuperset(fields)
+            )
+            raise GetTimeout(
+                f"get `{partition}` for task `{task}`: {have} ready samples with fields "
+                f"{fields} within {timeout} s, a batch needs {batch_size} per rank x "
+                f"{dp_size} ranks (producers must put more, or wait longer)"
+            ) from None
+        finally:
+            self.waiting_gets -= 1
+        p = self.partitions[partition]
+        samples = [p.samples[i] for i in lease.indexes]
+        keys = sorted({k for s in samples for k in s.meta})
+        p.gets += 1
+        return {
+            "indexes": lease.indexes,
+            "units": [s.unit for s in samples],
+            "meta": {k: [s.meta.get(k) for s in samples] for k in keys},
+            "partition_meta": p.meta,
+            "kinds": {f: p.signatures[f][0] for f in fields if f in p.signatures},
+            "lease": lease.id,
+        }
+
+    def _lease(self, p: Partition, task: str, key: tuple[int, int, int], share: list[int]) -> None:
+        lease = Lease(next(self.lease_ids), p.name, task, key, share)
+        for i in share:
+            p.samples[i].leased[task] = lease.id
+        lease.timer = asyncio.get_running_loop().call_later(
+            self.lease_timeout, self._expire, lease.id
+        )
+        self.leases[lease.id] = lease
+        p.shares[(task, *key)] = lease
+
+    def _end_lease(self, lease: Lease) -> Partition | None:
+        self.leases.pop(lease.id, None)
+        if lease.timer is not None:
+            lease.timer.cancel()
+        p = self.partitions.get(lease.partition)
+        if p is not None and p.shares.get((lease.task, *lease.key)) is lease:
+            del p.shares[(lease.task, *lease.key)]
+        return p
+
+    def _expire(self, lease_id: int) -> None:
+        """The consumer did not ack in time: its samples are ready again for that task."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        p = self._end_lease(lease)
+        if p is not None:
+            for i in lease.indexes:
+                s = p.samples.get(i)
+                if s is not None and s.leased.get(lease.task) == lease_id:
+                    del s.leased[lease.task]
+        self._notify()
+
+    def ack(self, partition: str, task: str, lease: int, indexes: list[int]) -> int:
+        """Consume leased samples; returns how many were newly consumed."""
+        self._task(task)
+        p = self.partitions.get(partition)
+        if p is None:
+            return 0
+        done = 0
+        freed: dict[int, list[int]] = {}
+        for i in indexes:
+            s = p.samples.get(i)
+            if s is None or task in s.consumed:
+                continue
+            s.consumed.add(task)
+            s.leased.pop(task, None)
+            done += 1
+            if len(s.consumed) == len(self.tasks):
+                del p.samples[i]
+                self.held -= 1
+                freed.setdefault(s.unit, []).append(i)
+        held = self.leases.get(lease)
+        if held is not None and all(task in p.samples[i].consumed for i in held.indexes
+                                    if i in p.samples):
+            self._end_lease(held)
+        if not p.samples:
+            for le in list(p.shares.values()):
+                self._end_lease(le)
+            del self.partitions[partition]
+        self._drop(freed)
+        self._notify()
+        return done
+
+    def clear(self, partition: str) -> int:
+        p = self.partitions.pop(partition, None)
+        if p is None:
+            return 0
+        for le in list(p.shares.values()):
+            self._end_lease(le)
+        by_unit: dict[int, list[int]] = {}
+        for s in p.samples.values():
+            by_unit.setdefault(s.unit, []).append(s.index)
+        self.held -= len(p.samples)
+        self._drop(by_unit)
+        self._notify()
+        return len(p.samples)
+
+    def stats(self) -> dict[str, Any]:
+        parts = {}
+        for name, p in self.partitions.items():
+            per_task = {}
+            for t in self.tasks:
+                leased = sum(1 for s in p.samples.values() if t in s.leased)
+                consumed = sum(1 for s in p.samples.values() if t in s.consumed)
+                per_task[t] = {"depth": len(p.samples) - leased - consumed, "leased": leased}
+            parts[name] = {"samples": len(p.samples), "tasks": per_task}
+        return {
+            "partitions": parts,
+            "samples_held": self.held,
+            "waiting_gets": self.waiting_gets,
+            "waiting_puts": self.waiting_puts,
+            "leases": len(self.leases),
+        }
+
+    # -- persistence --------------------------------------------------------------
+    def dump(self) -> dict[str, Any]:
+        """The state to save: leases are not kept (a restored queue redelivers them)."""
+        return {
+            "next_index": self.next_index,
+            "partitions": [
+                {
+                    "name": p.name,
+                    "meta": p.meta,
+                    "signatures": p.signatures,
+                    "samples": [
+                        [s.index, s.unit, sorted(s.fields), s.meta, sorted(s.consumed)]
+                        for s in p.samples.values()
+                    ],
+                }
+                for p in self.partitions.values()
+            ],
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.next_index = state["next_index"]
+        for pd in state["partitions"]:
+            p = Partition(pd["name"], meta=pd["meta"], signatures=pd["signatures"])
+            for index, unit, fields, meta, consumed in pd["samples"]:
+                s = Sample(index, unit, meta)
+                s.fields.update(fields)
+                s.consumed.update(consumed)
+                p.samples[index] = s
+            self.partitions[p.name] = p
+            self.held += len(p.samples)
+
+    async def close(self) -> None:
+        for c in self._unit_clients:
+            await c.close()
+
+
+def _describe(sig: list[Any]) -> str:
+    if sig[0] in ("tensor", "ndarray"):
+        return f"{sig[0]} of {sig[1]} rows of shape {sig[2]}"
+    if sig[0] == "nested":
+        return f"jagged nested tensor of {sig[1]}"
+    return "a list"
