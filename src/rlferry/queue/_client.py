@@ -9,13 +9,24 @@ reads the rows from the storage units in parallel and assembles the batch.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+import torch
 
-from rlferry.wire import AsyncClient, ChannelClosed, PeerGone, RemoteError, RequestTimeout, wire_loop
+from rlferry.wire import (
+    AsyncClient,
+    ChannelClosed,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    WireError,
+    encode,
+    wire_loop,
+)
 
 from ._columns import assemble, kind_of, rows_of, signature, split_rows
 from ._errors import ERRORS, QueueClosed, SchemaError, ServiceGone
@@ -80,6 +91,9 @@ class AsyncQueueClient:
             ) from None
         except ChannelClosed:
             raise QueueClosed("this queue client is closed") from None
+        except WireError as e:  # a value the codec refuses: name the field, not the envelope
+            msg = re.sub(r"`\$\[1\]\.columns\.([^.\[`]+)", r"field `\1`, at `$", str(e))
+            raise SchemaError(msg.replace("cannot encode field", "field")) from None
 
     async def _unit(self, unit: int) -> AsyncClient:
         if unit >= len(self._units):
@@ -133,6 +147,12 @@ class AsyncQueueClient:
                     "(every field of one put must have the same number of samples)"
                 )
             signatures[name] = signature(kind, column)
+            if kind == "list" and not all(isinstance(v, torch.Tensor) for v in column):
+                try:  # plain values: refuse what cannot travel before anything is reserved
+                    encode(column)
+                except WireError as e:
+                    raise SchemaError(str(e).replace("cannot encode `", f"field `{name}`, at `", 1)
+                                      ) from None
         if rows == 0:
             raise SchemaError("data: expected at least one sample, got 0 rows")
         meta = dict(meta or {})
@@ -165,7 +185,13 @@ class AsyncQueueClient:
             client = await self._unit(unit)
             args = {"indexes": placed[start:stop], "columns": columns}
             sends.append(self._call(client, "store", args, _CONTROL_TIMEOUT))
-        await asyncio.gather(*sends)
+        try:
+            await asyncio.gather(*sends)
+        except BaseException:
+            if indexes is None:  # the new samples never became visible: give their room back
+                await self._call(self._controller, "abort",
+                                 {"partition": partition, "indexes": placed}, _CONTROL_TIMEOUT)
+            raise
         await self._call(
             self._controller, "produced",
             {"partition": partition, "indexes": placed, "fields": list(data)}, _CONTROL_TIMEOUT,

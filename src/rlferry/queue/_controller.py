@@ -96,6 +96,7 @@ class Controller:
             "get": self.get,
             "ack": self.ack,
             "clear": self.clear,
+            "abort": self.abort,
             "stats": self.stats,
             "register_unit": self.register_unit,
             "dump": self.dump,
@@ -393,6 +394,22 @@ class Controller:
         self._drop(freed)
         self._notify()
         return done
+
+    def abort(self, partition: str, indexes: list[int]) -> None:
+        """A put whose payload did not reach storage: forget its samples."""
+        p = self.partitions.get(partition)
+        if p is None:
+            return
+        by_unit: dict[int, list[int]] = {}
+        for i in indexes:
+            s = p.samples.pop(i, None)
+            if s is not None:
+                self.held -= 1
+                by_unit.setdefault(s.unit, []).append(i)
+        if not p.samples:
+            del self.partitions[partition]
+        self._drop(by_unit)
+        self._notify()
 
     def clear(self, partition: str) -> int:
         p = self.partitions.pop(partition, None)
