@@ -31,8 +31,9 @@ def put_rows(c, partition, n, start=0, **kw):
 def test_put_then_get_returns_every_kind_exactly(q):
     c = q.client()
     tokens = [torch.arange(3), torch.arange(7), torch.arange(1)]
-    nested = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(5, 4), torch.ones(1, 4)],
-                                        layout=torch.jagged)
+    nested = torch.nested.nested_tensor(
+        [torch.ones(2, 4), torch.ones(5, 4), torch.ones(1, 4)], layout=torch.jagged
+    )
     data = {
         "tokens": tokens,
         "rewards": torch.tensor([1.0, 0.0, 0.5]),
@@ -96,7 +97,11 @@ def test_get_timeout_names_what_was_missing_and_leases_nothing(q):
         "a batch needs 4 per rank x 1 ranks (producers must put more, or wait longer)"
     )
     assert isinstance(e.value, TimeoutError)
-    assert c.get("p", task="actor_train", batch_size=3, fields=["x"], timeout=5).indexes == [0, 1, 2]
+    assert c.get("p", task="actor_train", batch_size=3, fields=["x"], timeout=5).indexes == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_each_task_reads_every_sample_once(q):
@@ -117,8 +122,12 @@ def test_two_tasks_two_dp_ranks_identical_for_callers_of_one_rank(q):
     for task in ("actor_train", "critic_train"):
         seen = []
         for rank in (0, 1):
-            got = [p.get("p", task=task, batch_size=4, fields=["x"], dp_rank=rank, dp_size=2,
-                         timeout=5) for p in peers]
+            got = [
+                p.get(
+                    "p", task=task, batch_size=4, fields=["x"], dp_rank=rank, dp_size=2, timeout=5
+                )
+                for p in peers
+            ]
             assert got[0].indexes == got[1].indexes
             assert torch.equal(got[0].data["x"], got[1].data["x"])
             seen.append(set(got[0].indexes))
@@ -130,8 +139,19 @@ def test_grpo_groups_are_never_split_across_ranks(q):
     groups = [0, 1, 0, 2, 1, 2, 0, 1, 3, 2, 3, 3]  # 4 groups of 3, interleaved
     put_rows(c, "p", 12, meta={"group": groups})
     sampler = GrpoGroups(group_size=3)
-    shares = [c.get("p", task="actor_train", batch_size=6, fields=["x"], dp_rank=r, dp_size=2,
-                    sampler=sampler, timeout=5) for r in (0, 1)]
+    shares = [
+        c.get(
+            "p",
+            task="actor_train",
+            batch_size=6,
+            fields=["x"],
+            dp_rank=r,
+            dp_size=2,
+            sampler=sampler,
+            timeout=5,
+        )
+        for r in (0, 1)
+    ]
     for b in shares:
         assert sorted(b.meta["group"]) == sorted(set(b.meta["group"])) * 0 + sorted(b.meta["group"])
         counts = {g: b.meta["group"].count(g) for g in b.meta["group"]}
@@ -142,9 +162,16 @@ def test_grpo_groups_are_never_split_across_ranks(q):
 def test_grpo_groups_batch_must_hold_whole_groups(q):
     c = q.client()
     put_rows(c, "p", 4, meta={"group": [0, 0, 1, 1]})
-    with pytest.raises(SchemaError, match="batch_size: expected a multiple of group_size 2, got 3"):
-        c.get("p", task="actor_train", batch_size=3, fields=["x"], sampler=GrpoGroups(group_size=2),
-              timeout=5)
+    msg = "batch_size: expected a multiple of group_size 2, got 3"
+    with pytest.raises(SchemaError, match=msg):
+        c.get(
+            "p",
+            task="actor_train",
+            batch_size=3,
+            fields=["x"],
+            sampler=GrpoGroups(group_size=2),
+            timeout=5,
+        )
 
 
 def test_seqlen_balanced_evens_out_total_length_across_ranks(q):
@@ -153,8 +180,16 @@ def test_seqlen_balanced_evens_out_total_length_across_ranks(q):
     put_rows(c, "p", 8, meta={"seqlen": lengths})
     totals = []
     for r in (0, 1):
-        b = c.get("p", task="actor_train", batch_size=4, fields=["x"], dp_rank=r, dp_size=2,
-                  sampler="seqlen_balanced", timeout=5)
+        b = c.get(
+            "p",
+            task="actor_train",
+            batch_size=4,
+            fields=["x"],
+            dp_rank=r,
+            dp_size=2,
+            sampler="seqlen_balanced",
+            timeout=5,
+        )
         totals.append(sum(b.meta["seqlen"]))
     assert abs(totals[0] - totals[1]) <= 20  # sequential would give 193 vs 157
 
@@ -162,9 +197,12 @@ def test_seqlen_balanced_evens_out_total_length_across_ranks(q):
 def test_seqlen_balanced_needs_the_length_meta(q):
     c = q.client()
     put_rows(c, "p", 2)
-    with pytest.raises(SchemaError, match=r"meta `seqlen`: expected a number for sample 0, got None"):
-        c.get("p", task="actor_train", batch_size=2, fields=["x"], sampler=SeqlenBalanced(),
-              timeout=5)
+    with pytest.raises(
+        SchemaError, match=r"meta `seqlen`: expected a number for sample 0, got None"
+    ):
+        c.get(
+            "p", task="actor_train", batch_size=2, fields=["x"], sampler=SeqlenBalanced(), timeout=5
+        )
 
 
 def test_expired_lease_makes_samples_available_again():
@@ -235,8 +273,12 @@ def test_statistics_report_depth_leases_and_bytes(q):
 
 def test_save_and_restore_keep_state_and_data(q, tmp_path):
     c = q.client()
-    idx = c.put("p", {"x": torch.arange(4.0), "s": ["a", "b", "c", "d"]}, meta={"g": [1, 1, 2, 2]},
-                partition_meta={"k": 1})
+    idx = c.put(
+        "p",
+        {"x": torch.arange(4.0), "s": ["a", "b", "c", "d"]},
+        meta={"g": [1, 1, 2, 2]},
+        partition_meta={"k": 1},
+    )
     c.ack(c.get("p", task="actor_train", batch_size=2, fields=["x"], timeout=5))
     q.save(tmp_path / "snap")
     with Queue.restore(tmp_path / "snap") as r:

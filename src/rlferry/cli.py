@@ -21,8 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     serve_sub = serve.add_subparsers(dest="service", required=True)
     sq = serve_sub.add_parser("queue", help="a queue: controller + storage units (processes)")
     sq.add_argument("--storage-units", type=int, default=2)
-    sq.add_argument("--bind", default=None,
-                    help="controller address (default: a new ipc:// path; off loopback needs --secret)")
+    sq.add_argument(
+        "--bind",
+        default=None,
+        help="controller address (default: a new ipc:// path; off loopback needs --secret)",
+    )
     sq.add_argument("--secret", default=None, help="shared secret (CURVE) for remote binds")
     sq.add_argument("--tasks", default="train", help="comma-separated task names")
     sq.add_argument("--capacity", type=int, default=None)
@@ -32,9 +35,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.command == "serve":
         from rlferry.queue._serve import serve_queue
 
-        serve_queue(storage_units=a.storage_units, bind=a.bind, secret=a.secret,
-                    tasks=tuple(a.tasks.split(",")), capacity=a.capacity,
-                    max_partitions=a.max_partitions, lease_timeout=a.lease_timeout)
+        serve_queue(
+            storage_units=a.storage_units,
+            bind=a.bind,
+            secret=a.secret,
+            tasks=tuple(a.tasks.split(",")),
+            capacity=a.capacity,
+            max_partitions=a.max_partitions,
+            lease_timeout=a.lease_timeout,
+        )
     if a.command == "bench":
         importlib.import_module(f"rlferry.bench.{a.name}").main(a.args)
 

@@ -8,6 +8,7 @@
 """
 
 from ._client import AsyncQueueClient, Batch, QueueClient
+from ._dist import get_broadcast
 from ._errors import (
     GetTimeout,
     PutTimeout,
@@ -22,19 +23,20 @@ from ._queue import Queue
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential
 
 __all__ = [
-    "Queue",
-    "QueueClient",
     "AsyncQueueClient",
     "Batch",
-    "Sequential",
+    "GetTimeout",
     "GrpoGroups",
-    "SeqlenBalanced",
+    "PutTimeout",
+    "Queue",
+    "QueueClient",
+    "QueueClosed",
     "QueueError",
     "SchemaError",
-    "UnknownTask",
-    "UnknownPartition",
-    "GetTimeout",
-    "PutTimeout",
+    "SeqlenBalanced",
+    "Sequential",
     "ServiceGone",
-    "QueueClosed",
+    "UnknownPartition",
+    "UnknownTask",
+    "get_broadcast",
 ]

@@ -32,7 +32,7 @@ from ._columns import assemble, kind_of, rows_of, signature, split_rows
 from ._errors import ERRORS, QueueClosed, SchemaError, ServiceGone
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 
-__all__ = ["Batch", "AsyncQueueClient", "QueueClient"]
+__all__ = ["AsyncQueueClient", "Batch", "QueueClient"]
 
 T = TypeVar("T")
 _CONTROL_TIMEOUT = 30.0  # for requests that never wait on other clients
@@ -77,8 +77,9 @@ class AsyncQueueClient:
         self._units: list[AsyncClient] = []
         self._batches: dict[tuple[str, str, int, int], int] = {}
 
-    async def _call(self, client: AsyncClient, op: str, args: dict[str, Any],
-                    timeout: float | None) -> Any:
+    async def _call(
+        self, client: AsyncClient, op: str, args: dict[str, Any], timeout: float | None
+    ) -> Any:
         try:
             return await client.request([op, args], timeout)
         except RemoteError as e:
@@ -98,7 +99,7 @@ class AsyncQueueClient:
     async def _unit(self, unit: int) -> AsyncClient:
         if unit >= len(self._units):
             info = await self._call(self._controller, "info", {}, _CONTROL_TIMEOUT)
-            for address in info["units"][len(self._units):]:
+            for address in info["units"][len(self._units) :]:
                 self._units.append(AsyncClient(address, secret=self._secret))
         return self._units[unit]
 
@@ -151,8 +152,9 @@ class AsyncQueueClient:
                 try:  # plain values: refuse what cannot travel before anything is reserved
                     encode(column)
                 except WireError as e:
-                    raise SchemaError(str(e).replace("cannot encode `", f"field `{name}`, at `", 1)
-                                      ) from None
+                    raise SchemaError(
+                        str(e).replace("cannot encode `", f"field `{name}`, at `", 1)
+                    ) from None
         if rows == 0:
             raise SchemaError("data: expected at least one sample, got 0 rows")
         meta = dict(meta or {})
@@ -172,8 +174,15 @@ class AsyncQueueClient:
         alloc = await self._call(
             self._controller,
             "alloc",
-            {"partition": partition, "rows": rows, "signatures": signatures, "meta": meta,
-             "partition_meta": partition_meta, "indexes": indexes, "timeout": timeout},
+            {
+                "partition": partition,
+                "rows": rows,
+                "signatures": signatures,
+                "meta": meta,
+                "partition_meta": partition_meta,
+                "indexes": indexes,
+                "timeout": timeout,
+            },
             None if timeout is None else timeout + _CONTROL_TIMEOUT,
         )
         placed: list[int] = alloc["indexes"]
@@ -189,12 +198,18 @@ class AsyncQueueClient:
             await asyncio.gather(*sends)
         except BaseException:
             if indexes is None:  # the new samples never became visible: give their room back
-                await self._call(self._controller, "abort",
-                                 {"partition": partition, "indexes": placed}, _CONTROL_TIMEOUT)
+                await self._call(
+                    self._controller,
+                    "abort",
+                    {"partition": partition, "indexes": placed},
+                    _CONTROL_TIMEOUT,
+                )
             raise
         await self._call(
-            self._controller, "produced",
-            {"partition": partition, "indexes": placed, "fields": list(data)}, _CONTROL_TIMEOUT,
+            self._controller,
+            "produced",
+            {"partition": partition, "indexes": placed, "fields": list(data)},
+            _CONTROL_TIMEOUT,
         )
         return placed
 
@@ -236,9 +251,17 @@ class AsyncQueueClient:
         share = await self._call(
             self._controller,
             "get",
-            {"partition": partition, "task": task, "fields": fields, "batch_size": batch_size,
-             "dp_rank": dp_rank, "dp_size": dp_size, "batch": number,
-             "sampler": msgspec.to_builtins(chosen), "timeout": timeout},
+            {
+                "partition": partition,
+                "task": task,
+                "fields": fields,
+                "batch_size": batch_size,
+                "dp_rank": dp_rank,
+                "dp_size": dp_size,
+                "batch": number,
+                "sampler": msgspec.to_builtins(chosen),
+                "timeout": timeout,
+            },
             None if timeout is None else timeout + _CONTROL_TIMEOUT,
         )
         self._batches[key] = number + 1
@@ -256,25 +279,36 @@ class AsyncQueueClient:
         for name in fields:
             kind = share["kinds"].get(name, "list")
             data[name] = assemble(
-                kind, [(pos, part[name]) for pos, part in zip(by_unit.values(), parts,
-                                                             strict=True)], len(indexes)
+                kind,
+                [(pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)],
+                len(indexes),
             )
-        return Batch(partition, task, indexes, data, share["meta"], share["partition_meta"],
-                     share["lease"])
+        return Batch(
+            partition, task, indexes, data, share["meta"], share["partition_meta"], share["lease"]
+        )
 
     async def ack(self, batch: Batch) -> int:
         """Mark the batch consumed for its task; returns how many samples were newly consumed."""
-        return int(await self._call(
-            self._controller, "ack",
-            {"partition": batch.partition, "task": batch.task, "lease": batch.lease,
-             "indexes": batch.indexes}, _CONTROL_TIMEOUT,
-        ))
+        return int(
+            await self._call(
+                self._controller,
+                "ack",
+                {
+                    "partition": batch.partition,
+                    "task": batch.task,
+                    "lease": batch.lease,
+                    "indexes": batch.indexes,
+                },
+                _CONTROL_TIMEOUT,
+            )
+        )
 
     async def clear(self, partition: str) -> int:
         """Drop a partition and its data now, consumed or not; returns how many samples went."""
         _check_partition(partition)
-        return int(await self._call(self._controller, "clear", {"partition": partition},
-                                    _CONTROL_TIMEOUT))
+        return int(
+            await self._call(self._controller, "clear", {"partition": partition}, _CONTROL_TIMEOUT)
+        )
 
     async def statistics(self) -> dict[str, Any]:
         """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""

@@ -12,6 +12,7 @@ the field in a partition and every batch returns the same kind:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from rlferry.wire import shared_empty
 
 from ._errors import SchemaError
 
-__all__ = ["kind_of", "rows_of", "split_rows", "take", "assemble", "signature"]
+__all__ = ["assemble", "kind_of", "rows_of", "signature", "split_rows", "take"]
 
 
 def kind_of(field: str, value: Any) -> str:
@@ -68,7 +69,7 @@ def split_rows(value: Any, bounds: Sequence[int]) -> list[Any]:
     """Cut a column into consecutive row ranges (views for tensors and arrays)."""
     if isinstance(value, torch.Tensor) and value.is_nested:
         value = list(value.unbind())
-    return [value[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [value[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -96,6 +97,7 @@ def take(parts: Sequence[tuple[Any, Sequence[int]]]) -> Any:
         col, a, b = pieces[0]
         return col[a:b]
     n = sum(b - a for _, a, b in pieces)
+    out: Any
     if isinstance(first, torch.Tensor):
         out = shared_empty([n, *first.shape[1:]], first.dtype)
     else:
@@ -114,6 +116,7 @@ def assemble(kind: str, parts: Sequence[tuple[Sequence[int], Any]], n: int) -> A
 
     A batch served by one storage unit in order is returned as it came (no copy).
     """
+    value: Any
     if len(parts) == 1 and list(parts[0][0]) == list(range(n)):
         value = parts[0][1]
     elif kind in ("list", "nested"):

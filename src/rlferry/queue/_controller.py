@@ -215,9 +215,10 @@ class Controller:
             ) from None
         finally:
             self.waiting_puts -= 1
-        p = self.partitions.get(partition)
-        if p is None:
-            p = self.partitions[partition] = Partition(partition)
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self.partitions[partition] = Partition(partition)
+        p = part
         self._check_signatures(p, signatures)
         first = self.next_index
         self.next_index += rows
@@ -308,9 +309,16 @@ class Controller:
             lease = await self._until(serve, timeout)
         except TimeoutError:
             p = self.partitions.get(partition)
-            have = 0 if p is None else sum(
-                1 for s in p.samples.values()
-                if task not in s.consumed and task not in s.leased and s.fields.issuperset(fields)
+            have = (
+                0
+                if p is None
+                else sum(
+                    1
+                    for s in p.samples.values()
+                    if task not in s.consumed
+                    and task not in s.leased
+                    and s.fields.issuperset(fields)
+                )
             )
             raise GetTimeout(
                 f"get `{partition}` for task `{task}`: {have} ready samples with fields "
@@ -384,8 +392,9 @@ class Controller:
                 self.held -= 1
                 freed.setdefault(s.unit, []).append(i)
         held = self.leases.get(lease)
-        if held is not None and all(task in p.samples[i].consumed for i in held.indexes
-                                    if i in p.samples):
+        if held is not None and all(
+            task in p.samples[i].consumed for i in held.indexes if i in p.samples
+        ):
             self._end_lease(held)
         if not p.samples:
             for le in list(p.shares.values()):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 __all__ = [
-    "QueueError",
-    "SchemaError",
-    "UnknownTask",
-    "UnknownPartition",
     "GetTimeout",
     "PutTimeout",
-    "ServiceGone",
     "QueueClosed",
+    "QueueError",
+    "SchemaError",
+    "ServiceGone",
+    "UnknownPartition",
+    "UnknownTask",
 ]
 
 

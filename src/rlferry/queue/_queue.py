@@ -34,9 +34,14 @@ class Queue:
     ``rlferry serve queue``, :meth:`restore` to resume from :meth:`save`.
     """
 
-    def __init__(self, address: str, *, secret: str | bytes | None = None,
-                 services: list[Server] | None = None,
-                 controller: Controller | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | bytes | None = None,
+        services: list[Server] | None = None,
+        controller: Controller | None = None,
+    ) -> None:
         self.address = address
         self._secret = secret
         self._services = services or []
@@ -72,8 +77,13 @@ class Queue:
                 srv = Server(unit.handle, default_address(transport))
                 units.append(loop.run(srv.start()))
                 services.append(srv)
-            ctrl = Controller(tuple(tasks), units, capacity=capacity,
-                              max_partitions=max_partitions, lease_timeout=lease_timeout)
+            ctrl = Controller(
+                tuple(tasks),
+                units,
+                capacity=capacity,
+                max_partitions=max_partitions,
+                lease_timeout=lease_timeout,
+            )
             srv = Server(ctrl.handle, default_address(transport))
             address = loop.run(srv.start())
             services.append(srv)
@@ -169,12 +179,22 @@ async def _load(ctrl: Controller, state: dict[str, Any]) -> None:
     ctrl.load(state)
 
 
-def _check_config(storage_units: Any, tasks: Any, capacity: Any, max_partitions: Any,
-                  lease_timeout: Any, transport: Any) -> None:
+def _check_config(
+    storage_units: Any,
+    tasks: Any,
+    capacity: Any,
+    max_partitions: Any,
+    lease_timeout: Any,
+    transport: Any,
+) -> None:
     if type(storage_units) is not int or storage_units < 1:
         raise SchemaError(f"storage_units: expected an int >= 1, got {storage_units!r}")
-    if (not isinstance(tasks, (tuple, list)) or not tasks
-            or not all(isinstance(t, str) and t for t in tasks) or len(set(tasks)) != len(tasks)):
+    if (
+        not isinstance(tasks, (tuple, list))
+        or not tasks
+        or not all(isinstance(t, str) and t for t in tasks)
+        or len(set(tasks)) != len(tasks)
+    ):
         raise SchemaError(f"tasks: expected distinct non-empty task names, got {tasks!r}")
     for name, value in (("capacity", capacity), ("max_partitions", max_partitions)):
         if value is not None and (type(value) is not int or value < 1):
@@ -204,6 +224,6 @@ def _read(path: Path) -> Any:
     at = 8 + 8 * count
     frames = []
     for n in sizes:
-        frames.append(view[at:at + n])
+        frames.append(view[at : at + n])
         at += n
     return wire_decode(frames)

@@ -15,7 +15,7 @@ import msgspec
 
 from ._errors import SchemaError
 
-__all__ = ["Sampler", "Sequential", "GrpoGroups", "SeqlenBalanced", "sampler_from"]
+__all__ = ["GrpoGroups", "Sampler", "SeqlenBalanced", "Sequential", "sampler_from"]
 
 Meta = Callable[[int, str], Any]  # (index, key) -> that sample's meta value
 
@@ -108,7 +108,7 @@ def sampler_from(value: Any) -> Sampler:
         return value
     if isinstance(value, dict):
         try:
-            return msgspec.convert(value, Sampler)  # type: ignore[arg-type]
+            return msgspec.convert(value, Sampler)
         except msgspec.ValidationError as e:
             raise SchemaError(f"sampler: {e}") from None
     if value == "sequential":

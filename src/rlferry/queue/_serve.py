@@ -55,8 +55,12 @@ def serve_queue(
     try:
         for i in range(storage_units):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_run_unit, args=(_unit_address(bind), secret, child),
-                               name=f"rlferry-storage-{i}", daemon=True)
+            proc = ctx.Process(
+                target=_run_unit,
+                args=(_unit_address(bind), secret, child),
+                name=f"rlferry-storage-{i}",
+                daemon=True,
+            )
             proc.start()
             procs.append(proc)
             if not parent.poll(120):
@@ -64,8 +68,14 @@ def serve_queue(
             units.append(parent.recv())
 
         async def main() -> None:
-            ctrl = Controller(tasks, units, capacity=capacity, max_partitions=max_partitions,
-                              lease_timeout=lease_timeout, secret=secret)
+            ctrl = Controller(
+                tasks,
+                units,
+                capacity=capacity,
+                max_partitions=max_partitions,
+                lease_timeout=lease_timeout,
+                secret=secret,
+            )
             srv = Server(ctrl.handle, bind, secret=secret)
             print(f"controller {await srv.start()}", flush=True)
             for i, (proc, address) in enumerate(zip(procs, units, strict=True)):

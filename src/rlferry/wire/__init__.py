@@ -31,6 +31,6 @@ __all__ = [
     "default_address",
     "encode",
     "is_local",
-    "wire_loop",
     "shared_empty",
+    "wire_loop",
 ]

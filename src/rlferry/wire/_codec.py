@@ -334,10 +334,13 @@ class _Decoding:
             or int(offsets[0]) != 0
             or int(offsets[-1]) != rows
             or bool((offsets[1:] < offsets[:-1]).any())
-            or node[2] < 1
+            or not 1 <= node[2] <= values.dim()
         ):
             raise WireError("malformed message: jagged offsets do not describe the values")
-        return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=node[2])
+        try:
+            return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=node[2])
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise WireError(f"malformed message: jagged tensor does not build ({e})") from None
 
     def ndarray(self, node: Any) -> Any:
         import numpy as np

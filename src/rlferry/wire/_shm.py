@@ -330,6 +330,6 @@ def shared_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
     seg = exports.segment(nbytes)
     holder = (ctypes.c_char * nbytes).from_address(seg.base)
-    holder._rlferry_keep = (seg, exports.use(seg))
+    holder._rlferry_keep = (seg, exports.use(seg))  # type: ignore[attr-defined]
     flat = torch.frombuffer(memoryview(holder).cast("B"), dtype=torch.uint8)
     return flat.view(dtype).reshape(tuple(shape))

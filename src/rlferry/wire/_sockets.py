@@ -301,6 +301,7 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: _Releases | None = None
+        self._gone: PeerGone | None = None
         self._closed = False
 
     def _connect(self) -> zmq.asyncio.Socket:
@@ -317,7 +318,9 @@ class AsyncClient:
             sock.curve_serverkey = keys.server_public
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         sock.connect(self.address)
         self._sock = sock
         self._releases = _Releases(self._send_release)
@@ -370,13 +373,17 @@ class AsyncClient:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._gone = None
+                    continue
                 exports.peer_gone(self._key)
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self._fail_all(PeerGone(f"{self.address} refused our key (wrong secret?)"))
+                    self._gone = PeerGone(f"{self.address} refused our key (wrong secret?)")
                 else:
-                    self._fail_all(
-                        PeerGone(f"{self.address} disconnected (the server closed or died)")
+                    self._gone = PeerGone(
+                        f"{self.address} disconnected (the server closed or died)"
                     )
+                self._fail_all(self._gone)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
         finally:
@@ -400,6 +407,8 @@ class AsyncClient:
         """
         frames = encode(value)
         sock = self._connect()
+        if self._gone is not None:  # fail fast until the server is back (zmq reconnects)
+            raise self._gone
         desc = b""
         if self._shm:
             desc, frames = pack_bulk(frames, self._key)

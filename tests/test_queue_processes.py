@@ -1,0 +1,147 @@
+"""The queue across processes: dead consumers lose nothing, dead services make clients raise."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlferry.queue import GetTimeout, Queue, ServiceGone
+
+
+def _consume_and_hang(address, conn):
+    c = Queue.connect(address).client()
+    b = c.get("p", task="train", batch_size=2, fields=["x"], timeout=30)
+    conn.send(b.indexes)
+    conn.recv()  # killed here, mid-batch, before any ack
+
+
+def test_consumer_killed_mid_batch_loses_nothing():
+    with Queue.start(storage_units=2, tasks=("train",), lease_timeout=1.0) as q:
+        c = q.client()
+        c.put("p", {"x": torch.arange(4.0)})
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_consume_and_hang, args=(q.address, child), daemon=True)
+        proc.start()
+        assert parent.poll(60)
+        taken = parent.recv()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        seen = []
+        for _ in range(2):  # the other 2 now, the dead consumer's 2 once its lease expires
+            b = c.get("p", task="train", batch_size=2, fields=["x"], timeout=10)
+            seen += b.indexes
+            c.ack(b)
+        assert sorted(seen) == [0, 1, 2, 3] and set(taken) <= set(seen)
+        assert c.statistics()["samples_held"] == 0
+
+
+@pytest.fixture
+def served():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlferry.cli",
+            "serve",
+            "queue",
+            "--storage-units",
+            "2",
+            "--tasks",
+            "train",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines = [proc.stdout.readline() for _ in range(3)]
+    assert lines[0].startswith("controller ")
+    address = lines[0].split()[1]
+    units = [int(line.split()[3]) for line in lines[1:]]
+    yield proc, address, units
+    proc.terminate()
+    proc.wait(20)
+
+
+def test_served_queue_puts_and_gets_across_processes(served):
+    _, address, _ = served
+    with Queue.connect(address).client() as c:
+        idx = c.put("p", {"x": torch.randn(8, 1024), "s": list("abcdefgh")})
+        b = c.get("p", task="train", batch_size=8, fields=["x", "s"], timeout=10)
+        assert b.indexes == idx and b.data["s"] == list("abcdefgh")
+
+
+def test_killed_storage_unit_makes_clients_raise_not_hang(served):
+    _, address, units = served
+    with Queue.connect(address).client() as c:
+        c.put("p", {"x": torch.arange(4.0)})
+        os.kill(units[1], signal.SIGKILL)
+        time.sleep(0.5)  # allowed: lets the kernel close the dead unit's sockets
+        t0 = time.monotonic()
+        with pytest.raises(ServiceGone):
+            c.get("p", task="train", batch_size=4, fields=["x"], timeout=5)
+        with pytest.raises(ServiceGone):
+            c.put("q", {"x": torch.arange(4.0)}, timeout=5)
+        assert time.monotonic() - t0 < 90
+
+
+def test_killed_controller_wakes_a_waiting_get(served):
+    proc, address, _ = served
+    with Queue.connect(address).client() as c:
+        c.put("p", {"x": torch.arange(1.0)})
+        from rlferry.wire import wire_loop
+
+        fut = wire_loop().submit(
+            c._client.get("p", task="train", batch_size=4, fields=["x"], timeout=60)
+        )
+        time.sleep(0.3)  # allowed: lets the get park at the controller
+        proc.send_signal(signal.SIGKILL)
+        with pytest.raises(ServiceGone, match="disconnected"):
+            fut.result(timeout=30)
+
+
+def _dist_rank(rank, address, port, conn):
+    import torch.distributed as dist
+
+    from rlferry.queue import get_broadcast
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    client = Queue.connect(address).client() if rank == 0 else None
+    b = get_broadcast(client, "p", src=0, task="train", batch_size=3, fields=["x", "s"], timeout=30)
+    conn.send([b.indexes, b.data["x"].tolist(), b.data["s"], b.meta])
+    dist.destroy_process_group()
+
+
+def test_get_broadcast_gives_every_rank_the_source_ranks_batch():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with Queue.start(storage_units=1, tasks=("train",)) as q:
+        q.client().put("p", {"x": torch.arange(3.0), "s": ["a", "b", "c"]}, meta={"g": [1, 2, 3]})
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        procs = [
+            ctx.Process(target=_dist_rank, args=(r, q.address, port, pipes[r][1]), daemon=True)
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        got = []
+        for parent, _ in pipes:
+            assert parent.poll(120)
+            got.append(parent.recv())
+        for p in procs:
+            p.join(30)
+        assert got[0] == got[1] == [[0, 1, 2], [0.0, 1.0, 2.0], ["a", "b", "c"], {"g": [1, 2, 3]}]
+
+
+def test_get_timeout_on_a_served_queue(served):
+    _, address, _ = served
+    with Queue.connect(address).client() as c, pytest.raises(GetTimeout):
+        c.get("nothing", task="train", batch_size=1, fields=["x"], timeout=0.3)
