@@ -1,0 +1,25 @@
+"""The weight plane: stream a trainer's weights to inference engines.
+
+One sender per group of receivers; the bytes move over a transport (``shm``,
+``cuda_ipc`` or ``broadcast``), the control messages over the wire::
+
+    sender = WeightSender(group="rollout", transport="shm", receivers=2)
+    recv = WeightReceiver(group="rollout", address=sender.address, load=fn).start()
+    report = sender.push(model.state_dict().items(), version=7, timeout=60)
+"""
+
+from ._errors import WeightSyncError
+from ._plan import TensorSpec
+from ._receiver import WeightReceiver
+from ._report import PushReport, ReceiverStatistics, SenderStatistics
+from ._sender import WeightSender
+
+__all__ = [
+    "PushReport",
+    "ReceiverStatistics",
+    "SenderStatistics",
+    "TensorSpec",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+]

@@ -1,0 +1,283 @@
+"""The sender's control service: who the receivers are and what each must do next.
+
+It runs on the process's wire loop. Every receiver keeps one request parked
+here (a long poll); the push, running in the caller's thread, moves the state
+forward (plan, bucket k ready, abort) and every parked request whose receiver
+can act on it is answered at once. The push waits for acknowledgements on an
+event that every ack, failure and disconnect sets: nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import WeightSyncError
+from ._messages import (
+    ABORTED,
+    DONE,
+    IDLE,
+    PLAN,
+    Abort,
+    Ack,
+    Bucket,
+    Join,
+    Setup,
+    Stream,
+    Welcome,
+    decode_request,
+    encode,
+)
+
+__all__ = ["Hub", "Member", "Push"]
+
+
+class Member:
+    """One receiver, as the sender sees it."""
+
+    def __init__(self, key: bytes, join: Join) -> None:
+        self.key = key
+        self.name = join.name
+        self.where = f"pid {join.pid} on {join.host}"
+        self.verify = join.verify
+        self.parked: asyncio.Future[Any] | None = None
+        self.plan = ""  # fingerprint of the plan it holds
+        self.generation = -1  # of the transport buffers (or group) it attached
+        self.seq = 0  # the push it takes part in
+        self.step = IDLE
+        self.error: str | None = None
+        self.gone = False
+        self.sent_setup = False
+        self.handles: list[bytes] = []
+        self.checksums: list[int] = []
+
+    @property
+    def idle(self) -> bool:
+        return self.parked is not None and not self.parked.done() and not self.gone
+
+    @property
+    def settled(self) -> bool:
+        return self.gone or self.error is not None or self.step in (DONE, ABORTED)
+
+
+@dataclass
+class Push:
+    seq: int
+    version: int
+    plan: dict[str, Any] | None  # the plan to send to members that need it
+    fingerprint: str
+    members: list[Member]
+    setups: dict[bytes, dict[str, Any]]  # key -> transport descriptor, for members that need setup
+    collective: bool
+    verify: bool
+    ready: int = 0  # buckets announced
+    streaming: bool = False
+    aborted: str | None = None
+    checksums: list[int | None] = field(default_factory=list)
+
+
+class Hub:
+    """Membership and dispatch; every method runs on the wire loop."""
+
+    def __init__(self, group: str, transport: str) -> None:
+        self.group = group
+        self.transport = transport
+        self.members: dict[bytes, Member] = {}
+        self.push: Push | None = None
+        self._changed = asyncio.Event()
+        self.on_leave: Callable[[bytes], None] = lambda key: None
+
+    # -- requests ---------------------------------------------------------------
+    async def handle(self, value: Any, peer: bytes) -> bytes:
+        msg = decode_request(value)
+        if isinstance(msg, Join):
+            if msg.group != self.group:
+                raise WeightSyncError(
+                    f"group: expected {self.group!r} (this sender's), got {msg.group!r}"
+                )
+            if msg.transport and msg.transport != self.transport:
+                raise WeightSyncError(
+                    f"transport: the sender of group {self.group!r} uses {self.transport!r}, "
+                    f"the receiver asked for {msg.transport!r}"
+                )
+            old = self.members.pop(peer, None)
+            if old is not None:
+                self._leave(old, "joined again")
+            self.members[peer] = Member(peer, msg)
+            self._changed.set()
+            return encode(Welcome(self.group, self.transport))
+        m = self.members.get(peer)
+        if m is None:
+            raise WeightSyncError("unknown receiver: join first")
+        self._acked(m, msg)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        m.parked = fut
+        self._dispatch(m)
+        self._changed.set()
+        try:
+            return encode(await fut)
+        finally:
+            if m.parked is fut:
+                m.parked = None
+
+    def _acked(self, m: Member, ack: Ack) -> None:
+        p = self.push
+        if p is None or ack.seq != p.seq or m.seq != p.seq:
+            return  # an ack of an older push (a receiver that was late), or idle
+        if ack.error is not None and m.error is None:
+            m.error = ack.error
+        if ack.step == PLAN:
+            m.sent_setup = False
+            if ack.error is None:
+                m.plan, m.handles = p.fingerprint, ack.handles
+                m.generation = p.setups.get(m.key, {}).get("generation", m.generation)
+        if ack.step > m.step or ack.step == ABORTED:
+            m.step = ack.step
+        if ack.checksums:
+            m.checksums = ack.checksums
+
+    def disconnected(self, peer: bytes) -> None:
+        m = self.members.pop(peer, None)
+        if m is not None:
+            self._leave(m, "disconnected (its process died or it closed its receiver)")
+
+    def _leave(self, m: Member, reason: str) -> None:
+        m.gone = True
+        if m.error is None and self.push is not None and m in self.push.members:
+            m.error = reason
+        if m.parked is not None and not m.parked.done():
+            m.parked.cancel()
+        self.on_leave(m.key)
+        self._changed.set()
+
+    # -- dispatch -----------------------------------------------------------------
+    def _dispatch(self, m: Member) -> None:
+        if not m.idle:
+            return
+        p = self.push
+        if p is None or m.seq != p.seq or m.error is not None or m not in p.members:
+            return
+        assert m.parked is not None
+        if p.aborted is not None:
+            if m.step not in (DONE, ABORTED):
+                m.parked.set_result(Abort(p.seq, p.aborted))
+            return
+        if m.step < PLAN:
+            if not m.sent_setup and m.key in p.setups:
+                m.sent_setup = True
+                plan = p.plan if m.plan != p.fingerprint else {"same": p.fingerprint}
+                m.parked.set_result(Setup(p.seq, plan or {}, p.setups[m.key]))
+            return
+        if not p.streaming or m.step == DONE:
+            return
+        if p.collective:
+            if m.step == PLAN:
+                m.parked.set_result(Stream(p.seq, p.version, p.verify))
+            return
+        nxt = m.step + 1
+        if nxt < p.ready:
+            m.parked.set_result(Bucket(p.seq, p.version, nxt, p.checksums[nxt]))
+
+    def _dispatch_all(self) -> None:
+        if self.push is not None:
+            for m in self.push.members:
+                self._dispatch(m)
+
+    async def until(self, pred: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``pred()`` holds (re-checked on every change); False at the deadline."""
+        while not pred():
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return pred()
+        return True
+
+    # -- a push, step by step (called from the pushing thread through the loop) -----------
+    async def begin(
+        self, push_args: dict[str, Any], wait_for: int, deadline: float
+    ) -> list[Member]:
+        """The members that take part: every idle one (the first push waits for ``wait_for``)."""
+
+        def enough() -> bool:
+            return sum(m.idle for m in self.members.values()) >= wait_for
+
+        if not await self.until(enough, deadline):
+            have = sum(m.idle for m in self.members.values())
+            raise WeightSyncError(
+                f"push of version {push_args['version']}: {have} of {wait_for} receivers joined "
+                f"group {self.group!r} in time (receivers join with WeightReceiver(..., "
+                f"address=sender.address).start())"
+            )
+        members = [m for m in self.members.values() if m.idle]
+        for m in members:
+            m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
+            m.step = IDLE
+        return members
+
+    async def start(self, push: Push) -> None:
+        """Send the plan (and buffers or group) to the members that need it."""
+        self.push = push
+        for m in push.members:
+            if m.key not in push.setups:
+                m.step = PLAN
+        self._dispatch_all()
+
+    async def planned(self, deadline: float) -> list[Member]:
+        """Wait for every plan acknowledgement; the members that failed (rejected, gone, late)."""
+        p = self.push
+        assert p is not None
+        await self.until(lambda: all(m.step >= PLAN or m.settled for m in p.members), deadline)
+        self._late(p, "no acknowledgement of the plan", PLAN)
+        return [m for m in p.members if m.error is not None]
+
+    async def stream(self) -> None:
+        assert self.push is not None
+        self.push.streaming = True
+        self._dispatch_all()
+
+    def announce(self, k: int, checksum: int | None) -> None:
+        p = self.push
+        assert p is not None
+        p.checksums.append(checksum)
+        p.ready = k + 1
+        self._dispatch_all()
+
+    async def free(self, k: int, deadline: float) -> list[bytes]:
+        """Wait until every member acknowledged bucket ``k``; the keys of those that read it."""
+        p = self.push
+        assert p is not None
+        await self.until(lambda: all(m.step >= k or m.settled for m in p.members), deadline)
+        self._late(p, f"no acknowledgement of bucket {k}", k)
+        return [m.key for m in p.members if m.error is None]
+
+    async def finish(self, deadline: float) -> Push:
+        p = self.push
+        assert p is not None
+        await self.until(lambda: all(m.settled for m in p.members), deadline)
+        self._late(p, "did not finish", DONE)
+        return p
+
+    async def abort(self, reason: str, deadline: float) -> None:
+        """Tell the members to drop this push; wait (until the deadline) for them to let go."""
+        p = self.push
+        if p is None:
+            return
+        p.aborted = reason
+        self._dispatch_all()
+        await self.until(lambda: all(m.settled for m in p.members), deadline)
+
+    def _late(self, p: Push, what: str, step: int) -> None:
+        for m in p.members:
+            if not m.settled and m.step < step:
+                m.error = f"{what} within the push's timeout"
+                m.seq = -1  # later acks of this push are ignored
+
+    def done(self) -> None:
+        self.push = None

@@ -1,0 +1,110 @@
+"""The control messages between a sender and its receivers: tagged, frozen structs.
+
+Receivers are clients of the sender's wire service and long-poll it: each
+request reports what the receiver finished (``Ack``) and is answered with the
+next thing to do, parked at the sender until there is one. Tensor data never
+travels in these messages: it lies in the transport's buffers.
+
+    receiver                              sender
+    Join  ─────────────────────────────▶  Welcome (or an error: wrong group, transport)
+    Ack(idle) ─────────────────────────▶  ... parked until a push ...
+              ◀─────────────────────────  Setup (plan, buffers or group)   first time only
+    Ack(plan) ─────────────────────────▶  Bucket 0        (shm, cuda_ipc: one per bucket)
+    Ack(0)    ─────────────────────────▶  Bucket 1 ...    or Stream (broadcast: all at once)
+    Ack(done) ─────────────────────────▶  ... parked until the next push ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "ABORTED",
+    "DONE",
+    "IDLE",
+    "PLAN",
+    "Abort",
+    "Ack",
+    "Bucket",
+    "Join",
+    "Setup",
+    "Stream",
+    "Welcome",
+    "decode_reply",
+    "decode_request",
+    "encode",
+]
+
+# Ack.step: what the receiver finished in push ``seq``; 0, 1, ... are buckets.
+IDLE = -4  # nothing (just joined, or between pushes)
+ABORTED = -3  # dropped an aborted push
+PLAN = -1  # validated the plan and attached the buffers or group
+DONE = 1 << 40  # loaded every bucket and committed
+
+
+class Join(msgspec.Struct, frozen=True, tag="join"):
+    group: str
+    transport: str
+    name: str
+    host: str
+    pid: int
+    verify: bool = False  # wants a checksum of every bucket
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    seq: int
+    step: int
+    error: str | None = None
+    handles: list[bytes] = []  # cuda_ipc: the receiver's interprocess events, with Ack(PLAN)
+    checksums: list[int] = []
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+    group: str
+    transport: str
+
+
+class Setup(msgspec.Struct, frozen=True, tag="setup"):
+    seq: int
+    plan: dict[str, Any]
+    transport: dict[str, Any]  # the buffers to map, or the group to join
+
+
+class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
+    seq: int
+    version: int
+    index: int
+    checksum: int | None = None
+
+
+class Stream(msgspec.Struct, frozen=True, tag="stream"):
+    seq: int
+    version: int
+    verify: bool = False  # a last collective carries every bucket's checksum
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    seq: int
+    reason: str
+
+
+Request = Join | Ack
+Reply = Welcome | Setup | Bucket | Stream | Abort
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: Any) -> Join | Ack:
+    return _requests.decode(data)
+
+
+def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort:
+    return _replies.decode(data)

@@ -1,0 +1,144 @@
+"""Packing: pushed tensors into bucket buffers (sender), bucket views out to ``load`` (receiver).
+
+Both sides precompute, once per plan and set of buffers, the views of every
+bucket (a typed view per whole tensor, a byte view per piece of a split one),
+so a push costs the copies and not the building of thousands of views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ._errors import WeightSyncError
+from ._plan import Plan, iterate_checked
+from .transports._base import SenderTransport
+
+__all__ = ["Packer", "Unpacker", "bucketed"]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def bucketed(
+    plan: Plan, named: Iterable[Any], checked: bool
+) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
+    """``(k, {tensor index: tensor})`` for each bucket, as soon as its last tensor came."""
+    last_of = [0] * plan.buckets  # the last tensor with a chunk in bucket k
+    first_of: dict[int, int] = {}  # tensor -> its first bucket
+    last_bucket: dict[int, int] = {}  # tensor -> its last bucket
+    for c in plan.chunks:
+        last_of[c.bucket] = max(last_of[c.bucket], c.tensor)
+        first_of.setdefault(c.tensor, c.bucket)
+        last_bucket[c.tensor] = c.bucket
+    pending: dict[int, torch.Tensor] = {}
+    k = 0
+    pairs = iterate_checked(plan, named) if checked else _indexed(plan, named)
+    for i, t in pairs:
+        pending[i] = t
+        while k < plan.buckets and last_of[k] <= i:
+            yield k, {j: pending[j] for j in _tensors_in(plan, k, first_of, last_bucket, pending)}
+            for j in [j for j in pending if last_bucket[j] <= k]:
+                del pending[j]
+            k += 1
+
+
+def _tensors_in(
+    plan: Plan,
+    k: int,
+    first_of: dict[int, int],
+    last_bucket: dict[int, int],
+    pending: dict[int, Any],
+) -> list[int]:
+    return [j for j in pending if first_of[j] <= k <= last_bucket[j]]
+
+
+def _indexed(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tensor]]:
+    n = len(plan.specs)
+    i = -1
+    for i, (_, t) in enumerate(named):
+        if i >= n:
+            raise WeightSyncError(f"the push yielded more tensors than the {n} of its layout")
+        yield i, t
+    if i + 1 != n:
+        raise WeightSyncError(f"the push yielded {i + 1} tensors, its layout has {n}")
+
+
+class Packer:
+    """The sender's precomputed destination views, per bucket."""
+
+    def __init__(self, plan: Plan, transport: SenderTransport, device: torch.device) -> None:
+        self.generation = transport.generation
+        self.plan = plan
+        split = plan.split()
+        self._whole: list[tuple[list[torch.Tensor], list[int]]] = []
+        self._parts: list[list[tuple[torch.Tensor, int, int, int]]] = []
+        for k, chunks in enumerate(plan.by_bucket()):
+            buf = transport.buffer(k % 2)
+            dsts, idx, parts = [], [], []
+            for c in chunks:
+                region = buf[c.offset : c.offset + c.length]
+                if c.tensor in split or c.length < plan.specs[c.tensor].nbytes:
+                    parts.append((region, c.tensor, c.start, c.length))
+                else:
+                    spec = plan.specs[c.tensor]
+                    dsts.append(region.view(spec.dtype).view(spec.shape))
+                    idx.append(c.tensor)
+            self._whole.append((dsts, idx))
+            self._parts.append(parts)
+
+    @torch.no_grad()
+    def pack(self, k: int, tensors: dict[int, torch.Tensor]) -> None:
+        dsts, idx = self._whole[k]
+        if dsts:
+            torch._foreach_copy_(dsts, [tensors[i] for i in idx])
+        for region, i, start, length in self._parts[k]:
+            region.copy_(_bytes_of(tensors[i])[start : start + length])
+
+
+class Unpacker:
+    """The receiver's precomputed views, per bucket: what ``load`` gets.
+
+    Whole tensors are views of the bucket buffer. A split tensor's pieces are
+    copied into a staging tensor (made once per plan), handed to ``load`` with
+    the bucket that completes it.
+    """
+
+    def __init__(self, plan: Plan, buffers: list[torch.Tensor]) -> None:
+        self.plan = plan
+        split = plan.split()
+        device = buffers[0].device
+        staging = {
+            i: torch.empty(plan.specs[i].nbytes, dtype=torch.uint8, device=device) for i in split
+        }
+        last_bucket = {c.tensor: c.bucket for c in plan.chunks}
+        self.loads: list[list[tuple[str, torch.Tensor]]] = []
+        self.parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.bytes: list[int] = []
+        for k, chunks in enumerate(plan.by_bucket()):
+            buf = buffers[k % 2]
+            items, parts, nbytes = [], [], 0
+            for c in chunks:
+                spec = plan.specs[c.tensor]
+                region = buf[c.offset : c.offset + c.length]
+                if c.tensor in split:
+                    parts.append((staging[c.tensor][c.start : c.start + c.length], region))
+                    if last_bucket[c.tensor] == k:
+                        whole = staging[c.tensor].view(spec.dtype).view(spec.shape)
+                        items.append((spec.name, whole))
+                        nbytes += spec.nbytes
+                else:
+                    items.append((spec.name, region.view(spec.dtype).view(spec.shape)))
+                    nbytes += spec.nbytes
+            self.loads.append(items)
+            self.parts.append(parts)
+            self.bytes.append(nbytes)
+
+    @torch.no_grad()
+    def stage(self, k: int) -> None:
+        """Copy bucket ``k``'s pieces of split tensors into their staging tensors."""
+        for dst, src in self.parts[k]:
+            dst.copy_(src)

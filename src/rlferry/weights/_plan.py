@@ -1,0 +1,271 @@
+"""The plan: where every tensor of a push lies in the bucket stream.
+
+A plan is built by the sender from the names, shapes and dtypes of the pushed
+tensors (no data) and a bucket size. Tensors are laid out in order, each at a
+256-byte aligned offset of its bucket; a tensor that does not fit the rest of
+a bucket starts the next one, and a tensor larger than a bucket is split into
+pieces over consecutive buckets (the receiver joins them before ``load``).
+Receivers get the plan once and validate it before any bucket moves; later
+pushes with the same layout only say "bucket k is ready".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ._errors import WeightSyncError
+
+__all__ = ["ALIGN", "Chunk", "Plan", "TensorSpec", "check_against", "dtype_from_name"]
+
+ALIGN = 256
+_SHOWN = 3  # differing tensors named in an error before "and N more"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"malformed plan: unknown dtype {name!r}")
+    return dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's name, shape and dtype: what a receiver checks."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def describe(self) -> str:
+        return f"shape {list(self.shape)} {dtype_name(self.dtype)}"
+
+
+class Chunk(NamedTuple):
+    """Bytes ``[start, start + length)`` of tensor ``tensor``, at ``offset`` of ``bucket``."""
+
+    tensor: int
+    start: int
+    length: int
+    bucket: int
+    offset: int
+
+
+def named_pair(item: Any, index: int) -> tuple[str, Any]:
+    """``item`` as a ``(name, tensor)`` pair, or an error naming what came."""
+    try:
+        name, tensor = item
+    except (TypeError, ValueError):
+        raise WeightSyncError(
+            f"named tensor {index}: expected a (str, torch.Tensor) pair, got {type(item).__name__}"
+        ) from None
+    if not isinstance(name, str) or not hasattr(tensor, "shape") or not hasattr(tensor, "dtype"):
+        spec_of(name, tensor, index)  # raises, naming what came
+    return name, tensor
+
+
+def spec_of(name: Any, tensor: Any, index: int) -> TensorSpec:
+    if not isinstance(name, str) or not hasattr(tensor, "shape") or not hasattr(tensor, "dtype"):
+        raise WeightSyncError(
+            f"named tensor {index}: expected a (str, torch.Tensor) pair, got "
+            f"({type(name).__name__}, {type(tensor).__name__})"
+        )
+    return TensorSpec(name, tuple(int(d) for d in tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layout of one push: tensor specs, their chunks in order, the buckets' used bytes."""
+
+    specs: tuple[TensorSpec, ...]
+    chunks: tuple[Chunk, ...]
+    bucket_used: tuple[int, ...]  # bytes of each bucket up to its last chunk's end, aligned
+    bucket_bytes: int
+    fingerprint: str
+
+    @classmethod
+    def build(cls, specs: Iterable[TensorSpec], bucket_bytes: int) -> Plan:
+        specs = tuple(specs)
+        if not specs:
+            raise WeightSyncError("push: expected at least one named tensor, got none")
+        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
+            raise WeightSyncError(
+                f"bucket_bytes: expected a positive multiple of {ALIGN}, got {bucket_bytes}"
+            )
+        seen: set[str] = set()
+        for s in specs:
+            if s.name in seen:
+                raise WeightSyncError(
+                    f"tensor `{s.name}` is pushed twice (every name of one push must be unique)"
+                )
+            seen.add(s.name)
+        chunks: list[Chunk] = []
+        used: list[int] = [0]
+        for i, s in enumerate(specs):
+            n = s.nbytes
+            at = used[-1]
+            if at > 0 and at + n > bucket_bytes and (n <= bucket_bytes or at >= bucket_bytes):
+                used.append(0)  # it fits a bucket of its own (or this one is full): the next one
+                at = 0
+            start = 0
+            while True:
+                length = min(n - start, bucket_bytes - at)
+                chunks.append(Chunk(i, start, length, len(used) - 1, at))
+                used[-1] = _aligned(at + length)
+                start += length
+                if start >= n:
+                    break
+                used.append(0)
+                at = 0
+        h = hashlib.sha256(str(bucket_bytes).encode())
+        for s in specs:
+            h.update(f"\0{s.name}\0{s.shape}\0{s.dtype}".encode())
+        return cls(specs, tuple(chunks), tuple(used), bucket_bytes, h.hexdigest()[:16])
+
+    @property
+    def buckets(self) -> int:
+        return len(self.bucket_used)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The size a bucket buffer needs: the largest bucket."""
+        return max(self.bucket_used, default=0) or ALIGN
+
+    def by_bucket(self) -> list[list[Chunk]]:
+        out: list[list[Chunk]] = [[] for _ in self.bucket_used]
+        for c in self.chunks:
+            out[c.bucket].append(c)
+        return out
+
+    def split(self) -> set[int]:
+        """Indices of the tensors that lie in more than one chunk."""
+        return {c.tensor for c in self.chunks if c.start > 0}
+
+    # -- on the wire -----------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        flat: list[int] = []
+        for c in self.chunks:
+            flat += c
+        return {
+            "names": [s.name for s in self.specs],
+            "shapes": [list(s.shape) for s in self.specs],
+            "dtypes": [dtype_name(s.dtype) for s in self.specs],
+            "chunks": flat,
+            "used": list(self.bucket_used),
+            "bucket_bytes": self.bucket_bytes,
+            "fingerprint": self.fingerprint,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Plan:
+        try:
+            names, shapes, dtypes = d["names"], d["shapes"], d["dtypes"]
+            if not (len(names) == len(shapes) == len(dtypes)):
+                raise ValueError
+            specs = tuple(
+                TensorSpec(str(n), tuple(int(x) for x in sh), dtype_from_name(dt))
+                for n, sh, dt in zip(names, shapes, dtypes, strict=True)
+            )
+            flat = [int(x) for x in d["chunks"]]
+            chunks = tuple(Chunk(*flat[i : i + 5]) for i in range(0, len(flat), 5))
+            used = tuple(int(x) for x in d["used"])
+            plan = cls(specs, chunks, used, int(d["bucket_bytes"]), str(d["fingerprint"]))
+        except (KeyError, TypeError, ValueError):
+            raise WeightSyncError("malformed plan") from None
+        for c in chunks:
+            if not (
+                0 <= c.tensor < len(specs)
+                and 0 <= c.bucket < len(used)
+                and c.start >= 0
+                and c.length >= 0
+                and c.start + c.length <= specs[c.tensor].nbytes
+                and c.offset % ALIGN == 0
+                and c.offset + c.length <= used[c.bucket]
+            ):
+                raise WeightSyncError(f"malformed plan: chunk {tuple(c)} out of range")
+        return plan
+
+
+def check_against(
+    plan: Plan,
+    expected: Mapping[str, Any] | Callable[[list[TensorSpec]], None] | None,
+) -> str | None:
+    """Why ``plan`` does not fit the receiver's parameters, or None when it does.
+
+    ``expected`` maps names to tensors (or anything with ``shape`` and
+    ``dtype``); a callable gets the specs and raises to reject them.
+    """
+    if expected is None:
+        return None
+    if callable(expected):
+        try:
+            expected(list(plan.specs))
+        except Exception as e:
+            return f"the receiver's check raised {type(e).__name__}: {e}"
+        return None
+    bad: list[str] = []
+    for s in plan.specs:
+        want = expected.get(s.name)
+        if want is None:
+            bad.append(f"`{s.name}`: not a parameter of the receiver, got {s.describe()}")
+            continue
+        ws = TensorSpec(s.name, tuple(int(d) for d in want.shape), want.dtype)
+        if ws.shape != s.shape or ws.dtype != s.dtype:
+            bad.append(f"`{s.name}`: expected {ws.describe()}, got {s.describe()}")
+    if not bad:
+        return None
+    more = f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+    return (
+        f"{len(bad)} of {len(plan.specs)} tensors differ from the receiver's parameters: "
+        + "; ".join(bad[:_SHOWN])
+        + more
+    )
+
+
+def iterate_checked(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(index, tensor)`` for each pushed pair, each checked against the plan's spec."""
+    specs = plan.specs
+    i = -1
+    for i, item in enumerate(named):
+        name, tensor = named_pair(item, i)
+        if i >= len(specs):
+            raise WeightSyncError(
+                f"the push yielded more tensors than its layout: `{name}` after the "
+                f"{len(specs)} planned (pass the whole layout, or push a re-iterable)"
+            )
+        s = specs[i]
+        if name != s.name or tuple(tensor.shape) != s.shape or tensor.dtype != s.dtype:
+            got = spec_of(name, tensor, i)
+            raise WeightSyncError(
+                f"named tensor {i}: expected `{s.name}` {s.describe()} (the layout), "
+                f"got `{got.name}` {got.describe()}"
+            )
+        yield i, tensor
+    if i + 1 != len(specs):
+        raise WeightSyncError(
+            f"the push yielded {i + 1} tensors, its layout has {len(specs)} "
+            f"(the first missing is `{specs[i + 1].name}`)"
+        )

@@ -1,0 +1,345 @@
+"""The receiver: joins a sender's group, loads every bucket, commits whole versions."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rlferry.wire import ChannelClosed, Client, PeerGone, RemoteError, WireError
+
+from ._config import ReceiverConfig
+from ._errors import WeightSyncError
+from ._messages import (
+    ABORTED,
+    DONE,
+    IDLE,
+    PLAN,
+    Abort,
+    Ack,
+    Bucket,
+    Join,
+    Setup,
+    Stream,
+    Welcome,
+    decode_reply,
+    encode,
+)
+from ._pack import Unpacker
+from ._plan import Plan, TensorSpec, check_against
+from ._report import ReceiverStatistics
+from .transports import make_receiver
+from .transports._base import checksum
+
+__all__ = ["WeightReceiver"]
+
+log = logging.getLogger("rlferry.weights")
+_names = itertools.count()
+
+
+def _host_of(address: str) -> str:
+    rest = address.partition("://")[2]
+    host = rest.rpartition(":")[0] if address.startswith("tcp://") else ""
+    return host.strip("[]") if host and host not in ("*", "0.0.0.0") else "127.0.0.1"
+
+
+class WeightReceiver:
+    """Receives the pushes of one sender's group and hands each bucket to ``load``.
+
+    ``load(items)`` gets a list of ``(name, tensor)`` and must copy them into the
+    engine's parameters before returning (the tensors are views of a buffer
+    that the next bucket overwrites; on CUDA the copies may be queued on the
+    current stream, which rlferry waits for before the commit). ``version`` is
+    the last version whose every bucket was loaded and whose ``on_commit``
+    returned. ``expected`` (names to tensors, or a callable that raises on a
+    bad list of specs) validates the layout before any bucket moves.
+    ``verify`` checks a checksum of every bucket. ``device``: for broadcast, the
+    GPU of this receiver's buffers (default: the current CUDA device for NCCL).
+
+    End of life: :meth:`close` (the sender sees the receiver leave); a sender
+    that goes away leaves the receiver at its last version, waiting to rejoin.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        address: str,
+        load: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        device: Any = None,
+        on_commit: Callable[[int], Any] | None = None,
+        expected: Mapping[str, Any] | Callable[[list[TensorSpec]], None] | None = None,
+        verify: bool = False,
+        name: str | None = None,
+        secret: str | bytes | None = None,
+    ) -> None:
+        self.config = ReceiverConfig(
+            group=group,
+            address=address,
+            load=load,
+            device=device,
+            on_commit=on_commit,
+            expected=expected,
+            verify=verify,
+            name=name,
+            secret=secret,
+        )
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
+        self._transport_name = ""
+        self._transport: Any = None
+        self._client: Client | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._version: int | None = None
+        self._closed = False
+        self._plan: Plan | None = None
+        self._unpacker: Unpacker | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._counts = {"commits": 0, "failures": 0, "bytes": 0}
+        self._last_seconds = 0.0
+        self._last_error: str | None = None
+        self._push_start = 0.0
+        self._failed_seq = -1
+
+    # -- life ---------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> WeightReceiver:
+        """Join the sender's group (raises here if it refuses) and serve in the background.
+
+        Raises:
+            WeightSyncError: the sender refused (wrong group or transport) or did
+                not answer within ``timeout``.
+        """
+        if self._thread is not None:
+            raise WeightSyncError(f"receiver `{self.name}` is already started")
+        self._client = Client(self.config.address, secret=self.config.secret)
+        welcome = self._join(timeout)
+        self._transport_name = welcome.transport
+        self._transport = make_receiver(welcome.transport)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"rlferry-weights-{self.name}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _join(self, timeout: float | None) -> Welcome:
+        assert self._client is not None
+        c = self.config
+        join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify)
+        try:
+            reply = decode_reply(self._client.request(encode(join), timeout=timeout))
+        except RemoteError as e:
+            self._client.close()
+            raise WeightSyncError(
+                f"receiver `{self.name}` cannot join group {c.group!r} at {c.address}: {e.message}"
+            ) from None
+        except WireError as e:
+            self._client.close()
+            raise WeightSyncError(
+                f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
+            ) from None
+        assert isinstance(reply, Welcome)
+        return reply
+
+    @property
+    def version(self) -> int | None:
+        """The last version committed, or None before the first."""
+        return self._version
+
+    def wait_for(self, version: int, timeout: float | None = None) -> bool:
+        """Block until ``self.version >= version``; False if ``timeout`` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._version is not None and self._version >= version, timeout
+            )
+
+    def close(self) -> None:
+        """Leave the group; a push in progress sees this receiver gone."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is not None:
+            self._client.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30)
+        if self._transport is not None:
+            self._transport.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def statistics(self) -> ReceiverStatistics:
+        t = self._transport
+        return ReceiverStatistics(
+            group=self.config.group,
+            name=self.name,
+            version=self._version,
+            commits=self._counts["commits"],
+            failures=self._counts["failures"],
+            bytes_loaded=self._counts["bytes"],
+            last_push_seconds=self._last_seconds,
+            buffers_opened=getattr(t, "opened", 0),
+            groups_joined=getattr(t, "groups_joined", 0),
+            last_error=self._last_error,
+        )
+
+    # -- the loop -----------------------------------------------------------------
+    def _serve(self) -> None:
+        dev = self.config.device
+        if dev is not None and dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        ack = Ack(0, IDLE)
+        while not self._closed:
+            assert self._client is not None
+            try:
+                msg = decode_reply(self._client.request(encode(ack), timeout=None))
+            except ChannelClosed:
+                return
+            except (PeerGone, RemoteError) as e:
+                if self._closed:
+                    return
+                log.info("receiver %s: the sender went away (%s); joining again", self.name, e)
+                try:
+                    self._join(None)
+                except WeightSyncError:
+                    return
+                ack = Ack(0, IDLE)
+                continue
+            ack = self._handle(msg)
+
+    def _handle(self, msg: Any) -> Ack:
+        try:
+            if isinstance(msg, Setup):
+                return self._setup(msg)
+            if isinstance(msg, Bucket):
+                return self._bucket(msg)
+            if isinstance(msg, Stream):
+                return self._stream(msg)
+            if isinstance(msg, Abort):
+                self._drop_push()
+                return Ack(msg.seq, ABORTED)
+            return Ack(0, IDLE)
+        except Exception as e:
+            seq = getattr(msg, "seq", 0)
+            step = getattr(msg, "index", PLAN if isinstance(msg, Setup) else 0)
+            return self._failed(seq, step, f"{type(e).__name__}: {e}")
+
+    def _failed(self, seq: int, step: int, reason: str) -> Ack:
+        self._counts["failures"] += 1
+        self._last_error = reason
+        self._failed_seq = seq
+        log.warning("receiver %s: %s", self.name, reason)
+        return Ack(seq, step, error=reason)
+
+    def _drop_push(self) -> None:
+        self._push_start = 0.0
+
+    def _setup(self, msg: Setup) -> Ack:
+        self._push_start = time.perf_counter()
+        if "same" in msg.plan:
+            if self._plan is None or self._plan.fingerprint != msg.plan["same"]:
+                raise WeightSyncError("the sender assumed a plan this receiver does not hold")
+            plan = self._plan
+        else:
+            plan = Plan.from_wire(msg.plan)
+        why = check_against(plan, self.config.expected)
+        if why is not None:
+            return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
+        handles: list[bytes] = []
+        if self._transport_name == "broadcast":
+            self._transport.join(msg.transport, _host_of(self.config.address), self.config.device)
+            bufs = self._transport.buffers(plan.buffer_bytes)
+        else:
+            handles = self._transport.attach(msg.transport, self.config.device)
+            bufs = [self._transport.buffer(0), self._transport.buffer(1)]
+        if self._unpacker is None or self._unpacker.plan is not plan or self._bufs != bufs:
+            self._unpacker = Unpacker(plan, bufs)
+            self._bufs = bufs
+        self._plan = plan
+        return Ack(msg.seq, PLAN, handles=handles)
+
+    def _load(self, k: int) -> None:
+        u = self._unpacker
+        assert u is not None
+        u.stage(k)
+        items = u.loads[k]
+        if items:
+            self.config.load(items)
+        self._counts["bytes"] += u.bytes[k]
+
+    def _bucket(self, msg: Bucket) -> Ack:
+        plan, u, tr = self._plan, self._unpacker, self._transport
+        if plan is None or u is None:
+            raise WeightSyncError("a bucket came before the plan")
+        k = msg.index
+        if k == 0 and self._push_start == 0.0:
+            self._push_start = time.perf_counter()
+        b = k % 2
+        tr.before_load(b)
+        stream = getattr(tr, "stream", None)
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            if msg.checksum is not None and self.config.verify:
+                got = checksum(tr.buffer(b)[: plan.bucket_used[k]])
+                if got != msg.checksum:
+                    return self._failed(
+                        msg.seq, k, f"checksum mismatch in bucket {k} (the data arrived corrupt)"
+                    )
+            try:
+                self._load(k)
+            except Exception as e:
+                return self._failed(
+                    msg.seq, k, f"load raised {type(e).__name__}: {e} (at bucket {k} of "
+                    f"{plan.buckets}, version {msg.version})",
+                )  # fmt: skip
+        tr.after_load(b)
+        if k + 1 < plan.buckets:
+            return Ack(msg.seq, k)
+        tr.finish()
+        return self._commit(msg.seq, msg.version)
+
+    def _stream(self, msg: Stream) -> Ack:
+        plan = self._plan
+        if plan is None:
+            raise WeightSyncError("a stream came before the plan")
+        if self._push_start == 0.0:
+            self._push_start = time.perf_counter()
+
+        def on_bucket(k: int, buf: torch.Tensor) -> None:
+            self._load(k)
+
+        error = self._transport.stream(plan, on_bucket, msg.verify)
+        if error is not None:
+            return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
+        return self._commit(msg.seq, msg.version)
+
+    def _commit(self, seq: int, version: int) -> Ack:
+        if self.config.on_commit is not None:
+            try:
+                self.config.on_commit(version)
+            except Exception as e:
+                return self._failed(seq, DONE - 1, f"on_commit raised {type(e).__name__}: {e}")
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+        self._counts["commits"] += 1
+        self._last_seconds = time.perf_counter() - self._push_start
+        self._push_start = 0.0
+        return Ack(seq, DONE)
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,59 @@
+"""Frozen records: what a push did, and what a sender or receiver has done so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PushReport", "ReceiverStatistics", "SenderStatistics"]
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """One push: ``bytes`` of tensor data moved to each receiver in ``seconds``.
+
+    ``receivers`` names the receivers that committed ``version``; ``plan_sent``
+    says whether the layout travelled (first push, a new layout or a new receiver).
+    """
+
+    version: int
+    bytes: int
+    seconds: float
+    receivers: tuple[str, ...]
+    tensors: int
+    buckets: int
+    plan_sent: bool
+
+
+@dataclass(frozen=True)
+class SenderStatistics:
+    """A sender's counters. ``buffer_bytes``: its bucket buffers together."""
+
+    group: str
+    transport: str
+    address: str
+    receivers: int
+    pushes: int
+    failed_pushes: int
+    bytes_pushed: int
+    last_push_seconds: float
+    bucket_bytes: int
+    buffer_bytes: int
+    plans_sent: int
+    groups_formed: int
+
+
+@dataclass(frozen=True)
+class ReceiverStatistics:
+    """A receiver's counters. ``buffers_opened`` counts buffer mappings (shm) or
+    IPC handles (cuda_ipc) it opened: once per layout, not once per push."""
+
+    group: str
+    name: str
+    version: int | None
+    commits: int
+    failures: int
+    bytes_loaded: int
+    last_push_seconds: float
+    buffers_opened: int
+    groups_joined: int
+    last_error: str | None

@@ -1,0 +1,322 @@
+"""The sender: plans a push, packs buckets into the transport's buffers, collects the results."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rlferry.wire import Server, default_address, wire_loop
+
+from ._config import SenderConfig
+from ._errors import WeightSyncError
+from ._hub import Hub, Member, Push
+from ._pack import Packer, bucketed
+from ._plan import Plan, TensorSpec, named_pair
+from ._report import PushReport, SenderStatistics
+from .transports import make_sender
+from .transports._base import checksum
+
+__all__ = ["WeightSender"]
+
+_MiB = 1 << 20
+
+
+def default_bucket_bytes(device: torch.device, largest: int) -> int:
+    """Half of what the two buffers may take: 1/16 of free device memory within
+    [64 MiB, 1 GiB], raised to the largest tensor when that fits in 1/8 (no split);
+    64 MiB on the CPU (shm), where more buckets pipeline better."""
+    if device.type != "cuda":
+        return 64 * _MiB
+    free = torch.cuda.mem_get_info(device)[0]
+    bucket = min(1024 * _MiB, max(64 * _MiB, free // 16))
+    if bucket < largest <= free // 8:
+        bucket = largest
+    return -(-bucket // 256) * 256
+
+
+def _key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
+    """``(name, shape, dtype)`` of every pair: the layout, read without touching data."""
+    return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
+
+
+class WeightSender:
+    """Streams named tensors to the receivers of one group, bucket by bucket.
+
+    ``transport``: ``"shm"`` (CPU tensors, receivers on this host), ``"cuda_ipc"``
+    (CUDA tensors, receivers on the same GPU) or ``"broadcast"`` (a
+    ``torch.distributed`` group of the sender and its receivers: NCCL for CUDA
+    tensors, gloo for CPU ones). ``receivers``: how many receivers the first
+    push waits for; later pushes go to the receivers present (one that failed or
+    left is dropped, one that joins is added). ``bucket_bytes``: the size of each
+    of the two buffers (default: from free device memory). ``bind``: the control
+    address (default: a fresh ipc:// path, or tcp://127.0.0.1 for broadcast);
+    off-host binds need ``secret``. ``device``: where the buffers live (default:
+    the first pushed tensor's device).
+
+    A process may run one sender per group, each with its own transport.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        transport: str = "shm",
+        receivers: int = 1,
+        bucket_bytes: int | None = None,
+        bind: str | None = None,
+        device: Any = None,
+        secret: str | bytes | None = None,
+    ) -> None:
+        self.config = SenderConfig(
+            group=group,
+            transport=transport,
+            receivers=receivers,
+            bucket_bytes=bucket_bytes,
+            bind=bind,
+            device=device,
+            secret=secret,
+        )
+        self._loop = wire_loop()
+        self._transport = make_sender(transport, bind)
+        self._hub = self._loop.run(self._make_hub())
+        self._hub.on_leave = self._transport.receiver_left
+        bind = bind or default_address("tcp" if transport == "broadcast" else "ipc")
+        self._server = Server(
+            self._hub.handle, bind, secret=secret, on_disconnect=self._hub.disconnected
+        )
+        self.address: str = self._loop.run(self._server.start())
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._plan: Plan | None = None
+        self._key: list[tuple[str, Any, torch.dtype]] = []
+        self._packer: Packer | None = None
+        self._device: torch.device | None = self.config.device
+        self._first = True
+        self._closed = False
+        self._stats = {"pushes": 0, "failed": 0, "bytes": 0, "plans": 0}
+        self._last_seconds = 0.0
+
+    async def _make_hub(self) -> Hub:
+        return Hub(self.config.group, self.config.transport)
+
+    # -- the push -------------------------------------------------------------------
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        timeout: float = 60.0,
+        layout: Iterable[tuple[str, Any]] | None = None,
+    ) -> PushReport:
+        """Send every ``(name, tensor)`` to the group's receivers; returns when they committed.
+
+        ``named_tensors``: a ``state_dict().items()``, a list, or a generator (one
+        that gathers FSDP shards per bucket, say): tensors are packed in order
+        as they come. A re-iterable input is read once for its layout first; a
+        generator streams against the previous push's layout (its first push, or
+        a layout change, needs ``layout=``: the names with anything that has
+        ``.shape`` and ``.dtype``, else the generator is read whole first).
+
+        Raises:
+            WeightSyncError: a receiver rejected the plan (nothing moved), failed
+                (``failures`` names each with its reason; the others committed,
+                ``report`` says who), or the push did not finish in ``timeout``.
+            ValueError: ``version`` is not an int.
+        """
+        if type(version) is not int:
+            raise ValueError(f"push.version: expected an int, got {version!r}")
+        if self._closed:
+            raise WeightSyncError(f"sender of group {self.config.group!r} is closed")
+        with self._lock:
+            try:
+                return self._push(named_tensors, version, timeout, layout)
+            except WeightSyncError:
+                self._stats["failed"] += 1
+                raise
+
+    def _push(
+        self,
+        named: Iterable[Any],
+        version: int,
+        timeout: float,
+        layout: Iterable[tuple[str, Any]] | None,
+    ) -> PushReport:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        named, plan, checked = self._layout(named, layout)
+        seq = next(self._seq)
+        wait_for = self.config.receivers if self._first else 1
+        run = self._loop.run
+        members = run(self._hub.begin({"seq": seq, "version": version}, wait_for, deadline))
+        self._first = False
+        tr = self._transport
+        plan_sent = any(m.plan != plan.fingerprint for m in members)
+        setups = self._setups(members, plan, timeout)
+        verify = any(m.verify for m in members)
+        push = Push(
+            seq, version, plan.to_wire() if plan_sent else None, plan.fingerprint, members,
+            setups, tr.collective, verify,
+        )  # fmt: skip
+        run(self._hub.start(push))
+        try:
+            if tr.collective and setups:
+                tr.form(deadline)  # type: ignore[attr-defined]
+            rejected = run(self._hub.planned(deadline))
+            if rejected:
+                raise WeightSyncError(
+                    f"push of version {version}: {self._failures_text(rejected)}; no bucket moved",
+                    {m.name: m.error or "" for m in rejected},
+                )
+            if not tr.collective:
+                for m in members:
+                    if m.key in setups and m.error is None:
+                        tr.receiver_attached(m.key, m.handles)
+            run(self._hub.stream())
+            assert self._packer is not None
+            buckets = bucketed(plan, named, checked)
+            if tr.collective:
+                tr.stream(plan, buckets, self._packer, verify, deadline)  # type: ignore[attr-defined]
+            else:
+                self._stream_mailbox(plan, buckets, verify, deadline)
+            p = run(self._hub.finish(deadline))
+        except BaseException as e:
+            reason = f"the sender failed: {type(e).__name__}: {e}"
+            if tr.collective:
+                tr.broken()  # type: ignore[attr-defined]
+            run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
+            self._loop.loop.call_soon_threadsafe(self._hub.done)
+            if isinstance(e, WeightSyncError) and not e.failures:
+                raise WeightSyncError(
+                    f"push of version {version}: {e}", report=None
+                ) from e.__cause__
+            raise
+        self._loop.loop.call_soon_threadsafe(self._hub.done)
+        seconds = time.perf_counter() - t0
+        self._last_seconds = seconds
+        ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
+        failed = [m for m in p.members if m.error is not None]
+        report = PushReport(
+            version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, plan_sent
+        )
+        self._stats["pushes"] += 1
+        self._stats["bytes"] += plan.nbytes
+        if failed:
+            if tr.collective:
+                tr.broken()  # type: ignore[attr-defined]
+            committed = f"{len(ok)} committed it" if ok else "none committed it"
+            raise WeightSyncError(
+                f"push of version {version}: {self._failures_text(failed)}; {committed}",
+                {m.name: m.error or "" for m in failed},
+                report,
+            )
+        return report
+
+    def _failures_text(self, failed: list[Member]) -> str:
+        return "; ".join(f"receiver `{m.name}` ({m.where}): {m.error}" for m in failed)
+
+    def _layout(
+        self, named: Iterable[Any], layout: Iterable[tuple[str, Any]] | None
+    ) -> tuple[Iterator[Any], Plan, bool]:
+        """The data to stream, its plan, and whether each tensor must still be checked."""
+        one_shot = isinstance(named, Iterator)
+        if layout is None and one_shot and self._plan is None:
+            named = list(named)  # a first push from a generator: it is read whole for its layout
+            one_shot = False
+        it = iter(named)
+        first = next(it, None)
+        if first is None:
+            raise WeightSyncError("push: expected at least one named tensor, got none")
+        data = itertools.chain([first], it)
+        if self._device is None:
+            self._device = getattr(first[1], "device", torch.device("cpu"))
+        if layout is not None:
+            key = _key_of(layout)
+        elif not one_shot:
+            key = _key_of(named)
+        else:
+            assert self._plan is not None
+            return data, self._plan, True
+        if self._plan is None or key != self._key:
+            specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in key]
+            largest = max(s.nbytes for s in specs)
+            bucket = self.config.bucket_bytes or default_bucket_bytes(self._device, largest)
+            self._plan, self._key = Plan.build(specs, bucket), key
+            self._packer = None
+        return data, self._plan, layout is not None
+
+    def _setups(self, members: list[Member], plan: Plan, timeout: float) -> dict[bytes, Any]:
+        """Prepare the transport for ``plan``; the descriptor for each member that must attach."""
+        tr = self._transport
+        assert self._device is not None
+        if tr.collective:
+            keys = [m.key for m in members]
+            group = tr.group_for(keys, timeout, self._device)  # type: ignore[attr-defined]
+        tr.prepare(plan.buffer_bytes, self._device)
+        if self._packer is None or self._packer.generation != tr.generation:
+            self._packer = Packer(plan, tr, self._device)
+        out = {}
+        for m in members:
+            if tr.collective:
+                if group is not None or m.plan != plan.fingerprint:
+                    base = group[m.key] if group is not None else tr.current(m.key)  # type: ignore[attr-defined]
+                    out[m.key] = {**base, "generation": tr.generation}
+            elif m.plan != plan.fingerprint or m.generation != tr.generation:
+                out[m.key] = {**tr.descriptor(), "generation": tr.generation}
+        if out:
+            self._stats["plans"] += 1
+        return out
+
+    def _stream_mailbox(
+        self, plan: Plan, buckets: Iterator[tuple[int, dict[int, torch.Tensor]]], verify: bool,
+        deadline: float,
+    ) -> None:  # fmt: skip
+        tr, hub, packer = self._transport, self._hub, self._packer
+        assert packer is not None
+        readers = [m.key for m in hub.push.members] if hub.push else []
+        call = self._loop.loop.call_soon_threadsafe
+        for k, tensors in buckets:
+            b = k % 2
+            if k >= 2:
+                readers = self._loop.run(hub.free(k - 2, deadline))
+            tr.before_pack(b, readers)
+            packer.pack(k, tensors)
+            tr.after_pack(b)
+            sum_ = checksum(tr.buffer(b)[: plan.bucket_used[k]]) if verify else None
+            call(hub.announce, k, sum_)
+
+    # -- the rest ---------------------------------------------------------------------
+    def statistics(self) -> SenderStatistics:
+        return SenderStatistics(
+            group=self.config.group,
+            transport=self.config.transport,
+            address=self.address,
+            receivers=sum(not m.gone for m in self._hub.members.values()),
+            pushes=self._stats["pushes"],
+            failed_pushes=self._stats["failed"],
+            bytes_pushed=self._stats["bytes"],
+            last_push_seconds=self._last_seconds,
+            bucket_bytes=self._plan.bucket_bytes if self._plan else self.config.bucket_bytes or 0,
+            buffer_bytes=self._transport.buffer_bytes,
+            plans_sent=self._stats["plans"],
+            groups_formed=getattr(self._transport, "groups_formed", 0),
+        )
+
+    def close(self) -> None:
+        """Stop serving; receivers see the sender gone and keep their last version."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._loop.run(self._server.close())
+            self._transport.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

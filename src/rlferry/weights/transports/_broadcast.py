@@ -1,0 +1,329 @@
+"""``broadcast``: one collective per bucket from the sender (rank 0) to every receiver.
+
+rlferry forms the group itself, over a TCPStore that the sender hosts (no
+global ``torch.distributed`` state is touched: the user's own default group,
+if any, is left alone). NCCL for CUDA buffers, gloo for CPU ones. The group is
+formed when the set of receivers changes (or after a failure broke it) and
+reused by every push in between.
+
+Pipelining, on both sides, with two buffers: the sender packs bucket k+1 while
+bucket k is in flight; each receiver posts the broadcast of bucket k+1 before
+loading bucket k. On CUDA every wait is a stream wait (the collectives run on
+NCCL's own stream, the loads on the receiver's load stream), so no CPU waits
+for the GPU until the receiver's commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import WeightSyncError
+from .._plan import Plan
+from ._base import SenderTransport, checksum
+
+__all__ = ["BroadcastReceiver", "BroadcastSender"]
+
+log = logging.getLogger("rlferry.weights")
+_epochs = itertools.count(1)
+
+
+def _options() -> Any:
+    o = dist.BroadcastOptions()
+    o.rootRank = 0
+    o.rootTensor = 0
+    return o
+
+
+def _make_group(
+    backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float
+) -> Any:
+    td = datetime.timedelta(seconds=max(1.0, timeout))
+    pstore = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        return dist.ProcessGroupNCCL(pstore, rank, world, opts)
+    return dist.ProcessGroupGloo(pstore, rank, world, td)
+
+
+def _wait(work: Any, timeout: float | None) -> None:
+    """Wait for ``work``: for gloo the CPU blocks (at most ``timeout``); for NCCL the
+    current stream waits (``timeout=None``), the CPU does not."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=max(0.001, timeout)))
+
+
+def _abort(pg: Any) -> None:
+    for name in ("abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # a group already broken may refuse either; it goes all the same
+                log.debug("process group %s failed", name, exc_info=True)
+            return
+
+
+class BroadcastSender(SenderTransport):
+    name = "broadcast"
+    collective = True
+
+    def __init__(self, bind: str | None) -> None:
+        self._store: Any = None
+        self._pg: Any = None
+        self._members: list[bytes] = []
+        self._pending: tuple[str, str, int] | None = None  # backend, prefix, world
+        self._descs: dict[bytes, dict[str, Any]] = {}
+        self._bufs: list[torch.Tensor] = []
+        self._timeout = 60.0
+        self.groups_formed = 0
+
+    # -- the group ---------------------------------------------------------------
+    def group_for(
+        self, keys: list[bytes], timeout: float, device: torch.device
+    ) -> dict[bytes, dict[str, Any]] | None:
+        """A descriptor per member when the group must be (re)formed, else None."""
+        if self._pg is not None and keys == self._members:
+            return None
+        if self._pg is not None:
+            _abort(self._pg)
+            self._pg = None
+        if self._store is None:
+            self._store = dist.TCPStore(
+                "0.0.0.0", 0, None, True, wait_for_workers=False, use_libuv=True
+            )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        prefix = f"rlferry/{os.getpid()}/{next(_epochs)}"
+        world = len(keys) + 1
+        self._pending = (backend, prefix, world)
+        self._members = list(keys)
+        self._timeout = timeout
+        self.generation += 1
+        self._descs = {
+            k: {
+                "backend": backend,
+                "port": self._store.port,
+                "prefix": prefix,
+                "rank": r + 1,
+                "world": world,
+                "timeout": timeout,
+            }
+            for r, k in enumerate(keys)
+        }
+        return self._descs
+
+    def current(self, key: bytes) -> dict[str, Any]:
+        return {**self._descs[key], "rejoin": False}
+
+    def form(self, deadline: float) -> None:
+        """Join the group being formed as rank 0 (blocks until every receiver joined)."""
+        if self._pending is None:
+            return
+        backend, prefix, world = self._pending
+        self._pending = None
+        try:
+            pg = _make_group(backend, self._store, prefix, 0, world, self._timeout)
+            self._warm(pg)
+        except Exception as e:
+            raise WeightSyncError(
+                f"forming the {backend} group of {world} ranks failed: {type(e).__name__}: {e}"
+            ) from None
+        self._pg = pg
+        self.groups_formed += 1
+
+    def _warm(self, pg: Any) -> None:
+        dev = self._bufs[0].device if self._bufs else torch.device("cpu")
+        one = torch.zeros(1, device=dev)
+        _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else self._timeout)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def broken(self) -> None:
+        """A push failed mid-stream: the group is dropped and formed anew next time."""
+        if self._pg is not None:
+            _abort(self._pg)
+        self._pg = None
+        self._members = []
+
+    # -- buffers and the stream --------------------------------------------------------
+    def prepare(self, nbytes: int, device: torch.device) -> None:
+        if self._bufs and self._bufs[0].device == device and self._bufs[0].numel() >= nbytes:
+            return
+        self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def buffer(self, b: int) -> torch.Tensor:
+        return self._bufs[b]
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._bufs)
+
+    def stream(
+        self,
+        plan: Plan,
+        buckets: Iterator[tuple[int, dict[int, torch.Tensor]]],
+        packer: Any,
+        verify: bool,
+        deadline: float,
+    ) -> None:
+        pg, opts = self._pg, _options()
+        if pg is None:
+            raise WeightSyncError("the broadcast group is not formed")
+        nccl = self._bufs[0].is_cuda
+        works: list[Any] = [None, None]
+        sums: list[int] = []
+        for k, tensors in buckets:
+            b = k % 2
+            if works[b] is not None:
+                _wait(works[b], None if nccl else deadline - time.monotonic())
+            packer.pack(k, tensors)
+            view = self._bufs[b][: plan.bucket_used[k]]
+            if verify:
+                sums.append(checksum(view))
+            works[b] = pg.broadcast([view], opts)
+        if verify:
+            t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
+            works.append(pg.broadcast([t], opts))
+        for w in works:
+            if w is not None:
+                _wait(w, None if nccl else deadline - time.monotonic())
+
+    def close(self) -> None:
+        if self._pg is not None:
+            _abort(self._pg)
+        self._pg, self._store, self._bufs = None, None, []
+
+
+class BroadcastReceiver:
+    """A receiver's end of the group, with its two bucket buffers."""
+
+    def __init__(self) -> None:
+        self._pg: Any = None
+        self._prefix = ""
+        self._bufs: list[torch.Tensor] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._timeout = 60.0
+        self.opened = 0
+        self.groups_joined = 0
+
+    def join(self, desc: dict[str, Any], host: str, device: torch.device | None) -> None:
+        try:
+            backend, port, prefix = str(desc["backend"]), int(desc["port"]), str(desc["prefix"])
+            rank, world, timeout = int(desc["rank"]), int(desc["world"]), float(desc["timeout"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightSyncError("malformed setup: bad broadcast group") from None
+        if prefix == self._prefix and self._pg is not None:
+            return
+        self.leave()
+        dev = self.device(backend, device)
+        self._timeout = timeout
+        td = datetime.timedelta(seconds=max(1.0, timeout))
+        try:
+            store = dist.TCPStore(host, port, None, False, timeout=td, use_libuv=True)
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            pg = _make_group(backend, store, prefix, rank, world, timeout)
+            one = torch.zeros(1, device=dev)
+            _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else timeout)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as e:
+            raise WeightSyncError(
+                f"joining the {backend} group at {host}:{port} as rank {rank} of {world} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        self._pg, self._prefix = pg, prefix
+        self.groups_joined += 1
+        if dev.type == "cuda":
+            self._stream = torch.cuda.Stream(dev)
+
+    @staticmethod
+    def device(backend: str, device: torch.device | None) -> torch.device:
+        if backend == "nccl":
+            if device is None or device.type != "cuda":
+                if not torch.cuda.is_available():
+                    raise WeightSyncError(
+                        "transport 'broadcast': the sender's tensors are on CUDA (NCCL), "
+                        "this receiver has no CUDA device"
+                    )
+                return torch.device("cuda", torch.cuda.current_device())
+            return device
+        return torch.device("cpu")
+
+    def buffers(self, nbytes: int) -> list[torch.Tensor]:
+        dev = self._stream.device if self._stream is not None else torch.device("cpu")
+        if not (self._bufs and self._bufs[0].numel() >= nbytes):
+            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+            self.opened += 2
+        return self._bufs
+
+    def stream(
+        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
+    ) -> str | None:
+        """Receive every bucket, calling ``on_bucket`` on each; the first error, or None.
+
+        A failing ``on_bucket`` does not stop the collectives: the group stays
+        in step with the sender, the later buckets are received and dropped.
+        """
+        pg, opts = self._pg, _options()
+        if pg is None:
+            raise WeightSyncError("not in a broadcast group")
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
+        error: str | None = None
+        n, used = plan.buckets, plan.bucket_used
+        bufs = self._bufs
+        limit = None if self._stream is not None else self._timeout
+        sums: list[int] = []
+        with ctx:
+            works: list[Any] = [pg.broadcast([bufs[0][: used[0]]], opts), None]
+            for k in range(n):
+                b = k % 2
+                _wait(works[b], limit)
+                if k + 1 < n:
+                    works[1 - b] = pg.broadcast([bufs[1 - b][: used[k + 1]]], opts)
+                if verify:
+                    sums.append(checksum(bufs[b][: used[k]]))
+                if error is None:
+                    try:
+                        on_bucket(k, bufs[b])
+                    except Exception as e:
+                        error = f"load raised {type(e).__name__}: {e} (at bucket {k} of {n})"
+            if verify:
+                t = torch.zeros(n, dtype=torch.int64, device=bufs[0].device)
+                _wait(pg.broadcast([t], opts), limit)
+                bad = [k for k in range(n) if int(t[k]) != sums[k]]
+                if bad and error is None:
+                    error = (
+                        f"checksum mismatch in bucket {bad[0]} of {n} (the data arrived corrupt)"
+                    )
+        if self._stream is not None:
+            self._stream.synchronize()
+        return error
+
+    def leave(self) -> None:
+        if self._pg is not None:
+            _abort(self._pg)
+        self._pg, self._prefix = None, ""
+
+    def close(self) -> None:
+        self.leave()
+        self._bufs = []
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
