@@ -64,7 +64,8 @@ class WeightReceiver:
     GPU of this receiver's buffers (default: the current CUDA device for NCCL).
 
     End of life: :meth:`close` (the sender sees the receiver leave); a sender
-    that goes away leaves the receiver at its last version, waiting to rejoin.
+    that goes away ends the serving (``statistics().last_error`` says so) and
+    leaves the receiver at its last version: join the next sender with a new one.
     """
 
     def __init__(
@@ -204,13 +205,16 @@ class WeightReceiver:
                 msg = decode_reply(self._client.request(encode(ack), timeout=None))
             except ChannelClosed:
                 return
-            except (PeerGone, RemoteError) as e:
-                if self._closed:
-                    return
-                log.info("receiver %s: the sender went away (%s); joining again", self.name, e)
+            except PeerGone as e:
+                self._last_error = f"the sender went away: {e}"
+                log.info("receiver %s: %s; it stays at version %s", self.name, e, self._version)
+                return
+            except RemoteError as e:  # the sender forgot us (it saw us disconnect): join again
+                log.info("receiver %s: %s; joining again", self.name, e.message)
                 try:
-                    self._join(None)
-                except WeightSyncError:
+                    self._join(30.0)
+                except WeightSyncError as e2:
+                    self._last_error = str(e2)
                     return
                 ack = Ack(0, IDLE)
                 continue

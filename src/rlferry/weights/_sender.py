@@ -191,9 +191,11 @@ class WeightSender:
             run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
             self._loop.loop.call_soon_threadsafe(self._hub.done)
             if isinstance(e, WeightSyncError) and not e.failures:
+                failed = [m for m in members if m.error is not None]
+                more = f"; {self._failures_text(failed)}" if failed else ""
                 raise WeightSyncError(
-                    f"push of version {version}: {e}", report=None
-                ) from e.__cause__
+                    f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
+                ) from None
             raise
         self._loop.loop.call_soon_threadsafe(self._hub.done)
         seconds = time.perf_counter() - t0

@@ -65,6 +65,13 @@ def _wait(work: Any, timeout: float | None) -> None:
 
 
 def _abort(pg: Any) -> None:
+    """Tear a group down so that its peers' pending operations fail at once.
+
+    NCCL needs an abort (in-flight kernels exit); a gloo group closes its
+    connections when the last reference goes, and its abort does not.
+    """
+    if isinstance(pg, dist.ProcessGroupGloo):
+        return
     for name in ("abort", "shutdown"):
         fn = getattr(pg, name, None)
         if fn is not None:
@@ -73,6 +80,10 @@ def _abort(pg: Any) -> None:
             except Exception:  # a group already broken may refuse either; it goes all the same
                 log.debug("process group %s failed", name, exc_info=True)
             return
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class BroadcastSender(SenderTransport):
@@ -183,21 +194,32 @@ class BroadcastSender(SenderTransport):
         nccl = self._bufs[0].is_cuda
         works: list[Any] = [None, None]
         sums: list[int] = []
-        for k, tensors in buckets:
-            b = k % 2
-            if works[b] is not None:
-                _wait(works[b], None if nccl else deadline - time.monotonic())
-            packer.pack(k, tensors)
-            view = self._bufs[b][: plan.bucket_used[k]]
+        k, failure = -1, ""
+        try:
+            for k, tensors in buckets:
+                b = k % 2
+                if works[b] is not None:
+                    _wait(works[b], None if nccl else deadline - time.monotonic())
+                packer.pack(k, tensors)
+                view = self._bufs[b][: plan.bucket_used[k]]
+                if verify:
+                    sums.append(checksum(view))
+                works[b] = pg.broadcast([view], opts)
             if verify:
-                sums.append(checksum(view))
-            works[b] = pg.broadcast([view], opts)
-        if verify:
-            t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
-            works.append(pg.broadcast([t], opts))
-        for w in works:
-            if w is not None:
-                _wait(w, None if nccl else deadline - time.monotonic())
+                t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
+                works.append(pg.broadcast([t], opts))
+            for w in works:
+                if w is not None:
+                    _wait(w, None if nccl else deadline - time.monotonic())
+        except RuntimeError as e:  # the collective broke: a receiver died or timed out
+            failure = _first_line(e)
+        if failure:  # out of the except block: no traceback keeps the group alive
+            works.clear()
+            del pg
+            self.broken()
+            raise WeightSyncError(
+                f"the broadcast of bucket {k} of {plan.buckets} failed: {failure}"
+            )
 
     def close(self) -> None:
         if self._pg is not None:
@@ -285,30 +307,40 @@ class BroadcastReceiver:
         bufs = self._bufs
         limit = None if self._stream is not None else self._timeout
         sums: list[int] = []
+        works: list[Any] = []
+        failure = ""
         with ctx:
-            works: list[Any] = [pg.broadcast([bufs[0][: used[0]]], opts), None]
-            for k in range(n):
-                b = k % 2
-                _wait(works[b], limit)
-                if k + 1 < n:
-                    works[1 - b] = pg.broadcast([bufs[1 - b][: used[k + 1]]], opts)
+            try:
+                works = [pg.broadcast([bufs[0][: used[0]]], opts), None]
+                for k in range(n):
+                    b = k % 2
+                    _wait(works[b], limit)
+                    if k + 1 < n:
+                        works[1 - b] = pg.broadcast([bufs[1 - b][: used[k + 1]]], opts)
+                    if verify:
+                        sums.append(checksum(bufs[b][: used[k]]))
+                    if error is None:
+                        try:
+                            on_bucket(k, bufs[b])
+                        except Exception as e:
+                            error = f"load raised {type(e).__name__}: {e} (at bucket {k} of {n})"
                 if verify:
-                    sums.append(checksum(bufs[b][: used[k]]))
-                if error is None:
-                    try:
-                        on_bucket(k, bufs[b])
-                    except Exception as e:
-                        error = f"load raised {type(e).__name__}: {e} (at bucket {k} of {n})"
-            if verify:
-                t = torch.zeros(n, dtype=torch.int64, device=bufs[0].device)
-                _wait(pg.broadcast([t], opts), limit)
-                bad = [k for k in range(n) if int(t[k]) != sums[k]]
-                if bad and error is None:
-                    error = (
-                        f"checksum mismatch in bucket {bad[0]} of {n} (the data arrived corrupt)"
-                    )
-        if self._stream is not None:
-            self._stream.synchronize()
+                    t = torch.zeros(n, dtype=torch.int64, device=bufs[0].device)
+                    _wait(pg.broadcast([t], opts), limit)
+                    bad = [k for k in range(n) if int(t[k]) != sums[k]]
+                    if bad and error is None:
+                        error = (
+                            f"checksum mismatch in bucket {bad[0]} of {n} (the data came corrupt)"
+                        )
+                if self._stream is not None:
+                    self._stream.synchronize()
+            except RuntimeError as e:
+                failure = _first_line(e)
+        if failure:  # the group broke (the sender or another receiver died): leave it
+            works.clear()
+            del pg
+            self.leave()
+            return f"the broadcast broke: {failure}"
         return error
 
     def leave(self) -> None:

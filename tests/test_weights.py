@@ -1,0 +1,432 @@
+"""The weight plane on CPU, sender and receivers in one process: shm transport, plan, config."""
+
+import pathlib
+import re
+import threading
+
+import pytest
+import torch
+
+from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights._plan import ALIGN, Plan, TensorSpec
+
+
+def state(seed=0, n=6):
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"layers.{i}.weight": torch.randn(64, 33, generator=g) for i in range(n)}
+    sd["embed"] = torch.randn(300, 1000, generator=g)  # 1.2 MB: split over buckets of 256 KiB
+    sd["norm.bf16"] = torch.randn(77, generator=g).bfloat16()
+    sd["mask"] = torch.rand(5, 3, generator=g) > 0.5
+    sd["step"] = torch.tensor(7, dtype=torch.int64)
+    sd["empty"] = torch.zeros(0, 4)
+    sd["t"] = torch.randn(8, 4, generator=g).t()  # non-contiguous
+    return sd
+
+
+class Engine:
+    """A fake engine: preallocated parameters, a load that copies into them."""
+
+    def __init__(self, like):
+        self.params = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in like.items()}
+        self.loads = []
+        self.commits = []
+
+    def load(self, items):
+        self.loads.append([n for n, _ in items])
+        for n, t in items:
+            self.params[n].copy_(t)
+
+    def on_commit(self, version):
+        self.commits.append(version)
+
+    def equals(self, sd):
+        return all(torch.equal(self.params[k], v) for k, v in sd.items())
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(group="rollout", transport="shm", receivers=2, bucket_bytes=256 << 10)
+    yield s
+    s.close()
+
+
+def start(sender, engine, name, **kw):
+    return WeightReceiver(
+        group="rollout",
+        address=sender.address,
+        load=engine.load,
+        on_commit=engine.on_commit,
+        name=name,
+        **kw,
+    ).start()
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def test_sender_rejects_an_unknown_transport_naming_the_field():
+    with pytest.raises(ValueError) as e:
+        WeightSender(group="g", transport="nccl")
+    assert str(e.value) == (
+        "WeightSender.transport: expected one of 'shm', 'cuda_ipc', 'broadcast', got 'nccl'"
+    )
+
+
+def test_sender_rejects_zero_receivers():
+    with pytest.raises(ValueError) as e:
+        WeightSender(group="g", receivers=0)
+    assert str(e.value) == "WeightSender.receivers: expected an int >= 1, got 0"
+
+
+def test_sender_rejects_a_tiny_bucket():
+    with pytest.raises(ValueError) as e:
+        WeightSender(group="g", bucket_bytes=100)
+    assert str(e.value) == (
+        "WeightSender.bucket_bytes: expected an int >= 4096 (or None: chosen from free memory), "
+        "got 100"
+    )
+
+
+def test_sender_rejects_an_empty_group_name():
+    with pytest.raises(ValueError) as e:
+        WeightSender(group="")
+    assert str(e.value) == "WeightSender.group: expected a non-empty str, got ''"
+
+
+def test_cuda_ipc_sender_rejects_a_cpu_device():
+    with pytest.raises(ValueError) as e:
+        WeightSender(group="g", transport="cuda_ipc", device="cpu")
+    assert str(e.value) == (
+        "WeightSender.device: expected a CUDA device for transport 'cuda_ipc', got 'cpu'"
+    )
+
+
+def test_receiver_rejects_a_load_that_is_not_callable():
+    with pytest.raises(ValueError) as e:
+        WeightReceiver(group="g", address="ipc:///tmp/x", load=3)
+    assert str(e.value) == (
+        "WeightReceiver.load: expected a callable taking a list of (name, tensor), got int"
+    )
+
+
+def test_receiver_rejects_an_address_that_is_not_one():
+    with pytest.raises(ValueError) as e:
+        WeightReceiver(group="g", address="localhost", load=print)
+    assert str(e.value) == (
+        "WeightReceiver.address: expected the sender's address (tcp://HOST:PORT or ipc://PATH, "
+        "from sender.address), got 'localhost'"
+    )
+
+
+def test_receiver_of_another_group_cannot_join(sender):
+    r = WeightReceiver(group="eval", address=sender.address, load=print, name="r0")
+    with pytest.raises(WeightSyncError) as e:
+        r.start(timeout=10)
+    assert str(e.value) == (
+        f"receiver `r0` cannot join group 'eval' at {sender.address}: "
+        "group: expected 'rollout' (this sender's), got 'eval'"
+    )
+
+
+def test_push_rejects_a_version_that_is_not_an_int(sender):
+    with pytest.raises(ValueError) as e:
+        sender.push([("a", torch.zeros(1))], version="7")
+    assert str(e.value) == "push.version: expected an int, got '7'"
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+def specs(*sizes, dtype=torch.float32):
+    return [TensorSpec(f"t{i}", (n,), dtype) for i, n in enumerate(sizes)]
+
+
+def test_plan_puts_every_chunk_at_a_256_byte_aligned_offset():
+    plan = Plan.build(specs(3, 100, 1, 77, 5), bucket_bytes=1024)
+    assert all(c.offset % ALIGN == 0 for c in plan.chunks)
+    assert [(c.bucket, c.offset) for c in plan.chunks] == [
+        (0, 0),
+        (0, 256),
+        (0, 768),
+        (1, 0),
+        (1, 512),
+    ]
+
+
+def test_plan_splits_a_tensor_larger_than_a_bucket_into_consecutive_pieces():
+    plan = Plan.build(specs(10, 1000), bucket_bytes=1024)  # 40 B, then 4000 B
+    pieces = [c for c in plan.chunks if c.tensor == 1]
+    assert [(c.start, c.length, c.bucket) for c in pieces] == [
+        (0, 768, 0),
+        (768, 1024, 1),
+        (1792, 1024, 2),
+        (2816, 1024, 3),
+        (3840, 160, 4),
+    ]
+    assert sum(c.length for c in pieces) == 4000
+
+
+def test_plan_travels_as_plain_data_and_comes_back_equal():
+    plan = Plan.build(specs(10, 1000, 3, dtype=torch.bfloat16), bucket_bytes=1024)
+    assert Plan.from_wire(plan.to_wire()) == plan
+
+
+def test_plan_refuses_a_name_pushed_twice():
+    with pytest.raises(WeightSyncError) as e:
+        Plan.build([TensorSpec("a", (1,), torch.float32)] * 2, 1024)
+    assert str(e.value) == "tensor `a` is pushed twice (every name of one push must be unique)"
+
+
+def test_a_plan_with_a_chunk_out_of_range_is_refused():
+    wire = Plan.build(specs(10), 1024).to_wire()
+    wire["chunks"] = [0, 0, 40, 0, 2048]
+    with pytest.raises(WeightSyncError) as e:
+        Plan.from_wire(wire)
+    assert str(e.value) == "malformed plan: chunk (0, 0, 40, 0, 2048) out of range"
+
+
+# -- pushes over shm ------------------------------------------------------------------------
+
+
+def test_push_delivers_every_tensor_exactly_to_every_receiver(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    report = sender.push(sd.items(), version=1, timeout=30)
+    assert all(e.equals(sd) for e in engines)
+    assert report.receivers == ("r0", "r1")
+    assert report.bytes == sum(t.numel() * t.element_size() for t in sd.values())
+    assert report.tensors == len(sd) and report.buckets > 4 and report.plan_sent
+    assert [r.version for r in rs] == [1, 1]
+    for r in rs:
+        r.close()
+
+
+def test_version_changes_only_after_every_bucket_was_loaded_then_on_commit_runs(sender):
+    sd = state()
+    seen = []
+    holder = {}
+
+    def load(items):
+        seen.append(holder["r"].version)  # still the old version while buckets arrive
+
+    def on_commit(version):
+        seen.append(("commit", version, holder["r"].version))
+
+    holder["r"] = WeightReceiver(
+        group="rollout", address=sender.address, load=load, on_commit=on_commit
+    ).start()
+    other = start(sender, Engine(sd), "other")
+    sender.push(sd.items(), version=5, timeout=30)
+    assert seen[:-1] == [None] * (len(seen) - 1) and len(seen) >= 3
+    assert seen[-1] == ("commit", 5, None)  # on_commit runs before the version shows
+    assert holder["r"].version == 5
+    holder["r"].close()
+    other.close()
+
+
+def test_later_pushes_send_no_plan_and_open_no_buffer_again(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    reports = []
+    for v in range(1, 4):
+        for t in sd.values():
+            if t.dtype.is_floating_point:
+                t.add_(1)
+        reports.append(sender.push(sd.items(), version=v, timeout=30))
+        assert all(e.equals(sd) for e in engines)
+    assert [r.plan_sent for r in reports] == [True, False, False]
+    assert [r.statistics().buffers_opened for r in rs] == [2, 2]
+    assert [e.commits for e in engines] == [[1, 2, 3]] * 2
+    stats = sender.statistics()
+    assert (stats.pushes, stats.plans_sent, stats.receivers) == (3, 1, 2)
+    for r in rs:
+        r.close()
+
+
+def test_a_wrong_shape_fails_the_push_before_any_bucket_moves(sender):
+    sd = state()
+    wrong = dict(sd)
+    wrong["layers.1.weight"] = torch.zeros(64, 34)
+    wrong["extra"] = torch.zeros(2)
+    good = Engine(sd)
+    strict = Engine(sd)
+    r0 = start(sender, good, "good")
+    r1 = start(sender, strict, "strict", expected=strict.params)
+    with pytest.raises(WeightSyncError) as e:
+        sender.push(wrong.items(), version=1, timeout=30)
+    assert str(e.value) == (
+        "push of version 1: receiver `strict` (pid "
+        + str(__import__("os").getpid())
+        + f" on {__import__('socket').gethostname()}): rejected the plan: 2 of {len(wrong)} "
+        "tensors differ from the receiver's parameters: `layers.1.weight`: expected shape "
+        "[64, 33] float32, got shape [64, 34] float32; `extra`: not a parameter of the "
+        "receiver, got shape [2] float32; no bucket moved"
+    )
+    assert list(e.value.failures) == ["strict"]
+    assert good.loads == [] and strict.loads == []
+    assert r0.version is None and r1.version is None
+    report = sender.push(sd.items(), version=2, timeout=30)  # the right layout goes through
+    assert report.receivers == ("good", "strict") and strict.equals(sd)
+    r0.close()
+    r1.close()
+
+
+def test_a_new_layout_sends_a_new_plan(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    sender.push(sd.items(), version=1, timeout=30)
+    smaller = {k: v for k, v in sd.items() if k != "embed"}
+    report = sender.push(smaller.items(), version=2, timeout=30)
+    assert report.plan_sent and report.tensors == len(sd) - 1
+    assert all(e.equals(smaller) for e in engines)
+    for r in rs:
+        r.close()
+
+
+def test_a_receiver_whose_load_raises_fails_the_push_by_name_and_the_others_commit(sender):
+    sd = state()
+    good = Engine(sd)
+    calls = []
+
+    def bad_load(items):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+
+    r0 = start(sender, good, "good")
+    r1 = WeightReceiver(group="rollout", address=sender.address, load=bad_load, name="bad").start()
+    with pytest.raises(WeightSyncError) as e:
+        sender.push(sd.items(), version=1, timeout=30)
+    msg = str(e.value)
+    assert msg.startswith("push of version 1: receiver `bad` (pid ")
+    assert re.search(
+        r"load raised RuntimeError: out of memory \(at bucket \d+ of \d+, version 1\); "
+        r"1 committed it$",
+        msg,
+    )
+    assert e.value.failures["bad"].startswith("load raised RuntimeError: out of memory")
+    assert e.value.report.receivers == ("good",)
+    assert (r0.version, r1.version) == (1, None) and good.equals(sd)
+    assert r1.statistics().last_error.startswith("load raised RuntimeError")
+    report = sender.push(sd.items(), version=2, timeout=30)  # the next push reaches both
+    assert report.receivers == ("good", "bad") and (r0.version, r1.version) == (2, 2)
+    r0.close()
+    r1.close()
+
+
+def test_a_generator_streams_against_the_previous_layout(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    first = sender.push(((k, v) for k, v in sd.items()), version=1, timeout=30)
+    for t in sd.values():
+        if t.dtype.is_floating_point:
+            t.mul_(2)
+    second = sender.push(((k, v.clone()) for k, v in sd.items()), version=2, timeout=30)
+    assert first.plan_sent and not second.plan_sent
+    assert all(e.equals(sd) for e in engines)
+    for r in rs:
+        r.close()
+
+
+def test_a_generator_that_changes_layout_midway_aborts_and_nobody_commits(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    sender.push(sd.items(), version=1, timeout=30)
+
+    def changed():
+        for k, v in sd.items():
+            yield (k, torch.zeros(3) if k == "step" else v)
+
+    with pytest.raises(WeightSyncError) as e:
+        sender.push(changed(), version=2, timeout=30)
+    assert str(e.value) == (
+        f"push of version 2: named tensor {list(sd).index('step')}: expected `step` shape [] "
+        "int64 (the layout), got `step` shape [3] float32"
+    )
+    assert [r.version for r in rs] == [1, 1]
+    assert sender.push(sd.items(), version=3, timeout=30).receivers == ("r0", "r1")
+    for r in rs:
+        r.close()
+
+
+def test_a_push_with_a_layout_argument_plans_before_reading_the_generator(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    meta = [(k, torch.empty(v.shape, dtype=v.dtype, device="meta")) for k, v in sd.items()]
+    report = sender.push(iter(sd.items()), version=1, timeout=30, layout=meta)
+    assert report.plan_sent and all(e.equals(sd) for e in engines)
+    for r in rs:
+        r.close()
+
+
+def test_the_first_push_waits_for_the_receivers_and_says_how_many_came(sender):
+    r0 = start(sender, Engine(state()), "r0")
+    with pytest.raises(WeightSyncError) as e:
+        sender.push(state().items(), version=1, timeout=0.5)
+    assert str(e.value) == (
+        "push of version 1: 1 of 2 receivers joined group 'rollout' in time (receivers join "
+        "with WeightReceiver(..., address=sender.address).start())"
+    )
+    r0.close()
+
+
+def test_a_receiver_that_joins_later_gets_the_plan_and_the_next_push(sender):
+    sd = state()
+    engines = [Engine(sd) for _ in range(3)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines[:2])]
+    sender.push(sd.items(), version=1, timeout=30)
+    rs.append(start(sender, engines[2], "late"))
+    threading.Event().wait(0.2)  # let the late one park its first request
+    report = sender.push(sd.items(), version=2, timeout=30)
+    assert report.plan_sent and report.receivers == ("r0", "r1", "late")
+    assert engines[2].equals(sd) and rs[2].version == 2
+    for r in rs:
+        r.close()
+
+
+def test_a_receiver_that_closed_is_dropped_and_the_next_push_reaches_the_others(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    sender.push(sd.items(), version=1, timeout=30)
+    rs[1].close()
+    threading.Event().wait(0.2)  # the disconnect reaches the sender
+    report = sender.push(sd.items(), version=2, timeout=30)
+    assert report.receivers == ("r0",) and rs[0].version == 2
+    rs[0].close()
+
+
+def test_verify_checks_every_bucket_and_passes_on_intact_data(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}", verify=True) for i, e in enumerate(engines)]
+    sender.push(sd.items(), version=1, timeout=30)
+    assert all(e.equals(sd) for e in engines) and [r.version for r in rs] == [1, 1]
+    for r in rs:
+        r.close()
+
+
+def test_two_groups_with_different_transports_in_one_process():
+    sd = state()
+    a = WeightSender(group="a", transport="shm", bucket_bytes=256 << 10)
+    b = WeightSender(group="b", transport="broadcast", bucket_bytes=256 << 10)
+    ea, eb = Engine(sd), Engine(sd)
+    ra = WeightReceiver(group="a", address=a.address, load=ea.load).start()
+    rb = WeightReceiver(group="b", address=b.address, load=eb.load).start()
+    a.push(sd.items(), version=1, timeout=30)
+    b.push(sd.items(), version=1, timeout=30)
+    assert ea.equals(sd) and eb.equals(sd)
+    for x in (ra, rb, a, b):
+        x.close()
+
+
+def test_the_weight_plane_never_sleeps_or_polls():
+    src = pathlib.Path(__file__).parents[1] / "src" / "rlferry" / "weights"
+    text = "\n".join(p.read_text() for p in src.rglob("*.py"))
+    assert "time.sleep(" not in text and "asyncio.sleep(" not in text

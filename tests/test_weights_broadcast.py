@@ -1,0 +1,100 @@
+"""The broadcast transport on CPU: a gloo group formed by rlferry, 1 to 4 receivers."""
+
+import threading
+
+import pytest
+import torch
+
+from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from test_weights import Engine, state
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(group="g", transport="broadcast", receivers=1, bucket_bytes=256 << 10)
+    yield s
+    s.close()
+
+
+def join(sender, engine, name, **kw):
+    return WeightReceiver(
+        group="g", address=sender.address, load=engine.load, name=name, **kw
+    ).start()
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_broadcast_delivers_every_push_to_every_receiver(n):
+    sd = state()
+    s = WeightSender(group="g", transport="broadcast", receivers=n, bucket_bytes=256 << 10)
+    engines = [Engine(sd) for _ in range(n)]
+    rs = [join(s, e, f"r{i}") for i, e in enumerate(engines)]
+    for v in (1, 2):
+        for t in sd.values():
+            if t.dtype.is_floating_point:
+                t.add_(1)
+        report = s.push(sd.items(), version=v, timeout=60)
+        assert report.receivers == tuple(f"r{i}" for i in range(n))
+        assert all(e.equals(sd) for e in engines)
+    assert s.statistics().groups_formed == 1  # formed once, reused
+    assert [r.statistics().groups_joined for r in rs] == [1] * n
+    for r in rs:
+        r.close()
+    s.close()
+
+
+def test_broadcast_a_failing_load_keeps_the_group_in_step():
+    sender = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
+    sd = state()
+    good = Engine(sd)
+    calls = []
+
+    def bad_load(items):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("bad shard")
+
+    r0 = join(sender, good, "good")
+    r1 = WeightReceiver(group="g", address=sender.address, load=bad_load, name="bad").start()
+    with pytest.raises(WeightSyncError) as e:
+        sender.push(sd.items(), version=1, timeout=60)
+    assert list(e.value.failures) == ["bad"]
+    assert e.value.failures["bad"].startswith("load raised ValueError: bad shard (at bucket 0 of ")
+    assert e.value.report.receivers == ("good",) and good.equals(sd)
+    report = sender.push(sd.items(), version=2, timeout=60)
+    assert report.receivers == ("good", "bad") and (r0.version, r1.version) == (2, 2)
+    r0.close()
+    r1.close()
+    sender.close()
+
+
+def test_broadcast_a_new_receiver_forms_a_new_group(sender):
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    r0 = join(sender, engines[0], "r0")
+    sender.push(sd.items(), version=1, timeout=60)
+    r1 = join(sender, engines[1], "r1")
+    assert r1.wait_for(0, timeout=0) is False
+    threading.Event().wait(0.2)  # let it park its first request
+    report = sender.push(sd.items(), version=2, timeout=60)
+    assert report.receivers == ("r0", "r1") and engines[1].equals(sd)
+    assert sender.statistics().groups_formed == 2
+    r0.close()
+    r1.close()
+
+
+def test_broadcast_verify_sends_the_checksums_as_a_last_collective(sender):
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0", verify=True)
+    sender.push(sd.items(), version=1, timeout=60)
+    assert e.equals(sd) and r.version == 1 and r.statistics().last_error is None
+    r.close()
+
+
+def test_broadcast_cpu_tensors_use_gloo_and_the_buffers_stay_on_cpu(sender):
+    sd = {"w": torch.randn(10)}
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    sender.push(sd.items(), version=1, timeout=60)
+    assert e.equals(sd) and sender.statistics().buffer_bytes == 2 * 256
+    r.close()

@@ -1,0 +1,109 @@
+"""The weight plane across processes: shm mapped by another process, receivers that die."""
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+
+
+def _receive(address, group, name, conn, hang):
+    params = {}
+
+    def load(items):
+        if hang:
+            conn.send("loading")
+            threading.Event().wait()  # killed here, mid-push
+        for n, t in items:
+            params[n] = t.clone()
+
+    def on_commit(version):
+        conn.send(("commit", version, {n: float(t.double().sum()) for n, t in params.items()}))
+
+    r = WeightReceiver(group=group, address=address, load=load, on_commit=on_commit, name=name)
+    r.start(timeout=60)
+    conn.send("ready")
+    conn.recv()  # until told to stop
+    r.close()
+
+
+def spawn(address, group, name, hang=False):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receive, args=(address, group, name, child, hang), daemon=True)
+    proc.start()
+    assert parent.poll(120), f"receiver {name} did not start"
+    assert parent.recv() == "ready"
+    return proc, parent
+
+
+def sums(sd):
+    return {n: float(t.double().sum()) for n, t in sd.items()}
+
+
+def weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 6 MiB
+    sd["b"] = torch.randn(3, generator=g).bfloat16()
+    return sd
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_a_receiver_killed_mid_push_fails_the_push_by_name_and_the_next_reaches_the_others(
+    transport,
+):
+    s = WeightSender(group="g", transport=transport, receivers=2, bucket_bytes=1 << 20)
+    ok, ok_conn = spawn(s.address, "g", "steady")
+    dying, dying_conn = spawn(s.address, "g", "dying", hang=True)
+    sd = weights(0)
+    result = {}
+
+    def push():
+        t0 = time.monotonic()
+        try:
+            s.push(sd.items(), version=1, timeout=60)
+        except WeightSyncError as e:
+            result["error"] = e
+        result["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=push)
+    t.start()
+    assert dying_conn.poll(60) and dying_conn.recv() == "loading"
+    killed = time.monotonic()
+    os.kill(dying.pid, signal.SIGKILL)
+    t.join(60)
+    e = result["error"]
+    assert "dying" in e.failures
+    assert "disconnected (its process died or it closed its receiver)" in e.failures["dying"]
+    assert time.monotonic() - killed < 20  # seen at once, not at the 60 s timeout
+    if transport == "shm":  # the other one finished; over broadcast the stream broke for all
+        assert list(e.failures) == ["dying"] and e.report.receivers == ("steady",)
+    sd2 = weights(1)
+    report = s.push(sd2.items(), version=2, timeout=60)
+    assert report.receivers == ("steady",)
+    while True:  # the steady one's commits, the last one is version 2
+        msg = ok_conn.recv()
+        if msg[1] == 2:
+            break
+    assert msg == ("commit", 2, sums(sd2))
+    ok_conn.send("stop")
+    ok.join(30)
+    s.close()
+
+
+def test_shm_buffers_are_mapped_by_another_process_and_the_values_arrive_exactly():
+    s = WeightSender(group="g", transport="shm", receivers=1, bucket_bytes=1 << 20)
+    proc, conn = spawn(s.address, "g", "child")
+    for v in (1, 2):
+        sd = weights(v)
+        report = s.push(sd.items(), version=v, timeout=60)
+        assert report.receivers == ("child",)
+        assert conn.recv() == ("commit", v, sums(sd))
+    conn.send("stop")
+    proc.join(30)
+    s.close()
