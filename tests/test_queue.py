@@ -368,3 +368,20 @@ def test_bad_queue_config_is_refused():
         Queue.start(storage_units=0)
     with pytest.raises(SchemaError, match="capacity: expected None or an int >= 1, got -1"):
         Queue.start(capacity=-1)
+
+
+def test_fields_added_in_another_order_stay_aligned_with_their_samples(q):
+    c = q.client()
+    idx = put_rows(c, "p", 4)
+    c.put("p", {"y": torch.tensor([30.0, 20.0, 10.0, 0.0])}, indexes=idx[::-1])
+    b = c.get("p", task="actor_train", batch_size=4, fields=["x", "y"], timeout=5)
+    assert torch.equal(b.data["x"].squeeze(1) * 10, b.data["y"])
+
+
+def test_a_batch_spanning_puts_and_units_is_assembled_in_order(q):
+    c = q.client()
+    for start in (0, 3, 6):  # three puts, placed on alternating storage units
+        put_rows(c, "p", 3, start=start)
+    b = c.get("p", task="actor_train", batch_size=9, fields=["x"], timeout=5)
+    assert b.indexes == list(range(9))
+    assert torch.equal(b.data["x"].squeeze(1), torch.arange(9.0))

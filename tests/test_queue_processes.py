@@ -78,14 +78,15 @@ def test_served_queue_puts_and_gets_across_processes(served):
 def test_killed_storage_unit_makes_clients_raise_not_hang(served):
     _, address, units = served
     with Queue.connect(address).client() as c:
-        c.put("p", {"x": torch.arange(4.0)})
-        os.kill(units[1], signal.SIGKILL)
+        c.put("p", {"x": torch.arange(4.0)})  # a put goes whole to the emptiest unit: unit 0
+        os.kill(units[0], signal.SIGKILL)
         time.sleep(0.5)  # allowed: lets the kernel close the dead unit's sockets
         t0 = time.monotonic()
         with pytest.raises(ServiceGone):
             c.get("p", task="train", batch_size=4, fields=["x"], timeout=5)
+        c.put("q", {"x": torch.arange(4.0)}, timeout=5)  # unit 1 is alive
         with pytest.raises(ServiceGone):
-            c.put("q", {"x": torch.arange(4.0)}, timeout=5)
+            c.put("r", {"x": torch.arange(4.0)}, timeout=5)  # placed on the dead unit 0
         assert time.monotonic() - t0 < 90
 
 

@@ -7,7 +7,10 @@ import importlib
 
 from . import __version__
 
-BENCHES = ("wire",)
+BENCHES = (
+    "queue",
+    "wire",
+)
 
 
 def main(argv: list[str] | None = None) -> None:

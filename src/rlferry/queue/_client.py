@@ -35,7 +35,10 @@ from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 __all__ = ["AsyncQueueClient", "Batch", "QueueClient"]
 
 T = TypeVar("T")
-_CONTROL_TIMEOUT = 30.0  # for requests that never wait on other clients
+_CONTROL_TIMEOUT = 30.0
+_PLAIN = frozenset(
+    (str, bytes, int, float, bool, type(None), torch.Tensor)
+)  # for requests that never wait on other clients
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ class AsyncQueueClient:
                     "(every field of one put must have the same number of samples)"
                 )
             signatures[name] = signature(kind, column)
-            if kind == "list" and not all(isinstance(v, torch.Tensor) for v in column):
+            if kind == "list" and not all(type(v) in _PLAIN for v in column):
                 try:  # plain values: refuse what cannot travel before anything is reserved
                     encode(column)
                 except WireError as e:

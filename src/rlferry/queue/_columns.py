@@ -72,27 +72,26 @@ def split_rows(value: Any, bounds: Sequence[int]) -> list[Any]:
     return [value[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive runs ``[start, stop)`` of ascending row numbers."""
-    runs: list[tuple[int, int]] = []
-    for r in rows:
-        if runs and runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], r + 1)
+def runs(indexes: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``[start, stop)`` of ascending numbers, in order."""
+    out: list[tuple[int, int]] = []
+    for r in indexes:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
         else:
-            runs.append((r, r + 1))
-    return runs
+            out.append((r, r + 1))
+    return out
 
 
-def take(parts: Sequence[tuple[Any, Sequence[int]]]) -> Any:
-    """Rows of stored columns, in order: ``parts`` is ``[(column, rows), ...]``.
+def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
+    """Rows ``[a, b)`` of stored columns, in order: ``pieces`` is ``[(column, a, b), ...]``.
 
-    One contiguous run of one dense column comes back as a view (no copy); any
-    other selection of dense rows is gathered once into warm shared memory.
+    One piece of a dense column comes back as a view (no copy); more pieces of
+    dense rows are gathered once into warm shared memory.
     """
-    first = parts[0][0]
+    first = pieces[0][0]
     if isinstance(first, list):
-        return [col[r] for col, rows in parts for r in rows]
-    pieces = [(col, a, b) for col, rows in parts for a, b in _runs(rows)]
+        return [row for col, a, b in pieces for row in col[a:b]]
     if len(pieces) == 1:
         col, a, b = pieces[0]
         return col[a:b]
@@ -142,5 +141,23 @@ def assemble(kind: str, parts: Sequence[tuple[Sequence[int], Any]], n: int) -> A
             for positions, rows in parts:
                 value[list(positions)] = rows
     if kind == "nested" and not (isinstance(value, torch.Tensor) and value.is_nested):
-        return torch.nested.as_nested_tensor(list(value), layout=torch.jagged)
+        return _jagged(list(value))
     return value
+
+
+def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A jagged nested tensor of ``rows``: over their memory when they lie end to end in
+    one buffer (as a ragged frame decodes), else over one copy."""
+    first = rows[0]
+    at = first.data_ptr()
+    for t in rows:
+        if t.data_ptr() != at or t.shape[1:] != first.shape[1:] or not t.is_contiguous():
+            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        at += t.numel() * t.element_size()
+    lengths = torch.tensor([t.shape[0] for t in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = torch.empty(0, dtype=first.dtype).set_(
+        first.untyped_storage(), first.storage_offset(), (int(offsets[-1]), *first.shape[1:])
+    )
+    return torch.nested.nested_tensor_from_jagged(values, offsets)

@@ -79,6 +79,7 @@ class Controller:
         self.lease_timeout = lease_timeout
         self.partitions: dict[str, Partition] = {}
         self.held = 0  # samples held (not yet freed)
+        self.unit_load = [0] * len(units)  # samples held per storage unit
         self.next_index = 0
         self.lease_ids = itertools.count(1)
         self.leases: dict[int, Lease] = {}
@@ -154,6 +155,7 @@ class Controller:
 
     def _drop(self, by_unit: dict[int, list[int]]) -> None:
         for unit, indexes in by_unit.items():
+            self.unit_load[unit] -= len(indexes)
             req = self._unit_client(unit).request(["drop", {"indexes": indexes}], timeout=30)
             task = asyncio.ensure_future(req)
             self._bg.add(task)
@@ -222,8 +224,12 @@ class Controller:
         self._check_signatures(p, signatures)
         first = self.next_index
         self.next_index += rows
-        n_units = len(self.units)
-        units = [r * n_units // rows for r in range(rows)]  # contiguous blocks per unit
+        # A put goes whole to the unit holding the fewest samples: a get of its rows (or of
+        # a DP rank's contiguous share) is then one view of one stored column, no copy.
+        self.unit_load += [0] * (len(self.units) - len(self.unit_load))
+        unit = min(range(len(self.units)), key=self.unit_load.__getitem__)
+        self.unit_load[unit] += rows
+        units = [unit] * rows
         for r in range(rows):
             p.samples[first + r] = Sample(first + r, units[r], {})
         new_indexes = list(range(first, first + rows))
@@ -481,6 +487,8 @@ class Controller:
                 p.samples[index] = s
             self.partitions[p.name] = p
             self.held += len(p.samples)
+            for s in p.samples.values():
+                self.unit_load[s.unit] += 1
 
     async def close(self) -> None:
         for c in self._unit_clients:

@@ -10,13 +10,14 @@ No process-global state: it can run in a thread, a child process or a Ray actor.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._columns import take
+from ._columns import runs, take
 from ._errors import SchemaError
 
 __all__ = ["StorageUnit"]
@@ -25,12 +26,14 @@ __all__ = ["StorageUnit"]
 class _Chunk:
     """One stored column: the rows one put placed on this unit for one field."""
 
-    __slots__ = ("column", "live", "nbytes")
+    __slots__ = ("column", "live", "nbytes", "ordered")
 
-    def __init__(self, column: Any, rows: int) -> None:
+    def __init__(self, column: Any, indexes: list[int]) -> None:
         self.column = column
-        self.live = rows
+        self.live = len(indexes)
         self.nbytes = _nbytes(column)
+        # rows follow consecutive indexes: a run of indexes is a run of rows
+        self.ordered = indexes == list(range(indexes[0], indexes[0] + len(indexes)))
 
 
 def _nbytes(value: Any) -> int:
@@ -72,13 +75,14 @@ class StorageUnit:
 
     def store(self, indexes: list[int], columns: dict[str, Any]) -> int:
         for name, column in columns.items():
-            chunk = _Chunk(column, len(indexes))
+            chunk = _Chunk(column, indexes)
             where = self.where.setdefault(name, {})
-            for row, index in enumerate(indexes):
-                old = where.get(index)
-                if old is not None:
-                    self._unref(old[0])
-                where[index] = (chunk, row)
+            if not where.keys().isdisjoint(indexes):  # a field put again: the old rows go
+                for index in indexes:
+                    old = where.get(index)
+                    if old is not None:
+                        self._unref(old[0])
+            where.update(zip(indexes, zip(itertools.repeat(chunk), range(len(indexes)))))
             self.bytes_held += chunk.nbytes
             self.bytes_in += chunk.nbytes
         return len(indexes)
@@ -90,25 +94,39 @@ class StorageUnit:
 
     def read(self, indexes: list[int], fields: list[str]) -> dict[str, Any]:
         out = {}
+        index_runs = runs(indexes)  # once for all fields
         for name in fields:
             where = self.where.get(name, {})
-            parts: list[tuple[Any, list[int]]] = []
-            for index in indexes:
-                entry = where.get(index)
-                if entry is None:
-                    raise SchemaError(
-                        f"field `{name}`: sample {index} has no value on this storage unit "
-                        "(it was dropped, or never put)"
-                    )
-                chunk, row = entry
-                if parts and parts[-1][0] is chunk.column:
-                    parts[-1][1].append(row)
-                else:
-                    parts.append((chunk.column, [row]))
-            value = take(parts)
+            pieces: list[tuple[Any, int, int]] = []
+            for a, b in index_runs:
+                first, last = self._find(where, name, a), self._find(where, name, b - 1)
+                if first[0] is last[0] and first[0].ordered and last[1] - first[1] == b - 1 - a:
+                    self._extend(pieces, first[0].column, first[1], last[1] + 1)
+                    continue
+                for index in range(a, b):  # rows of several puts, or added out of order
+                    chunk, row = self._find(where, name, index)
+                    self._extend(pieces, chunk.column, row, row + 1)
+            value = take(pieces)
             self.bytes_out += _nbytes(value)
             out[name] = value
         return out
+
+    @staticmethod
+    def _find(where: dict[int, tuple[_Chunk, int]], name: str, index: int) -> tuple[_Chunk, int]:
+        entry = where.get(index)
+        if entry is None:
+            raise SchemaError(
+                f"field `{name}`: sample {index} has no value on this storage unit "
+                "(it was dropped, or never put)"
+            )
+        return entry
+
+    @staticmethod
+    def _extend(pieces: list[tuple[Any, int, int]], column: Any, a: int, b: int) -> None:
+        if pieces and pieces[-1][0] is column and pieces[-1][2] == a:
+            pieces[-1] = (column, pieces[-1][1], b)
+        else:
+            pieces.append((column, a, b))
 
     def drop(self, indexes: list[int]) -> int:
         dropped = 0

@@ -43,7 +43,8 @@ _ALIGN = 256
 _ROUND = 2 << 20
 _MEMFD_NAME = "rlferry-bulk"
 _POOL_IDLE_MAX = 4 << 30  # free segment bytes kept warm for reuse
-_MAPPINGS_KEPT = 8  # remote segments kept mapped after their last view died
+_MAPPINGS_KEPT = 8
+_PARALLEL_COPY = 8 << 20  # remote segments kept mapped after their last view died
 
 
 def _address(buf: memoryview) -> int:
@@ -237,7 +238,7 @@ _enc = msgspec.msgpack.Encoder()
 
 
 def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
-    """Move the large frames of a message (not the header, frame 0) to shared memory.
+    """Move the large frames of a message (the header too, if it is large) to shared memory.
 
     A frame that already lies in shared memory this process holds is referred
     to where it is; the others are copied, once, into one pool segment.
@@ -248,7 +249,7 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
     keep: list[Any] = []
     entries: list[list[int]] = []
     to_copy: list[tuple[int, memoryview]] = []
-    for i in range(1, len(frames)):
+    for i in range(len(frames)):  # a large header (long strings) goes too
         view = memoryview(getattr(frames[i], "buffer", frames[i])).cast("B")
         if view.nbytes < BULK_MIN:
             continue
@@ -266,11 +267,21 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
         keep.append(exports.use(seg))
         at = 0
         for i, view in to_copy:
-            seg.mm[at : at + view.nbytes] = view
+            _copy(seg, at, view)
             entries.append([i, seg.fd, seg.ino, seg.size, at, view.nbytes])
             at += _aligned(view.nbytes)
     eid = exports.export(peer, keep)
     return _enc.encode([eid, os.getpid(), entries]), out
+
+
+def _copy(seg: _Memory, at: int, view: memoryview) -> None:
+    """One copy into the segment, on torch's intra-op threads when it is large."""
+    n = view.nbytes
+    if n < _PARALLEL_COPY or view.readonly:
+        seg.mm[at : at + n] = view
+        return
+    dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=n, offset=at)
+    dst.copy_(torch.frombuffer(view, dtype=torch.uint8))
 
 
 def _aligned(n: int) -> int:
@@ -306,7 +317,7 @@ def unpack_bulk(
         if not (isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry)):
             raise WireError("malformed message: bad shared-memory entry")
         index, fd, ino, size, offset, length = entry
-        if not (0 < index < len(out)) or offset < 0 or length < 0 or offset + length > size:
+        if not (0 <= index < len(out)) or offset < 0 or length < 0 or offset + length > size:
             raise WireError("malformed message: shared-memory entry out of range")
         mem = exports.open_remote(pid, fd, ino, size)
         holder = (ctypes.c_char * length).from_address(mem.base + offset)

@@ -335,39 +335,42 @@ class AsyncClient:
             await self._sock.send_multipart([_CONTROL, _release_codec[0].encode(ids)])
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        releases, key = self._releases, self._key
-        assert releases is not None
-
-        def owe(eid: int) -> None:
-            releases.owe(key, eid)
-
         while True:
             try:
                 frames = await sock.recv_multipart(copy=False)
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
-            if frames[0].bytes == _CONTROL:
-                try:
-                    exports.release(self._key, _release_codec[1].decode(frames[1].bytes))
-                except msgspec.DecodeError:
-                    log.warning("dropped a malformed release message")
-                continue
-            fut = self._pending.pop(frames[0].bytes, None)
+            self._on_message(frames)
+            del frames  # nothing of a message may outlive its handling here: see _on_message
+
+    def _owe(self, eid: int) -> None:
+        if self._releases is not None:
+            self._releases.owe(self._key, eid)
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        """Hand a reply to its waiter. A function of its own so that its locals (views of
+        shared memory) die when it returns, and the releases go out at once."""
+        if frames[0].bytes == _CONTROL:
             try:
-                body = frames[3:]
-                if frames[2].bytes:
-                    body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]), owe)
-                if fut is None or fut.done():
-                    continue  # timed out or cancelled meanwhile; the views go, the release goes
-                value = decode(body)
-                del body
-                if frames[1].bytes == _ERR:
-                    fut.set_exception(RemoteError(str(value[0]), str(value[1])))
-                else:
-                    fut.set_result(value)
-            except WireError as e:
-                if fut is not None and not fut.done():
-                    fut.set_exception(e)
+                exports.release(self._key, _release_codec[1].decode(frames[1].bytes))
+            except msgspec.DecodeError:
+                log.warning("dropped a malformed release message")
+            return
+        fut = self._pending.pop(frames[0].bytes, None)
+        try:
+            body = frames[3:]
+            if frames[2].bytes:
+                body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]), self._owe)
+            if fut is None or fut.done():
+                return  # timed out or cancelled meanwhile; the views go, the release goes
+            value = decode(body)
+            if frames[1].bytes == _ERR:
+                fut.set_exception(RemoteError(str(value[0]), str(value[1])))
+            else:
+                fut.set_result(value)
+        except WireError as e:
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         try:

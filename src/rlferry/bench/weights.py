@@ -1,0 +1,308 @@
+"""Weights benchmark: push a model's state dict to an engine process, against baselines.
+
+State dicts with the exact tensor names and shapes of Qwen3-8B (399 tensors,
+16.38 GB bf16) and Qwen3-30B-A3B (18,867 tensors, 61.06 GB), random values;
+``--scale N`` divides every width (the 8B at 4 is about 1 GB, for the CPU). The
+engine is another process with preallocated parameters; every path ends in a
+copy into them. Each transport runs its baselines in the same run:
+
+- ``shm`` (CPU): one memcpy of the same bytes.
+- ``cuda_ipc`` (one GPU, sender and engine on it): one device-to-device copy of
+  the bytes (a flat copy's bandwidth, and a per-tensor copy of the state dict);
+  ping-pong IPC buckets with a new handle per bucket (NeMo-RL style); packed
+  buckets without overlap (one buffer, handle cached).
+- ``broadcast`` (two GPUs, NCCL): one broadcast of 1 GiB (bandwidth); one
+  broadcast per tensor (AReaL/slime style); packed 2 GiB buckets without overlap.
+
+Every rlferry row is checked: the engine's parameters must equal the sender's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlferry.weights import WeightSender
+from rlferry.weights._sender import default_bucket_bytes
+
+from . import _weights_engine as eng
+from ._common import gbps, memcpy_seconds, table
+
+_GiB = 1 << 30
+_T0 = time.monotonic()
+
+
+def _progress(what: str) -> None:
+    """A line on stderr per phase, so a log shows where the time went."""
+    print(f"[{time.monotonic() - _T0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+class Engine:
+    """The engine process and its command pipe."""
+
+    def __init__(self, shapes: eng.Shapes, device: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=eng.engine_main, args=(child, shapes, device), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(600) or self.conn.recv() != "ready":
+            raise RuntimeError("the engine process did not start within 600 s")
+
+    def send(self, *cmd: Any) -> None:
+        self.conn.send(cmd)
+
+    def wait(self) -> Any:
+        status, value = self.conn.recv()
+        assert status == "ok", status
+        return value
+
+    def call(self, *cmd: Any) -> Any:
+        self.send(*cmd)
+        return self.wait()
+
+    def stop(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(60)
+
+
+def _median_times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    fn()  # warm-up: plans, handles, groups, allocator
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[0], times[len(times) // 2]
+
+
+def _rlferry(engine: Engine, state: dict[str, torch.Tensor], transport: str, bucket: int | None,
+             repeat: int) -> tuple[float, float, int]:  # fmt: skip
+    _progress(f"rlferry {transport}")
+    sender = WeightSender(group="bench", transport=transport, receivers=1, bucket_bytes=bucket)
+    engine.send("rlferry", sender.address, "bench")
+    assert engine.wait() == "joined"
+    version = iter(range(1, 1 << 30))
+    best, med = _median_times(lambda: sender.push(state.items(), version=next(version)), repeat)
+    used = sender.statistics().bucket_bytes
+    engine.conn.send("done")
+    engine.wait()
+    sender.close()
+    got, want = engine.call("fingerprint"), eng.fingerprint(list(state.values()))
+    if got != want:
+        raise RuntimeError(f"rlferry {transport}: the engine's parameters differ from the sender's")
+    engine.call("zero")
+    return best, med, used
+
+
+def _row(name: str, seconds: float, nbytes: int, base: float, note: str = "") -> list[str]:
+    return [name, f"{seconds * 1e3:.1f}", f"{gbps(nbytes, seconds):.1f}", f"{base / seconds:.2f}",
+            note]  # fmt: skip
+
+
+def _header(
+    model: str, scale: int, state: dict[str, torch.Tensor], device: str, repeat: int
+) -> str:
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    where = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor()
+    name = model + (f" / {scale}" if scale > 1 else "")
+    return (
+        f"{name}: {len(state)} tensors, {nbytes / 1e9:.2f} GB bf16; median of {repeat}; "
+        f"{where or platform.machine()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
+
+
+# -- shm (CPU) ----------------------------------------------------------------------------------
+
+
+def run_shm(model: str, scale: int, repeat: int, bucket: int | None) -> str:
+    shapes = eng.model_shapes(model, scale)
+    state = eng.make_state(shapes, "cpu")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    engine = Engine(shapes, "cpu")
+    try:
+        base = memcpy_seconds(nbytes, repeat)
+        best, med, used = _rlferry(engine, state, "shm", bucket, repeat)
+    finally:
+        engine.stop()
+    rows = [
+        _row("memcpy of the same bytes (baseline)", base, nbytes, base),
+        _row(
+            "rlferry shm (pack + load into the engine's parameters)",
+            med,
+            nbytes,
+            base,
+            f"best {best * 1e3:.1f} ms; buckets of {used >> 20} MiB",
+        ),
+    ]
+    return _header(model, scale, state, "cpu", repeat) + "\n\n" + _table(rows, "x memcpy")
+
+
+def _table(rows: list[list[str]], ratio: str) -> str:
+    return table(rows, ("path", "ms", "GB/s", ratio, "notes"))
+
+
+# -- cuda_ipc (one GPU) ----------------------------------------------------------------------
+
+
+def _flat_copy_seconds(nbytes: int, device: str, repeat: int) -> float:
+    n = min(nbytes, 4 * _GiB)
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device).random_() for _ in range(2)]
+
+    def once() -> None:
+        bufs[1].copy_(bufs[0])
+        torch.cuda.synchronize()
+
+    _, med = _median_times(once, repeat)
+    bufs.clear()  # free both before the state dicts are made
+    torch.cuda.empty_cache()
+    return med * nbytes / n
+
+
+def _per_tensor_copy_seconds(state: dict[str, torch.Tensor], repeat: int) -> float:
+    """Copy every tensor once (from another of its shape: no extra memory), one kernel list."""
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = collections.defaultdict(list)
+    for t in state.values():
+        groups[tuple(t.shape)].append(t)
+    dst = [t for g in groups.values() for t in g]
+    src = [t for g in groups.values() for t in g[1:] + g[:1]]
+
+    def once() -> None:
+        torch._foreach_copy_(dst, src)
+        torch.cuda.synchronize()
+
+    return _median_times(once, repeat)[1]
+
+
+def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str:
+    shapes = eng.model_shapes(model, scale)
+    dev = "cuda:0"
+    torch.cuda.set_device(dev)
+    nbytes = sum(eng.specs_of(shapes)[i].nbytes for i in range(len(shapes)))
+    _progress(f"{model}: flat copy")
+    flat = _flat_copy_seconds(nbytes, dev, repeat)
+    state = eng.make_state(shapes, dev)
+    _progress("engine")
+    engine = Engine(shapes, dev)
+    try:
+        largest = max(t.numel() * t.element_size() for t in state.values())
+        bucket = bucket or default_bucket_bytes(torch.device(dev), largest)
+        best, med, used = _rlferry(engine, state, "cuda_ipc", bucket, repeat)
+        base_rows = []
+        for name, reopen, buffers in (
+            ("ping-pong IPC, new handle per bucket (NeMo-RL style)", True, 2),
+            ("packed buckets, no overlap (one buffer, handle cached)", False, 1),
+        ):
+
+            def once(reopen: bool = reopen, buffers: int = buffers) -> None:
+                engine.send("ipc", bucket, reopen)
+                eng.ipc_send(engine.conn, state, bucket, reopen, buffers)
+                engine.wait()
+
+            _progress(name)
+            base_rows.append((name, _median_times(once, repeat)[1]))
+        _progress("per-tensor copy")
+        per_tensor = _per_tensor_copy_seconds(state, repeat)
+    finally:
+        engine.stop()
+    rows = [
+        _row("device-to-device copy, flat (raw limit)", flat, nbytes, flat,
+             "bandwidth of a 4 GiB copy, for these bytes"),
+        _row("device-to-device copy, per tensor (_foreach_copy_)", per_tensor, nbytes, flat),
+        *[_row(n + " (baseline)", s, nbytes, flat) for n, s in base_rows],
+        _row("rlferry cuda_ipc (ping-pong, handles opened once)", med, nbytes, flat,
+             f"best {best * 1e3:.1f} ms; buckets of {used / _GiB:.2f} GiB"),
+    ]  # fmt: skip
+    return _header(model, scale, state, dev, repeat) + "\n\n" + _table(rows, "x flat copy")
+
+
+# -- broadcast (two GPUs, NCCL) ------------------------------------------------------------------
+
+
+def run_broadcast(model: str, scale: int, repeat: int, bucket: int | None) -> str:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    shapes = eng.model_shapes(model, scale)
+    dev = "cuda:0"
+    torch.cuda.set_device(dev)
+    state = eng.make_state(shapes, dev)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    _progress(f"{model}: engine")
+    engine = Engine(shapes, "cuda:1")
+    try:
+        port = _free_port()
+        engine.send("nccl_init", port)
+        eng._nccl_init(port, 0, dev)
+        engine.wait()
+
+        def both(cmd: tuple[Any, ...], mine: Callable[[], None]) -> Callable[[], None]:
+            def once() -> None:
+                engine.send(*cmd)
+                mine()
+                engine.wait()
+
+            return once
+
+        _progress("raw, per tensor, packed")
+        raw = _median_times(both(("nccl_raw", _GiB), lambda: eng._nccl_raw(_GiB, 0, dev)), repeat)
+        raw_s = raw[1] * nbytes / _GiB
+        tensors = list(state.values())
+        per = _median_times(
+            both(("nccl_per_tensor",), lambda: eng._nccl_per_tensor(tensors, 0)), repeat
+        )[1]
+        b2 = 2 * _GiB
+        packed = _median_times(
+            both(("nccl_packed", b2), lambda: eng._nccl_packed(shapes, {}, b2, 0, dev, state)),
+            repeat,
+        )[1]
+        best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat)
+    finally:
+        engine.stop()
+    rows = [
+        _row("NCCL broadcast of 1 GiB (raw limit)", raw_s, nbytes, raw_s,
+             f"{gbps(_GiB, raw[1]):.0f} GB/s, for these bytes"),
+        _row("one broadcast per tensor (AReaL/slime style, baseline)", per, nbytes, raw_s),
+        _row("packed 2 GiB buckets, no overlap (baseline)", packed, nbytes, raw_s),
+        _row("rlferry broadcast (NCCL, ping-pong, group reused)", med, nbytes, raw_s,
+             f"best {best * 1e3:.1f} ms; buckets of {used / _GiB:.2f} GiB"),
+    ]  # fmt: skip
+    return _header(model, scale, state, dev, repeat) + "\n\n" + _table(rows, "x raw bandwidth")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+RUNS = {"shm": run_shm, "cuda_ipc": run_cuda_ipc, "broadcast": run_broadcast}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="rlferry bench weights", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--transport", choices=tuple(RUNS), default="shm")
+    p.add_argument("--model", default="qwen3-8b", help="qwen3-8b, qwen3-30b-a3b, or both (a,b)")
+    p.add_argument("--scale", type=int, default=0, help="divide every width (default: 4 on CPU)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, default=0, help="default: rlferry's own choice")
+    a = p.parse_args(argv)
+    scale = a.scale or (4 if a.transport == "shm" else 1)
+    bucket = a.bucket_mb << 20 or None
+    for model in a.model.split(","):
+        print(RUNS[a.transport](model, scale, a.repeat, bucket), flush=True)
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
