@@ -131,16 +131,16 @@ def idle_and_wakeup(block_s: float = 10.0, wakeups: int = 30) -> tuple[float, fl
             c.get("idle", task="train", batch_size=1, fields=["x"], timeout=block_s)
         cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         lat = []
+
+        def wait(part: str, out: list[float], done: threading.Event) -> None:
+            c.get(part, task="train", batch_size=1, fields=["x"], timeout=30)
+            out.append(time.perf_counter())
+            done.set()
+
         for i in range(wakeups):
             done = threading.Event()
             out: list[float] = []
-
-            def wait(part: str = f"w{i}") -> None:
-                c.get(part, task="train", batch_size=1, fields=["x"], timeout=30)
-                out.append(time.perf_counter())
-                done.set()
-
-            t = threading.Thread(target=wait)
+            t = threading.Thread(target=wait, args=(f"w{i}", out, done))
             t.start()
             while c.statistics()["waiting_gets"] == 0:
                 done.wait(0.001)  # allowed: the benchmark waits for the get to park first

@@ -158,6 +158,6 @@ def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     values = torch.empty(0, dtype=first.dtype).set_(
-        first.untyped_storage(), first.storage_offset(), (int(offsets[-1]), *first.shape[1:])
+        first.untyped_storage(), first.storage_offset(), (int(offsets[-1]), *first.shape[1:]), ()
     )
     return torch.nested.nested_tensor_from_jagged(values, offsets)

@@ -82,7 +82,8 @@ class StorageUnit:
                     old = where.get(index)
                     if old is not None:
                         self._unref(old[0])
-            where.update(zip(indexes, zip(itertools.repeat(chunk), range(len(indexes)))))
+            rows = zip(itertools.repeat(chunk), range(len(indexes)))
+            where.update(zip(indexes, rows, strict=False))  # repeat() is endless
             self.bytes_held += chunk.nbytes
             self.bytes_in += chunk.nbytes
         return len(indexes)
