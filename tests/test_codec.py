@@ -147,3 +147,25 @@ def test_strided_nested_and_sparse_tensors_are_refused():
 def test_numpy_object_arrays_are_refused():
     with pytest.raises(WireError, match=r"`\$\.a`: numpy dtype object"):
         encode({"a": np.array([object()])})
+
+
+def test_long_string_lists_travel_packed_out_of_band_and_come_back_as_lists():
+    words = [f"prompt {i} " * 50 for i in range(400)]  # > 64 KiB: packed
+    blobs = [bytes([i % 256]) * 300 for i in range(400)]
+    frames = encode({"w": words, "b": blobs})
+    assert len(frames) == 5  # offsets + data for each list, not in the header
+    assert len(memoryview(frames[0])) < 1000
+    out = roundtrip({"w": words, "b": blobs})
+    assert out == {"w": words, "b": blobs}
+
+
+def test_packed_strings_can_be_kept_packed_and_sliced_without_decoding():
+    from rlferry.wire import PackedStrings
+
+    words = ["é" * 100 + str(i) for i in range(1000)]
+    frames = [bytearray(memoryview(f).cast("B")) for f in encode(words)]
+    packed = decode(frames, packed_strings=True)
+    assert isinstance(packed, PackedStrings) and len(packed) == 1000
+    assert packed[10:20].tolist() == words[10:20]
+    again = roundtrip(PackedStrings.concat([packed[:5], packed[990:]]))
+    assert again == words[:5] + words[990:]

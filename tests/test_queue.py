@@ -385,3 +385,13 @@ def test_a_batch_spanning_puts_and_units_is_assembled_in_order(q):
     b = c.get("p", task="actor_train", batch_size=9, fields=["x"], timeout=5)
     assert b.indexes == list(range(9))
     assert torch.equal(b.data["x"].squeeze(1), torch.arange(9.0))
+
+
+def test_string_fields_from_small_and_large_puts_come_back_in_order(q):
+    c = q.client()
+    small = ["a", "b"]
+    large = [f"response {i} " * 100 for i in range(200)]  # > 64 KiB: stored packed
+    c.put("p", {"s": small})
+    c.put("p", {"s": large})
+    b = c.get("p", task="actor_train", batch_size=202, fields=["s"], timeout=5)
+    assert b.data["s"] == small + large

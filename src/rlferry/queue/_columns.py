@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire import shared_empty
+from rlferry.wire import PackedStrings, shared_empty
 
 from ._errors import SchemaError
 
@@ -90,11 +90,17 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
     dense rows are gathered once into warm shared memory.
     """
     first = pieces[0][0]
-    if isinstance(first, list):
-        return [row for col, a, b in pieces for row in col[a:b]]
     if len(pieces) == 1:
         col, a, b = pieces[0]
         return col[a:b]
+    if all(isinstance(col, PackedStrings) for col, _, _ in pieces):
+        return PackedStrings.concat([col[a:b] for col, a, b in pieces])
+    if isinstance(first, (list, PackedStrings)):  # small puts came as lists, large ones packed
+        return [
+            row
+            for col, a, b in pieces
+            for row in (col[a:b].tolist() if isinstance(col, PackedStrings) else col[a:b])
+        ]
     n = sum(b - a for _, a, b in pieces)
     out: Any
     if isinstance(first, torch.Tensor):

@@ -74,7 +74,7 @@ class Queue:
         try:
             for _ in range(storage_units):
                 unit = StorageUnit()
-                srv = Server(unit.handle, default_address(transport))
+                srv = Server(unit.handle, default_address(transport), packed_strings=True)
                 units.append(loop.run(srv.start()))
                 services.append(srv)
             ctrl = Controller(

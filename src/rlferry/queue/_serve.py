@@ -25,7 +25,7 @@ def _unit_address(bind: str) -> str:
 
 def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
     async def main() -> None:
-        srv = Server(StorageUnit().handle, bind, secret=secret)
+        srv = Server(StorageUnit().handle, bind, secret=secret, packed_strings=True)
         conn.send(await srv.start())
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -41,7 +41,7 @@ def _nbytes(value: Any) -> int:
         return value.numel() * value.element_size()
     if isinstance(value, list):
         return sum(_nbytes(v) for v in value)
-    if hasattr(value, "nbytes"):
+    if hasattr(value, "nbytes"):  # numpy arrays, PackedStrings
         return int(value.nbytes)
     if isinstance(value, (str, bytes)):
         return len(value)

@@ -16,11 +16,13 @@ from ._errors import (
 from ._loop import wire_loop
 from ._shm import shared_empty
 from ._sockets import AsyncClient, Client, Server
+from ._strings import PackedStrings
 
 __all__ = [
     "AsyncClient",
     "ChannelClosed",
     "Client",
+    "PackedStrings",
     "PeerGone",
     "RemoteError",
     "RequestTimeout",

@@ -27,6 +27,7 @@ import torch
 
 from ._errors import WireError
 from ._shm import shared_empty
+from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
 
 __all__ = ["Buffer", "decode", "encode"]
 
@@ -41,6 +42,7 @@ _NDARRAY = 2  # [dtype.str, shape, frame]
 _TUPLE = 3  # packed list of the items
 _RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
 _JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
+_STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
 
 _DTYPES: dict[str, torch.dtype] = {}
 for _name in [
@@ -149,12 +151,22 @@ class _Encoder:
             ragged = self.ragged(obj)
             if ragged is not None:
                 return ragged
+            packed = pack_strings(obj)
+            if packed is not None:
+                return self.strings(packed)
             return self.items(obj)
+        if isinstance(obj, PackedStrings):
+            return self.strings(obj)
         if isinstance(obj, tuple):
             return msgspec.msgpack.Ext(_TUPLE, self._packer.encode(self.items(obj)))
         if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
             return self.ndarray(obj)
         raise _Refused([], f"type {type(obj).__module__}.{type(obj).__qualname__}")
+
+    def strings(self, p: PackedStrings) -> msgspec.msgpack.Ext:
+        offsets, data = p.parts()
+        node = [p.kind, self.tensor_node(offsets), self.tensor_node(data)]
+        return msgspec.msgpack.Ext(_STRS, self._packer.encode(node))
 
     def items(self, seq: Sequence[Any]) -> list[Any]:
         out = []
@@ -251,7 +263,8 @@ _HEAD = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
 class _Decoding:
     """The state of one decode: the frames, which of them were used."""
 
-    def __init__(self, frames: Sequence[Buffer]) -> None:
+    def __init__(self, frames: Sequence[Buffer], packed_strings: bool = False) -> None:
+        self.packed_strings = packed_strings
         self.views = [_byte_view(f, i + 1) for i, f in enumerate(frames)]
         self.used = [False] * len(self.views)
         self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
@@ -282,6 +295,8 @@ class _Decoding:
             return self.jagged(node)
         if code == _NDARRAY:
             return self.ndarray(node)
+        if code == _STRS:
+            return self.strings(node)
         raise WireError(f"malformed message: unknown extension code {code}")
 
     def tensor(self, node: Any) -> torch.Tensor:
@@ -342,6 +357,16 @@ class _Decoding:
         except (RuntimeError, ValueError, IndexError) as e:
             raise WireError(f"malformed message: jagged tensor does not build ({e})") from None
 
+    def strings(self, node: Any) -> Any:
+        if not (isinstance(node, list) and len(node) == 3 and node[0] in KINDS):
+            raise WireError("malformed message: a strings node is not [kind, offsets, data]")
+        offsets, data = self.tensor(node[1]), self.tensor(node[2])
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise WireError("malformed message: string data is not bytes")
+        check_offsets(offsets, data.numel())
+        packed = PackedStrings(node[0], offsets, data)
+        return packed if self.packed_strings else packed.tolist()
+
     def ndarray(self, node: Any) -> Any:
         import numpy as np
 
@@ -390,12 +415,15 @@ def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.
     return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Buffer]) -> Any:
+def decode(frames: Sequence[Buffer], *, packed_strings: bool = False) -> Any:
     """Rebuild the value of :func:`encode` from its frames, without copying tensor data.
 
     Tensors and arrays are views over the frames' memory (zmq frames received
     with ``copy=False`` are writable, so the tensors are too); read-only frames
     such as ``bytes`` are copied once.
+
+    With ``packed_strings``, long lists of str or bytes come back as
+    :class:`PackedStrings` (for services that store and forward them).
 
     Raises:
         WireError: missing, extra or truncated frames, or a header that does not
@@ -416,7 +444,7 @@ def decode(frames: Sequence[Buffer]) -> Any:
         raise WireError(
             f"malformed message: header announces {count} data frames, {len(frames) - 1} arrived"
         )
-    state = _Decoding(frames[1:])
+    state = _Decoding(frames[1:], packed_strings)
     try:
         value = state.decoder.decode(tree)
     except WireError:

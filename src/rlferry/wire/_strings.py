@@ -1,0 +1,121 @@
+"""Long lists of strings or bytes travel packed: one data frame and one offsets frame.
+
+Packed, a column of 1024 prompts crosses the wire like a tensor: out of band,
+through shared memory over ipc://, never through the msgpack header. A service
+that only stores and forwards such columns (a storage unit) decodes them as
+:class:`PackedStrings` and sends slices of them on without ever building
+Python strings; everyone else gets the list back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._errors import WireError
+from ._shm import BULK_MIN, shared_empty
+
+__all__ = ["PackedStrings", "pack_strings"]
+
+KINDS = {"s": str, "b": bytes}
+
+
+class PackedStrings:
+    """A list of str (``kind="s"``) or bytes (``kind="b"``) as UTF-8 data plus offsets.
+
+    ``offsets`` (int64, one more than there are items) index into ``data``
+    (uint8); slicing rows gives a view, no copy.
+    """
+
+    __slots__ = ("data", "kind", "offsets")
+
+    def __init__(self, kind: str, offsets: torch.Tensor, data: torch.Tensor) -> None:
+        self.kind = kind
+        self.offsets = offsets
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def __getitem__(self, rows: slice) -> PackedStrings:
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise IndexError("PackedStrings supports contiguous row slices only")
+        return PackedStrings(self.kind, self.offsets[start : max(start, stop) + 1], self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets[-1] - self.offsets[0]) if len(self) else 0
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets from 0, the data they index): what travels."""
+        first = int(self.offsets[0])
+        return self.offsets - first, self.data[first : int(self.offsets[-1])]
+
+    def tolist(self) -> list[Any]:
+        offsets, data = self.parts()
+        raw = _view(data)
+        bounds = offsets.tolist()
+        if self.kind == "s":
+            return [str(raw[a:b], "utf-8") for a, b in itertools.pairwise(bounds)]
+        return [bytes(raw[a:b]) for a, b in itertools.pairwise(bounds)]
+
+    @staticmethod
+    def concat(parts: Sequence[PackedStrings]) -> PackedStrings:
+        """One packed column of several (one copy of the data)."""
+        pieces = [p.parts() for p in parts]
+        data = shared_empty([sum(d.numel() for _, d in pieces)], torch.uint8)
+        offsets = [torch.zeros(1, dtype=torch.int64)]
+        at = 0
+        for o, d in pieces:
+            data[at : at + d.numel()] = d
+            offsets.append(o[1:] + at)
+            at += d.numel()
+        return PackedStrings(parts[0].kind, torch.cat(offsets), data)
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    n = t.numel()
+    if n == 0:
+        return memoryview(b"")
+    holder = (ctypes.c_char * n).from_address(t.data_ptr())
+    holder._rlferry_owner = t  # type: ignore[attr-defined]
+    return memoryview(holder).cast("B")
+
+
+def pack_strings(items: list[Any]) -> PackedStrings | None:
+    """Pack a list whose items are all str or all bytes, when it is worth it (>= 64 KiB)."""
+    if len(items) < 2:
+        return None
+    kind_type = type(items[0])
+    if kind_type not in (str, bytes) or not all(type(v) is kind_type for v in items):
+        return None
+    encoded = [v.encode() for v in items] if kind_type is str else items
+    total = sum(len(b) for b in encoded)
+    if total < BULK_MIN:
+        return None
+    data = shared_empty([total], torch.uint8)
+    bounds = [0]
+    at, base = 0, data.data_ptr()
+    for b in encoded:
+        ctypes.memmove(base + at, b, len(b))
+        at += len(b)
+        bounds.append(at)
+    offsets = torch.tensor(bounds, dtype=torch.int64)
+    return PackedStrings("s" if kind_type is str else "b", offsets, data)
+
+
+def check_offsets(offsets: torch.Tensor, size: int) -> None:
+    if (
+        offsets.dim() != 1
+        or offsets.dtype != torch.int64
+        or offsets.numel() < 1
+        or int(offsets[0]) != 0
+        or int(offsets[-1]) != size
+        or bool((offsets[1:] < offsets[:-1]).any())
+    ):
+        raise WireError("malformed message: string offsets do not describe the data")
