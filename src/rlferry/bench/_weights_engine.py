@@ -222,8 +222,6 @@ def _nccl_init(port: int, rank: int, device: str) -> None:
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(device)
-    if dist.is_initialized():  # a second model in the same run
-        return
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         device_id=torch.device(device),

@@ -187,7 +187,7 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str
     shapes = eng.model_shapes(model, scale)
     dev = "cuda:0"
     torch.cuda.set_device(dev)
-    nbytes = sum(eng.specs_of(shapes)[i].nbytes for i in range(len(shapes)))
+    nbytes = sum(spec.nbytes for spec in eng.specs_of(shapes))
     _progress(f"{model}: flat copy")
     flat = _flat_copy_seconds(nbytes, dev, repeat)
     state = eng.make_state(shapes, dev)
@@ -266,6 +266,10 @@ def run_broadcast(model: str, scale: int, repeat: int, bucket: int | None) -> st
         best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat)
     finally:
         engine.stop()
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # the next model's engine is a new process: a new group
+            dist.destroy_process_group()
     rows = [
         _row("NCCL broadcast of 1 GiB (raw limit)", raw_s, nbytes, raw_s,
              f"{gbps(_GiB, raw[1]):.0f} GB/s, for these bytes"),

@@ -23,37 +23,20 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def bucketed(
-    plan: Plan, named: Iterable[Any], checked: bool
-) -> Iterator[tuple[int, dict[int, torch.Tensor]]]:
-    """``(k, {tensor index: tensor})`` for each bucket, as soon as its last tensor came."""
-    last_of = [0] * plan.buckets  # the last tensor with a chunk in bucket k
-    first_of: dict[int, int] = {}  # tensor -> its first bucket
-    last_bucket: dict[int, int] = {}  # tensor -> its last bucket
-    for c in plan.chunks:
-        last_of[c.bucket] = max(last_of[c.bucket], c.tensor)
-        first_of.setdefault(c.tensor, c.bucket)
-        last_bucket[c.tensor] = c.bucket
-    pending: dict[int, torch.Tensor] = {}
-    k = 0
+def bucketed(plan: Plan, named: Iterable[Any], checked: bool) -> Iterator[tuple[int, list[Any]]]:
+    """``(k, tensors)`` for each bucket as soon as its last tensor came; ``tensors`` is
+    indexed by tensor number, and a tensor is dropped once its last bucket is yielded."""
+    _, last_of, done = plan.order
+    store: list[Any] = [None] * len(plan.specs)
+    k, n = 0, plan.buckets
     pairs = iterate_checked(plan, named) if checked else _indexed(plan, named)
     for i, t in pairs:
-        pending[i] = t
-        while k < plan.buckets and last_of[k] <= i:
-            yield k, {j: pending[j] for j in _tensors_in(plan, k, first_of, last_bucket, pending)}
-            for j in [j for j in pending if last_bucket[j] <= k]:
-                del pending[j]
+        store[i] = t
+        while k < n and last_of[k] <= i:
+            yield k, store
+            for j in done[k]:
+                store[j] = None
             k += 1
-
-
-def _tensors_in(
-    plan: Plan,
-    k: int,
-    first_of: dict[int, int],
-    last_bucket: dict[int, int],
-    pending: dict[int, Any],
-) -> list[int]:
-    return [j for j in pending if first_of[j] <= k <= last_bucket[j]]
 
 
 def _indexed(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tensor]]:
@@ -91,7 +74,7 @@ class Packer:
             self._parts.append(parts)
 
     @torch.no_grad()
-    def pack(self, k: int, tensors: dict[int, torch.Tensor]) -> None:
+    def pack(self, k: int, tensors: list[Any]) -> None:
         dsts, idx = self._whole[k]
         if dsts:
             torch._foreach_copy_(dsts, [tensors[i] for i in idx])

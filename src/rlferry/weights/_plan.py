@@ -11,6 +11,7 @@ pushes with the same layout only say "bucket k is ready".
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -145,9 +146,23 @@ class Plan:
     def buckets(self) -> int:
         return len(self.bucket_used)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    @functools.cached_property
+    def order(self) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """Per bucket: the tensors with a chunk in it, the last of them, and the
+        tensors whose last chunk it holds (done with once it is packed)."""
+        tensors: list[list[int]] = [[] for _ in self.bucket_used]
+        done: list[list[int]] = [[] for _ in self.bucket_used]
+        last_bucket: dict[int, int] = {}
+        for c in self.chunks:
+            tensors[c.bucket].append(c.tensor)
+            last_bucket[c.tensor] = c.bucket
+        for t, b in last_bucket.items():
+            done[b].append(t)
+        return tensors, [max(ts) for ts in tensors], done
 
     @property
     def buffer_bytes(self) -> int:

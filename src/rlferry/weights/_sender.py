@@ -41,6 +41,12 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
 
 def _key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
     """``(name, shape, dtype)`` of every pair: the layout, read without touching data."""
+    try:
+        key = [(n, t.shape, t.dtype) for n, t in named]
+        if all(type(k[0]) is str for k in key):
+            return key
+    except (TypeError, ValueError, AttributeError):
+        pass
     return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
 
 
@@ -274,17 +280,20 @@ class WeightSender:
         return out
 
     def _stream_mailbox(
-        self, plan: Plan, buckets: Iterator[tuple[int, dict[int, torch.Tensor]]], verify: bool,
+        self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,
         deadline: float,
     ) -> None:  # fmt: skip
         tr, hub, packer = self._transport, self._hub, self._packer
         assert packer is not None
-        readers = [m.key for m in hub.push.members] if hub.push else []
+        members = hub.push.members if hub.push else []
+        readers = [m.key for m in members]
         call = self._loop.loop.call_soon_threadsafe
         for k, tensors in buckets:
             b = k % 2
-            if k >= 2:
+            if k >= 2 and not all(m.step >= k - 2 or m.settled for m in members):
                 readers = self._loop.run(hub.free(k - 2, deadline))
+            elif k >= 2:  # every ack already came: no need to ask the loop
+                readers = [m.key for m in members if m.error is None]
             tr.before_pack(b, readers)
             packer.pack(k, tensors)
             tr.after_pack(b)

@@ -183,7 +183,7 @@ class BroadcastSender(SenderTransport):
     def stream(
         self,
         plan: Plan,
-        buckets: Iterator[tuple[int, dict[int, torch.Tensor]]],
+        buckets: Iterator[tuple[int, list[Any]]],
         packer: Any,
         verify: bool,
         deadline: float,

@@ -1,0 +1,114 @@
+"""GPU transports, on the device machine: cuda_ipc on one GPU, NCCL broadcast on two.
+
+Skipped on CPU (with the reason); run there with `python -m pytest -q tests/test_weights_gpu.py`.
+"""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+
+pytestmark = [requires_cuda, pytest.mark.gpu]
+
+requires_2_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs (runs on nvidia-h200-x2)",
+)
+
+
+def weights(seed, device="cuda:0"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    sd = {f"layers.{i}.w": torch.randn(512, 1024, device=device, generator=g) for i in range(8)}
+    sd["embed"] = torch.randn(4096, 1024, device=device, generator=g).bfloat16()  # 8 MiB
+    sd["norm"] = torch.randn(1024, device=device, generator=g)
+    sd["step"] = torch.tensor(3, device=device)
+    return sd
+
+
+def digest(sd):
+    """Exact: an integer sum of each tensor's bytes."""
+    return {n: int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sd.items()}
+
+
+def _engine(address, group, device, conn, fail_at):
+    torch.cuda.set_device(device)
+    like = weights(0, device)
+    params = {n: torch.zeros_like(t) for n, t in like.items()}
+    calls = []
+
+    def load(items):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("engine refused")
+        for n, t in items:
+            params[n].copy_(t)
+
+    def on_commit(version):
+        conn.send(("commit", version, digest(params), r.statistics().buffers_opened))
+
+    r = WeightReceiver(group=group, address=address, load=load, on_commit=on_commit,
+                       device=device, verify=True, name=f"engine-{device}")  # fmt: skip
+    r.start(timeout=120)
+    conn.send("ready")
+    conn.recv()
+    r.close()
+
+
+def spawn(address, group, device, fail_at=0):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_engine, args=(address, group, device, child, fail_at), daemon=True)
+    p.start()
+    assert parent.poll(180) and parent.recv() == "ready"
+    return p, parent
+
+
+@pytest.mark.parametrize("bucket", [1 << 20, 64 << 20])  # split tensors, or none
+def test_cuda_ipc_delivers_exact_values_and_opens_the_handles_once(bucket):
+    s = WeightSender(group="ipc", transport="cuda_ipc", receivers=1, bucket_bytes=bucket)
+    proc, conn = spawn(s.address, "ipc", "cuda:0")
+    for v in (1, 2, 3):
+        sd = weights(v)
+        report = s.push(sd.items(), version=v, timeout=120)
+        assert report.receivers == ("engine-cuda:0",)
+        kind, version, got, opened = conn.recv()
+        assert (kind, version, opened) == ("commit", v, 2)
+        assert got == digest(sd)
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
+def test_cuda_ipc_a_failing_engine_is_named_and_the_next_push_works():
+    s = WeightSender(group="ipc", transport="cuda_ipc", receivers=1, bucket_bytes=1 << 20)
+    proc, conn = spawn(s.address, "ipc", "cuda:0", fail_at=2)
+    with pytest.raises(WeightSyncError) as e:
+        s.push(weights(1).items(), version=1, timeout=120)
+    assert e.value.failures["engine-cuda:0"].startswith("load raised RuntimeError: engine refused")
+    sd = weights(2)
+    s.push(sd.items(), version=2, timeout=120)
+    assert conn.recv()[:3] == ("commit", 2, digest(sd))
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
+@requires_2_gpus
+def test_nccl_broadcast_to_another_gpu_delivers_exact_values_and_reuses_the_group():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    s = WeightSender(group="nccl", transport="broadcast", receivers=1, bucket_bytes=1 << 20)
+    proc, conn = spawn(s.address, "nccl", "cuda:1")
+    for v in (1, 2):
+        sd = weights(v)
+        s.push(sd.items(), version=v, timeout=120)
+        kind, version, got, _ = conn.recv()
+        assert (kind, version) == ("commit", v)
+        assert got == digest(sd)
+    assert s.statistics().groups_formed == 1
+    conn.send("stop")
+    proc.join(60)
+    s.close()
