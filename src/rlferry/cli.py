@@ -9,6 +9,7 @@ from . import __version__
 
 BENCHES = (
     "queue",
+    "weights",
     "wire",
 )
 

@@ -1,0 +1,26 @@
+"""`rlferry bench weights` runs and prints its table (a small state dict, on CPU)."""
+
+import subprocess
+import sys
+
+from rlferry.bench._weights_engine import model_shapes, specs_of
+
+
+def test_the_model_shapes_are_exact():
+    eight = model_shapes("qwen3-8b")
+    moe = model_shapes("qwen3-30b-a3b")
+    assert len(eight) == 399 and sum(s.nbytes for s in specs_of(eight)) == 16_381_470_720
+    assert len(moe) == 18_867 and sum(s.nbytes for s in specs_of(moe)) == 61_064_245_248
+    assert ("model.layers.47.mlp.experts.127.down_proj.weight", (2048, 768)) in moe
+
+
+def test_bench_weights_prints_a_table_with_the_memcpy_ratio():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "bench", "weights", "--scale", "64", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "| memcpy of the same bytes (baseline) |" in out.stdout
+    assert "| rlferry shm (pack + load into the engine's parameters) |" in out.stdout
