@@ -279,13 +279,12 @@ class AsyncQueueClient:
             reads.append(self._call(client, "read", args, _CONTROL_TIMEOUT))
         parts = await asyncio.gather(*reads)
         data = {}
+        n = len(indexes)
+        whole = len(by_unit) == 1  # one unit, asked in batch order: its answer is the batch
         for name in fields:
             kind = share["kinds"].get(name, "list")
-            data[name] = assemble(
-                kind,
-                [(pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)],
-                len(indexes),
-            )
+            pieces = [(pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)]
+            data[name] = assemble(kind, pieces, n, whole)
         return Batch(
             partition, task, indexes, data, share["meta"], share["partition_meta"], share["lease"]
         )

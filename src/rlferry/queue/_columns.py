@@ -116,13 +116,15 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
     return out
 
 
-def assemble(kind: str, parts: Sequence[tuple[Sequence[int], Any]], n: int) -> Any:
+def assemble(
+    kind: str, parts: Sequence[tuple[Sequence[int], Any]], n: int, whole: bool = False
+) -> Any:
     """Put per-storage-unit parts (``(positions in the batch, rows)``) into one column.
 
-    A batch served by one storage unit in order is returned as it came (no copy).
+    ``whole``: the one part holds the batch in order; it is returned as it came (no copy).
     """
     value: Any
-    if len(parts) == 1 and list(parts[0][0]) == list(range(n)):
+    if whole:
         value = parts[0][1]
     elif kind in ("list", "nested"):
         items: list[Any] = [None] * n

@@ -75,6 +75,8 @@ for _name in [
 _DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 _NUMPY_KINDS = "biufc"
 
+_SCALARS = frozenset((int, float, str, bytes, bool, type(None)))
+
 ACCEPTED = (
     "torch.Tensor, numpy.ndarray, None, bool, int, float, str, bytes, "
     "list, tuple, dict with str keys"
@@ -154,6 +156,8 @@ class _Encoder:
             packed = pack_strings(obj)
             if packed is not None:
                 return self.strings(packed)
+            if set(map(type, obj)) <= _SCALARS:  # indexes, lengths, rewards: msgpack as is
+                return obj
             return self.items(obj)
         if isinstance(obj, PackedStrings):
             return self.strings(obj)
