@@ -25,6 +25,7 @@ from ._messages import (
     Ack,
     Bucket,
     Join,
+    Noted,
     Setup,
     Stream,
     Welcome,
@@ -48,6 +49,7 @@ class Member:
         self.generation = -1  # of the transport buffers (or group) it attached
         self.seq = 0  # the push it takes part in
         self.step = IDLE
+        self.want: int | None = None
         self.error: str | None = None
         self.gone = False
         self.sent_setup = False
@@ -113,8 +115,11 @@ class Hub:
         if m is None:
             raise WeightSyncError("unknown receiver: join first")
         self._acked(m, msg)
+        if not msg.park:
+            self._changed.set()
+            return encode(Noted())
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        m.parked = fut
+        m.parked, m.want = fut, msg.want
         self._dispatch(m)
         self._changed.set()
         try:
@@ -177,7 +182,7 @@ class Hub:
             if m.step == PLAN:
                 m.parked.set_result(Stream(p.seq, p.version, p.verify))
             return
-        nxt = m.step + 1
+        nxt = max(m.step + 1, m.want or 0)
         if nxt < p.ready:
             m.parked.set_result(Bucket(p.seq, p.version, nxt, p.checksums[nxt]))
 
@@ -218,7 +223,7 @@ class Hub:
         members = [m for m in self.members.values() if m.idle]
         for m in members:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
-            m.step = IDLE
+            m.step, m.want = IDLE, None
         return members
 
     async def start(self, push: Push) -> None:

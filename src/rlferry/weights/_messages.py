@@ -10,8 +10,13 @@ travels in these messages: it lies in the transport's buffers.
     Ack(idle) ─────────────────────────▶  ... parked until a push ...
               ◀─────────────────────────  Setup (plan, buffers or group)   first time only
     Ack(plan) ─────────────────────────▶  Bucket 0        (shm, cuda_ipc: one per bucket)
-    Ack(0)    ─────────────────────────▶  Bucket 1 ...    or Stream (broadcast: all at once)
+    Ack(want=1) ───────────────────────▶  Bucket 1 ...    or Stream (broadcast: all at once)
+    Ack(0, park=False) ────────────────▶  Noted
     Ack(done) ─────────────────────────▶  ... parked until the next push ...
+
+A receiver asks for bucket k+1 (``want``) before it loads bucket k, and reports
+bucket k loaded in a bare acknowledgement: the next bucket's announcement is
+already there when a load ends, and no round trip stands between two loads.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ __all__ = [
     "Ack",
     "Bucket",
     "Join",
+    "Noted",
     "Setup",
     "Stream",
     "Welcome",
@@ -59,6 +65,8 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     error: str | None = None
     handles: list[bytes] = []  # cuda_ipc: the receiver's interprocess events, with Ack(PLAN)
     checksums: list[int] = []
+    want: int | None = None  # the bucket to answer with (default: the one after ``step``)
+    park: bool = True  # False: a bare acknowledgement, answered at once with Noted
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
@@ -85,13 +93,17 @@ class Stream(msgspec.Struct, frozen=True, tag="stream"):
     verify: bool = False  # a last collective carries every bucket's checksum
 
 
+class Noted(msgspec.Struct, frozen=True, tag="noted"):
+    pass
+
+
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     seq: int
     reason: str
 
 
 Request = Join | Ack
-Reply = Welcome | Setup | Bucket | Stream | Abort
+Reply = Welcome | Setup | Bucket | Stream | Abort | Noted
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
@@ -106,5 +118,5 @@ def decode_request(data: Any) -> Join | Ack:
     return _requests.decode(data)
 
 
-def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort:
+def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort | Noted:
     return _replies.decode(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -11,9 +12,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import torch
 
-from rlferry.wire import ChannelClosed, Client, PeerGone, RemoteError, WireError
+from rlferry.wire import AsyncClient, ChannelClosed, PeerGone, RemoteError, WireError, wire_loop
 
 from ._config import ReceiverConfig
 from ._errors import WeightSyncError
@@ -95,7 +97,9 @@ class WeightReceiver:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
         self._transport_name = ""
         self._transport: Any = None
-        self._client: Client | None = None
+        self._loop = wire_loop()
+        self._client: AsyncClient | None = None
+        self._prefetch: concurrent.futures.Future[Any] | None = None
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._version: int | None = None
@@ -119,7 +123,7 @@ class WeightReceiver:
         """
         if self._thread is not None:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
-        self._client = Client(self.config.address, secret=self.config.secret)
+        self._client = AsyncClient(self.config.address, secret=self.config.secret)
         welcome = self._join(timeout)
         self._transport_name = welcome.transport
         self._transport = make_receiver(welcome.transport)
@@ -134,14 +138,14 @@ class WeightReceiver:
         c = self.config
         join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify)
         try:
-            reply = decode_reply(self._client.request(encode(join), timeout=timeout))
+            reply = decode_reply(self._loop.run(self._client.request(encode(join), timeout)))
         except RemoteError as e:
-            self._client.close()
+            self._loop.run(self._client.close())
             raise WeightSyncError(
                 f"receiver `{self.name}` cannot join group {c.group!r} at {c.address}: {e.message}"
             ) from None
         except WireError as e:
-            self._client.close()
+            self._loop.run(self._client.close())
             raise WeightSyncError(
                 f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
             ) from None
@@ -166,7 +170,7 @@ class WeightReceiver:
             return
         self._closed = True
         if self._client is not None:
-            self._client.close()
+            self._loop.run(self._client.close())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
         if self._transport is not None:
@@ -194,15 +198,23 @@ class WeightReceiver:
         )
 
     # -- the loop -----------------------------------------------------------------
+    def _send(self, ack: Ack) -> concurrent.futures.Future[Any]:
+        assert self._client is not None
+        return self._loop.submit(self._client.request(encode(ack), None))
+
+    def _note(self, ack: Ack) -> None:
+        """A bare acknowledgement: sent, its (empty) answer not waited for."""
+        fut = self._send(msgspec.structs.replace(ack, park=False))
+        fut.add_done_callback(_log_failure)
+
     def _serve(self) -> None:
         dev = self.config.device
         if dev is not None and dev.type == "cuda":
             torch.cuda.set_device(dev)
-        ack = Ack(0, IDLE)
+        fut = self._send(Ack(0, IDLE))
         while not self._closed:
-            assert self._client is not None
             try:
-                msg = decode_reply(self._client.request(encode(ack), timeout=None))
+                msg = decode_reply(fut.result())
             except ChannelClosed:
                 return
             except PeerGone as e:
@@ -216,9 +228,15 @@ class WeightReceiver:
                 except WeightSyncError as e2:
                     self._last_error = str(e2)
                     return
-                ack = Ack(0, IDLE)
+                fut = self._send(Ack(0, IDLE))
                 continue
+            self._prefetch = None
             ack = self._handle(msg)
+            if self._prefetch is not None:  # the next bucket is already asked for
+                self._note(ack)
+                fut = self._prefetch
+            else:
+                fut = self._send(ack)
 
     def _handle(self, msg: Any) -> Ack:
         try:
@@ -287,6 +305,8 @@ class WeightReceiver:
         k = msg.index
         if k == 0 and self._push_start == 0.0:
             self._push_start = time.perf_counter()
+        if k + 1 < plan.buckets:  # ask for the next bucket now: it comes while this one loads
+            self._prefetch = self._send(Ack(msg.seq, k - 1, want=k + 1))
         b = k % 2
         tr.before_load(b)
         stream = getattr(tr, "stream", None)
@@ -339,6 +359,11 @@ class WeightReceiver:
         self._last_seconds = time.perf_counter() - self._push_start
         self._push_start = 0.0
         return Ack(seq, DONE)
+
+
+def _log_failure(fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("an acknowledgement was lost: %s", fut.exception())
 
 
 class _nullctx:
