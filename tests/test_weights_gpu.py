@@ -68,8 +68,10 @@ def spawn(address, group, device, fail_at=0):
 
 
 @pytest.mark.parametrize("bucket", [1 << 20, 64 << 20])  # split tensors, or none
-def test_cuda_ipc_delivers_exact_values_and_opens_the_handles_once(bucket):
-    s = WeightSender(group="ipc", transport="cuda_ipc", receivers=1, bucket_bytes=bucket)
+def test_cuda_ipc_packed_delivers_exact_values_and_opens_the_buffers_once(bucket):
+    s = WeightSender(
+        group="ipc", transport="cuda_ipc", receivers=1, bucket_bytes=bucket, zero_copy=False
+    )
     proc, conn = spawn(s.address, "ipc", "cuda:0")
     for v in (1, 2, 3):
         sd = weights(v)
@@ -78,6 +80,28 @@ def test_cuda_ipc_delivers_exact_values_and_opens_the_handles_once(bucket):
         kind, version, got, opened = conn.recv()
         assert (kind, version, opened) == ("commit", v, 2)
         assert got == digest(sd)
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
+def test_cuda_ipc_zero_copy_opens_the_pushed_tensors_once_while_they_stay_the_same():
+    s = WeightSender(group="ipc", transport="cuda_ipc", receivers=1, bucket_bytes=1 << 20)
+    proc, conn = spawn(s.address, "ipc", "cuda:0")
+    sd = weights(1)
+    opened = []
+    for v in (1, 2, 3):
+        for t in sd.values():
+            t.add_(1)  # the trainer's step: same tensors, new values
+        assert s.push(sd.items(), version=v, timeout=120).receivers == ("engine-cuda:0",)
+        kind, version, got, n = conn.recv()
+        assert (kind, version, got) == ("commit", v, digest(sd))
+        opened.append(n)
+    assert opened == [len(sd)] * 3  # one export per tensor storage, opened on the first push
+    assert s.statistics().buffer_bytes == 0  # no packing buffers
+    other = weights(9)  # other tensors: exported and opened anew
+    s.push(other.items(), version=4, timeout=120)
+    assert conn.recv()[:3] == ("commit", 4, digest(other))
     conn.send("stop")
     proc.join(60)
     s.close()

@@ -86,9 +86,10 @@ def _median_times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 
 def _rlferry(engine: Engine, state: dict[str, torch.Tensor], transport: str, bucket: int | None,
-             repeat: int) -> tuple[float, float, int]:  # fmt: skip
+             repeat: int, zero_copy: bool = True) -> tuple[float, float, int]:  # fmt: skip
     _progress(f"rlferry {transport}")
-    sender = WeightSender(group="bench", transport=transport, receivers=1, bucket_bytes=bucket)
+    sender = WeightSender(group="bench", transport=transport, receivers=1, bucket_bytes=bucket,
+                          zero_copy=zero_copy)  # fmt: skip
     engine.send("rlferry", sender.address, "bench")
     assert engine.wait() == "joined"
     version = iter(range(1, 1 << 30))
@@ -197,6 +198,7 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str
         largest = max(t.numel() * t.element_size() for t in state.values())
         bucket = bucket or default_bucket_bytes(torch.device(dev), largest)
         best, med, used = _rlferry(engine, state, "cuda_ipc", bucket, repeat)
+        pbest, pmed, pused = _rlferry(engine, state, "cuda_ipc", bucket, repeat, zero_copy=False)
         base_rows = []
         for name, reopen, buffers in (
             ("ping-pong IPC, new handle per bucket (NeMo-RL style)", True, 2),
@@ -219,8 +221,10 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str
              "bandwidth of a 4 GiB copy, for these bytes"),
         _row("device-to-device copy, per tensor (_foreach_copy_)", per_tensor, nbytes, flat),
         *[_row(n + " (baseline)", s, nbytes, flat) for n, s in base_rows],
-        _row("rlferry cuda_ipc (ping-pong, handles opened once)", med, nbytes, flat,
-             f"best {best * 1e3:.1f} ms; buckets of {used / _GiB:.2f} GiB"),
+        _row("rlferry cuda_ipc, packed (zero_copy=False: ping-pong, handles opened once)",
+             pmed, nbytes, flat, f"best {pbest * 1e3:.1f} ms; buckets of {pused / _GiB:.2f} GiB"),
+        _row("rlferry cuda_ipc, zero copy (the engine reads the trainer's tensors)", med,
+             nbytes, flat, f"best {best * 1e3:.1f} ms; {used / _GiB:.2f} GiB per load call"),
     ]  # fmt: skip
     return _header(model, scale, state, dev, repeat) + "\n\n" + _table(rows, "x flat copy")
 

@@ -43,9 +43,12 @@ class SenderConfig:
     bind: str | None = None
     device: Any = None
     secret: str | bytes | None = None
+    zero_copy: bool = True
 
     def __post_init__(self) -> None:
         _check_group("WeightSender", self.group)
+        if not isinstance(self.zero_copy, bool):
+            raise ValueError(f"WeightSender.zero_copy: expected a bool, got {self.zero_copy!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"WeightSender.transport: expected one of 'shm', 'cuda_ipc', 'broadcast', "

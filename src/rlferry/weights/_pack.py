@@ -120,6 +120,23 @@ class Unpacker:
             self.parts.append(parts)
             self.bytes.append(nbytes)
 
+    @classmethod
+    def direct(cls, plan: Plan, tensors: list[torch.Tensor]) -> Unpacker:
+        """Views of the sender's own tensors (``tensors[i]``: the bytes of tensor i, from
+        its first), each handed to ``load`` with the bucket that holds its last chunk."""
+        u = cls.__new__(cls)
+        u.plan = plan
+        u.loads = [[] for _ in range(plan.buckets)]
+        u.parts = [[] for _ in range(plan.buckets)]
+        u.bytes = [0] * plan.buckets
+        last_bucket = {c.tensor: c.bucket for c in plan.chunks}
+        for i, spec in enumerate(plan.specs):
+            view = tensors[i][: spec.nbytes].view(spec.dtype).view(spec.shape)
+            k = last_bucket[i]
+            u.loads[k].append((spec.name, view))
+            u.bytes[k] += spec.nbytes
+        return u
+
     @torch.no_grad()
     def stage(self, k: int) -> None:
         """Copy bucket ``k``'s pieces of split tensors into their staging tensors."""

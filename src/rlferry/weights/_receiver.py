@@ -282,8 +282,16 @@ class WeightReceiver:
             bufs = self._transport.buffers(plan.buffer_bytes)
         else:
             handles = self._transport.attach(msg.transport, self.config.device)
+            if getattr(self._transport, "direct", False):  # cuda_ipc reading the sender's tensors
+                bufs = list(self._transport.tensors)
+                self._unpacker = Unpacker.direct(plan, bufs)
+                self._bufs, self._plan = bufs, plan
+                return Ack(msg.seq, PLAN, handles=handles)
             bufs = [self._transport.buffer(0), self._transport.buffer(1)]
-        if self._unpacker is None or self._unpacker.plan is not plan or self._bufs != bufs:
+        same = len(bufs) == len(self._bufs) and all(
+            a is b for a, b in zip(bufs, self._bufs, strict=True)
+        )
+        if self._unpacker is None or self._unpacker.plan is not plan or not same:
             self._unpacker = Unpacker(plan, bufs)
             self._bufs = bufs
         self._plan = plan

@@ -62,7 +62,11 @@ class WeightSender:
     of the two buffers (default: from free device memory). ``bind``: the control
     address (default: a fresh ipc:// path, or tcp://127.0.0.1 for broadcast);
     off-host binds need ``secret``. ``device``: where the buffers live (default:
-    the first pushed tensor's device).
+    the first pushed tensor's device). ``zero_copy`` (cuda_ipc): when the pushed
+    tensors are contiguous and on the sender's GPU and the input is re-iterable
+    (a ``state_dict().items()``), receivers read them where they are, through
+    IPC handles opened once while the same tensors are pushed again: no pack,
+    no buffers. A generator, ``verify`` or other tensors fall back to packing.
 
     A process may run one sender per group, each with its own transport.
     """
@@ -77,6 +81,7 @@ class WeightSender:
         bind: str | None = None,
         device: Any = None,
         secret: str | bytes | None = None,
+        zero_copy: bool = True,
     ) -> None:
         self.config = SenderConfig(
             group=group,
@@ -86,6 +91,7 @@ class WeightSender:
             bind=bind,
             device=device,
             secret=secret,
+            zero_copy=zero_copy,
         )
         self._loop = wire_loop()
         self._transport = make_sender(transport, bind)
@@ -162,8 +168,17 @@ class WeightSender:
         self._first = False
         tr = self._transport
         plan_sent = any(m.plan != plan.fingerprint for m in members)
-        setups = self._setups(members, plan, timeout)
         verify = any(m.verify for m in members)
+        direct: list[torch.Tensor] | None = None
+        if self.config.zero_copy and hasattr(tr, "use_direct") and not checked and not verify:
+            assert self._device is not None
+            direct = [t for _, t in named]
+            if not tr.use_direct(direct, self._device):
+                named = iter([(s.name, t) for s, t in zip(plan.specs, direct, strict=True)])
+                direct = None
+        if direct is None and hasattr(tr, "use_packed"):
+            tr.use_packed()
+        setups = self._setups(members, plan, timeout)
         push = Push(
             seq, version, plan.to_wire() if plan_sent else None, plan.fingerprint, members,
             setups, tr.collective, verify,
@@ -183,12 +198,15 @@ class WeightSender:
                     if m.key in setups and m.error is None:
                         tr.receiver_attached(m.key, m.handles)
             run(self._hub.stream())
-            assert self._packer is not None
-            buckets = bucketed(plan, named, checked)
-            if tr.collective:
+            if direct is not None:
+                tr.ready()  # type: ignore[attr-defined]
+                for k in range(plan.buckets):  # receivers read the tensors in place
+                    self._loop.loop.call_soon_threadsafe(self._hub.announce, k, None)
+            elif tr.collective:
+                buckets = bucketed(plan, named, checked)
                 tr.stream(plan, buckets, self._packer, verify, deadline)  # type: ignore[attr-defined]
             else:
-                self._stream_mailbox(plan, buckets, verify, deadline)
+                self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             p = run(self._hub.finish(deadline))
         except BaseException as e:
             reason = f"the sender failed: {type(e).__name__}: {e}"
@@ -265,7 +283,8 @@ class WeightSender:
             keys = [m.key for m in members]
             group = tr.group_for(keys, timeout, self._device)  # type: ignore[attr-defined]
         tr.prepare(plan.buffer_bytes, self._device)
-        if self._packer is None or self._packer.generation != tr.generation:
+        packs = not getattr(tr, "direct", False)
+        if packs and (self._packer is None or self._packer.generation != tr.generation):
             self._packer = Packer(plan, tr, self._device)
         out = {}
         for m in members:
@@ -284,7 +303,7 @@ class WeightSender:
         deadline: float,
     ) -> None:  # fmt: skip
         tr, hub, packer = self._transport, self._hub, self._packer
-        assert packer is not None
+        assert packer is not None and packer.plan is plan
         members = hub.push.members if hub.push else []
         readers = [m.key for m in members]
         call = self._loop.loop.call_soon_threadsafe

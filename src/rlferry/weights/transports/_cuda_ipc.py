@@ -24,10 +24,9 @@ from ._base import ReceiverTransport, SenderTransport
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
 
 
-def _share(buf: torch.Tensor) -> list[Any]:
-    device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = (
-        buf.untyped_storage()._share_cuda_()
-    )
+def _share(buf: torch.Tensor | torch.UntypedStorage) -> list[Any]:
+    storage = buf if isinstance(buf, torch.UntypedStorage) else buf.untyped_storage()
+    device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
     return [int(device), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
             bytes(ev_handle) if ev_handle else b"", bool(ev_sync)]  # fmt: skip
 
@@ -45,34 +44,100 @@ class CudaIpcSender(SenderTransport):
     name = "cuda_ipc"
 
     def __init__(self) -> None:
+        self._device: torch.device | None = None
         self._bufs: list[torch.Tensor] = []
         self._packed: list[torch.cuda.Event] = []
         self._shared: list[list[Any]] = []
         self._consumed: dict[bytes, list[torch.cuda.Event]] = {}
+        self.direct = False
+        self._held: list[torch.Tensor] = []  # the last direct push's tensors, kept alive
+        self._ptrs: list[int] = []
+        self._direct_desc: dict[str, object] = {}
 
-    def prepare(self, nbytes: int, device: torch.device) -> None:
+    def _events(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise WeightSyncError(
                 f"transport 'cuda_ipc': expected CUDA tensors, got device {str(device)!r} "
                 "(use transport 'shm' for CPU tensors)"
             )
-        if self._bufs and self._bufs[0].device == device and self._bufs[0].numel() >= nbytes:
+        if self._device == device:
             return
-        self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         with torch.cuda.device(device):
             self._packed = [torch.cuda.Event(interprocess=True) for _ in range(2)]
             for ev in self._packed:
                 ev.record()
+        self._device = device
+        self._consumed = {}
+
+    def prepare(self, nbytes: int, device: torch.device) -> None:
+        self._events(device)
+        if self.direct:
+            return
+        if self._bufs and self._bufs[0].device == device and self._bufs[0].numel() >= nbytes:
+            return
+        self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self._shared = [_share(b) for b in self._bufs]
         self._consumed = {}
         self.generation += 1
 
+    def use_direct(self, tensors: list[torch.Tensor], device: torch.device) -> bool:
+        """Let receivers read ``tensors`` where they are (no pack), if they all can be:
+        contiguous, on ``device``, in memory that CUDA IPC can export. Their storages
+        are exported once and kept alive while they are pushed again; a push of other
+        tensors exports anew (the receivers attach again)."""
+        self._events(device)
+        ptrs = [t.data_ptr() for t in tensors]
+        if self.direct and ptrs == self._ptrs:
+            self._held = tensors
+            return True
+        ok = all(t.device == device and t.is_contiguous() for t in tensors)
+        desc: dict[str, object] = {}
+        if ok:
+            try:
+                desc = self._export(tensors)
+            except RuntimeError:  # e.g. expandable segments: CUDA IPC cannot export them
+                ok = False
+        if ok != self.direct or ok:
+            self.generation += 1
+        self.direct, self._direct_desc = ok, desc
+        self._held, self._ptrs = (tensors, ptrs) if ok else ([], [])
+        if ok:
+            self._bufs, self._shared = [], []  # the packing buffers are not needed
+        return ok
+
+    def use_packed(self) -> None:
+        """This push is packed into the buffers (a generator, verify, or zero_copy off)."""
+        if self.direct:
+            self.direct, self._held, self._ptrs, self._direct_desc = False, [], [], {}
+            self.generation += 1
+
+    def _export(self, tensors: list[torch.Tensor]) -> dict[str, object]:
+        index: dict[int, int] = {}
+        storages: list[list[Any]] = []
+        places: list[list[int]] = []
+        for t in tensors:
+            st = t.untyped_storage()
+            at = index.get(st.data_ptr())
+            if at is None:
+                at = index[st.data_ptr()] = len(storages)
+                storages.append(_share(st))
+            places.append([at, int(t.storage_offset()) * t.element_size()])
+        return {"mode": "direct", "storages": storages, "tensors": places}
+
     def descriptor(self) -> dict[str, object]:
-        return {
-            "buffers": self._shared,
+        assert self._device is not None
+        events = {
             "events": [bytes(ev.ipc_handle()) for ev in self._packed],
-            "device": self._bufs[0].device.index,
+            "device": self._device.index,
         }
+        if self.direct:
+            return {**self._direct_desc, **events}
+        return {"buffers": self._shared, **events}
+
+    def ready(self) -> None:
+        """Direct mode: the pushed tensors are complete on the current stream."""
+        assert self._device is not None
+        self._packed[0].record(torch.cuda.current_stream(self._device))
 
     def buffer(self, b: int) -> torch.Tensor:
         return self._bufs[b]
@@ -101,7 +166,7 @@ class CudaIpcSender(SenderTransport):
         return sum(b.numel() for b in self._bufs)
 
     def close(self) -> None:
-        self._bufs, self._packed, self._consumed = [], [], {}
+        self._bufs, self._packed, self._consumed, self._held = [], [], {}, []
 
 
 class CudaIpcReceiver(ReceiverTransport):
@@ -111,10 +176,13 @@ class CudaIpcReceiver(ReceiverTransport):
         self._packed: list[torch.cuda.Event] = []
         self._consumed: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
+        self.direct = False
+        self.tensors: list[torch.Tensor] = []  # direct mode: each pushed tensor's bytes
 
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
         try:
-            shared: list[list[Any]] = desc["buffers"]  # type: ignore[assignment]
+            self.direct = desc.get("mode") == "direct"
+            shared: list[list[Any]] = desc["storages" if self.direct else "buffers"]  # type: ignore[assignment]
             events = [bytes(h) for h in desc["events"]]  # type: ignore[attr-defined]
             index = int(desc["device"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
@@ -125,7 +193,7 @@ class CudaIpcReceiver(ReceiverTransport):
                 f"transport 'cuda_ipc': the sender's buffers are on cuda:{index}, this receiver's "
                 f"device is {str(device)!r} (cuda_ipc shares one GPU; use 'broadcast' across GPUs)"
             )
-        key = tuple(bytes(s[1]) for s in shared) + tuple(events)
+        key = tuple(bytes(s[1]) + bytes(str(s[3]), "ascii") for s in shared) + tuple(events)
         if key != self._key:
             try:
                 with torch.cuda.device(dev):
@@ -138,6 +206,12 @@ class CudaIpcReceiver(ReceiverTransport):
                 ) from None
             self._key = key
             self.opened += len(self._bufs)
+        if self.direct:
+            try:
+                places = [(int(i), int(o)) for i, o in desc["tensors"]]  # type: ignore[attr-defined]
+                self.tensors = [self._bufs[i][o:] for i, o in places]
+            except (KeyError, TypeError, ValueError, IndexError):
+                raise WeightSyncError("malformed setup: bad cuda_ipc tensors") from None
         with torch.cuda.device(dev):
             self._stream = torch.cuda.Stream(dev)
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in range(2)]
@@ -154,7 +228,7 @@ class CudaIpcReceiver(ReceiverTransport):
 
     def before_load(self, b: int) -> None:
         assert self._stream is not None
-        self._stream.wait_event(self._packed[b])
+        self._stream.wait_event(self._packed[0 if self.direct else b])
 
     def after_load(self, b: int) -> None:
         assert self._stream is not None
