@@ -145,8 +145,8 @@ class CudaIpcSender(SenderTransport):
     def receiver_attached(self, key: bytes, handles: list[bytes]) -> None:
         if len(handles) != 2:
             raise WeightSyncError("malformed acknowledgement: expected 2 event handles")
-        dev = self._bufs[0].device
-        self._consumed[key] = [torch.cuda.Event.from_ipc_handle(dev, h) for h in handles]
+        assert self._device is not None
+        self._consumed[key] = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in handles]
 
     def receiver_left(self, key: bytes) -> None:
         self._consumed.pop(key, None)
