@@ -56,8 +56,9 @@ class WeightReceiver:
     """Receives the pushes of one sender's group and hands each bucket to ``load``.
 
     ``load(items)`` gets a list of ``(name, tensor)`` and must copy them into the
-    engine's parameters before returning (the tensors are views of a buffer
-    that the next bucket overwrites; on CUDA the copies may be queued on the
+    engine's parameters before returning, never write them (the tensors are
+    views of a buffer that the next bucket overwrites, or with cuda_ipc zero
+    copy of the trainer's own tensors; on CUDA the copies may be queued on the
     current stream, which rlferry waits for before the commit). ``version`` is
     the last version whose every bucket was loaded and whose ``on_commit``
     returned. ``expected`` (names to tensors, or a callable that raises on a
