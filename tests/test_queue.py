@@ -395,3 +395,19 @@ def test_string_fields_from_small_and_large_puts_come_back_in_order(q):
     c.put("p", {"s": large})
     b = c.get("p", task="actor_train", batch_size=202, fields=["s"], timeout=5)
     assert b.data["s"] == small + large
+
+
+def test_jagged_fields_sliced_by_dp_ranks_and_joined_across_puts(q):
+    c = q.client()
+    rows = [torch.full((n, 2), float(n)) for n in (1, 4, 2, 3, 5, 6)]
+    c.put("p", {"j": torch.nested.nested_tensor(rows[:3], layout=torch.jagged)})
+    c.put("p", {"j": torch.nested.nested_tensor(rows[3:], layout=torch.jagged)})
+    shares = [
+        c.get("p", task="actor_train", batch_size=3, fields=["j"], dp_rank=r, dp_size=2, timeout=5)
+        for r in (0, 1)
+    ]
+    got = [t for b in shares for t in b.data["j"].unbind()]
+    assert all(torch.equal(a, b) for a, b in zip(rows, got, strict=True))
+    whole = c.get("p", task="critic_train", batch_size=6, fields=["j"], timeout=5)
+    assert whole.data["j"].layout == torch.jagged
+    assert all(torch.equal(a, b) for a, b in zip(rows, whole.data["j"].unbind(), strict=True))

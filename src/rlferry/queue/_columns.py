@@ -66,10 +66,33 @@ def signature(kind: str, value: Any) -> list[Any]:
 
 
 def split_rows(value: Any, bounds: Sequence[int]) -> list[Any]:
-    """Cut a column into consecutive row ranges (views for tensors and arrays)."""
+    """Cut a column into consecutive row ranges (views, for every kind but lists)."""
     if isinstance(value, torch.Tensor) and value.is_nested:
-        value = list(value.unbind())
+        return [jagged_rows(value, a, b) for a, b in itertools.pairwise(bounds)]
     return [value[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def jagged_rows(nt: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows ``[a, b)`` of a jagged nested tensor, as a view of its values."""
+    offsets = nt.offsets()  # type: ignore[attr-defined]
+    if a == 0 and b == offsets.numel() - 1:
+        return nt
+    o = offsets[a : b + 1]
+    start, stop = int(o[0]), int(o[-1])
+    return torch.nested.nested_tensor_from_jagged(nt.values()[start:stop], o - start)
+
+
+def jagged_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Jagged nested tensors one after another (one copy of the values)."""
+    values = [p.values() for p in parts]
+    rows = sum(v.shape[0] for v in values)
+    out = shared_empty([rows, *values[0].shape[1:]], values[0].dtype)
+    torch.cat(values, out=out)
+    offsets, at = [torch.zeros(1, dtype=torch.int64)], 0
+    for p, v in zip(parts, values, strict=True):
+        offsets.append(p.offsets()[1:] + at)  # type: ignore[attr-defined]
+        at += v.shape[0]
+    return torch.nested.nested_tensor_from_jagged(out, torch.cat(offsets))
 
 
 def runs(indexes: Sequence[int]) -> list[tuple[int, int]]:
@@ -90,6 +113,9 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
     dense rows are gathered once into warm shared memory.
     """
     first = pieces[0][0]
+    if isinstance(first, torch.Tensor) and first.is_nested:
+        nested = [jagged_rows(col, a, b) for col, a, b in pieces]
+        return nested[0] if len(nested) == 1 else jagged_cat(nested)
     if len(pieces) == 1:
         col, a, b = pieces[0]
         return col[a:b]
@@ -129,6 +155,8 @@ def assemble(
     elif kind in ("list", "nested"):
         items: list[Any] = [None] * n
         for positions, rows in parts:
+            if isinstance(rows, torch.Tensor):  # a jagged part: its rows
+                rows = list(rows.unbind())
             for p, row in zip(positions, rows, strict=True):
                 items[p] = row
         value = items

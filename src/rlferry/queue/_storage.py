@@ -38,6 +38,8 @@ class _Chunk:
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            value = value.values()
         return value.numel() * value.element_size()
     if isinstance(value, list):
         return sum(_nbytes(v) for v in value)

@@ -94,18 +94,20 @@ def pack_strings(items: list[Any]) -> PackedStrings | None:
     kind_type = type(items[0])
     if kind_type not in (str, bytes) or not all(type(v) is kind_type for v in items):
         return None
+    # Item by item, straight into shared memory: one joined temporary would be tens of MB
+    # of fresh pages, which cost more to fault in than the copy itself.
     encoded = [v.encode() for v in items] if kind_type is str else items
-    total = sum(len(b) for b in encoded)
+    lengths = list(map(len, encoded))
+    total = sum(lengths)
     if total < BULK_MIN:
         return None
     data = shared_empty([total], torch.uint8)
-    bounds = [0]
-    at, base = 0, data.data_ptr()
-    for b in encoded:
-        ctypes.memmove(base + at, b, len(b))
-        at += len(b)
-        bounds.append(at)
-    offsets = torch.tensor(bounds, dtype=torch.int64)
+    at, base, move = 0, data.data_ptr(), ctypes.memmove
+    for b, n in zip(encoded, lengths, strict=True):
+        move(base + at, b, n)
+        at += n
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
     return PackedStrings("s" if kind_type is str else "b", offsets, data)
 
 
