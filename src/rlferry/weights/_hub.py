@@ -25,6 +25,7 @@ from ._messages import (
     Ack,
     Bucket,
     Join,
+    Leave,
     Noted,
     Setup,
     Stream,
@@ -53,6 +54,7 @@ class Member:
         self.error: str | None = None
         self.gone = False
         self.sent_setup = False
+        self.fresh = True  # joined, its first request not parked yet
         self.handles: list[bytes] = []
         self.checksums: list[int] = []
 
@@ -114,12 +116,16 @@ class Hub:
         m = self.members.get(peer)
         if m is None:
             raise WeightSyncError("unknown receiver: join first")
+        if isinstance(msg, Leave):
+            self.members.pop(peer, None)
+            self._leave(m, "closed its receiver")
+            return encode(Noted())
         self._acked(m, msg)
         if not msg.park:
             self._changed.set()
             return encode(Noted())
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        m.parked, m.want = fut, msg.want
+        m.parked, m.want, m.fresh = fut, msg.want, False
         self._dispatch(m)
         self._changed.set()
         try:
@@ -210,8 +216,9 @@ class Hub:
     ) -> list[Member]:
         """The members that take part: every idle one (the first push waits for ``wait_for``)."""
 
-        def enough() -> bool:
-            return sum(m.idle for m in self.members.values()) >= wait_for
+        def enough() -> bool:  # and every receiver that just joined is ready
+            ms = self.members.values()
+            return sum(m.idle for m in ms) >= wait_for and not any(m.fresh for m in ms)
 
         if not await self.until(enough, deadline):
             have = sum(m.idle for m in self.members.values())

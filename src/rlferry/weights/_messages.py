@@ -34,6 +34,7 @@ __all__ = [
     "Ack",
     "Bucket",
     "Join",
+    "Leave",
     "Noted",
     "Setup",
     "Stream",
@@ -57,6 +58,10 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     host: str
     pid: int
     verify: bool = False  # wants a checksum of every bucket
+
+
+class Leave(msgspec.Struct, frozen=True, tag="leave"):
+    pass
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -102,7 +107,7 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     reason: str
 
 
-Request = Join | Ack
+Request = Join | Ack | Leave
 Reply = Welcome | Setup | Bucket | Stream | Abort | Noted
 
 _encoder = msgspec.msgpack.Encoder()
@@ -114,7 +119,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(data: Any) -> Join | Ack:
+def decode_request(data: Any) -> Join | Ack | Leave:
     return _requests.decode(data)
 
 

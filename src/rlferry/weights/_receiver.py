@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ from ._messages import (
     Ack,
     Bucket,
     Join,
+    Leave,
     Setup,
     Stream,
     Welcome,
@@ -171,6 +173,10 @@ class WeightReceiver:
             return
         self._closed = True
         if self._client is not None:
+            # Leave first: the sender drops us now, not when it sees the socket go (and
+            # if the sender is gone already, there is nobody to tell).
+            with contextlib.suppress(WireError):
+                self._loop.run(self._client.request(encode(Leave()), 5.0))
             self._loop.run(self._client.close())
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
