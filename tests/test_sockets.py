@@ -185,3 +185,15 @@ def test_ipc_large_frames_travel_in_shared_memory_and_the_segment_is_reused():
             assert exports.statistics()["segments"] <= before + 1  # warm segments reused
     finally:
         wire_loop().run(srv.close())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_servers_made_and_closed_in_a_row_all_answer(transport):
+    # Regression: monitors named after a reused fd collided with a closed socket's monitor
+    # and, under load, left the new server deaf. Each request here must be answered.
+    for i in range(50):
+        srv = Server(echo, default_address(transport))
+        address = wire_loop().run(srv.start())
+        with Client(address) as c:
+            assert c.request(i, timeout=10) == i
+        wire_loop().run(srv.close())

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,6 +83,14 @@ def _authenticator(ctx: zmq.asyncio.Context) -> _Authenticator:
         if _auth is None:
             _auth = _Authenticator(ctx)
         return _auth
+
+
+def _monitor_address() -> str:
+    """A monitor endpoint of its own. pyzmq's default names it after the socket's fd, and
+    a new socket that reuses the fd of one closed a moment ago then collides with the old
+    monitor's endpoint, which the reaper has not yet unbound: under load, requests to
+    that server were never seen (found with a create/request/close loop beside CPU hogs)."""
+    return f"inproc://rlferry-monitor-{uuid.uuid4().hex}"
 
 
 def _uses_shm(address: str) -> bool:
@@ -187,7 +196,7 @@ class Server:
         self._releases = _Releases(self._send_release)
         self._bg = [asyncio.ensure_future(self._serve())]
         if self._shm or self._on_disconnect is not None:
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=_monitor_address())
             self._bg.append(asyncio.ensure_future(self._watch(monitor)))
         return self.address
 
@@ -283,6 +292,8 @@ class Server:
         for t in [*self._bg, *self._tasks]:
             t.cancel()
         if self._sock is not None:
+            if self._bg[1:]:
+                self._sock.disable_monitor()
             self._sock.close(0)
             self._sock = None
 
@@ -324,7 +335,10 @@ class AsyncClient:
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
         monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            addr=_monitor_address(),
         )
         sock.connect(self.address)
         self._sock = sock
