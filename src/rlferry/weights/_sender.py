@@ -43,10 +43,10 @@ def _key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
     """``(name, shape, dtype)`` of every pair: the layout, read without touching data."""
     try:
         key = [(n, t.shape, t.dtype) for n, t in named]
-        if all(type(k[0]) is str for k in key):
-            return key
     except (TypeError, ValueError, AttributeError):
-        pass
+        key = []  # not plain (name, tensor) pairs: named_pair below names what is wrong
+    if key and all(type(k[0]) is str for k in key):
+        return key
     return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
 
 
