@@ -75,10 +75,10 @@ class SeqlenBalanced(msgspec.Struct, frozen=True, tag="seqlen_balanced"):
     def round(
         self, ready: Sequence[int], meta: Meta, batch_size: int, dp_size: int
     ) -> list[list[int]] | None:
-        need = batch_size * dp_size
-        if len(ready) < need:
+        first = Sequential().round(ready, meta, batch_size, dp_size)  # which samples
+        if first is None:
             return None
-        chosen = list(ready[:need])
+        chosen = [i for share in first for i in share]
         lengths = {}
         for i in chosen:
             value = meta(i, self.key)

@@ -345,17 +345,9 @@ class _Decoding:
         if not (isinstance(node, list) and len(node) == 3 and type(node[2]) is int):
             raise WireError("malformed message: a jagged node is not [values, offsets, ragged_idx]")
         values, offsets = self.tensor(node[0]), self.tensor(node[1])
-        rows = values.shape[0] if values.dim() else -1
-        if (
-            offsets.dim() != 1
-            or offsets.dtype != torch.int64
-            or offsets.numel() < 1
-            or int(offsets[0]) != 0
-            or int(offsets[-1]) != rows
-            or bool((offsets[1:] < offsets[:-1]).any())
-            or not 1 <= node[2] <= values.dim()
-        ):
-            raise WireError("malformed message: jagged offsets do not describe the values")
+        check_offsets(offsets, values.shape[0] if values.dim() else -1, "jagged")
+        if not 1 <= node[2] <= values.dim():
+            raise WireError(f"malformed message: jagged dimension {node[2]} of {values.dim()}")
         try:
             return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=node[2])
         except (RuntimeError, ValueError, IndexError) as e:

@@ -215,10 +215,9 @@ class Server:
                 if peer is not None:
                     exports.peer_gone(peer)
                     if self._on_disconnect is not None:
-                        try:
-                            self._on_disconnect(peer)
-                        except Exception:
-                            log.exception("on_disconnect raised")
+                        # a callback's own failure goes to the loop's exception handler
+                        # (logged) and cannot stop this watch
+                        asyncio.get_running_loop().call_soon(self._on_disconnect, peer)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
         finally:

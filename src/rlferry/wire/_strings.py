@@ -111,7 +111,8 @@ def pack_strings(items: list[Any]) -> PackedStrings | None:
     return PackedStrings("s" if kind_type is str else "b", offsets, data)
 
 
-def check_offsets(offsets: torch.Tensor, size: int) -> None:
+def check_offsets(offsets: torch.Tensor, size: int, what: str = "string") -> None:
+    """Offsets must start at 0, end at ``size`` and never decrease (checked before use)."""
     if (
         offsets.dim() != 1
         or offsets.dtype != torch.int64
@@ -120,4 +121,4 @@ def check_offsets(offsets: torch.Tensor, size: int) -> None:
         or int(offsets[-1]) != size
         or bool((offsets[1:] < offsets[:-1]).any())
     ):
-        raise WireError("malformed message: string offsets do not describe the data")
+        raise WireError(f"malformed message: {what} offsets do not describe the data")
