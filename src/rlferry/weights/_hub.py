@@ -28,6 +28,7 @@ from ._messages import (
     Leave,
     Noted,
     Setup,
+    StoreOp,
     Stream,
     Welcome,
     decode_request,
@@ -93,6 +94,7 @@ class Hub:
         self.push: Push | None = None
         self._changed = asyncio.Event()
         self.on_leave: Callable[[bytes], None] = lambda key: None
+        self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
 
     # -- requests ---------------------------------------------------------------
     async def handle(self, value: Any, peer: bytes) -> bytes:
@@ -116,6 +118,13 @@ class Hub:
         m = self.members.get(peer)
         if m is None:
             raise WeightSyncError("unknown receiver: join first")
+        if isinstance(msg, StoreOp):
+            if self.store is None:
+                raise WeightSyncError(
+                    "store request: this sender's group does not meet on its control channel "
+                    "(only a broadcast sender with a secret serves its rendezvous here)"
+                )
+            return encode(await self.store.serve(msg))
         if isinstance(msg, Leave):
             self.members.pop(peer, None)
             self._leave(m, "closed its receiver")

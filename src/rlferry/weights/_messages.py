@@ -14,6 +14,10 @@ travels in these messages: it lies in the transport's buffers.
     Ack(0, park=False) ────────────────▶  Noted
     Ack(done) ─────────────────────────▶  ... parked until the next push ...
 
+For a broadcast group whose sender has a secret, the receivers' rendezvous store
+operations travel here too (``StoreOp``, answered with ``StoreReply``): the
+group meets over the authenticated channel, not over an open store socket.
+
 A receiver asks for bucket k+1 (``want``) before it loads bucket k, and reports
 bucket k loaded in a bare acknowledgement: the next bucket's announcement is
 already there when a load ends, and no round trip stands between two loads.
@@ -37,6 +41,8 @@ __all__ = [
     "Leave",
     "Noted",
     "Setup",
+    "StoreOp",
+    "StoreReply",
     "Stream",
     "Welcome",
     "decode_reply",
@@ -74,6 +80,23 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     park: bool = True  # False: a bare acknowledgement, answered at once with Noted
 
 
+class StoreOp(msgspec.Struct, frozen=True, tag="store"):
+    """One operation on the broadcast group's rendezvous store (see transports/_rendezvous)."""
+
+    op: str  # set, get, wait, check, add, compare_set, delete, num_keys
+    key: str = ""
+    keys: list[str] = []
+    value: bytes = b""
+    expected: bytes = b""
+    amount: int = 0
+    timeout: float = 0.0  # get, wait: how long to wait for the keys
+
+
+class StoreReply(msgspec.Struct, frozen=True, tag="stored"):
+    value: bytes = b""
+    number: int = 0
+
+
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     group: str
     transport: str
@@ -107,8 +130,8 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     reason: str
 
 
-Request = Join | Ack | Leave
-Reply = Welcome | Setup | Bucket | Stream | Abort | Noted
+Request = Join | Ack | Leave | StoreOp
+Reply = Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
@@ -119,9 +142,9 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(data: Any) -> Join | Ack | Leave:
+def decode_request(data: Any) -> Join | Ack | Leave | StoreOp:
     return _requests.decode(data)
 
 
-def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort | Noted:
+def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply:
     return _replies.decode(data)

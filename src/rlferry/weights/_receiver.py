@@ -31,6 +31,8 @@ from ._messages import (
     Join,
     Leave,
     Setup,
+    StoreOp,
+    StoreReply,
     Stream,
     Welcome,
     decode_reply,
@@ -285,7 +287,8 @@ class WeightReceiver:
             return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
         handles: list[bytes] = []
         if self._transport_name == "broadcast":
-            self._transport.join(msg.transport, _host_of(self.config.address), self.config.device)
+            host = _host_of(self.config.address)
+            self._transport.join(msg.transport, host, self.config.device, self._store_call)
             bufs = self._transport.buffers(plan.buffer_bytes)
         else:
             handles = self._transport.attach(msg.transport, self.config.device)
@@ -303,6 +306,19 @@ class WeightReceiver:
             self._bufs = bufs
         self._plan = plan
         return Ack(msg.seq, PLAN, handles=handles)
+
+    def _store_call(self, op: StoreOp) -> StoreReply:
+        """One rendezvous store operation, sent to the sender over the control channel."""
+        assert self._client is not None
+        try:
+            reply = decode_reply(self._loop.run(self._client.request(encode(op), op.timeout + 10)))
+        except WireError as e:
+            raise WeightSyncError(f"the sender did not answer a store request: {e}") from None
+        if not isinstance(reply, StoreReply):
+            raise WeightSyncError(
+                f"store request: expected a StoreReply, got {type(reply).__name__}"
+            )
+        return reply
 
     def _load(self, k: int) -> None:
         u = self._unpacker

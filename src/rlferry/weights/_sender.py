@@ -94,9 +94,10 @@ class WeightSender:
             zero_copy=zero_copy,
         )
         self._loop = wire_loop()
-        self._transport = make_sender(transport, bind)
+        self._transport = make_sender(transport, bind, secret)
         self._hub = self._loop.run(self._make_hub())
         self._hub.on_leave = self._transport.receiver_left
+        self._hub.store = getattr(self._transport, "kv", None)  # broadcast with a secret
         bind = bind or default_address("tcp" if transport == "broadcast" else "ipc")
         self._server = Server(
             self._hub.handle, bind, secret=secret, on_disconnect=self._hub.disconnected

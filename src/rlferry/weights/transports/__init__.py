@@ -9,7 +9,7 @@ from ._base import ReceiverTransport, SenderTransport
 __all__ = ["ReceiverTransport", "SenderTransport", "make_receiver", "make_sender"]
 
 
-def make_sender(name: str, bind: str | None) -> SenderTransport:
+def make_sender(name: str, bind: str | None, secret: str | bytes | None) -> SenderTransport:
     if name == "shm":
         from ._shm import ShmSender
 
@@ -20,7 +20,7 @@ def make_sender(name: str, bind: str | None) -> SenderTransport:
         return CudaIpcSender()
     from ._broadcast import BroadcastSender
 
-    return BroadcastSender(bind)
+    return BroadcastSender(bind, secret)
 
 
 def make_receiver(name: str) -> Any:

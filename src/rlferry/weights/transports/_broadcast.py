@@ -1,10 +1,13 @@
 """``broadcast``: one collective per bucket from the sender (rank 0) to every receiver.
 
-rlferry forms the group itself, over a TCPStore that the sender hosts (no
-global ``torch.distributed`` state is touched: the user's own default group,
-if any, is left alone). NCCL for CUDA buffers, gloo for CPU ones. The group is
-formed when the set of receivers changes (or after a failure broke it) and
-reused by every push in between.
+rlferry forms the group itself, over a rendezvous store that only the group's
+peers reach (``_rendezvous``: a TCPStore bound to the control bind's loopback
+host, or, when the sender has a secret, a store served over the authenticated
+control channel). No global ``torch.distributed`` state is touched: the user's
+own default group, if any, is left alone. NCCL for CUDA buffers, gloo for CPU
+ones; gloo's own sockets listen on the host that faces the peers (loopback for
+a loopback sender). The group is formed when the set of receivers changes (or
+after a failure broke it) and reused by every push in between.
 
 Pipelining, on both sides, with two buffers: the sender packs bucket k+1 while
 bucket k is in flight; each receiver posts the broadcast of bucket k+1 before
@@ -26,9 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlferry.wire import wire_loop
+
 from .._errors import WeightSyncError
+from .._messages import StoreOp, StoreReply
 from .._plan import Plan
 from ._base import SenderTransport, checksum
+from ._rendezvous import CallStore, KeyValue, gloo_device, local_host_towards, loopback_store
 
 __all__ = ["BroadcastReceiver", "BroadcastSender"]
 
@@ -44,15 +51,28 @@ def _options() -> Any:
 
 
 def _make_group(
-    backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float
-) -> Any:
+    backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float,
+    host: str | None,
+) -> Any:  # fmt: skip
+    """A group over ``store``; gloo's sockets listen on ``host`` (None: torch's default)."""
     td = datetime.timedelta(seconds=max(1.0, timeout))
     pstore = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         return dist.ProcessGroupNCCL(pstore, rank, world, opts)
-    return dist.ProcessGroupGloo(pstore, rank, world, td)
+    gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gopts._devices = [gloo_device(host)]
+    gopts._timeout = td
+    return dist.ProcessGroupGloo(pstore, rank, world, gopts)
+
+
+def _bind_host(bind: str | None) -> str:
+    """The host of a control bind: tcp://HOST:PORT's HOST, 127.0.0.1 for ipc:// or none."""
+    if bind is None or not bind.startswith("tcp://"):
+        return "127.0.0.1"
+    host = bind[len("tcp://") :].rpartition(":")[0].strip("[]")
+    return "127.0.0.1" if host == "localhost" else host
 
 
 def _wait(work: Any, timeout: float | None) -> None:
@@ -90,8 +110,16 @@ class BroadcastSender(SenderTransport):
     name = "broadcast"
     collective = True
 
-    def __init__(self, bind: str | None) -> None:
+    def __init__(self, bind: str | None, secret: str | bytes | None) -> None:
+        host = _bind_host(bind)
+        # With a secret the group meets over the authenticated control channel (the hub
+        # serves ``kv``); without, the control bind is loopback (the wire refuses
+        # otherwise) and so is the store's socket.
+        self.kv: KeyValue | None = KeyValue() if secret is not None else None
+        self._host = host
+        self._gloo_host: str | None = None if host in ("*", "0.0.0.0", "::") else host
         self._store: Any = None
+        self._prefix = ""
         self._pg: Any = None
         self._members: list[bytes] = []
         self._pending: tuple[str, str, int] | None = None  # backend, prefix, world
@@ -111,11 +139,11 @@ class BroadcastSender(SenderTransport):
             _abort(self._pg)
             self._pg = None
         if self._store is None:
-            self._store = dist.TCPStore(
-                "0.0.0.0", 0, None, True, wait_for_workers=False, use_libuv=True
-            )
+            self._store = self._make_store(timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        prefix = f"rlferry/{os.getpid()}/{next(_epochs)}"
+        if self.kv is not None and self._prefix:
+            self._loop_run(self._drop(self._prefix))
+        prefix = self._prefix = f"rlferry/{os.getpid()}/{next(_epochs)}"
         world = len(keys) + 1
         self._pending = (backend, prefix, world)
         self._members = list(keys)
@@ -124,7 +152,8 @@ class BroadcastSender(SenderTransport):
         self._descs = {
             k: {
                 "backend": backend,
-                "port": self._store.port,
+                "store": "control" if self.kv is not None else "tcp",
+                "port": 0 if self.kv is not None else self._store.port,
                 "prefix": prefix,
                 "rank": r + 1,
                 "world": world,
@@ -133,6 +162,27 @@ class BroadcastSender(SenderTransport):
             for r, k in enumerate(keys)
         }
         return self._descs
+
+    def _make_store(self, timeout: float) -> Any:
+        if self.kv is None:
+            return loopback_store(self._host)
+        kv, run = self.kv, self._loop_run
+        return CallStore(lambda op: run(kv.serve(op)), timeout)
+
+    @staticmethod
+    def _loop_run(coro: Any) -> Any:
+        return wire_loop().run(coro)
+
+    async def _drop(self, prefix: str) -> None:
+        assert self.kv is not None
+        self.kv.drop(prefix)
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """Where the rendezvous store listens, or None (none yet, or on the control channel)."""
+        if self._store is None or self.kv is not None:
+            return None
+        return self._host, int(self._store.port)
 
     def current(self, key: bytes) -> dict[str, Any]:
         return {**self._descs[key], "rejoin": False}
@@ -144,7 +194,7 @@ class BroadcastSender(SenderTransport):
         backend, prefix, world = self._pending
         self._pending = None
         try:
-            pg = _make_group(backend, self._store, prefix, 0, world, self._timeout)
+            pg = _make_group(backend, self._store, prefix, 0, world, self._timeout, self._gloo_host)
             self._warm(pg)
         except Exception as e:
             raise WeightSyncError(
@@ -225,6 +275,7 @@ class BroadcastSender(SenderTransport):
         if self._pg is not None:
             _abort(self._pg)
         self._pg, self._store, self._bufs = None, None, []
+        self.kv = None
 
 
 class BroadcastReceiver:
@@ -239,12 +290,22 @@ class BroadcastReceiver:
         self.opened = 0
         self.groups_joined = 0
 
-    def join(self, desc: dict[str, Any], host: str, device: torch.device | None) -> None:
+    def join(
+        self, desc: dict[str, Any], host: str, device: torch.device | None,
+        call: Callable[[StoreOp], StoreReply],
+    ) -> None:  # fmt: skip
+        """Join the group ``desc`` names; ``host``: the sender's; ``call``: a store operation
+        sent over the control channel (for a sender whose group meets there)."""
         try:
             backend, port, prefix = str(desc["backend"]), int(desc["port"]), str(desc["prefix"])
             rank, world, timeout = int(desc["rank"]), int(desc["world"]), float(desc["timeout"])
+            kind = str(desc["store"])
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError("malformed setup: bad broadcast group") from None
+        if kind not in ("tcp", "control"):
+            raise WeightSyncError(
+                f"malformed setup: broadcast store: expected 'tcp' or 'control', got {kind!r}"
+            )
         if prefix == self._prefix and self._pg is not None:
             return
         self.leave()
@@ -252,17 +313,22 @@ class BroadcastReceiver:
         self._timeout = timeout
         td = datetime.timedelta(seconds=max(1.0, timeout))
         try:
-            store = dist.TCPStore(host, port, None, False, timeout=td, use_libuv=True)
+            store: Any
+            if kind == "tcp":
+                store = dist.TCPStore(host, port, None, False, timeout=td, use_libuv=True)
+            else:
+                store = CallStore(call, timeout)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            pg = _make_group(backend, store, prefix, rank, world, timeout)
+            pg = _make_group(backend, store, prefix, rank, world, timeout, local_host_towards(host))
             one = torch.zeros(1, device=dev)
             _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else timeout)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         except Exception as e:
+            where = f"{host}:{port}" if kind == "tcp" else f"{host} (over the control channel)"
             raise WeightSyncError(
-                f"joining the {backend} group at {host}:{port} as rank {rank} of {world} failed: "
+                f"joining the {backend} group at {where} as rank {rank} of {world} failed: "
                 f"{type(e).__name__}: {e}"
             ) from None
         self._pg, self._prefix = pg, prefix
