@@ -427,3 +427,59 @@ def test_the_weight_plane_never_sleeps_or_polls():
     src = pathlib.Path(__file__).parents[1] / "src" / "rlferry" / "weights"
     text = "\n".join(p.read_text() for p in src.rglob("*.py"))
     assert "time.sleep(" not in text and "asyncio.sleep(" not in text
+
+
+# -- shm zero copy -----------------------------------------------------------------------------
+
+
+def contiguous_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"w{i}": torch.randn(128, 256, generator=g) for i in range(4)}
+    sd["b"] = torch.randn(7, generator=g).bfloat16()
+    sd["empty"] = torch.zeros(0, 3)
+    return sd
+
+
+def test_shm_zero_copy_receivers_read_the_trainers_tensors_in_place(sender):
+    sd = contiguous_state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    for v in (1, 2, 3):
+        for t in sd.values():
+            t.add_(1)  # the trainer steps in place
+        report = sender.push(sd.items(), version=v, timeout=30)
+        assert report.plan_sent == (v == 1) and all(e.equals(sd) for e in engines)
+    assert all(t.untyped_storage().is_shared() for t in sd.values() if t.numel())
+    assert sender.statistics().buffer_bytes == 0  # no packing buffers
+    assert [r.statistics().buffers_opened for r in rs] == [5, 5]  # a storage each, once
+    for r in rs:
+        r.close()
+
+
+def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_that_are_not_shared(sender):
+    engines = [Engine(contiguous_state()), Engine(contiguous_state())]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    sender.push(contiguous_state(1).items(), version=1, timeout=30)
+    fresh = contiguous_state(2)
+    sender.push(fresh.items(), version=2, timeout=30)
+    assert all(e.equals(fresh) for e in engines)
+    assert not fresh["w0"].untyped_storage().is_shared()  # left where it was: packed
+    assert sender.statistics().buffer_bytes > 0
+    shared = contiguous_state(3)
+    for t in shared.values():
+        t.share_memory_()  # shared already: read in place, nothing moved
+    sender.push(shared.items(), version=3, timeout=30)
+    assert all(e.equals(shared) for e in engines) and sender.statistics().buffer_bytes == 0
+    for r in rs:
+        r.close()
+
+
+def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
+    s = WeightSender(group="rollout", transport="shm", bucket_bytes=256 << 10, zero_copy=False)
+    sd = contiguous_state()
+    e = Engine(sd)
+    r = start(s, e, "r0")
+    s.push(sd.items(), version=1, timeout=30)
+    assert e.equals(sd) and not sd["w0"].untyped_storage().is_shared()
+    r.close()
+    s.close()

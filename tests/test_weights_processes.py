@@ -107,3 +107,31 @@ def test_shm_buffers_are_mapped_by_another_process_and_the_values_arrive_exactly
     conn.send("stop")
     proc.join(30)
     s.close()
+
+
+def _writer(address, conn):
+    def load(items):
+        for _, t in items:
+            t.add_(1)  # forbidden: the views are the trainer's own tensors
+
+    r = WeightReceiver(group="g", address=address, load=load, name="writer").start(timeout=60)
+    conn.send("ready")
+    conn.recv()
+    r.close()
+
+
+def test_shm_zero_copy_views_are_read_only_a_load_that_writes_dies_and_the_trainer_is_intact():
+    s = WeightSender(group="g", transport="shm", receivers=1, bucket_bytes=1 << 20)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_writer, args=(s.address, child), daemon=True)
+    proc.start()
+    assert conn.poll(120) and conn.recv() == "ready"
+    sd = weights(0)
+    before = sums(sd)
+    with pytest.raises(WeightSyncError) as e:
+        s.push(sd.items(), version=1, timeout=60)
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGSEGV
+    assert list(e.value.failures) == ["writer"] and sums(sd) == before
+    s.close()

@@ -62,11 +62,14 @@ class WeightSender:
     of the two buffers (default: from free device memory). ``bind``: the control
     address (default: a fresh ipc:// path, or tcp://127.0.0.1 for broadcast);
     off-host binds need ``secret``. ``device``: where the buffers live (default:
-    the first pushed tensor's device). ``zero_copy`` (cuda_ipc): when the pushed
-    tensors are contiguous and on the sender's GPU and the input is re-iterable
-    (a ``state_dict().items()``), receivers read them where they are, through
-    IPC handles opened once while the same tensors are pushed again: no pack,
-    no buffers. A generator, ``verify`` or other tensors fall back to packing.
+    the first pushed tensor's device). ``zero_copy`` (cuda_ipc, shm): when the
+    pushed tensors are contiguous and on the sender's device and the input is
+    re-iterable (a ``state_dict().items()``), receivers read them where they are,
+    through IPC handles (cuda_ipc) or mappings (shm) opened once while the same
+    tensors are pushed again: no pack, no buffers. For shm the first such push
+    moves the tensors' storages into shared memory, as ``share_memory_()`` does
+    (same tensors, same values); later tensors that are not shared yet are
+    packed. A generator, ``verify`` or other tensors fall back to packing.
 
     A process may run one sender per group, each with its own transport.
     """

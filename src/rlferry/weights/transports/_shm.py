@@ -1,10 +1,15 @@
 """``shm``: bucket buffers in shared memory, for a sender and receivers on one host (CPU).
 
-The sender makes two memfd segments, mapped and touched once; receivers open
-them through /proc/PID/fd/N (the wire's own segment opener, with its checks)
-and map them once per layout (cached), then read
-every bucket where the sender packed it. A receiver's ``load`` gets views of
-the mapping: the only copies are the sender's pack and the receiver's load.
+Zero copy (``_shm_direct``): when the pushed tensors are contiguous CPU tensors
+and the input is re-iterable, their storages are moved into shared memory once
+and receivers read them in place: the only copy is the receiver's load.
+
+Packed (a generator, ``verify``, ``zero_copy=False``, or tensors that cannot be
+shared): the sender makes two memfd segments, mapped and touched once;
+receivers open them through /proc/PID/fd/N (the wire's own segment opener, with
+its checks) and map them once per layout (cached), then read every bucket where
+the sender packed it. A receiver's ``load`` gets views of the mapping: the only
+copies are the sender's pack and the receiver's load.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from rlferry.wire._shm import _MEMFD_NAME, _Memory, exports
 
 from .._errors import WeightSyncError
 from ._base import ReceiverTransport, SenderTransport
+from ._shm_direct import export_storages, map_storages, storage_key, tensor_bytes
 
 __all__ = ["ShmReceiver", "ShmSender"]
 
@@ -34,14 +40,53 @@ class ShmSender(SenderTransport):
     def __init__(self) -> None:
         self._mems: list[_Memory] = []
         self._views: list[torch.Tensor] = []
+        self.direct = False
+        self._held: list[torch.Tensor] = []  # the last direct push's tensors, kept alive
+        self._ptrs: list[int] = []
+        self._direct_desc: dict[str, object] = {}
+        self._moved = False  # a direct push moved tensors into shared memory
 
-    def prepare(self, nbytes: int, device: torch.device) -> None:
+    @staticmethod
+    def _check(device: torch.device) -> None:
         if device.type != "cpu":
             raise WeightSyncError(
                 f"transport 'shm': expected CPU buffers, got device {str(device)!r} "
                 "(use transport 'cuda_ipc' or 'broadcast' for GPU tensors, or device='cpu')"
             )
-        if self._mems and self._mems[0].size >= nbytes:
+
+    def use_direct(self, tensors: list[torch.Tensor], device: torch.device) -> bool:
+        """Let receivers read ``tensors`` in place (no pack), if they all can be (see
+        ``_shm_direct``); while the same tensors are pushed again nothing is exported anew."""
+        self._check(device)
+        ptrs = [t.data_ptr() for t in tensors]
+        if self.direct and ptrs == self._ptrs:
+            self._held = tensors
+            return True
+        desc = export_storages(tensors, may_move=not self._moved)
+        ok = desc is not None
+        if ok or self.direct:
+            self.generation += 1
+        self.direct, self._direct_desc = ok, desc or {}
+        if ok:
+            self._moved = True
+            self._held, self._ptrs = tensors, [t.data_ptr() for t in tensors]
+            self._mems, self._views = [], []  # the packing buffers are not needed
+        else:
+            self._held, self._ptrs = [], []
+        return ok
+
+    def use_packed(self) -> None:
+        """This push is packed into the buffers (a generator, verify, or zero_copy off)."""
+        if self.direct:
+            self.direct, self._held, self._ptrs, self._direct_desc = False, [], [], {}
+            self.generation += 1
+
+    def ready(self) -> None:
+        """Direct mode: the tensors are written by this thread, before the announcements."""
+
+    def prepare(self, nbytes: int, device: torch.device) -> None:
+        self._check(device)
+        if self.direct or (self._mems and self._mems[0].size >= nbytes):
             return
         size = -(-nbytes // _ROUND) * _ROUND
         mems = []
@@ -62,6 +107,8 @@ class ShmSender(SenderTransport):
         self.generation += 1
 
     def descriptor(self) -> dict[str, object]:
+        if self.direct:
+            return self._direct_desc
         return {
             "pid": os.getpid(),
             "buffers": [[m.fd, m.ino, m.size] for m in self._mems],
@@ -77,6 +124,7 @@ class ShmSender(SenderTransport):
     def close(self) -> None:
         self._views = []
         self._mems = []
+        self._held = []
 
 
 class ShmReceiver(ReceiverTransport):
@@ -84,8 +132,21 @@ class ShmReceiver(ReceiverTransport):
         self._key: tuple[object, ...] = ()
         self._mems: list[_Memory] = []
         self._views: list[torch.Tensor] = []
+        self._storages: list[torch.Tensor] = []  # direct: the sender's storages, mapped
+        self.direct = False
+        self.tensors: list[torch.Tensor] = []  # direct: each pushed tensor's bytes
 
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
+        self.direct = desc.get("mode") == "direct"
+        if self.direct:
+            key = storage_key(desc)
+            if key != self._key:
+                self._storages, self._views, self._mems = map_storages(key), [], []
+                self._key = key
+                self.opened += len(self._storages)
+            self.tensors = tensor_bytes(desc, self._storages)
+            return []
+        self.tensors, self._storages = [], []
         try:
             pid = int(desc["pid"])  # type: ignore[call-overload]
             bufs = [(int(f), int(i), int(s)) for f, i, s in desc["buffers"]]  # type: ignore[attr-defined]
@@ -109,4 +170,5 @@ class ShmReceiver(ReceiverTransport):
     def close(self) -> None:
         self._views = []
         self._mems = []
+        self._storages, self.tensors = [], []
         self._key = ()
