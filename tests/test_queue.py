@@ -351,6 +351,12 @@ def test_adding_fields_to_unknown_indexes_is_refused(q):
     put_rows(c, "p", 1)
     with pytest.raises(SchemaError, match=r"indexes: \[99\] are not samples of partition `p`"):
         c.put("p", {"y": torch.zeros(1)}, indexes=[99])
+    with pytest.raises(SchemaError) as e:
+        c.put("p", {"y": torch.zeros(2)}, indexes=[0, 0])
+    assert str(e.value) == (
+        "indexes: expected 2 distinct ints, got a repeated one in [0, 0] "
+        "(one row of data per sample)"
+    )
 
 
 def test_bad_get_arguments_are_refused(q):
@@ -411,3 +417,21 @@ def test_jagged_fields_sliced_by_dp_ranks_and_joined_across_puts(q):
     whole = c.get("p", task="critic_train", batch_size=6, fields=["j"], timeout=5)
     assert whole.data["j"].layout == torch.jagged
     assert all(torch.equal(a, b) for a, b in zip(rows, whole.data["j"].unbind(), strict=True))
+
+
+
+def test_a_put_copies_its_columns_so_later_writes_do_not_reach_consumers(q):
+    c = q.client()
+    dense = torch.arange(2 * 40_000, dtype=torch.float32).reshape(2, 40_000)  # big: copied early
+    values = torch.arange(70_000, dtype=torch.float32)
+    nested = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 30_000, 70_000]))
+    words = ["a" * 70_000, "é" * 10]
+    c.put("p", {"dense": dense, "nested": nested, "words": words})
+    expected_dense, expected_values = dense.clone(), values.clone()
+    dense.fill_(-1)
+    values.fill_(-1)
+    b = c.get("p", task="actor_train", batch_size=2, fields=["dense", "nested", "words"])
+    assert torch.equal(b.data["dense"], expected_dense)
+    assert torch.equal(b.data["nested"].values(), expected_values)
+    assert b.data["nested"].offsets().tolist() == [0, 30_000, 70_000]
+    assert b.data["words"] == words

@@ -1,7 +1,9 @@
 """Queue clients: asyncio (:class:`AsyncQueueClient`) and sync (:class:`QueueClient`).
 
-A put asks the controller for indexes and placement, sends each storage unit
-its rows (in parallel, directly), then tells the controller the fields exist.
+A put asks the controller for indexes and placement and, meanwhile, copies its
+columns once into shared memory (over ipc://); then it sends each storage unit
+its rows (in parallel, directly), and each unit tells the controller the rows
+exist before it answers.
 A get waits at the controller (parked, no polling) for a leased share, then
 reads the rows from the storage units in parallel and assembles the batch.
 """
@@ -27,15 +29,17 @@ from rlferry.wire import (
     encode,
     wire_loop,
 )
+from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
 
-from ._columns import assemble, kind_of, rows_of, signature, split_rows
-from ._errors import ERRORS, QueueClosed, SchemaError, ServiceGone
+from ._columns import assemble, kind_of, rows_of, shared_columns, signature, split_rows
+from ._errors import ERRORS, QueueClosed, QueueError, SchemaError, ServiceGone
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 
 __all__ = ["AsyncQueueClient", "Batch", "QueueClient"]
 
 T = TypeVar("T")
 _CONTROL_TIMEOUT = 30.0
+_STAGE_IN_THREAD = 4 << 20  # bytes of tensors a put copies off the event loop
 _PLAIN = frozenset(
     (str, bytes, int, float, bool, type(None), torch.Tensor)
 )  # for requests that never wait on other clients
@@ -55,6 +59,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.indexes)
+
+
+def _bulk_bytes(data: dict[str, Any]) -> int:
+    tensors = [v for v in data.values() if isinstance(v, torch.Tensor)]
+    return sum((t.values() if t.is_nested else t).nbytes for t in tensors)
 
 
 def _check_partition(partition: Any) -> None:
@@ -79,6 +88,7 @@ class AsyncQueueClient:
         self._controller = AsyncClient(address, secret=secret)
         self._units: list[AsyncClient] = []
         self._batches: dict[tuple[str, str, int, int], int] = {}
+        self._local = SHARED_MEMORY and address.startswith("ipc://")
 
     async def _call(
         self, client: AsyncClient, op: str, args: dict[str, Any], timeout: float | None
@@ -174,20 +184,35 @@ class AsyncQueueClient:
                 raise SchemaError(
                     f"indexes: expected {rows} ints (one per row of data), got {indexes!r:.60}"
                 )
-        alloc = await self._call(
-            self._controller,
-            "alloc",
-            {
-                "partition": partition,
-                "rows": rows,
-                "signatures": signatures,
-                "meta": meta,
-                "partition_meta": partition_meta,
-                "indexes": indexes,
-                "timeout": timeout,
-            },
-            None if timeout is None else timeout + _CONTROL_TIMEOUT,
-        )
+            if len(set(indexes)) != rows:
+                raise SchemaError(
+                    f"indexes: expected {rows} distinct ints, got a repeated one in "
+                    f"{indexes!r:.60} (one row of data per sample)"
+                )
+        alloc_args = {
+            "partition": partition,
+            "rows": rows,
+            "signatures": signatures,
+            "meta": meta,
+            "partition_meta": partition_meta,
+            "indexes": indexes,
+            "timeout": timeout,
+        }
+        alloc_timeout = None if timeout is None else timeout + _CONTROL_TIMEOUT
+        call = self._call(self._controller, "alloc", alloc_args, alloc_timeout)
+        if not self._local:
+            alloc = await call
+        else:  # the one copy into shared memory runs while the controller places the put
+            placing = asyncio.ensure_future(call)
+            try:
+                if _bulk_bytes(data) >= _STAGE_IN_THREAD:
+                    data = await asyncio.to_thread(shared_columns, data)
+                else:
+                    data = shared_columns(data)
+            except BaseException:
+                await self._abandon(placing, partition, indexes is None)
+                raise
+            alloc = await placing
         placed: list[int] = alloc["indexes"]
         units: list[int] = alloc["units"]
         blocks = _blocks(units)
@@ -195,9 +220,9 @@ class AsyncQueueClient:
         for unit, start, stop in blocks:
             columns = {name: split_rows(col, [start, stop])[0] for name, col in data.items()}
             client = await self._unit(unit)
-            args = {"indexes": placed[start:stop], "columns": columns}
-            sends.append(self._call(client, "store", args, _CONTROL_TIMEOUT))
-        try:
+            args = {"partition": partition, "indexes": placed[start:stop], "columns": columns}
+            sends.append(self._call(client, "put", args, _CONTROL_TIMEOUT))
+        try:  # each unit makes its rows visible at the controller once stored
             await asyncio.gather(*sends)
         except BaseException:
             if indexes is None:  # the new samples never became visible: give their room back
@@ -208,13 +233,17 @@ class AsyncQueueClient:
                     _CONTROL_TIMEOUT,
                 )
             raise
-        await self._call(
-            self._controller,
-            "produced",
-            {"partition": partition, "indexes": placed, "fields": list(data)},
-            _CONTROL_TIMEOUT,
-        )
         return placed
+
+    async def _abandon(self, placing: asyncio.Future[Any], partition: str, new: bool) -> None:
+        """A put failed before its data moved: give back the samples it reserved."""
+        try:
+            alloc = await placing
+        except QueueError:
+            return  # nothing was reserved
+        if new:
+            args = {"partition": partition, "indexes": alloc["indexes"]}
+            await self._call(self._controller, "abort", args, _CONTROL_TIMEOUT)
 
     async def get(
         self,

@@ -18,11 +18,19 @@ from typing import Any
 
 import torch
 
-from rlferry.wire import PackedStrings, shared_empty
+from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
 
 from ._errors import SchemaError
 
-__all__ = ["assemble", "kind_of", "rows_of", "signature", "split_rows", "take"]
+__all__ = [
+    "assemble",
+    "kind_of",
+    "rows_of",
+    "shared_columns",
+    "signature",
+    "split_rows",
+    "take",
+]
 
 
 def kind_of(field: str, value: Any) -> str:
@@ -63,6 +71,33 @@ def signature(kind: str, value: Any) -> list[Any]:
     if kind == "nested":
         return [kind, str(value.dtype).removeprefix("torch.")]
     return [kind]
+
+
+def shared_columns(data: dict[str, Any]) -> dict[str, Any]:
+    """The columns with their bulk in warm shared memory: the one copy a put makes, made
+    early (while the controller places the put); over ipc:// nothing is copied again."""
+    out = dict(data)
+    names, tensors = [], []
+    for name, column in data.items():
+        if isinstance(column, torch.Tensor):
+            if not column.is_nested:
+                names.append(name)
+                tensors.append(column)
+            elif getattr(column, "_lengths", None) is None and column._ragged_idx == 1:  # type: ignore[attr-defined]
+                names.append(name)
+                tensors.append(column.values())
+        elif isinstance(column, list):
+            packed = pack_strings(column)
+            if packed is not None:
+                out[name] = packed
+    for name, before, after in zip(names, tensors, shared_copies(tensors), strict=True):
+        if after is before:
+            continue
+        column = data[name]
+        if column.is_nested:
+            after = torch.nested.nested_tensor_from_jagged(after, column.offsets())
+        out[name] = after
+    return out
 
 
 def split_rows(value: Any, bounds: Sequence[int]) -> list[Any]:

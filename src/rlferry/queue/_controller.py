@@ -167,6 +167,7 @@ class Controller:
 
     def register_unit(self, address: str) -> int:
         self.units.append(address)
+        self.unit_load.append(0)
         return len(self.units) - 1
 
     async def alloc(
@@ -226,7 +227,6 @@ class Controller:
         self.next_index += rows
         # A put goes whole to the unit holding the fewest samples: a get of its rows (or of
         # a DP rank's contiguous share) is then one view of one stored column, no copy.
-        self.unit_load += [0] * (len(self.units) - len(self.unit_load))
         unit = min(range(len(self.units)), key=self.unit_load.__getitem__)
         self.unit_load[unit] += rows
         units = [unit] * rows
@@ -261,6 +261,10 @@ class Controller:
                 p.samples[i].meta[key] = v
         if partition_meta:
             p.meta.update(partition_meta)
+
+    async def published(self, partition: str, indexes: list[int], fields: list[str]) -> None:
+        """A storage unit of this process stored these rows (``StorageUnit.on_stored``)."""
+        self.produced(partition, indexes, fields)
 
     def produced(self, partition: str, indexes: list[int], fields: list[str]) -> None:
         p = self.partitions.get(partition)

@@ -70,20 +70,19 @@ class Queue:
         _check_config(storage_units, tasks, capacity, max_partitions, lease_timeout, transport)
         loop = wire_loop()
         services: list[Server] = []
-        units: list[str] = []
         try:
-            for _ in range(storage_units):
-                unit = StorageUnit()
-                srv = Server(unit.handle, default_address(transport), packed_strings=True)
-                units.append(loop.run(srv.start()))
-                services.append(srv)
             ctrl = Controller(
                 tuple(tasks),
-                units,
+                [],
                 capacity=capacity,
                 max_partitions=max_partitions,
                 lease_timeout=lease_timeout,
             )
+            for _ in range(storage_units):
+                unit = StorageUnit(on_stored=ctrl.published)
+                srv = Server(unit.handle, default_address(transport), packed_strings=True)
+                ctrl.register_unit(loop.run(srv.start()))
+                services.append(srv)
             srv = Server(ctrl.handle, default_address(transport))
             address = loop.run(srv.start())
             services.append(srv)

@@ -9,12 +9,14 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rlferry.wire import Server, default_address
+from rlferry.wire import AsyncClient, Server, default_address
 
 from ._controller import Controller
 from ._storage import StorageUnit
 
 __all__ = ["serve_queue"]
+
+_PUBLISH_TIMEOUT = 30.0
 
 
 def _unit_address(bind: str) -> str:
@@ -25,14 +27,22 @@ def _unit_address(bind: str) -> str:
 
 def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
     async def main() -> None:
-        srv = Server(StorageUnit().handle, bind, secret=secret, packed_strings=True)
+        link: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
+
+        async def published(partition: str, indexes: list[int], fields: list[str]) -> None:
+            args = {"partition": partition, "indexes": indexes, "fields": fields}
+            await (await link).request(["produced", args], timeout=_PUBLISH_TIMEOUT)
+
+        srv = Server(StorageUnit(published).handle, bind, secret=secret, packed_strings=True)
         conn.send(await srv.start())
+        link.set_result(AsyncClient(await asyncio.to_thread(conn.recv), secret=secret))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await srv.close()
+        await (await link).close()
 
     asyncio.run(main())
 
@@ -52,6 +62,7 @@ def serve_queue(
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     units: list[str] = []
+    conns: list[Connection] = []
     try:
         for i in range(storage_units):
             parent, child = ctx.Pipe()
@@ -66,6 +77,7 @@ def serve_queue(
             if not parent.poll(120):
                 raise RuntimeError(f"storage unit {i} did not start within 120 s")
             units.append(parent.recv())
+            conns.append(parent)
 
         async def main() -> None:
             ctrl = Controller(
@@ -77,7 +89,10 @@ def serve_queue(
                 secret=secret,
             )
             srv = Server(ctrl.handle, bind, secret=secret)
-            print(f"controller {await srv.start()}", flush=True)
+            address = await srv.start()
+            for conn in conns:  # each unit tells the controller what it stored
+                conn.send(address)
+            print(f"controller {address}", flush=True)
             for i, (proc, address) in enumerate(zip(procs, units, strict=True)):
                 print(f"storage {i} pid {proc.pid} {address}", flush=True)
             stop = asyncio.Event()

@@ -10,9 +10,10 @@ No process-global state: it can run in a thread, a child process or a Ray actor.
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -20,20 +21,20 @@ import torch
 from ._columns import runs, take
 from ._errors import SchemaError
 
-__all__ = ["StorageUnit"]
+__all__ = ["StorageUnit", "Stored"]
+
+Stored = Callable[[str, list[int], list[str]], Awaitable[None]]
 
 
 class _Chunk:
     """One stored column: the rows one put placed on this unit for one field."""
 
-    __slots__ = ("column", "live", "nbytes", "ordered")
+    __slots__ = ("column", "live", "nbytes")
 
-    def __init__(self, column: Any, indexes: list[int]) -> None:
+    def __init__(self, column: Any, rows: int) -> None:
         self.column = column
-        self.live = len(indexes)
+        self.live = rows
         self.nbytes = _nbytes(column)
-        # rows follow consecutive indexes: a run of indexes is a run of rows
-        self.ordered = indexes == list(range(indexes[0], indexes[0] + len(indexes)))
 
 
 def _nbytes(value: Any) -> int:
@@ -50,17 +51,96 @@ def _nbytes(value: Any) -> int:
     return 8
 
 
+def _placed_runs(indexes: list[int]) -> list[tuple[int, int, int]]:
+    """``(start, stop, row)``: runs of consecutive indexes and the row of each run's start."""
+    out: list[tuple[int, int, int]] = []
+    for row, index in enumerate(indexes):
+        if out and out[-1][1] == index:
+            out[-1] = (out[-1][0], index + 1, out[-1][2])
+        else:
+            out.append((index, index + 1, row))
+    return out
+
+
+class _Field:
+    """Where one field's rows are: sorted, disjoint runs ``[start, stop)`` of sample
+    indexes, each a run of rows of one chunk. A put of consecutive indexes is one run,
+    so bookkeeping costs per put, not per sample."""
+
+    __slots__ = ("runs", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.runs: list[tuple[int, int, _Chunk, int]] = []  # (start, stop, chunk, first row)
+
+    def cut(self, a: int, b: int, release: Callable[[_Chunk, int], None]) -> int:
+        """Forget indexes ``[a, b)``; returns how many were held."""
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        removed = 0
+        while i < len(self.runs) and self.runs[i][0] < b:
+            start, stop, chunk, row = self.runs[i]
+            if stop <= a:
+                i += 1
+                continue
+            lo, hi = max(start, a), min(stop, b)
+            release(chunk, hi - lo)
+            removed += hi - lo
+            keep = []
+            if start < lo:
+                keep.append((start, lo, chunk, row))
+            if hi < stop:
+                keep.append((hi, stop, chunk, row + hi - start))
+            self.runs[i : i + 1] = keep
+            self.starts[i : i + 1] = [k[0] for k in keep]
+            i += len(keep)
+        return removed
+
+    def add(self, a: int, b: int, chunk: _Chunk, row: int) -> None:
+        i = bisect.bisect_left(self.starts, a)
+        self.runs.insert(i, (a, b, chunk, row))
+        self.starts.insert(i, a)
+
+    def pieces(self, a: int, b: int, name: str, out: list[tuple[Any, int, int]]) -> None:
+        """Append ``(column, first row, stop row)`` pieces holding indexes ``[a, b)``."""
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        at = a
+        while at < b:
+            run = self.runs[i] if i < len(self.runs) else None
+            if run is None or run[0] > at:
+                raise SchemaError(
+                    f"field `{name}`: sample {at} has no value on this storage unit "
+                    "(it was dropped, or never put)"
+                )
+            start, stop, chunk, row = run
+            if stop <= at:
+                i += 1
+                continue
+            hi = min(stop, b)
+            r0, r1 = row + at - start, row + hi - start
+            last = out[-1] if out else None
+            if last is not None and last[0] is chunk.column and last[2] == r0:
+                out[-1] = (chunk.column, last[1], r1)
+            else:
+                out.append((chunk.column, r0, r1))
+            at = hi
+            i += 1
+
+    def indexes(self) -> list[int]:
+        return [i for start, stop, _, _ in self.runs for i in range(start, stop)]
+
+
 class StorageUnit:
     """The payload of a shard of samples; ``handle`` is its wire handler."""
 
-    def __init__(self) -> None:
-        self.where: dict[str, dict[int, tuple[_Chunk, int]]] = {}  # field -> index -> (chunk, row)
+    def __init__(self, on_stored: Stored | None = None) -> None:
+        self.on_stored = on_stored  # tells the controller which samples now have which fields
+        self.fields: dict[str, _Field] = {}
         self.bytes_held = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.monotonic()
         self._ops: dict[str, Callable[..., Any]] = {
-            "store": self.store,
+            "put": self.put,
             "read": self.read,
             "drop": self.drop,
             "stats": self.stats,
@@ -73,25 +153,32 @@ class StorageUnit:
         fn = self._ops.get(op)
         if fn is None:
             raise SchemaError(f"op: expected one of {sorted(self._ops)}, got {op!r}")
-        return fn(**args)
+        result = fn(**args)
+        return await result if asyncio.iscoroutine(result) else result
+
+    async def put(self, partition: str, indexes: list[int], columns: dict[str, Any]) -> int:
+        """Store a put's rows, then make them visible at the controller: a put is
+        complete (and its producer may die) once this returns."""
+        if self.on_stored is None:
+            raise SchemaError("storage: this unit is not linked to a controller (cannot publish)")
+        self.store(indexes, columns)
+        await self.on_stored(partition, indexes, list(columns))
+        return len(indexes)
 
     def store(self, indexes: list[int], columns: dict[str, Any]) -> int:
+        placed = _placed_runs(indexes)
         for name, column in columns.items():
-            chunk = _Chunk(column, indexes)
-            where = self.where.setdefault(name, {})
-            if not where.keys().isdisjoint(indexes):  # a field put again: the old rows go
-                for index in indexes:
-                    old = where.get(index)
-                    if old is not None:
-                        self._unref(old[0])
-            rows = zip(itertools.repeat(chunk), range(len(indexes)))
-            where.update(zip(indexes, rows, strict=False))  # repeat() is endless
+            chunk = _Chunk(column, len(indexes))
+            field = self.fields.setdefault(name, _Field())
+            for a, b, row in placed:  # a field put again: the old rows go
+                field.cut(a, b, self._release)
+                field.add(a, b, chunk, row)
             self.bytes_held += chunk.nbytes
             self.bytes_in += chunk.nbytes
         return len(indexes)
 
-    def _unref(self, chunk: _Chunk) -> None:
-        chunk.live -= 1
+    def _release(self, chunk: _Chunk, rows: int) -> None:
+        chunk.live -= rows
         if chunk.live == 0:
             self.bytes_held -= chunk.nbytes
 
@@ -99,47 +186,20 @@ class StorageUnit:
         out = {}
         index_runs = runs(indexes)  # once for all fields
         for name in fields:
-            where = self.where.get(name, {})
+            field = self.fields.get(name) or _Field()
             pieces: list[tuple[Any, int, int]] = []
             for a, b in index_runs:
-                first, last = self._find(where, name, a), self._find(where, name, b - 1)
-                if first[0] is last[0] and first[0].ordered and last[1] - first[1] == b - 1 - a:
-                    self._extend(pieces, first[0].column, first[1], last[1] + 1)
-                    continue
-                for index in range(a, b):  # rows of several puts, or added out of order
-                    chunk, row = self._find(where, name, index)
-                    self._extend(pieces, chunk.column, row, row + 1)
+                field.pieces(a, b, name, pieces)
             value = take(pieces)
             self.bytes_out += _nbytes(value)
             out[name] = value
         return out
 
-    @staticmethod
-    def _find(where: dict[int, tuple[_Chunk, int]], name: str, index: int) -> tuple[_Chunk, int]:
-        entry = where.get(index)
-        if entry is None:
-            raise SchemaError(
-                f"field `{name}`: sample {index} has no value on this storage unit "
-                "(it was dropped, or never put)"
-            )
-        return entry
-
-    @staticmethod
-    def _extend(pieces: list[tuple[Any, int, int]], column: Any, a: int, b: int) -> None:
-        if pieces and pieces[-1][0] is column and pieces[-1][2] == a:
-            pieces[-1] = (column, pieces[-1][1], b)
-        else:
-            pieces.append((column, a, b))
-
     def drop(self, indexes: list[int]) -> int:
-        dropped = 0
-        for where in self.where.values():
-            for index in indexes:
-                entry = where.pop(index, None)
-                if entry is not None:
-                    self._unref(entry[0])
-                    dropped += 1
-        return dropped
+        index_runs = runs(sorted(indexes))
+        return sum(
+            field.cut(a, b, self._release) for field in self.fields.values() for a, b in index_runs
+        )
 
     def stats(self) -> dict[str, Any]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -149,14 +209,14 @@ class StorageUnit:
             "bytes_out": self.bytes_out,
             "put_bytes_per_s": self.bytes_in / elapsed,
             "get_bytes_per_s": self.bytes_out / elapsed,
-            "samples": len({i for w in self.where.values() for i in w}),
+            "samples": len({i for f in self.fields.values() for i in f.indexes()}),
         }
 
     def dump(self) -> dict[str, Any]:
         """Every held value, per field: ``{field: [indexes, rows]}`` (for save)."""
         out: dict[str, Any] = {}
-        for name, where in self.where.items():
-            indexes = sorted(where)
+        for name, field in self.fields.items():
+            indexes = field.indexes()
             if indexes:
                 out[name] = [indexes, self.read(indexes, [name])[name]]
         return out

@@ -14,9 +14,9 @@ from ._errors import (
     WireError,
 )
 from ._loop import wire_loop
-from ._shm import shared_empty
+from ._shm import shared_copies, shared_empty
 from ._sockets import AsyncClient, Client, Server
-from ._strings import PackedStrings
+from ._strings import PackedStrings, pack_strings
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +33,8 @@ __all__ = [
     "default_address",
     "encode",
     "is_local",
+    "pack_strings",
+    "shared_copies",
     "shared_empty",
     "wire_loop",
 ]

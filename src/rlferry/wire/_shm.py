@@ -35,7 +35,15 @@ import torch
 
 from ._errors import WireError
 
-__all__ = ["AVAILABLE", "BULK_MIN", "exports", "pack_bulk", "shared_empty", "unpack_bulk"]
+__all__ = [
+    "AVAILABLE",
+    "BULK_MIN",
+    "exports",
+    "pack_bulk",
+    "shared_copies",
+    "shared_empty",
+    "unpack_bulk",
+]
 
 AVAILABLE = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 BULK_MIN = 64 * 1024  # smaller frames are cheaper through the socket
@@ -344,3 +352,33 @@ def shared_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     holder._rlferry_keep = (seg, exports.use(seg))  # type: ignore[attr-defined]
     flat = torch.frombuffer(memoryview(holder).cast("B"), dtype=torch.uint8)
     return flat.view(dtype).reshape(tuple(shape))
+
+
+def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor in warm shared memory: itself when it lies there already (or is small,
+    on another device, or the platform has none), else one copy (contiguous), all the
+    copies in one pool segment.
+
+    Sending the results over ipc:// costs no further copy, so a sender can make
+    these copies early, while it waits for something else.
+    """
+    out = list(tensors)
+    moves = []
+    for i, t in enumerate(out):
+        nbytes = t.numel() * t.element_size()
+        if not AVAILABLE or nbytes < BULK_MIN or t.device.type != "cpu" or t.is_nested:
+            continue
+        if t.is_contiguous() and exports.find(t.data_ptr(), nbytes) is not None:
+            continue
+        moves.append((i, nbytes))
+    if not moves:
+        return out
+    flat = shared_empty([sum(_aligned(n) for _, n in moves)], torch.uint8)
+    at = 0
+    for i, nbytes in moves:
+        t = out[i]
+        dst = flat[at : at + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t.detach())
+        out[i] = dst
+        at += _aligned(nbytes)
+    return out

@@ -87,6 +87,11 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview(holder).cast("B")
 
 
+_as_utf8 = ctypes.pythonapi.PyUnicode_AsUTF8AndSize
+_as_utf8.restype = ctypes.c_void_p
+_as_utf8.argtypes = [ctypes.py_object, ctypes.POINTER(ctypes.c_ssize_t)]
+
+
 def pack_strings(items: list[Any]) -> PackedStrings | None:
     """Pack a list whose items are all str or all bytes, when it is worth it (>= 64 KiB)."""
     if len(items) < 2:
@@ -96,15 +101,22 @@ def pack_strings(items: list[Any]) -> PackedStrings | None:
         return None
     # Item by item, straight into shared memory: one joined temporary would be tens of MB
     # of fresh pages, which cost more to fault in than the copy itself.
-    encoded = [v.encode() for v in items] if kind_type is str else items
-    lengths = list(map(len, encoded))
+    sources: list[Any]
+    if kind_type is bytes:
+        sources, lengths = items, list(map(len, items))
+    elif all(map(str.isascii, items)):  # CPython keeps ASCII text as UTF-8 already
+        sources = [_as_utf8(v, None) for v in items]  # pointers into the strs, alive in items
+        lengths = list(map(len, items))
+    else:
+        sources = [v.encode() for v in items]
+        lengths = list(map(len, sources))
     total = sum(lengths)
     if total < BULK_MIN:
         return None
     data = shared_empty([total], torch.uint8)
     at, base, move = 0, data.data_ptr(), ctypes.memmove
-    for b, n in zip(encoded, lengths, strict=True):
-        move(base + at, b, n)
+    for src, n in zip(sources, lengths, strict=True):
+        move(base + at, src, n)
         at += n
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
