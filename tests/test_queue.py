@@ -269,6 +269,8 @@ def test_statistics_report_depth_leases_and_bytes(q):
     assert stats["leases"] == 1 and stats["samples_held"] == 4
     assert stats["bytes_held"] == 4 * 4
     assert {"waiting_gets", "waiting_puts"} <= stats.keys()
+    assert [u["alive"] for u in stats["storage_units"]] == [True, True]
+    assert all(u["address"].startswith("ipc://") for u in stats["storage_units"])
 
 
 def test_save_and_restore_keep_state_and_data(q, tmp_path):
@@ -417,7 +419,6 @@ def test_jagged_fields_sliced_by_dp_ranks_and_joined_across_puts(q):
     whole = c.get("p", task="critic_train", batch_size=6, fields=["j"], timeout=5)
     assert whole.data["j"].layout == torch.jagged
     assert all(torch.equal(a, b) for a, b in zip(rows, whole.data["j"].unbind(), strict=True))
-
 
 
 def test_a_put_copies_its_columns_so_later_writes_do_not_reach_consumers(q):

@@ -344,12 +344,15 @@ class AsyncQueueClient:
     async def statistics(self) -> dict[str, Any]:
         """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""
         stats = await self._call(self._controller, "stats", {}, _CONTROL_TIMEOUT)
-        info = await self._call(self._controller, "info", {}, _CONTROL_TIMEOUT)
         units = []
-        for u in range(len(info["units"])):
-            units.append(await self._call(await self._unit(u), "stats", {}, _CONTROL_TIMEOUT))
+        for u, alive in enumerate(stats.pop("storage_units_alive")):
+            unit = await self._unit(u)
+            one = {"alive": alive, "address": unit.address}
+            if alive:
+                one.update(await self._call(unit, "stats", {}, _CONTROL_TIMEOUT))
+            units.append(one)
         stats["storage_units"] = units
-        stats["bytes_held"] = sum(u["bytes_held"] for u in units)
+        stats["bytes_held"] = sum(u.get("bytes_held", 0) for u in units)
         return dict(stats)
 
     async def close(self) -> None:

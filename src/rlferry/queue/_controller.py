@@ -13,7 +13,9 @@ process, or a Ray actor alike.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +23,19 @@ from typing import Any
 
 from rlferry.wire import AsyncClient
 
-from ._errors import GetTimeout, PutTimeout, SchemaError, UnknownPartition, UnknownTask
+from ._errors import (
+    GetTimeout,
+    PutTimeout,
+    SchemaError,
+    ServiceGone,
+    UnknownPartition,
+    UnknownTask,
+)
 from ._samplers import sampler_from
 
 __all__ = ["Controller"]
+
+log = logging.getLogger("rlferry.queue")
 
 
 class Sample:
@@ -80,6 +91,7 @@ class Controller:
         self.partitions: dict[str, Partition] = {}
         self.held = 0  # samples held (not yet freed)
         self.unit_load = [0] * len(units)  # samples held per storage unit
+        self.unit_up = [True] * len(units)  # False once its connection is lost: puts avoid it
         self.next_index = 0
         self.lease_ids = itertools.count(1)
         self.leases: dict[int, Lease] = {}
@@ -99,7 +111,6 @@ class Controller:
             "clear": self.clear,
             "abort": self.abort,
             "stats": self.stats,
-            "register_unit": self.register_unit,
             "dump": self.dump,
         }
 
@@ -148,14 +159,29 @@ class Controller:
 
     def _unit_client(self, unit: int) -> AsyncClient:
         while len(self._unit_clients) <= unit:
+            u = len(self._unit_clients)
+            state = functools.partial(self._unit_state, u)
             self._unit_clients.append(
-                AsyncClient(self.units[len(self._unit_clients)], secret=self._secret)
+                AsyncClient(self.units[u], secret=self._secret, on_state=state)
             )
         return self._unit_clients[unit]
+
+    def _unit_state(self, unit: int, up: bool) -> None:
+        if self.unit_up[unit] != up:
+            state = "back" if up else "gone"
+            log.warning("storage unit %d (%s) is %s", unit, self.units[unit], state)
+        self.unit_up[unit] = up
+
+    async def start(self) -> None:
+        """Watch every storage unit from now on: new puts go to the units alive."""
+        for unit in range(len(self.units)):
+            self._unit_client(unit).connect()
 
     def _drop(self, by_unit: dict[int, list[int]]) -> None:
         for unit, indexes in by_unit.items():
             self.unit_load[unit] -= len(indexes)
+            if not self.unit_up[unit]:
+                continue  # its memory went with it
             req = self._unit_client(unit).request(["drop", {"indexes": indexes}], timeout=30)
             task = asyncio.ensure_future(req)
             self._bg.add(task)
@@ -168,6 +194,7 @@ class Controller:
     def register_unit(self, address: str) -> int:
         self.units.append(address)
         self.unit_load.append(0)
+        self.unit_up.append(True)
         return len(self.units) - 1
 
     async def alloc(
@@ -227,7 +254,12 @@ class Controller:
         self.next_index += rows
         # A put goes whole to the unit holding the fewest samples: a get of its rows (or of
         # a DP rank's contiguous share) is then one view of one stored column, no copy.
-        unit = min(range(len(self.units)), key=self.unit_load.__getitem__)
+        alive = [u for u in range(len(self.units)) if self.unit_up[u]]
+        if not alive:
+            raise ServiceGone(
+                f"storage: all {len(self.units)} storage units are gone (restart the queue)"
+            )
+        unit = min(alive, key=self.unit_load.__getitem__)
         self.unit_load[unit] += rows
         units = [unit] * rows
         for r in range(rows):
@@ -459,6 +491,7 @@ class Controller:
             "waiting_gets": self.waiting_gets,
             "waiting_puts": self.waiting_puts,
             "leases": len(self.leases),
+            "storage_units_alive": list(self.unit_up),
         }
 
     # -- persistence --------------------------------------------------------------

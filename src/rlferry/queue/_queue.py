@@ -83,6 +83,7 @@ class Queue:
                 srv = Server(unit.handle, default_address(transport), packed_strings=True)
                 ctrl.register_unit(loop.run(srv.start()))
                 services.append(srv)
+            loop.run(ctrl.start())
             srv = Server(ctrl.handle, default_address(transport))
             address = loop.run(srv.start())
             services.append(srv)

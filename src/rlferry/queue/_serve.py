@@ -88,6 +88,7 @@ def serve_queue(
                 lease_timeout=lease_timeout,
                 secret=secret,
             )
+            await ctrl.start()
             srv = Server(ctrl.handle, bind, secret=secret)
             address = await srv.start()
             for conn in conns:  # each unit tells the controller what it stored

@@ -307,9 +307,16 @@ class AsyncClient:
 
     _ids = itertools.count(1)
 
-    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | bytes | None = None,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
         self.address = address
         self._secret = secret
+        self._on_state = on_state  # called (on the loop) with True on connect, False on loss
         self._shm = _uses_shm(address)
         self._key = f"server:{id(self)}:{address}".encode()  # names the server in exports
         self._sock: zmq.asyncio.Socket | None = None
@@ -318,6 +325,10 @@ class AsyncClient:
         self._releases: _Releases | None = None
         self._gone: PeerGone | None = None
         self._closed = False
+
+    def connect(self) -> None:
+        """Connect now (else the first request does): ``on_state`` reports from then on."""
+        self._connect()
 
     def _connect(self) -> zmq.asyncio.Socket:
         if self._closed:
@@ -396,6 +407,8 @@ class AsyncClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._gone = None
+                    if self._on_state is not None:
+                        self._on_state(True)
                     continue
                 exports.peer_gone(self._key)
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -405,6 +418,8 @@ class AsyncClient:
                         f"{self.address} disconnected (the server closed or died)"
                     )
                 self._fail_all(self._gone)
+                if self._on_state is not None:
+                    self._on_state(False)
         except (asyncio.CancelledError, zmq.ZMQError):
             return
         finally:
