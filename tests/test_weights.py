@@ -483,3 +483,12 @@ def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
     assert e.equals(sd) and not sd["w0"].untyped_storage().is_shared()
     r.close()
     s.close()
+
+
+def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
+    from rlferry.weights._sender import default_bucket_bytes
+
+    cpu, mib = torch.device("cpu"), 1 << 20
+    assert default_bucket_bytes(cpu, 10 * mib) == 64 * mib
+    assert default_bucket_bytes(cpu, 77_791_233) == 77_791_488  # raised, 256-byte aligned
+    assert default_bucket_bytes(cpu, 2048 * mib) == 64 * mib  # too large: split

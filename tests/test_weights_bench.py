@@ -23,4 +23,5 @@ def test_bench_weights_prints_a_table_with_the_memcpy_ratio():
         timeout=300,
     )
     assert "| memcpy of the same bytes (baseline) |" in out.stdout
-    assert "| rlferry shm (pack + load into the engine's parameters) |" in out.stdout
+    assert "| rlferry shm, packed (zero_copy=False: pack + load, ping-pong) |" in out.stdout
+    assert "| rlferry shm, zero copy (the engine loads from the trainer's tensors) |" in out.stdout

@@ -34,7 +34,7 @@ def digest(sd):
     return {n: int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sd.items()}
 
 
-def _engine(address, group, device, conn, fail_at, verify):
+def _engine(address, group, device, conn, fail_at, verify, secret, name):
     torch.cuda.set_device(device)
     like = weights(0, device)
     params = {n: torch.zeros_like(t) for n, t in like.items()}
@@ -51,17 +51,18 @@ def _engine(address, group, device, conn, fail_at, verify):
         conn.send(("commit", version, digest(params), r.statistics().buffers_opened))
 
     r = WeightReceiver(group=group, address=address, load=load, on_commit=on_commit,
-                       device=device, verify=verify, name=f"engine-{device}")  # fmt: skip
+                       device=device, verify=verify, name=name or f"engine-{device}",
+                       secret=secret)  # fmt: skip
     r.start(timeout=120)
     conn.send("ready")
     conn.recv()
     r.close()
 
 
-def spawn(address, group, device, fail_at=0, verify=True):
+def spawn(address, group, device, fail_at=0, verify=True, secret=None, name=None):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (address, group, device, child, fail_at, verify)
+    args = (address, group, device, child, fail_at, verify, secret, name)
     p = ctx.Process(target=_engine, args=args, daemon=True)
     p.start()
     assert parent.poll(180) and parent.recv() == "ready"
@@ -134,6 +135,39 @@ def test_nccl_broadcast_to_another_gpu_delivers_exact_values_and_reuses_the_grou
         assert (kind, version) == ("commit", v)
         assert got == digest(sd)
     assert s.statistics().groups_formed == 1
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
+def test_cuda_ipc_zero_copy_reaches_two_engines_on_one_gpu():
+    s = WeightSender(group="ipc", transport="cuda_ipc", receivers=2, bucket_bytes=1 << 20)
+    engines = [spawn(s.address, "ipc", "cuda:0", verify=False, name=f"e{i}") for i in range(2)]
+    sd = weights(1)
+    for v in (1, 2):
+        for t in sd.values():
+            t.add_(1)
+        assert s.push(sd.items(), version=v, timeout=120).receivers == ("e0", "e1")
+        for _, conn in engines:
+            assert conn.recv()[:3] == ("commit", v, digest(sd))
+    for proc, conn in engines:
+        conn.send("stop")
+        proc.join(60)
+    s.close()
+
+
+@requires_2_gpus
+def test_nccl_broadcast_with_a_secret_meets_over_the_control_channel():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    secret = "a shared secret of 32 bytes long"
+    s = WeightSender(group="nccl", transport="broadcast", receivers=1, bucket_bytes=1 << 20,
+                     bind="tcp://127.0.0.1:*", secret=secret)  # fmt: skip
+    proc, conn = spawn(s.address, "nccl", "cuda:1", secret=secret)
+    for v in (1, 2):
+        sd = weights(v)
+        s.push(sd.items(), version=v, timeout=120)
+        assert conn.recv()[:3] == ("commit", v, digest(sd))
+    assert s.statistics().groups_formed == 1 and s._transport.store_address is None
     conn.send("stop")
     proc.join(60)
     s.close()

@@ -129,7 +129,9 @@ def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
         torch._foreach_copy_([params[n] for n, _ in items], [t for _, t in items])
 
     handlers: dict[str, Callable[..., Any]] = {
-        "rlferry": lambda address, group: _serve_rlferry(conn, address, group, load, device),
+        "rlferry": lambda address, group, name: _serve_rlferry(
+            conn, address, group, load, device, name
+        ),
         "ipc": lambda bucket, reopen: _ipc_receive(conn, shapes, params, bucket, reopen),
         "nccl_init": lambda port: _nccl_init(port, 1, device),
         "nccl_per_tensor": lambda: _nccl_per_tensor(list(params.values()), rank=1),
@@ -147,10 +149,10 @@ def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
 
 
 def _serve_rlferry(
-    conn: Connection, address: str, group: str, load: Callable[..., None], device: str
+    conn: Connection, address: str, group: str, load: Callable[..., None], device: str, name: str
 ) -> None:
     dev = device if device.startswith("cuda") else None
-    with WeightReceiver(group=group, address=address, load=load, device=dev, name="engine"):
+    with WeightReceiver(group=group, address=address, load=load, device=dev, name=name):
         conn.send(("ok", "joined"))
         conn.recv()  # until the sender is done
 

@@ -87,23 +87,32 @@ def _median_times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     return times[0], times[len(times) // 2]
 
 
-def _rlferry(engine: Engine, state: dict[str, torch.Tensor], transport: str, bucket: int | None,
-             repeat: int, zero_copy: bool = True) -> tuple[float, float, int]:  # fmt: skip
-    _progress(f"rlferry {transport}")
-    sender = WeightSender(group="bench", transport=transport, receivers=1, bucket_bytes=bucket,
-                          zero_copy=zero_copy)  # fmt: skip
-    engine.send("rlferry", sender.address, "bench")
-    assert engine.wait() == "joined"
+def _rlferry(
+    engines: Engine | list[Engine], state: dict[str, torch.Tensor], transport: str,
+    bucket: int | None, repeat: int, zero_copy: bool = True,
+) -> tuple[float, float, int]:  # fmt: skip
+    """Push ``state`` to every engine ``repeat`` times; (best, median, bucket bytes), checked."""
+    engines = engines if isinstance(engines, list) else [engines]
+    _progress(f"rlferry {transport}" + (f", {len(engines)} engines" if len(engines) > 1 else ""))
+    sender = WeightSender(group="bench", transport=transport, receivers=len(engines),
+                          bucket_bytes=bucket, zero_copy=zero_copy)  # fmt: skip
+    for i, engine in enumerate(engines):
+        engine.send("rlferry", sender.address, "bench", f"engine{i}")
+        assert engine.wait() == "joined"
     version = iter(range(1, 1 << 30))
     best, med = _median_times(lambda: sender.push(state.items(), version=next(version)), repeat)
     used = sender.statistics().bucket_bytes
-    engine.conn.send("done")
-    engine.wait()
+    for engine in engines:
+        engine.conn.send("done")
+        engine.wait()
     sender.close()
-    got, want = engine.call("fingerprint"), eng.fingerprint(list(state.values()))
-    if got != want:
-        raise RuntimeError(f"rlferry {transport}: the engine's parameters differ from the sender's")
-    engine.call("zero")
+    want = eng.fingerprint(list(state.values()))
+    for engine in engines:
+        if engine.call("fingerprint") != want:
+            raise RuntimeError(
+                f"rlferry {transport}: the engine's parameters differ from the sender's"
+            )
+        engine.call("zero")
     return best, med, used
 
 
@@ -184,7 +193,7 @@ def _per_tensor_copy_seconds(state: dict[str, torch.Tensor], repeat: int) -> flo
     return _median_times(once, repeat)[1]
 
 
-def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str:
+def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engines: int = 1) -> str:
     shapes = eng.model_shapes(model, scale)
     dev = "cuda:0"
     torch.cuda.set_device(dev)
@@ -199,6 +208,10 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str
         bucket = bucket or default_bucket_bytes(torch.device(dev), largest)
         best, med, used = _rlferry(engine, state, "cuda_ipc", bucket, repeat)
         pbest, pmed, pused = _rlferry(engine, state, "cuda_ipc", bucket, repeat, zero_copy=False)
+        more = [Engine(shapes, dev) for _ in range(engines - 1)]
+        many = _rlferry([engine, *more], state, "cuda_ipc", bucket, repeat) if more else None
+        for e in more:
+            e.stop()
         base_rows = []
         for name, reopen, buffers in (
             ("ping-pong IPC, new handle per bucket (NeMo-RL style)", True, 2),
@@ -226,6 +239,10 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None) -> str
         _row("rlferry cuda_ipc, zero copy (the engine reads the trainer's tensors)", med,
              nbytes, flat, f"best {best * 1e3:.1f} ms; {used / _GiB:.2f} GiB per load call"),
     ]  # fmt: skip
+    if many is not None:
+        rows.append(_row(f"rlferry cuda_ipc, zero copy, {engines} engines on this GPU",
+                         many[1], nbytes, flat, f"best {many[0] * 1e3:.1f} ms; time of the "
+                         f"whole push, every engine loading its copy"))  # fmt: skip
     return _header(model, scale, state, dev, repeat) + "\n\n" + _table(rows, "x flat copy")
 
 
@@ -304,11 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=int, default=0, help="divide every width (default: 4 on CPU)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=0, help="default: rlferry's own choice")
+    p.add_argument("--engines", type=int, default=1, help="cuda_ipc: also push to N engines")
     a = p.parse_args(argv)
     scale = a.scale or (4 if a.transport == "shm" else 1)
     bucket = a.bucket_mb << 20 or None
     for model in a.model.split(","):
-        print(RUNS[a.transport](model, scale, a.repeat, bucket), flush=True)
+        if a.transport == "cuda_ipc":
+            print(run_cuda_ipc(model, scale, a.repeat, bucket, a.engines), flush=True)
+        else:
+            print(RUNS[a.transport](model, scale, a.repeat, bucket), flush=True)
         print(flush=True)
 
 

@@ -29,9 +29,12 @@ _MiB = 1 << 20
 def default_bucket_bytes(device: torch.device, largest: int) -> int:
     """Half of what the two buffers may take: 1/16 of free device memory within
     [64 MiB, 1 GiB], raised to the largest tensor when that fits in 1/8 (no split);
-    64 MiB on the CPU (shm), where more buckets pipeline better."""
+    on the CPU (shm) 64 MiB, where more buckets pipeline better, raised to the
+    largest tensor up to 1 GiB (a split tensor costs the receiver one more copy,
+    into the staging tensor that joins its pieces)."""
     if device.type != "cuda":
-        return 64 * _MiB
+        bucket = largest if 64 * _MiB < largest <= 1024 * _MiB else 64 * _MiB
+        return -(-bucket // 256) * 256
     free = torch.cuda.mem_get_info(device)[0]
     bucket = min(1024 * _MiB, max(64 * _MiB, free // 16))
     if bucket < largest <= free // 8:
