@@ -436,3 +436,18 @@ def test_a_put_copies_its_columns_so_later_writes_do_not_reach_consumers(q):
     assert torch.equal(b.data["nested"].values(), expected_values)
     assert b.data["nested"].offsets().tolist() == [0, 30_000, 70_000]
     assert b.data["words"] == words
+
+
+def test_columns_built_in_shared_memory_are_put_without_a_copy(q):
+    from rlferry.wire import pack_strings, shared_empty
+
+    c = q.client()
+    x = shared_empty([4, 8192], torch.float32)
+    x.copy_(torch.arange(4 * 8192, dtype=torch.float32).reshape(4, 8192))
+    words = [f"{i}" * 20_000 for i in range(4)]
+    c.put("p", {"x": x, "words": pack_strings(words)})
+    b = c.get("p", task="actor_train", batch_size=4, fields=["x", "words"])
+    assert torch.equal(b.data["x"], x)
+    x[0, 0] = -5.0  # the batch reads the very memory that was put: nothing was copied
+    assert b.data["x"][0, 0].item() == -5.0
+    assert b.data["words"] == words

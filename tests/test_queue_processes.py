@@ -98,8 +98,16 @@ def test_killed_storage_unit_makes_clients_raise_not_hang(served):
             assert b.data["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def test_killed_controller_wakes_a_waiting_get(served):
-    proc, address, _ = served
+    proc, address, units = served
     with Queue.connect(address).client() as c:
         c.put("p", {"x": torch.arange(1.0)})
         from rlferry.wire import wire_loop
@@ -111,6 +119,13 @@ def test_killed_controller_wakes_a_waiting_get(served):
         proc.send_signal(signal.SIGKILL)
         with pytest.raises(ServiceGone, match="disconnected"):
             fut.result(timeout=30)
+    gone = threading.Event()
+    for _ in range(200):  # its storage unit processes follow it
+        if not any(_running(pid) for pid in units):
+            break
+        gone.wait(0.05)  # allowed: a test waiting for other processes to exit
+    else:
+        raise AssertionError("storage units outlived their killed server")
 
 
 def _dist_rank(rank, address, port, conn):

@@ -161,7 +161,7 @@ class AsyncQueueClient:
                     "(every field of one put must have the same number of samples)"
                 )
             signatures[name] = signature(kind, column)
-            if kind == "list" and not all(type(v) in _PLAIN for v in column):
+            if isinstance(column, list) and not all(type(v) in _PLAIN for v in column):
                 try:  # plain values: refuse what cannot travel before anything is reserved
                     encode(column)
                 except WireError as e:

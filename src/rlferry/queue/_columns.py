@@ -43,7 +43,7 @@ def kind_of(field: str, value: Any) -> str:
                 "(wrap a per-sample scalar in a 1-d tensor, one value per sample)"
             )
         return "tensor"
-    if isinstance(value, list):
+    if isinstance(value, (list, PackedStrings)):  # strings may come packed already
         return "list"
     if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
         if value.ndim == 0:
@@ -59,7 +59,7 @@ def kind_of(field: str, value: Any) -> str:
 
 
 def rows_of(value: Any) -> int:
-    return len(value) if isinstance(value, list) else int(value.shape[0])
+    return len(value) if isinstance(value, (list, PackedStrings)) else int(value.shape[0])
 
 
 def signature(kind: str, value: Any) -> list[Any]:

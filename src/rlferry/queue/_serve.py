@@ -40,6 +40,7 @@ def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_reader(conn.fileno(), stop.set)  # the pipe ends with the server: so does this unit
         await stop.wait()
         await srv.close()
         await (await link).close()
