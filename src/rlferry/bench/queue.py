@@ -75,12 +75,12 @@ def _producer(
     c = Queue.connect(address).client()
     for it in range(iters):
         conn.recv()  # go
-        if shm:  # the producer builds this rollout in shared memory (untimed, as the data is)
-            rollout = shared_columns(data)
+        # with shm the producer builds this rollout in shared memory (untimed, as the data is)
+        rollout = shared_columns(data) if shm else data
         t0 = time.perf_counter()
-        c.put(f"train_{it}", rollout if shm else data, timeout=120)
+        c.put(f"train_{it}", rollout, timeout=120)
         conn.send(time.perf_counter() - t0)
-        rollout = None
+        del rollout  # its memory goes back to the pool once consumed
 
 
 def _consumer(address: str, names: list[str], iters: int, conn: Connection) -> None:
