@@ -323,6 +323,7 @@ class Controller:
         self._task(task)
         chosen = sampler_from(sampler)
         key = (task, dp_size, dp_rank, batch)
+        need = frozenset(fields)
 
         def serve() -> Lease | None:
             p = self.partitions.get(partition)
@@ -334,7 +335,7 @@ class Controller:
             ready = [
                 s.index
                 for s in p.samples.values()
-                if task not in s.consumed and task not in s.leased and s.fields.issuperset(fields)
+                if task not in s.consumed and task not in s.leased and need <= s.fields
             ]
             has_round = any(k[:2] == key[:2] and k[3] == batch for k in p.shares)
             size = 1 if has_round else dp_size  # a re-asked share after a lease expired
@@ -357,9 +358,7 @@ class Controller:
                 else sum(
                     1
                     for s in p.samples.values()
-                    if task not in s.consumed
-                    and task not in s.leased
-                    and s.fields.issuperset(fields)
+                    if task not in s.consumed and task not in s.leased and need <= s.fields
                 )
             )
             raise GetTimeout(

@@ -255,6 +255,7 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
     """
     out = list(frames)
     keep: list[Any] = []
+    used: dict[int, _Use] = {}
     entries: list[list[int]] = []
     to_copy: list[tuple[int, memoryview]] = []
     for i in range(len(frames)):  # a large header (long strings) goes too
@@ -266,8 +267,11 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
         if mem is None:
             to_copy.append((i, view))
             continue
-        keep += (exports.use(mem), frames[i])  # the frame's owner stays alive while lent
+        if mem.ino not in used:  # one use per memory, however many frames lie in it
+            used[mem.ino] = exports.use(mem)
+        keep.append(frames[i])  # the frame's owner stays alive while lent
         entries.append([i, mem.fd, mem.ino, mem.size, _address(view) - mem.base, view.nbytes])
+    keep += used.values()
     if not entries and not to_copy:
         return b"", frames
     if to_copy:
@@ -321,16 +325,20 @@ def unpack_bulk(
     if peer_pid is not None and pid != peer_pid:
         raise WireError(f"malformed message: shared memory of pid {pid} sent by pid {peer_pid}")
     out = list(frames)
+    whole: dict[int, memoryview] = {}  # one view per memory, sliced per frame
     for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry)):
             raise WireError("malformed message: bad shared-memory entry")
         index, fd, ino, size, offset, length = entry
         if not (0 <= index < len(out)) or offset < 0 or length < 0 or offset + length > size:
             raise WireError("malformed message: shared-memory entry out of range")
-        mem = exports.open_remote(pid, fd, ino, size)
-        holder = (ctypes.c_char * length).from_address(mem.base + offset)
-        holder._rlferry_keep = (mem, lease)
-        out[index] = memoryview(holder).cast("B")
+        view = whole.get(ino)
+        if view is None or view.nbytes != size:
+            mem = exports.open_remote(pid, fd, ino, size)
+            holder = (ctypes.c_char * size).from_address(mem.base)
+            holder._rlferry_keep = (mem, lease)
+            view = whole[ino] = memoryview(holder).cast("B")
+        out[index] = view[offset : offset + length]
     return out
 
 
