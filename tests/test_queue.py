@@ -451,3 +451,16 @@ def test_columns_built_in_shared_memory_are_put_without_a_copy(q):
     x[0, 0] = -5.0  # the batch reads the very memory that was put: nothing was copied
     assert b.data["x"][0, 0].item() == -5.0
     assert b.data["words"] == words
+
+
+def test_a_malformed_request_to_a_service_is_refused_by_name(q):
+    from rlferry.wire import Client, RemoteError
+
+    with Client(q.address) as raw:
+        with pytest.raises(RemoteError) as e:
+            raw.request("stats", timeout=10)
+        assert e.value.message == "request: expected [op, args], got 'stats'"
+        with pytest.raises(RemoteError) as e:
+            raw.request(["nope", {}], timeout=10)
+        assert e.value.message.startswith("op: expected one of ['abort', 'ack', ")
+        assert raw.request(["stats", {}], timeout=10)["samples_held"] == 0

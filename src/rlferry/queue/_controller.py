@@ -23,6 +23,7 @@ from typing import Any
 
 from rlferry.wire import AsyncClient
 
+from ._dispatch import dispatch
 from ._errors import (
     GetTimeout,
     PutTimeout,
@@ -115,12 +116,7 @@ class Controller:
         }
 
     async def handle(self, value: Any, peer: bytes) -> Any:
-        op, args = value
-        fn = self._ops.get(op)
-        if fn is None:
-            raise SchemaError(f"op: expected one of {sorted(self._ops)}, got {op!r}")
-        result = fn(**args)
-        return await result if asyncio.iscoroutine(result) else result
+        return await dispatch(self._ops, value)
 
     # -- helpers ----------------------------------------------------------------
     def _notify(self) -> None:

@@ -10,7 +10,6 @@ No process-global state: it can run in a thread, a child process or a Ray actor.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ._columns import runs, take
+from ._dispatch import dispatch
 from ._errors import SchemaError
 
 __all__ = ["StorageUnit", "Stored"]
@@ -149,12 +149,7 @@ class StorageUnit:
         }
 
     async def handle(self, value: Any, peer: bytes) -> Any:
-        op, args = value
-        fn = self._ops.get(op)
-        if fn is None:
-            raise SchemaError(f"op: expected one of {sorted(self._ops)}, got {op!r}")
-        result = fn(**args)
-        return await result if asyncio.iscoroutine(result) else result
+        return await dispatch(self._ops, value)
 
     async def put(self, partition: str, indexes: list[int], columns: dict[str, Any]) -> int:
         """Store a put's rows, then make them visible at the controller: a put is
