@@ -132,6 +132,8 @@ def jagged_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def runs(indexes: Sequence[int]) -> list[tuple[int, int]]:
     """Consecutive runs ``[start, stop)`` of ascending numbers, in order."""
+    if indexes and list(indexes) == list(range(indexes[0], indexes[0] + len(indexes))):
+        return [(indexes[0], indexes[0] + len(indexes))]  # the usual case, at C speed
     out: list[tuple[int, int]] = []
     for r in indexes:
         if out and out[-1][1] == r:

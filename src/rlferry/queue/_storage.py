@@ -53,6 +53,8 @@ def _nbytes(value: Any) -> int:
 
 def _placed_runs(indexes: list[int]) -> list[tuple[int, int, int]]:
     """``(start, stop, row)``: runs of consecutive indexes and the row of each run's start."""
+    if indexes and indexes == list(range(indexes[0], indexes[0] + len(indexes))):
+        return [(indexes[0], indexes[0] + len(indexes), 0)]  # a new put: one run
     out: list[tuple[int, int, int]] = []
     for row, index in enumerate(indexes):
         if out and out[-1][1] == index:
