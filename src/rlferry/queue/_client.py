@@ -349,7 +349,10 @@ class AsyncQueueClient:
             unit = await self._unit(u)
             one = {"alive": alive, "address": unit.address}
             if alive:
-                one.update(await self._call(unit, "stats", {}, _CONTROL_TIMEOUT))
+                try:
+                    one.update(await self._call(unit, "stats", {}, _CONTROL_TIMEOUT))
+                except ServiceGone as e:  # died before the controller heard of it
+                    one.update(alive=False, error=str(e))
             units.append(one)
         stats["storage_units"] = units
         stats["bytes_held"] = sum(u.get("bytes_held", 0) for u in units)
