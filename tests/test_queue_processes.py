@@ -42,30 +42,35 @@ def test_consumer_killed_mid_batch_loses_nothing():
         assert c.statistics()["samples_held"] == 0
 
 
-@pytest.fixture
-def served():
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlferry.cli",
-            "serve",
-            "queue",
-            "--storage-units",
-            "2",
-            "--tasks",
-            "train",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def _serve(*extra: str) -> tuple[subprocess.Popen[str], str, list[int]]:
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "queue", "--storage-units", "2"]
+    proc = subprocess.Popen([*cmd, "--tasks", "train", *extra], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
     lines = [proc.stdout.readline() for _ in range(3)]
     assert lines[0].startswith("controller ")
-    address = lines[0].split()[1]
-    units = [int(line.split()[3]) for line in lines[1:]]
+    return proc, lines[0].split()[1], [int(line.split()[3]) for line in lines[1:]]
+
+
+@pytest.fixture
+def served():
+    proc, address, units = _serve()
     yield proc, address, units
     proc.terminate()
     proc.wait(20)
+
+
+def test_served_over_tcp_with_a_secret_puts_and_gets():
+    secret = "a shared secret of the whole job"
+    proc, address, _ = _serve("--bind", "tcp://127.0.0.1:*", "--secret", secret)
+    try:
+        assert address.startswith("tcp://127.0.0.1:")
+        with Queue.connect(address, secret=secret).client() as c:  # units publish over CURVE
+            c.put("p", {"x": torch.arange(3.0), "s": ["a", "b", "c"]}, timeout=10)
+            b = c.get("p", task="train", batch_size=3, fields=["x", "s"], timeout=10)
+            assert b.data["x"].tolist() == [0.0, 1.0, 2.0] and b.data["s"] == ["a", "b", "c"]
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def test_served_queue_puts_and_gets_across_processes(served):
