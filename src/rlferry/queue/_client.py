@@ -31,7 +31,16 @@ from rlferry.wire import (
 )
 from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
 
-from ._columns import assemble, kind_of, rows_of, shared_columns, signature, split_rows
+from ._columns import (
+    assemble,
+    kind_of,
+    packed_string_columns,
+    rows_of,
+    shared_columns,
+    shared_tensor_columns,
+    signature,
+    split_rows,
+)
 from ._errors import ERRORS, QueueClosed, QueueError, SchemaError, ServiceGone
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 
@@ -62,8 +71,14 @@ class Batch:
 
 
 def _bulk_bytes(data: dict[str, Any]) -> int:
-    tensors = [v for v in data.values() if isinstance(v, torch.Tensor)]
-    return sum((t.values() if t.is_nested else t).nbytes for t in tensors)
+    """About how many bytes a put copies (strings counted by characters)."""
+    total = 0
+    for v in data.values():
+        if isinstance(v, torch.Tensor):
+            total += (v.values() if v.is_nested else v).nbytes
+        elif isinstance(v, list) and v and type(v[0]) in (str, bytes):
+            total += sum(map(len, v))
+    return total
 
 
 def _check_partition(partition: Any) -> None:
@@ -205,8 +220,12 @@ class AsyncQueueClient:
         else:  # the one copy into shared memory runs while the controller places the put
             placing = asyncio.ensure_future(call)
             try:
-                if _bulk_bytes(data) >= _STAGE_IN_THREAD:
-                    data = await asyncio.to_thread(shared_columns, data)
+                if _bulk_bytes(data) >= _STAGE_IN_THREAD:  # tensors and strings side by side
+                    moved = await asyncio.gather(
+                        asyncio.to_thread(shared_tensor_columns, data),
+                        asyncio.to_thread(packed_string_columns, data),
+                    )
+                    data = {**data, **moved[0], **moved[1]}
                 else:
                     data = shared_columns(data)
             except BaseException:

@@ -25,8 +25,10 @@ from ._errors import SchemaError
 __all__ = [
     "assemble",
     "kind_of",
+    "packed_string_columns",
     "rows_of",
     "shared_columns",
+    "shared_tensor_columns",
     "signature",
     "split_rows",
     "take",
@@ -76,7 +78,11 @@ def signature(kind: str, value: Any) -> list[Any]:
 def shared_columns(data: dict[str, Any]) -> dict[str, Any]:
     """The columns with their bulk in warm shared memory: the one copy a put makes, made
     early (while the controller places the put); over ipc:// nothing is copied again."""
-    out = dict(data)
+    return {**data, **shared_tensor_columns(data), **packed_string_columns(data)}
+
+
+def shared_tensor_columns(data: dict[str, Any]) -> dict[str, Any]:
+    """The tensor columns that had to move into shared memory, moved (one segment)."""
     names, tensors = [], []
     for name, column in data.items():
         if isinstance(column, torch.Tensor):
@@ -86,10 +92,7 @@ def shared_columns(data: dict[str, Any]) -> dict[str, Any]:
             elif getattr(column, "_lengths", None) is None and column._ragged_idx == 1:  # type: ignore[attr-defined]
                 names.append(name)
                 tensors.append(column.values())
-        elif isinstance(column, list):
-            packed = pack_strings(column)
-            if packed is not None:
-                out[name] = packed
+    out = {}
     for name, before, after in zip(names, tensors, shared_copies(tensors), strict=True):
         if after is before:
             continue
@@ -97,6 +100,17 @@ def shared_columns(data: dict[str, Any]) -> dict[str, Any]:
         if column.is_nested:
             after = torch.nested.nested_tensor_from_jagged(after, column.offsets())
         out[name] = after
+    return out
+
+
+def packed_string_columns(data: dict[str, Any]) -> dict[str, Any]:
+    """The long str/bytes list columns, packed into shared memory."""
+    out = {}
+    for name, column in data.items():
+        if isinstance(column, list):
+            packed = pack_strings(column)
+            if packed is not None:
+                out[name] = packed
     return out
 
 
