@@ -39,13 +39,16 @@ __all__ = ["Controller"]
 log = logging.getLogger("rlferry.queue")
 
 
+_NO_FIELDS: frozenset[str] = frozenset()
+
+
 class Sample:
     __slots__ = ("consumed", "fields", "index", "leased", "meta", "unit")
 
     def __init__(self, index: int, unit: int, meta: dict[str, Any]) -> None:
         self.index = index
         self.unit = unit
-        self.fields: set[str] = set()
+        self.fields: frozenset[str] = _NO_FIELDS  # shared among samples with the same fields
         self.meta = meta
         self.consumed: set[str] = set()
         self.leased: dict[str, int] = {}  # task -> lease id
@@ -298,10 +301,15 @@ class Controller:
         p = self.partitions.get(partition)
         if p is None:
             return  # cleared meanwhile; the storage units were told to drop it
+        add = frozenset(fields)
+        unions: dict[frozenset[str], frozenset[str]] = {}  # a put's samples share one set
         for i in indexes:
             s = p.samples.get(i)
             if s is not None:
-                s.fields.update(fields)
+                new = unions.get(s.fields)
+                if new is None:
+                    new = unions[s.fields] = s.fields | add
+                s.fields = new
         self._notify()
 
     async def get(
@@ -514,7 +522,7 @@ class Controller:
             p = Partition(pd["name"], meta=pd["meta"], signatures=pd["signatures"])
             for index, unit, fields, meta, consumed in pd["samples"]:
                 s = Sample(index, unit, meta)
-                s.fields.update(fields)
+                s.fields = frozenset(fields)
                 s.consumed.update(consumed)
                 p.samples[index] = s
             self.partitions[p.name] = p
