@@ -34,6 +34,7 @@ from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
 from ._columns import (
     assemble,
     kind_of,
+    nbytes,
     packed_string_columns,
     rows_of,
     shared_columns,
@@ -48,7 +49,7 @@ __all__ = ["AsyncQueueClient", "Batch", "QueueClient"]
 
 T = TypeVar("T")
 _CONTROL_TIMEOUT = 30.0
-_STAGE_IN_THREAD = 4 << 20  # bytes of tensors a put copies off the event loop
+_STAGE_IN_THREAD = 4 << 20  # a put of this many bytes or more copies off the event loop
 _PLAIN = frozenset(
     (str, bytes, int, float, bool, type(None), torch.Tensor)
 )  # for requests that never wait on other clients
@@ -68,17 +69,6 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.indexes)
-
-
-def _bulk_bytes(data: dict[str, Any]) -> int:
-    """About how many bytes a put copies (strings counted by characters)."""
-    total = 0
-    for v in data.values():
-        if isinstance(v, torch.Tensor):
-            total += (v.values() if v.is_nested else v).nbytes
-        elif isinstance(v, list) and v and type(v[0]) in (str, bytes):
-            total += sum(map(len, v))
-    return total
 
 
 def _check_partition(partition: Any) -> None:
@@ -220,8 +210,8 @@ class AsyncQueueClient:
         else:  # the one copy into shared memory runs while the controller places the put
             placing = asyncio.ensure_future(call)
             try:
-                if _bulk_bytes(data) >= _STAGE_IN_THREAD:  # tensors and strings side by side
-                    moved = await asyncio.gather(
+                if sum(map(nbytes, data.values())) >= _STAGE_IN_THREAD:  # side by side:
+                    moved = await asyncio.gather(  # tensors copied, strings packed
                         asyncio.to_thread(shared_tensor_columns, data),
                         asyncio.to_thread(packed_string_columns, data),
                     )
@@ -244,13 +234,8 @@ class AsyncQueueClient:
         try:  # each unit makes its rows visible at the controller once stored
             await asyncio.gather(*sends)
         except BaseException:
-            if indexes is None:  # the new samples never became visible: give their room back
-                await self._call(
-                    self._controller,
-                    "abort",
-                    {"partition": partition, "indexes": placed},
-                    _CONTROL_TIMEOUT,
-                )
+            if indexes is None:
+                await self._give_back(partition, placed)
             raise
         return placed
 
@@ -261,8 +246,12 @@ class AsyncQueueClient:
         except QueueError:
             return  # nothing was reserved
         if new:
-            args = {"partition": partition, "indexes": alloc["indexes"]}
-            await self._call(self._controller, "abort", args, _CONTROL_TIMEOUT)
+            await self._give_back(partition, alloc["indexes"])
+
+    async def _give_back(self, partition: str, indexes: list[int]) -> None:
+        """New samples that never became visible: their room goes back."""
+        args = {"partition": partition, "indexes": indexes}
+        await self._call(self._controller, "abort", args, _CONTROL_TIMEOUT)
 
     async def get(
         self,

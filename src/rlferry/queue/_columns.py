@@ -25,6 +25,7 @@ from ._errors import SchemaError
 __all__ = [
     "assemble",
     "kind_of",
+    "nbytes",
     "packed_string_columns",
     "rows_of",
     "shared_columns",
@@ -144,17 +145,19 @@ def jagged_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(out, torch.cat(offsets))
 
 
-def runs(indexes: Sequence[int]) -> list[tuple[int, int]]:
-    """Consecutive runs ``[start, stop)`` of ascending numbers, in order."""
-    if indexes and list(indexes) == list(range(indexes[0], indexes[0] + len(indexes))):
-        return [(indexes[0], indexes[0] + len(indexes))]  # the usual case, at C speed
-    out: list[tuple[int, int]] = []
-    for r in indexes:
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
+def nbytes(value: Any) -> int:
+    """The payload bytes of a column or value (strings by their length)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            value = value.values()
+        return value.numel() * value.element_size()
+    if isinstance(value, list):
+        return sum(nbytes(v) for v in value)
+    if hasattr(value, "nbytes"):  # numpy arrays, PackedStrings
+        return int(value.nbytes)
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    return 8
 
 
 def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:

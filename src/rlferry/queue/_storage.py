@@ -15,9 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
-
-from ._columns import runs, take
+from ._columns import nbytes, take
 from ._dispatch import dispatch
 from ._errors import SchemaError
 
@@ -34,27 +32,14 @@ class _Chunk:
     def __init__(self, column: Any, rows: int) -> None:
         self.column = column
         self.live = rows
-        self.nbytes = _nbytes(column)
+        self.nbytes = nbytes(column)
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            value = value.values()
-        return value.numel() * value.element_size()
-    if isinstance(value, list):
-        return sum(_nbytes(v) for v in value)
-    if hasattr(value, "nbytes"):  # numpy arrays, PackedStrings
-        return int(value.nbytes)
-    if isinstance(value, (str, bytes)):
-        return len(value)
-    return 8
-
-
-def _placed_runs(indexes: list[int]) -> list[tuple[int, int, int]]:
-    """``(start, stop, row)``: runs of consecutive indexes and the row of each run's start."""
+def _runs(indexes: list[int]) -> list[tuple[int, int, int]]:
+    """``(start, stop, row)``: runs of consecutive indexes and the position of each run's
+    start in ``indexes``."""
     if indexes and indexes == list(range(indexes[0], indexes[0] + len(indexes))):
-        return [(indexes[0], indexes[0] + len(indexes), 0)]  # a new put: one run
+        return [(indexes[0], indexes[0] + len(indexes), 0)]  # the usual case, at C speed
     out: list[tuple[int, int, int]] = []
     for row, index in enumerate(indexes):
         if out and out[-1][1] == index:
@@ -163,7 +148,7 @@ class StorageUnit:
         return len(indexes)
 
     def store(self, indexes: list[int], columns: dict[str, Any]) -> int:
-        placed = _placed_runs(indexes)
+        placed = _runs(indexes)
         for name, column in columns.items():
             chunk = _Chunk(column, len(indexes))
             field = self.fields.setdefault(name, _Field())
@@ -181,21 +166,23 @@ class StorageUnit:
 
     def read(self, indexes: list[int], fields: list[str]) -> dict[str, Any]:
         out = {}
-        index_runs = runs(indexes)  # once for all fields
+        index_runs = _runs(indexes)  # once for all fields
         for name in fields:
             field = self.fields.get(name) or _Field()
             pieces: list[tuple[Any, int, int]] = []
-            for a, b in index_runs:
+            for a, b, _ in index_runs:
                 field.pieces(a, b, name, pieces)
             value = take(pieces)
-            self.bytes_out += _nbytes(value)
+            self.bytes_out += nbytes(value)
             out[name] = value
         return out
 
     def drop(self, indexes: list[int]) -> int:
-        index_runs = runs(sorted(indexes))
+        index_runs = _runs(sorted(indexes))
         return sum(
-            field.cut(a, b, self._release) for field in self.fields.values() for a, b in index_runs
+            field.cut(a, b, self._release)
+            for field in self.fields.values()
+            for a, b, _ in index_runs
         )
 
     def stats(self) -> dict[str, Any]:
