@@ -28,6 +28,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -38,6 +39,7 @@ from ._errors import WireError
 __all__ = [
     "AVAILABLE",
     "BULK_MIN",
+    "copy_many",
     "exports",
     "pack_bulk",
     "shared_copies",
@@ -51,8 +53,10 @@ _ALIGN = 256
 _ROUND = 2 << 20
 _MEMFD_NAME = "rlferry-bulk"
 _POOL_IDLE_MAX = 4 << 30  # free segment bytes kept warm for reuse
-_MAPPINGS_KEPT = 8
-_PARALLEL_COPY = 8 << 20  # remote segments kept mapped after their last view died
+_MAPPINGS_KEPT = 8  # remote segments kept mapped after their last view died
+_PARALLEL_COPY = 8 << 20  # a copy this large is shared among threads
+_COPY_CHUNK = 4 << 20  # bytes a copying thread takes at a time
+_COPY_THREADS_MAX = 8  # memory bandwidth stops growing long before this many cores
 
 
 def _address(buf: memoryview) -> int:
@@ -287,13 +291,69 @@ def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
 
 
 def _copy(seg: _Memory, at: int, view: memoryview) -> None:
-    """One copy into the segment, on torch's intra-op threads when it is large."""
-    n = view.nbytes
-    if n < _PARALLEL_COPY or view.readonly:
-        seg.mm[at : at + n] = view
-        return
-    dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=n, offset=at)
-    dst.copy_(torch.frombuffer(view, dtype=torch.uint8))
+    """One copy into the segment, shared among threads when it is large."""
+    if view.readonly:
+        seg.mm[at : at + view.nbytes] = view
+    else:
+        copy_many([(seg.base + at, _address(view), view.nbytes)])
+
+
+class _Copier:
+    """Large copies cut in chunks that the calling thread and a few helper threads take
+    in turn (libc memmove, without the GIL). Chunks go to whichever thread is free, so
+    a core that another process takes for a moment slows the copy by its share only;
+    torch's ``copy_`` gives each thread a fixed half and waits for the slower one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.helpers: ThreadPoolExecutor | None = None
+        self.threads = max(1, min(len(os.sched_getaffinity(0)), _COPY_THREADS_MAX))
+
+    def run(self, jobs: Sequence[tuple[int, int, int]]) -> None:
+        tasks: list[list[tuple[int, int, int]]] = [[]]  # ~_COPY_CHUNK bytes each
+        size = 0
+        for dst, src, n in jobs:
+            for o in range(0, n, _COPY_CHUNK):
+                if size >= _COPY_CHUNK:
+                    tasks.append([])
+                    size = 0
+                m = min(_COPY_CHUNK, n - o)
+                tasks[-1].append((dst + o, src + o, m))
+                size += m
+        if len(tasks) == 1 or self.threads == 1 or sum(n for _, _, n in jobs) < _PARALLEL_COPY:
+            for task in tasks:
+                for chunk in task:
+                    ctypes.memmove(*chunk)
+            return
+        with self.lock:
+            if self.helpers is None:
+                self.helpers = ThreadPoolExecutor(self.threads - 1, "rlferry-copy")
+            helpers = self.helpers
+        taken = iter(tasks)
+        take = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with take:
+                    task = next(taken, None)
+                if task is None:
+                    return
+                for chunk in task:
+                    ctypes.memmove(*chunk)
+
+        running = [helpers.submit(work) for _ in range(min(self.threads, len(tasks)) - 1)]
+        work()
+        for f in running:
+            f.result()
+
+
+_copier = _Copier()
+
+
+def copy_many(jobs: Sequence[tuple[int, int, int]]) -> None:
+    """Copy ``(dst_address, src_address, nbytes)`` ranges of this process's memory, which
+    the caller keeps alive; large totals on several threads."""
+    _copier.run(jobs)
 
 
 def _aligned(n: int) -> int:
@@ -383,10 +443,15 @@ def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return out
     flat = shared_empty([sum(_aligned(n) for _, n in moves)], torch.uint8)
     at = 0
+    jobs = []
     for i, nbytes in moves:
-        t = out[i]
+        t = out[i].detach()
         dst = flat[at : at + nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t.detach())
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # plain bytes
+            jobs.append((dst.data_ptr(), t.data_ptr(), nbytes))
+        else:
+            dst.copy_(t)
         out[i] = dst
         at += _aligned(nbytes)
+    copy_many(jobs)
     return out
