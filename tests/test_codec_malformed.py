@@ -169,3 +169,40 @@ values = st.recursive(
 @given(values)
 def test_fuzz_plain_values_round_trip(value):
     assert decode(frames_of(value)) == value
+
+
+def shared_ext(dtype, shape, frame, offset):
+    return msgspec.msgpack.Ext(_TENSOR, msgspec.msgpack.encode([dtype, shape, frame, offset]))
+
+
+@pytest.mark.parametrize(
+    ("offset", "message"),
+    [
+        (60, r"tensor of 16 bytes at offset 60 of frame 1, which has 64"),
+        (-4, r"tensor of 16 bytes at offset -4 of frame 1, which has 64"),
+        ("0", r"tensor of 16 bytes at offset '0' of frame 1, which has 64"),
+    ],
+)
+def test_shared_frame_offset_out_of_range(offset, message):
+    tree = [shared_ext("float32", [4], 1, 0), shared_ext("float32", [4], 1, offset)]
+    with pytest.raises(WireError, match=rf"^malformed message: {message}$"):
+        decode([header(tree, 1), bytearray(64)])
+
+
+def test_frame_used_alone_and_shared():
+    tree = [tensor_ext("float32", [16], 1), shared_ext("float32", [4], 1, 0)]
+    with pytest.raises(WireError, match=r"^malformed message: frame 1 is used twice$"):
+        decode([header(tree, 1), bytearray(64)])
+    tree = [shared_ext("float32", [4], 1, 0), tensor_ext("float32", [16], 1)]
+    with pytest.raises(WireError, match=r"^malformed message: frame 1 is used twice$"):
+        decode([header(tree, 1), bytearray(64)])
+
+
+def test_shared_frame_decodes_views_at_their_offsets():
+    data = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
+    tree = [shared_ext("float32", [2, 2], 1, 8), shared_ext("int16", [3], 1, 2)]
+    a, b = decode([header(tree, 1), data])
+    assert torch.equal(a, torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+    assert torch.equal(b, torch.frombuffer(data, dtype=torch.int16)[1:4])
+    a[0, 0] = 7.0  # views of the frame: no copy
+    assert torch.frombuffer(data, dtype=torch.float32)[2] == 7.0

@@ -30,3 +30,24 @@ def test_copy_many_copies_many_small_ranges() -> None:
     jobs = [(dst.data_ptr() + a, src.data_ptr() + a, step) for a in range(0, src.numel(), step)]
     copy_many(jobs)
     assert torch.equal(src, dst)
+
+
+def test_views_of_one_shared_storage_travel_as_one_frame() -> None:
+    from rlferry.wire import decode, encode, shared_empty
+
+    flat = shared_empty([8 << 20], torch.uint8)
+    value = {
+        "a": flat[: 4 << 20].view(torch.float32).view(1024, 1024),
+        "b": flat[4 << 20 : 6 << 20].view(torch.bfloat16),
+        "c": flat[6 << 20 :].view(torch.int64)[1:],  # not at the storage's start
+        "own": torch.ones(3),
+    }
+    value["a"].normal_()
+    value["b"].fill_(1.5)  # no NaN from the pool's old bytes: torch.equal(nan, nan) is False
+    value["c"].random_()
+    frames = encode(value, shared=True)
+    assert len(frames) == (3 if AVAILABLE else 5)  # header, the storage, "own"
+    out = decode(frames)
+    for name, t in value.items():
+        assert torch.equal(out[name], t) and out[name].dtype == t.dtype
+    assert len(encode(value)) == 5  # without shared memory: one frame per tensor

@@ -172,7 +172,7 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
         return nested[0] if len(nested) == 1 else jagged_cat(nested)
     if len(pieces) == 1:
         col, a, b = pieces[0]
-        return col[a:b]
+        return col if a == 0 and b == rows_of(col) else col[a:b]
     if all(isinstance(col, PackedStrings) for col, _, _ in pieces):
         return PackedStrings.concat([col[a:b] for col, a, b in pieces])
     if isinstance(first, (list, PackedStrings)):  # small puts came as lists, large ones packed

@@ -336,11 +336,7 @@ class Controller:
             lease = p.shares.get(key)
             if lease is not None:
                 return lease
-            ready = [
-                s.index
-                for s in p.samples.values()
-                if task not in s.consumed and task not in s.leased and need <= s.fields
-            ]
+            ready = _ready(p, task, need)
             has_round = any(k[:2] == key[:2] and k[3] == batch for k in p.shares)
             size = 1 if has_round else dp_size  # a re-asked share after a lease expired
             shares = chosen.round(ready, lambda i, k: p.samples[i].meta.get(k), batch_size, size)
@@ -356,15 +352,7 @@ class Controller:
             lease = await self._until(serve, timeout)
         except TimeoutError:
             p = self.partitions.get(partition)
-            have = (
-                0
-                if p is None
-                else sum(
-                    1
-                    for s in p.samples.values()
-                    if task not in s.consumed and task not in s.leased and need <= s.fields
-                )
-            )
+            have = 0 if p is None else len(_ready(p, task, need))
             raise GetTimeout(
                 f"get `{partition}` for task `{task}`: {have} ready samples with fields "
                 f"{fields} within {timeout} s, a batch needs {batch_size} per rank x "
@@ -533,6 +521,21 @@ class Controller:
     async def close(self) -> None:
         for c in self._unit_clients:
             await c.close()
+
+
+def _ready(p: Partition, task: str, need: frozenset[str]) -> list[int]:
+    """Samples of ``p`` that ``task`` has not consumed nor leased and that hold ``need``."""
+    holds: dict[frozenset[str], bool] = {}  # a put's samples share one set: test it once
+    out = []
+    for s in p.samples.values():
+        if task in s.consumed or task in s.leased:
+            continue
+        ok = holds.get(s.fields)
+        if ok is None:
+            ok = holds[s.fields] = need <= s.fields
+        if ok:
+            out.append(s.index)
+    return out
 
 
 def _describe(sig: list[Any]) -> str:

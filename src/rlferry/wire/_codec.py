@@ -7,6 +7,11 @@ jagged nested tensors. An extension node holds a small msgpack description
 (dtype, shape, index of its data frame); the bytes themselves are the data
 frames that follow the header, never copied into it.
 
+Sent through shared memory (``encode(..., shared=True)``), tensors that are views
+of one shared-memory storage (the columns of one put, say) travel as one frame,
+the storage, and their nodes say at which byte offset of it each one starts: one
+frame and one mapping however many tensors, not one per tensor.
+
 Decoding builds every tensor as a view over its frame: no copy. Every length in
 a header is checked against the frames actually received before anything is
 built, so a lying header raises :class:`WireError` and never allocates memory
@@ -17,7 +22,6 @@ sized by the sender. Nothing is ever pickled: a value of a type not listed in
 from __future__ import annotations
 
 import ctypes
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +30,7 @@ import msgspec
 import torch
 
 from ._errors import WireError
-from ._shm import shared_empty
+from ._shm import BULK_MIN, BulkFrame, exports, shared_empty
 from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
 
 __all__ = ["Buffer", "decode", "encode"]
@@ -37,7 +41,7 @@ MAGIC = "rlf1"
 MAX_DIMS = 64
 
 # Extension codes of the header tree.
-_TENSOR = 1  # [dtype, shape, frame]
+_TENSOR = 1  # [dtype, shape, frame] or [dtype, shape, frame, byte offset] (a shared frame)
 _NDARRAY = 2  # [dtype.str, shape, frame]
 _TUPLE = 3  # packed list of the items
 _RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
@@ -93,15 +97,25 @@ class _Refused(Exception):
 
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, keeping the tensor alive."""
-    nbytes = t.numel() * t.element_size()
-    holder = (
-        (ctypes.c_char * nbytes).from_address(t.data_ptr()) if nbytes else (ctypes.c_char * 0)()
-    )
-    holder._rlferry_owner = t  # type: ignore[attr-defined]
+    return _bytes_at(t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _bytes_at(address: int, nbytes: int, owner: torch.Tensor) -> memoryview:
+    """A writable byte view of memory that ``owner`` (kept alive by the view) holds."""
+    holder = (ctypes.c_char * nbytes).from_address(address) if nbytes else (ctypes.c_char * 0)()
+    holder._rlferry_owner = owner  # type: ignore[attr-defined]
     return memoryview(holder).cast("B")
 
 
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    if (
+        t.layout == torch.strided
+        and t.device.type == "cpu"
+        and t.dtype in _DTYPE_NAMES
+        and not t.requires_grad
+        and t.is_contiguous()
+    ):
+        return t  # the usual case: sent as it is
     if t.layout != torch.strided:
         raise _Refused(
             [], f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
@@ -116,9 +130,11 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.frames: list[Buffer] = []
         self._packer = msgspec.msgpack.Encoder()
+        self._shared = shared
+        self._storages: dict[tuple[int, int], int] = {}  # (address, size) -> its frame
 
     def _add(self, buf: Buffer) -> int:
         self.frames.append(buf)
@@ -126,6 +142,14 @@ class _Encoder:
 
     def tensor_node(self, t: torch.Tensor) -> list[Any]:
         t = _host_contiguous(t)
+        if self._shared and t.numel():
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            frame = self._storages.get(key)
+            if frame is None and key[1] >= BULK_MIN and exports.find(*key) is not None:
+                frame = self._storages[key] = self._add(_bytes_at(key[0], key[1], t))
+            if frame is not None:
+                return [_DTYPE_NAMES[t.dtype], list(t.shape), frame, t.data_ptr() - key[0]]
         return [_DTYPE_NAMES[t.dtype], list(t.shape), self._add(_tensor_buffer(t))]
 
     def value(self, obj: Any) -> Any:
@@ -227,7 +251,7 @@ class _Encoder:
         return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
 
 
-def encode(obj: Any) -> list[Buffer]:
+def encode(obj: Any, *, shared: bool = False) -> list[Buffer]:
     """Encode ``obj`` into frames: a msgpack header, then one frame per tensor or array.
 
     Accepted values: torch tensors of every dtype (0-d, empty and non-contiguous
@@ -243,10 +267,14 @@ def encode(obj: Any) -> list[Buffer]:
     Frames of contiguous CPU tensors are views of the tensors' memory: send them
     with ``copy=False`` and do not modify the tensors until the send completed.
 
+    ``shared``: the frames will go through shared memory (ipc://, where the
+    platform has it). Tensors whose storage lies in this process's shared memory
+    then travel as one frame per storage, and each node names its byte offset.
+
     Raises:
         WireError: a value of any other type, naming its path (``$.meta[3]``).
     """
-    enc = _Encoder()
+    enc = _Encoder(shared)
     try:
         tree = enc.value(obj)
         header = msgspec.msgpack.encode([MAGIC, len(enc.frames), tree])
@@ -269,8 +297,11 @@ class _Decoding:
 
     def __init__(self, frames: Sequence[Buffer], packed_strings: bool = False) -> None:
         self.packed_strings = packed_strings
+        self.frames = frames
         self.views = [_byte_view(f, i + 1) for i, f in enumerate(frames)]
-        self.used = [False] * len(self.views)
+        self.used = [False] * len(self.views)  # by one node alone
+        self.shared = [False] * len(self.views)  # by nodes that give their offset in it
+        self.bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
 
     def frame(self, index: Any, what: str) -> memoryview:
@@ -279,9 +310,20 @@ class _Decoding:
                 f"malformed message: {what} names frame {index!r}, "
                 f"the message has frames 1..{len(self.views)}"
             )
-        if self.used[index - 1]:
+        if self.used[index - 1] or self.shared[index - 1]:
             raise WireError(f"malformed message: frame {index} is used twice")
         self.used[index - 1] = True
+        return self.views[index - 1]
+
+    def shared_frame(self, index: Any) -> memoryview:
+        if type(index) is not int or not 1 <= index <= len(self.views):
+            raise WireError(
+                f"malformed message: a tensor names frame {index!r}, "
+                f"the message has frames 1..{len(self.views)}"
+            )
+        if self.used[index - 1]:
+            raise WireError(f"malformed message: frame {index} is used twice")
+        self.shared[index - 1] = True
         return self.views[index - 1]
 
     def ext(self, code: int, data: memoryview) -> Any:
@@ -304,20 +346,40 @@ class _Decoding:
         raise WireError(f"malformed message: unknown extension code {code}")
 
     def tensor(self, node: Any) -> torch.Tensor:
-        if not (isinstance(node, list) and len(node) == 3):
+        if not (isinstance(node, list) and len(node) in (3, 4)):
             raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
-        name, shape, index = node
+        name, shape, index = node[:3]
         dtype = _DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise WireError(f"malformed message: unknown dtype {name!r}")
         numel = _checked_numel(shape)
-        view = self.frame(index, "a tensor")
-        if numel * dtype.itemsize != view.nbytes:
-            raise WireError(
-                f"malformed message: tensor of shape {shape} and dtype {name} "
-                f"needs {numel * dtype.itemsize} bytes, frame {index} has {view.nbytes}"
-            )
-        return _as_tensor(view, dtype, shape)
+        nbytes = numel * dtype.itemsize
+        if len(node) == 3:
+            view, at = self.frame(index, "a tensor"), 0
+            if nbytes != view.nbytes:
+                raise WireError(
+                    f"malformed message: tensor of shape {shape} and dtype {name} "
+                    f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
+                )
+        else:
+            view, at = self.shared_frame(index), node[3]
+            if type(at) is not int or at < 0 or at + nbytes > view.nbytes:
+                raise WireError(
+                    f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
+                    f"of frame {index}, which has {view.nbytes}"
+                )
+        if nbytes == 0 or view.readonly:
+            return _as_tensor(view[at : at + nbytes], dtype, shape)
+        frame = self.frames[index - 1]
+        whole, start = (frame.whole, frame.offset) if isinstance(frame, BulkFrame) else (view, 0)
+        if (start + at) % dtype.itemsize:
+            return _as_tensor(view[at : at + nbytes], dtype, shape)
+        base = self.bases.get((id(whole), dtype))
+        if base is None:  # the frame's memory as one tensor: its tensors are cut from it
+            usable = whole.nbytes - whole.nbytes % dtype.itemsize
+            raw = torch.frombuffer(whole, dtype=torch.uint8, count=usable)
+            base = self.bases[(id(whole), dtype)] = raw.view(dtype)
+        return base.as_strided(shape, _strides(shape), (start + at) // dtype.itemsize)
 
     def ragged(self, node: Any) -> list[torch.Tensor]:
         if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):
@@ -385,13 +447,15 @@ class _Decoding:
 
 
 def _checked_numel(shape: Any) -> int:
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(type(d) is int and d >= 0 for d in shape)
-    ):
-        raise WireError(f"malformed message: {shape!r} is not a shape (non-negative ints)")
-    return math.prod(shape)
+    if type(shape) is list and len(shape) <= MAX_DIMS:
+        numel = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+            numel *= d
+        else:
+            return numel
+    raise WireError(f"malformed message: {shape!r} is not a shape (non-negative ints)")
 
 
 def _byte_view(frame: Buffer, index: int) -> memoryview:
@@ -401,6 +465,13 @@ def _byte_view(frame: Buffer, index: int) -> memoryview:
     except TypeError:
         raise WireError(f"frame {index} is a {type(frame).__name__}, not a buffer") from None
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _strides(shape: list[int]) -> list[int]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        out[i - 1] = out[i] * shape[i]
+    return out
 
 
 def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -449,10 +520,9 @@ def decode(frames: Sequence[Buffer], *, packed_strings: bool = False) -> Any:
         raise WireError(f"malformed message: header does not decode ({e})") from None
     finally:
         del state.decoder  # break the decoder <-> hook cycle: frames are freed by refcount
-    if not all(state.used):
-        raise WireError(
-            f"malformed message: frame {state.used.index(False) + 1} is not used by the header"
-        )
+    unused = [i for i, (a, b) in enumerate(zip(state.used, state.shared, strict=True)) if not a | b]
+    if unused:
+        raise WireError(f"malformed message: frame {unused[0] + 1} is not used by the header")
     return value
 
 

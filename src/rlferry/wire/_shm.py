@@ -39,6 +39,7 @@ from ._errors import WireError
 __all__ = [
     "AVAILABLE",
     "BULK_MIN",
+    "BulkFrame",
     "copy_many",
     "exports",
     "pack_bulk",
@@ -360,6 +361,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+class BulkFrame:
+    """A received frame that lies in a peer's shared memory: ``buffer`` holds its bytes,
+    at ``offset`` in ``whole`` (the view of the segment, shared by every frame of one
+    message that lies in it), so a decoder can cut many tensors from one base."""
+
+    __slots__ = ("buffer", "offset", "whole")
+
+    def __init__(self, whole: memoryview, offset: int, length: int) -> None:
+        self.whole = whole
+        self.offset = offset
+        self.buffer = whole[offset : offset + length]
+
+
 class _Lease:
     """One received message's hold on the sender's memory; when it dies, the release is sent."""
 
@@ -369,7 +383,8 @@ class _Lease:
 def unpack_bulk(
     desc: bytes, frames: list[Any], peer_pid: int | None, on_release: Callable[[int], None]
 ) -> list[Any]:
-    """Put views of the sender's shared memory in place of the placeholder frames.
+    """Put views of the sender's shared memory (:class:`BulkFrame`) in place of the
+    placeholder frames.
 
     ``on_release(export_id)`` is called (from whichever thread frees the last
     view) once no view of this message's shared memory is left.
@@ -398,7 +413,7 @@ def unpack_bulk(
             holder = (ctypes.c_char * size).from_address(mem.base)
             holder._rlferry_keep = (mem, lease)
             view = whole[ino] = memoryview(holder).cast("B")
-        out[index] = view[offset : offset + length]
+        out[index] = BulkFrame(view, offset, length)
     return out
 
 

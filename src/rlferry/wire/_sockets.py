@@ -268,7 +268,7 @@ class Server:
             del body, frames
             result = await self._handler(value, peer)
             del value  # lets the request's shared memory go back to the client early
-            reply, status = encode(result), _OK
+            reply, status = encode(result, shared=self._shm), _OK
         except asyncio.CancelledError:
             return
         except Exception as e:  # the error travels back to the caller, named
@@ -441,7 +441,7 @@ class AsyncClient:
             RemoteError: the server's handler raised.
             WireError: ``value`` cannot be encoded.
         """
-        frames = encode(value)
+        frames = encode(value, shared=self._shm)
         sock = self._connect()
         if self._gone is not None:  # fail fast until the server is back (zmq reconnects)
             raise self._gone
