@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import WeightReceiver
+from rlferry.weights import ParamLoader, WeightReceiver
 from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights.transports import _broadcast
 from rlferry.weights.transports._base import SenderTransport
 from rlferry.weights.transports._cuda_ipc import _open, _share
 
@@ -116,21 +117,33 @@ class _Views:
         return names, views
 
 
+def nccl_priority(level: str) -> None:
+    """rlferry's NCCL streams: high priority (its default) or normal, for a comparison."""
+    _broadcast.HIGH_PRIORITY = level == "high"
+
+
 # -- the engine process ---------------------------------------------------------------------
 
 
 def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
-    """Runs in its own process: preallocated parameters, commands from ``conn``."""
+    """Runs in its own process: preallocated parameters, commands from ``conn``.
+
+    rlferry's receiver loads with ``ParamLoader`` (one grouped copy per bucket)
+    or, ``kind="per_tensor"``, one ``_foreach_copy_`` per bucket."""
+    nccl_priority(os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high"))
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes}
 
-    def load(items: list[tuple[str, torch.Tensor]]) -> None:
+    def per_tensor(items: list[tuple[str, torch.Tensor]]) -> None:
         torch._foreach_copy_([params[n] for n, _ in items], [t for _, t in items])
 
+    def load(kind: str) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        return ParamLoader(params) if kind == "grouped" else per_tensor
+
     handlers: dict[str, Callable[..., Any]] = {
-        "rlferry": lambda address, group, name: _serve_rlferry(
-            conn, address, group, load, device, name
+        "rlferry": lambda address, group, name, kind: _serve_rlferry(
+            conn, address, group, load(kind), device, name
         ),
         "ipc": lambda bucket, reopen: _ipc_receive(conn, shapes, params, bucket, reopen),
         "nccl_init": lambda port: _nccl_init(port, 1, device),

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import WeightSender
+from rlferry.weights import GroupedCopy, WeightSender, _pack
 from rlferry.weights._sender import default_bucket_bytes
 
 from . import _weights_engine as eng
@@ -89,15 +89,20 @@ def _median_times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 def _rlferry(
     engines: Engine | list[Engine], state: dict[str, torch.Tensor], transport: str,
-    bucket: int | None, repeat: int, zero_copy: bool = True,
+    bucket: int | None, repeat: int, zero_copy: bool = True, grouped: bool = True,
 ) -> tuple[float, float, int]:  # fmt: skip
-    """Push ``state`` to every engine ``repeat`` times; (best, median, bucket bytes), checked."""
+    """Push ``state`` to every engine ``repeat`` times; (best, median, bucket bytes), checked.
+    ``grouped``: engines load with ParamLoader and the sender packs with grouped copies;
+    else both copy per tensor (``_foreach_copy_``)."""
     engines = engines if isinstance(engines, list) else [engines]
-    _progress(f"rlferry {transport}" + (f", {len(engines)} engines" if len(engines) > 1 else ""))
+    _progress(f"rlferry {transport}" + (f", {len(engines)} engines" if len(engines) > 1 else "")
+              + ("" if grouped else ", per-tensor copies"))  # fmt: skip
+    _pack.GROUPED_PACK = grouped  # read when the sender builds its packer
     sender = WeightSender(group="bench", transport=transport, receivers=len(engines),
                           bucket_bytes=bucket, zero_copy=zero_copy)  # fmt: skip
+    kind = "grouped" if grouped else "per_tensor"
     for i, engine in enumerate(engines):
-        engine.send("rlferry", sender.address, "bench", f"engine{i}")
+        engine.send("rlferry", sender.address, "bench", f"engine{i}", kind)
         assert engine.wait() == "joined"
     version = iter(range(1, 1 << 30))
     best, med = _median_times(lambda: sender.push(state.items(), version=next(version)), repeat)
@@ -106,6 +111,7 @@ def _rlferry(
         engine.conn.send("done")
         engine.wait()
     sender.close()
+    _pack.GROUPED_PACK = True
     want = eng.fingerprint(list(state.values()))
     for engine in engines:
         if engine.call("fingerprint") != want:
@@ -178,19 +184,26 @@ def _flat_copy_seconds(nbytes: int, device: str, repeat: int) -> float:
     return med * nbytes / n
 
 
-def _per_tensor_copy_seconds(state: dict[str, torch.Tensor], repeat: int) -> float:
-    """Copy every tensor once (from another of its shape: no extra memory), one kernel list."""
+def _per_tensor_copy_seconds(state: dict[str, torch.Tensor], repeat: int) -> tuple[float, float]:
+    """Copy every tensor once (from another of its shape: no extra memory): one
+    ``_foreach_copy_``, and one GroupedCopy (one launch); (foreach, grouped) medians."""
     groups: dict[tuple[int, ...], list[torch.Tensor]] = collections.defaultdict(list)
     for t in state.values():
         groups[tuple(t.shape)].append(t)
     dst = [t for g in groups.values() for t in g]
     src = [t for g in groups.values() for t in g[1:] + g[:1]]
+    grouped = GroupedCopy(dst, src)
+    assert grouped.fallback == 0, grouped.why
 
-    def once() -> None:
+    def foreach() -> None:
         torch._foreach_copy_(dst, src)
         torch.cuda.synchronize()
 
-    return _median_times(once, repeat)[1]
+    def one_launch() -> None:
+        grouped()
+        torch.cuda.synchronize()
+
+    return _median_times(foreach, repeat)[1], _median_times(one_launch, repeat)[1]
 
 
 def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engines: int = 1) -> str:
@@ -207,6 +220,7 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
         largest = max(t.numel() * t.element_size() for t in state.values())
         bucket = bucket or default_bucket_bytes(torch.device(dev), largest)
         best, med, used = _rlferry(engine, state, "cuda_ipc", bucket, repeat)
+        tbest, tmed, _ = _rlferry(engine, state, "cuda_ipc", bucket, repeat, grouped=False)
         pbest, pmed, pused = _rlferry(engine, state, "cuda_ipc", bucket, repeat, zero_copy=False)
         more = [Engine(shapes, dev) for _ in range(engines - 1)]
         many = _rlferry([engine, *more], state, "cuda_ipc", bucket, repeat) if more else None
@@ -226,17 +240,21 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
             _progress(name)
             base_rows.append((name, _median_times(once, repeat)[1]))
         _progress("per-tensor copy")
-        per_tensor = _per_tensor_copy_seconds(state, repeat)
+        per_tensor, grouped = _per_tensor_copy_seconds(state, repeat)
     finally:
         engine.stop()
     rows = [
         _row("device-to-device copy, flat (raw limit)", flat, nbytes, flat,
              "bandwidth of a 4 GiB copy, for these bytes"),
         _row("device-to-device copy, per tensor (_foreach_copy_)", per_tensor, nbytes, flat),
+        _row("device-to-device copy, per tensor, one launch (GroupedCopy)", grouped, nbytes,
+             flat),
         *[_row(n + " (baseline)", s, nbytes, flat) for n, s in base_rows],
         _row("rlferry cuda_ipc, packed (zero_copy=False: ping-pong, handles opened once)",
              pmed, nbytes, flat, f"best {pbest * 1e3:.1f} ms; buckets of {pused / _GiB:.2f} GiB"),
-        _row("rlferry cuda_ipc, zero copy (the engine reads the trainer's tensors)", med,
+        _row("rlferry cuda_ipc, zero copy, per-tensor load (_foreach_copy_)", tmed,
+             nbytes, flat, f"best {tbest * 1e3:.1f} ms; {used / _GiB:.2f} GiB per load call"),
+        _row("rlferry cuda_ipc, zero copy, grouped load (ParamLoader)", med,
              nbytes, flat, f"best {best * 1e3:.1f} ms; {used / _GiB:.2f} GiB per load call"),
     ]  # fmt: skip
     if many is not None:
@@ -249,8 +267,14 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
 # -- broadcast (two GPUs, NCCL) ------------------------------------------------------------------
 
 
-def run_broadcast(model: str, scale: int, repeat: int, bucket: int | None) -> str:
+def run_broadcast(
+    model: str, scale: int, repeat: int, bucket: int | None, more: list[int] | None = None,
+    baselines: bool = True,
+) -> str:  # fmt: skip
+    """``more``: other bucket sizes for more rlferry rows; ``baselines``: False runs only
+    the raw limit and rlferry's rows."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    eng.nccl_priority(os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high"))
     shapes = eng.model_shapes(model, scale)
     dev = "cuda:0"
     torch.cuda.set_device(dev)
@@ -276,15 +300,30 @@ def run_broadcast(model: str, scale: int, repeat: int, bucket: int | None) -> st
         raw = _median_times(both(("nccl_raw", _GiB), lambda: eng._nccl_raw(_GiB, 0, dev)), repeat)
         raw_s = raw[1] * nbytes / _GiB
         tensors = list(state.values())
-        per = _median_times(
-            both(("nccl_per_tensor",), lambda: eng._nccl_per_tensor(tensors, 0)), repeat
-        )[1]
-        b2 = 2 * _GiB
-        packed = _median_times(
-            both(("nccl_packed", b2), lambda: eng._nccl_packed(shapes, {}, b2, 0, dev, state)),
-            repeat,
-        )[1]
-        best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat)
+        base_rows = []
+        if baselines:
+            per = _median_times(
+                both(("nccl_per_tensor",), lambda: eng._nccl_per_tensor(tensors, 0)), repeat
+            )[1]
+            b2 = 2 * _GiB
+            packed = _median_times(
+                both(("nccl_packed", b2), lambda: eng._nccl_packed(shapes, {}, b2, 0, dev, state)),
+                repeat,
+            )[1]
+            base_rows = [
+                _row("one broadcast per tensor (AReaL/slime style, baseline)", per, nbytes, raw_s),
+                _row("packed 2 GiB buckets, no overlap (baseline)", packed, nbytes, raw_s),
+            ]
+        ours = []
+        for b in [bucket, *(more or [])]:
+            best, med, used = _rlferry(engine, state, "broadcast", b, repeat)
+            ours.append(_row("rlferry broadcast (NCCL, ping-pong, grouped pack and load)", med,
+                             nbytes, raw_s, f"best {best * 1e3:.1f} ms; buckets of "
+                             f"{used / _GiB:.2f} GiB"))  # fmt: skip
+        best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat, grouped=False)
+        ours.insert(0, _row("rlferry broadcast, per-tensor pack and load (_foreach_copy_)", med,
+                            nbytes, raw_s, f"best {best * 1e3:.1f} ms; buckets of "
+                            f"{used / _GiB:.2f} GiB"))  # fmt: skip
     finally:
         engine.stop()
         import torch.distributed as dist
@@ -294,10 +333,8 @@ def run_broadcast(model: str, scale: int, repeat: int, bucket: int | None) -> st
     rows = [
         _row("NCCL broadcast of 1 GiB (raw limit)", raw_s, nbytes, raw_s,
              f"{gbps(_GiB, raw[1]):.0f} GB/s, for these bytes"),
-        _row("one broadcast per tensor (AReaL/slime style, baseline)", per, nbytes, raw_s),
-        _row("packed 2 GiB buckets, no overlap (baseline)", packed, nbytes, raw_s),
-        _row("rlferry broadcast (NCCL, ping-pong, group reused)", med, nbytes, raw_s,
-             f"best {best * 1e3:.1f} ms; buckets of {used / _GiB:.2f} GiB"),
+        *base_rows,
+        *ours,
     ]  # fmt: skip
     return _header(model, scale, state, dev, repeat) + "\n\n" + _table(rows, "x raw bandwidth")
 
@@ -320,14 +357,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="qwen3-8b", help="qwen3-8b, qwen3-30b-a3b, or both (a,b)")
     p.add_argument("--scale", type=int, default=0, help="divide every width (default: 4 on CPU)")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--bucket-mb", type=int, default=0, help="default: rlferry's own choice")
+    p.add_argument(
+        "--bucket-mb",
+        default="0",
+        help="default (0): rlferry's own choice; broadcast: a,b,... for more rows",
+    )
+    p.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="broadcast: only the raw limit and rlferry's rows",
+    )
     p.add_argument("--engines", type=int, default=1, help="cuda_ipc: also push to N engines")
     a = p.parse_args(argv)
     scale = a.scale or (4 if a.transport == "shm" else 1)
-    bucket = a.bucket_mb << 20 or None
+    buckets = [int(b) << 20 or None for b in a.bucket_mb.split(",")]
+    bucket, more = buckets[0], [b for b in buckets[1:] if b]
     for model in a.model.split(","):
         if a.transport == "cuda_ipc":
             print(run_cuda_ipc(model, scale, a.repeat, bucket, a.engines), flush=True)
+        elif a.transport == "broadcast":
+            print(run_broadcast(model, scale, a.repeat, bucket, more, not a.no_baselines),
+                  flush=True)  # fmt: skip
         else:
             print(RUNS[a.transport](model, scale, a.repeat, bucket), flush=True)
         print(flush=True)

@@ -6,8 +6,12 @@ One sender per group of receivers; the bytes move over a transport (``shm``,
     sender = WeightSender(group="rollout", transport="shm", receivers=2)
     recv = WeightReceiver(group="rollout", address=sender.address, load=fn).start()
     report = sender.push(model.state_dict().items(), version=7, timeout=60)
+
+``ParamLoader(params)`` is a ready ``load``: each bucket copied into the engine's
+tensors by one grouped copy (``GroupedCopy``: one Triton launch on CUDA).
 """
 
+from ._copy import GroupedCopy, ParamLoader
 from ._errors import WeightSyncError
 from ._plan import TensorSpec
 from ._receiver import WeightReceiver
@@ -15,6 +19,8 @@ from ._report import PushReport, ReceiverStatistics, SenderStatistics
 from ._sender import WeightSender
 
 __all__ = [
+    "GroupedCopy",
+    "ParamLoader",
     "PushReport",
     "ReceiverStatistics",
     "SenderStatistics",

@@ -198,8 +198,9 @@ class Hub:
                 m.parked.set_result(Stream(p.seq, p.version, p.verify))
             return
         nxt = max(m.step + 1, m.want or 0)
-        if nxt < p.ready:
-            m.parked.set_result(Bucket(p.seq, p.version, nxt, p.checksums[nxt]))
+        if nxt < p.ready:  # every bucket ready goes in one answer (one per answer with checksums)
+            last = nxt if p.verify else p.ready - 1
+            m.parked.set_result(Bucket(p.seq, p.version, nxt, p.checksums[nxt], last))
 
     def _dispatch_all(self) -> None:
         if self.push is not None:

@@ -21,6 +21,8 @@ group meets over the authenticated channel, not over an open store socket.
 A receiver asks for bucket k+1 (``want``) before it loads bucket k, and reports
 bucket k loaded in a bare acknowledgement: the next bucket's announcement is
 already there when a load ends, and no round trip stands between two loads.
+When several buckets are ready at once (cuda_ipc zero copy announces them all),
+one ``Bucket`` names them all (``last``) and the receiver loads them in a row.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
     version: int
     index: int
     checksum: int | None = None
+    last: int = -1  # buckets index..last are all ready (-1: index only); never with checksums
 
 
 class Stream(msgspec.Struct, frozen=True, tag="stream"):

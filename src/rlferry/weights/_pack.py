@@ -12,11 +12,21 @@ from typing import Any
 
 import torch
 
+from ._copy import GroupedCopy, fusable, triton_available
 from ._errors import WeightSyncError
 from ._plan import Plan, iterate_checked
 from .transports._base import SenderTransport
 
-__all__ = ["Packer", "Unpacker", "bucketed"]
+__all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
+
+GROUPED_PACK = True  # CUDA packs of tensors seen at the same addresses: one grouped copy
+
+
+class BucketItems(list[tuple[str, torch.Tensor]]):
+    """What ``load`` gets for one bucket: a list, the same object every push while the
+    plan and buffers stay the same (so a loader may cache per bucket, see ParamLoader)."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -72,14 +82,36 @@ class Packer:
                     idx.append(c.tensor)
             self._whole.append((dsts, idx))
             self._parts.append(parts)
+        self._grouped = device.type == "cuda" and GROUPED_PACK and triton_available()
+        self._copies: list[GroupedCopy | None] = [None] * plan.buckets
+        self._ptrs: list[list[int] | None] = [None] * plan.buckets
 
     @torch.no_grad()
     def pack(self, k: int, tensors: list[Any]) -> None:
         dsts, idx = self._whole[k]
         if dsts:
-            torch._foreach_copy_(dsts, [tensors[i] for i in idx])
+            self._pack_whole(k, dsts, [tensors[i] for i in idx])
         for region, i, start, length in self._parts[k]:
             region.copy_(_bytes_of(tensors[i])[start : start + length])
+
+    def _pack_whole(self, k: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """One grouped copy when the bucket's tensors sit where they sat on the last push
+        (a state dict pushed again: the table is built on the second push and reused while
+        they stay), else one ``_foreach_copy_``."""
+        if not self._grouped:
+            torch._foreach_copy_(dsts, srcs)
+            return
+        ptrs = [t.data_ptr() for t in srcs]
+        copy = self._copies[k]
+        if ptrs == self._ptrs[k] and all(t.is_contiguous() for t in srcs):
+            if copy is None and all(fusable(d, t) for d, t in zip(dsts, srcs, strict=True)):
+                copy = self._copies[k] = GroupedCopy(dsts, srcs, keep=False)
+            if copy is not None:
+                copy()
+                return
+        else:
+            self._ptrs[k], self._copies[k] = ptrs, None
+        torch._foreach_copy_(dsts, srcs)
 
 
 class Unpacker:
@@ -98,12 +130,12 @@ class Unpacker:
             i: torch.empty(plan.specs[i].nbytes, dtype=torch.uint8, device=device) for i in split
         }
         last_bucket = {c.tensor: c.bucket for c in plan.chunks}
-        self.loads: list[list[tuple[str, torch.Tensor]]] = []
+        self.loads: list[BucketItems] = []
         self.parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.bytes: list[int] = []
         for k, chunks in enumerate(plan.by_bucket()):
             buf = buffers[k % 2]
-            items, parts, nbytes = [], [], 0
+            items, parts, nbytes = BucketItems(), [], 0
             for c in chunks:
                 spec = plan.specs[c.tensor]
                 region = buf[c.offset : c.offset + c.length]
@@ -126,7 +158,7 @@ class Unpacker:
         its first), each handed to ``load`` with the bucket that holds its last chunk."""
         u = cls.__new__(cls)
         u.plan = plan
-        u.loads = [[] for _ in range(plan.buckets)]
+        u.loads = [BucketItems() for _ in range(plan.buckets)]
         u.parts = [[] for _ in range(plan.buckets)]
         u.bytes = [0] * plan.buckets
         last_bucket = {c.tensor: c.bucket for c in plan.chunks}

@@ -330,14 +330,27 @@ class WeightReceiver:
         self._counts["bytes"] += u.bytes[k]
 
     def _bucket(self, msg: Bucket) -> Ack:
-        plan, u, tr = self._plan, self._unpacker, self._transport
+        plan, u = self._plan, self._unpacker
         if plan is None or u is None:
             raise WeightSyncError("a bucket came before the plan")
-        k = msg.index
-        if k == 0 and self._push_start == 0.0:
+        first, last = msg.index, max(msg.index, msg.last)
+        if first == 0 and self._push_start == 0.0:
             self._push_start = time.perf_counter()
-        if k + 1 < plan.buckets:  # ask for the next bucket now: it comes while this one loads
-            self._prefetch = self._send(Ack(msg.seq, k - 1, want=k + 1))
+        if last + 1 < plan.buckets:  # ask for the next bucket now: it comes while these load
+            self._prefetch = self._send(Ack(msg.seq, first - 1, want=last + 1))
+        for k in range(first, last + 1):
+            failed = self._load_bucket(msg, k)
+            if failed is not None:
+                return failed
+        if last + 1 < plan.buckets:
+            return Ack(msg.seq, last)
+        self._transport.finish()
+        return self._commit(msg.seq, msg.version)
+
+    def _load_bucket(self, msg: Bucket, k: int) -> Ack | None:
+        """Load bucket ``k`` of a mailbox transport; a failure's Ack, or None."""
+        plan, tr = self._plan, self._transport
+        assert plan is not None
         b = k % 2
         tr.before_load(b)
         stream = getattr(tr, "stream", None)
@@ -357,10 +370,7 @@ class WeightReceiver:
                     f"{plan.buckets}, version {msg.version})",
                 )  # fmt: skip
         tr.after_load(b)
-        if k + 1 < plan.buckets:
-            return Ack(msg.seq, k)
-        tr.finish()
-        return self._commit(msg.seq, msg.version)
+        return None
 
     def _stream(self, msg: Stream) -> Ack:
         plan = self._plan

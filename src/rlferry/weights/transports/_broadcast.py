@@ -41,6 +41,9 @@ __all__ = ["BroadcastReceiver", "BroadcastSender"]
 
 log = logging.getLogger("rlferry.weights")
 _epochs = itertools.count(1)
+# NCCL's stream at high priority: its kernels take SMs before the pack and load copies
+# queued beside them (the collective is what bounds a push).
+HIGH_PRIORITY = True
 
 
 def _options() -> Any:
@@ -60,6 +63,7 @@ def _make_group(
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
+        opts.is_high_priority_stream = HIGH_PRIORITY
         return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gopts._devices = [gloo_device(host)]

@@ -1,0 +1,224 @@
+"""Grouped copies: many ``(dst, src)`` tensor pairs copied by one kernel launch.
+
+An engine's ``load`` copies every tensor of a bucket into its parameters. With
+``torch._foreach_copy_`` over the 18,867 tensors of Qwen3-30B-A3B that copy
+alone took 2.37x a flat copy of the same bytes on an H200 (many 3 MB expert
+tensors, small grids per launch). A :class:`GroupedCopy` is built once for a
+fixed set of pairs (shapes checked, a table of 16-byte aligned chunks made
+on the device) and then copies them all with one launch of a Triton kernel.
+The pairs are fixed across pushes (the plan is), so the table is too.
+
+Triton is optional and imported only when a CUDA copy is built: without it,
+on CPU, and for pairs the kernel does not take (see :class:`GroupedCopy`),
+torch's ``_foreach_copy_`` copies instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
+
+CHUNK_BYTES = 512 << 10  # one table row: 32 programs of 16 KiB
+_ALIGN = 16
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def chunk_table(
+    src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int], chunk: int = CHUNK_BYTES
+) -> torch.Tensor:
+    """Rows ``(src address, dst address, 4-byte words)`` covering each pair, in order, in
+    pieces of at most ``chunk`` bytes (int64, on the CPU; shape (rows, 3))."""
+    if not src:
+        return torch.zeros((0, 3), dtype=torch.int64)
+    s = torch.tensor(src, dtype=torch.int64)
+    d = torch.tensor(dst, dtype=torch.int64)
+    n = torch.tensor(nbytes, dtype=torch.int64)
+    counts = (n + chunk - 1) // chunk
+    pair = torch.repeat_interleave(torch.arange(len(n)), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    off = (torch.arange(int(counts.sum())) - first) * chunk
+    words = torch.clamp(n[pair] - off, max=chunk) // 4
+    return torch.stack([s[pair] + off, d[pair] + off, words], dim=1)
+
+
+def fusable(d: torch.Tensor, s: torch.Tensor) -> bool:
+    return (
+        d.is_cuda
+        and s.device == d.device
+        and s.dtype == d.dtype
+        and d.is_contiguous()
+        and s.is_contiguous()
+        and (d.data_ptr() | s.data_ptr() | d.numel() * d.element_size()) % _ALIGN == 0
+    )
+
+
+class GroupedCopy:
+    """``dst[i].copy_(src[i])`` for every pair, the CUDA pairs by one Triton launch.
+
+    Built once: checks every pair's shape (``ValueError`` naming the tensor,
+    ``names[i]`` or its position), then puts each pair the kernel takes into a
+    table of chunks of at most 512 KiB on the device. The kernel takes a pair
+    whose two tensors are contiguous, on the same CUDA device, of one dtype,
+    with 16-byte aligned addresses and a size a multiple of 16 bytes. Every
+    other pair (CPU tensors, a dtype to convert, a strided view, odd sizes),
+    and every pair when Triton is not installed, is copied by
+    ``torch._foreach_copy_`` in the same call: same result, one launch per
+    group of tensors instead of one in all. ``fused`` and ``fallback`` count
+    the pairs of each kind; ``why`` says why any pair fell back.
+
+    Calling it copies on the current stream (on CUDA it returns before the
+    copy is done, like ``copy_``). The table holds the tensors' addresses: the
+    copy keeps references to both lists, so they stay alive; with
+    ``keep=False`` it keeps only the addresses and the caller must keep the
+    tensors alive, unmoved, while it calls (rlferry's own packer does).
+    """
+
+    def __init__(
+        self,
+        dst: Iterable[torch.Tensor],
+        src: Iterable[torch.Tensor],
+        *,
+        names: Sequence[str] | None = None,
+        keep: bool = True,
+    ) -> None:
+        dsts, srcs = list(dst), list(src)
+        if len(dsts) != len(srcs):
+            raise ValueError(
+                f"GroupedCopy: expected as many sources as destinations ({len(dsts)}), "
+                f"got {len(srcs)}"
+            )
+        if names is not None and len(names) != len(dsts):
+            raise ValueError(
+                f"GroupedCopy: expected a name per pair ({len(dsts)}), got {len(names)}"
+            )
+        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+            _check_pair(d, s, names[i] if names is not None else f"#{i}")
+        use_kernel = triton_available()
+        fused = [i for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
+                 if use_kernel and fusable(d, s) and d.numel() > 0]  # fmt: skip
+        taken = set(fused)
+        rest = [i for i in range(len(dsts)) if i not in taken]
+        self.fused, self.fallback = len(fused), len(rest)
+        self.why = _why(dsts, srcs, rest, use_kernel)
+        self._rest_dst = [dsts[i] for i in rest]
+        self._rest_src = [srcs[i] for i in rest]
+        self._kept = (dsts, srcs) if keep else None
+        self.src_ptrs = [srcs[i].data_ptr() for i in fused]
+        self._table: torch.Tensor | None = None
+        self._tiles = 0
+        if fused:
+            from ._copy_kernel import BLOCK_WORDS
+
+            table = chunk_table(
+                self.src_ptrs,
+                [dsts[i].data_ptr() for i in fused],
+                [dsts[i].numel() * dsts[i].element_size() for i in fused],
+            )
+            self._table = table.to(dsts[fused[0]].device)
+            self._tiles = CHUNK_BYTES // (4 * BLOCK_WORDS)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if self._table is not None:
+            from ._copy_kernel import launch
+
+            launch(self._table, self._tiles)
+        if self._rest_dst:
+            torch._foreach_copy_(self._rest_dst, self._rest_src)
+
+
+def _check_pair(d: Any, s: Any, name: str) -> None:
+    for what, t in (("destination", d), ("source", s)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"GroupedCopy: tensor `{name}`: expected a torch.Tensor as {what}, "
+                f"got {type(t).__name__}"
+            )
+    if d.shape != s.shape:
+        raise ValueError(
+            f"GroupedCopy: tensor `{name}`: expected shape {tuple(d.shape)} (the "
+            f"destination's), got {tuple(s.shape)}"
+        )
+
+
+def _why(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[int], kernel: bool) -> str:
+    if not rest:
+        return ""
+    if not kernel:
+        return "triton is not installed"
+    i = rest[0]
+    d, s = dsts[i], srcs[i]
+    if not d.is_cuda:
+        why = "on the CPU"
+    elif s.device != d.device:
+        why = f"source on {s.device}, destination on {d.device}"
+    elif s.dtype != d.dtype:
+        why = f"dtype {s.dtype} copied into {d.dtype}"
+    elif not (d.is_contiguous() and s.is_contiguous()):
+        why = "not contiguous"
+    elif d.numel() == 0:
+        why = "empty"
+    else:
+        why = "not 16-byte aligned"
+    more = f" (and {len(rest) - 1} more)" if len(rest) > 1 else ""
+    return f"{len(rest)} pairs by torch: the first ({i}): {why}{more}"
+
+
+class ParamLoader:
+    """A ``load`` for :class:`~rlferry.weights.WeightReceiver`: each bucket's tensors are
+    copied into ``params[name]`` (the engine's tensors, by the pushed names) with one
+    :class:`GroupedCopy`.
+
+    A bucket's copy is built the first time it comes and reused for as long as
+    rlferry hands the same bucket again, which it does while the plan and its
+    buffers stay the same (the copy is dropped with rlferry's list of the
+    bucket's views). A list made by the caller is copied by a copy built for
+    that call.
+
+    Raises ``ValueError`` for a name that is not in ``params`` or a shape that
+    differs, naming the tensor (the receiver reports it to the sender).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.params = params
+        self.built = 0
+        self._copies: dict[int, GroupedCopy] = {}
+
+    def __call__(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        copy = self._copies.get(id(items))
+        if copy is None:
+            copy = self._build(items)
+            try:
+                weakref.finalize(items, self._copies.pop, id(items), None)
+            except TypeError:  # not rlferry's list (a plain list cannot be watched): no cache
+                copy()
+                return
+            self._copies[id(items)] = copy
+        copy()
+
+    def _build(self, items: list[tuple[str, torch.Tensor]]) -> GroupedCopy:
+        names = [n for n, _ in items]
+        missing = [n for n in names if n not in self.params]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(
+                f"ParamLoader: tensor `{missing[0]}`{more}: not a parameter of this engine "
+                f"(expected one of its {len(self.params)} names)"
+            )
+        self.built += 1
+        return GroupedCopy([self.params[n] for n in names], [t for _, t in items], names=names)
+
+    @property
+    def cached(self) -> int:
+        """Bucket copies kept now (``built``: built in all)."""
+        return len(self._copies)

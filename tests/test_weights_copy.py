@@ -1,0 +1,239 @@
+"""GroupedCopy and ParamLoader: one launch per bucket on CUDA, torch's copies elsewhere.
+
+The CPU tests run in CI (the fallback, the errors, the chunk table, the loader's
+cache); the CUDA tests run on the device machine and are skipped on CPU.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSender
+from rlferry.weights._copy import CHUNK_BYTES, chunk_table, triton_available
+from rlferry.weights._pack import BucketItems, Packer, Unpacker, bucketed
+from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights.transports._base import SenderTransport
+
+requires_triton = pytest.mark.skipif(
+    not triton_available(), reason="needs Triton (on the GPU image; optional elsewhere)"
+)
+
+# -- on the CPU: what CI checks ------------------------------------------------------------
+
+
+def test_on_the_cpu_every_pair_is_copied_by_torch_with_the_same_result():
+    src = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(4, 4).t()]
+    dst = [torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64), torch.zeros(4, 4)]
+    c = GroupedCopy(dst, src)
+    c()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    assert (c.fused, c.fallback) == (0, 3)
+    why = "3 pairs by torch: the first (0): on the CPU (and 2 more)"
+    assert c.why == (why if triton_available() else "triton is not installed")
+
+
+def test_a_copy_built_once_copies_the_current_values_each_call():
+    src, dst = [torch.zeros(8)], [torch.empty(8)]
+    c = GroupedCopy(dst, src)
+    for v in (1.0, 2.0):
+        src[0].fill_(v)
+        c()
+        assert torch.equal(dst[0], torch.full((8,), v))
+
+
+def test_a_dtype_is_converted_as_copy_does():
+    src, dst = [torch.tensor([1.5, -2.25])], [torch.zeros(2, dtype=torch.bfloat16)]
+    GroupedCopy(dst, src)()
+    assert dst[0].tolist() == [1.5, -2.25]
+
+
+def test_a_shape_that_differs_is_refused_naming_the_tensor():
+    with pytest.raises(ValueError) as e:
+        GroupedCopy([torch.zeros(2, 3), torch.zeros(768, 2048)],
+                    [torch.zeros(2, 3), torch.zeros(2048, 768)],
+                    names=["a", "experts.0.down_proj.weight"])  # fmt: skip
+    assert str(e.value) == (
+        "GroupedCopy: tensor `experts.0.down_proj.weight`: expected shape (768, 2048) "
+        "(the destination's), got (2048, 768)"
+    )
+
+
+def test_without_names_a_tensor_is_named_by_its_position():
+    with pytest.raises(ValueError) as e:
+        GroupedCopy([torch.zeros(2), torch.zeros(3)], [torch.zeros(2), torch.zeros(4)])
+    assert str(e.value) == (
+        "GroupedCopy: tensor `#1`: expected shape (3,) (the destination's), got (4,)"
+    )
+
+
+def test_a_count_that_differs_is_refused():
+    with pytest.raises(ValueError) as e:
+        GroupedCopy([torch.zeros(2)] * 3, [torch.zeros(2)] * 2)
+    assert str(e.value) == "GroupedCopy: expected as many sources as destinations (3), got 2"
+
+
+def test_something_else_than_a_tensor_is_refused_naming_it():
+    with pytest.raises(TypeError) as e:
+        GroupedCopy([torch.zeros(2)], [[0.0, 1.0]], names=["norm"])  # type: ignore[list-item]
+    assert str(e.value) == (
+        "GroupedCopy: tensor `norm`: expected a torch.Tensor as source, got list"
+    )
+
+
+def test_the_chunk_table_covers_each_pair_in_order_in_pieces_of_at_most_a_chunk():
+    chunk = 1024
+    t = chunk_table([10_000, 50_000], [90_000, 70_000], [2560, 16], chunk)
+    assert t.tolist() == [
+        [10_000, 90_000, 256],
+        [11_024, 91_024, 256],
+        [12_048, 92_048, 128],
+        [50_000, 70_000, 4],
+    ]
+    assert chunk_table([], [], []).shape == (0, 3)
+    assert CHUNK_BYTES % 16 == 0
+
+
+def test_param_loader_builds_one_copy_per_bucket_and_reuses_it_while_the_list_lives():
+    params = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
+    loader = ParamLoader(params)
+    items = BucketItems([("a", torch.ones(4)), ("b", torch.full((2, 2), 3.0))])
+    for _ in range(3):
+        loader(items)
+    assert (loader.built, loader.cached) == (1, 1)
+    assert torch.equal(params["b"], torch.full((2, 2), 3.0))
+    del items
+    gc.collect()
+    assert loader.cached == 0  # the copy went with rlferry's list
+
+
+def test_param_loader_copies_a_plain_list_without_keeping_a_copy():
+    params = {"a": torch.zeros(4)}
+    loader = ParamLoader(params)
+    loader([("a", torch.ones(4))])
+    loader([("a", torch.full((4,), 2.0))])
+    assert (loader.built, loader.cached) == (2, 0)
+    assert torch.equal(params["a"], torch.full((4,), 2.0))
+
+
+def test_param_loader_refuses_a_name_the_engine_does_not_have():
+    loader = ParamLoader({"a": torch.zeros(4)})
+    with pytest.raises(ValueError) as e:
+        loader(
+            BucketItems([("a", torch.ones(4)), ("lm_head", torch.ones(2)), ("x", torch.ones(1))])
+        )
+    assert str(e.value) == (
+        "ParamLoader: tensor `lm_head` and 1 more: not a parameter of this engine "
+        "(expected one of its 1 names)"
+    )
+
+
+def test_param_loader_as_a_receivers_load_builds_each_bucket_once_over_three_pushes():
+    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}  # 64 KiB each
+    params = {n: torch.zeros_like(t) for n, t in sd.items()}
+    loader = ParamLoader(params)
+    s = WeightSender(group="copy", transport="shm", receivers=1, bucket_bytes=128 << 10)
+    r = WeightReceiver(group="copy", address=s.address, load=loader).start()
+    try:
+        for v in (1, 2, 3):
+            for t in sd.values():
+                t.add_(1)
+            report = s.push(sd.items(), version=v, timeout=60)
+            assert r.wait_for(v, 30)
+            assert all(torch.equal(params[n], t) for n, t in sd.items())
+        assert loader.built == report.buckets == 4
+    finally:
+        r.close()
+        s.close()
+
+
+# -- on CUDA: the kernel ------------------------------------------------------------------
+
+
+def _poisoned(ts):
+    return [torch.full_like(t, 7) for t in ts]
+
+
+@requires_cuda
+@requires_triton
+def test_on_cuda_one_launch_copies_every_pair_exactly_as_copy_does():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shapes = [(768, 2048), (2048, 768), (128,), (151936 // 16, 2048), (3, 1000), (17, 64)]
+    src = [torch.randn(s, device="cuda", generator=g).bfloat16() for s in shapes]
+    src.append(torch.randint(0, 255, (5 * CHUNK_BYTES + 48,), device="cuda", dtype=torch.uint8))
+    dst = _poisoned(src)
+    c = GroupedCopy(dst, src)
+    assert (c.fused, c.fallback, c.why) == (len(src), 0, "")
+    c()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+    for s in src:  # again, with new values: the table stays valid
+        s.copy_(torch.rand(s.shape, device="cuda").mul(100).to(s.dtype))
+    c()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+@requires_cuda
+@requires_triton
+def test_on_cuda_pairs_the_kernel_does_not_take_fall_back_in_the_same_call():
+    base = torch.randn(4097, device="cuda")
+    src = [
+        torch.randn(256, device="cuda"),  # fused
+        torch.randn(64, 32, device="cuda").t(),  # strided
+        base[1:257],  # 4-byte aligned only
+        torch.randn(10, device="cuda").half(),  # a dtype to convert
+        torch.randn(3, device="cuda"),  # 12 bytes: not a multiple of 16
+    ]
+    dst = [torch.zeros(256, device="cuda"), torch.zeros(32, 64, device="cuda"),
+           torch.zeros(256, device="cuda"), torch.zeros(10, device="cuda"),
+           torch.zeros(3, device="cuda")]  # fmt: skip
+    c = GroupedCopy(dst, src)
+    assert (c.fused, c.fallback) == (1, 4)
+    assert c.why == "4 pairs by torch: the first (1): not contiguous (and 3 more)"
+    c()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src, strict=True))
+
+
+@requires_cuda
+@requires_triton
+def test_on_cuda_the_copy_runs_on_the_current_stream():
+    src = [torch.randn(1 << 20, device="cuda") for _ in range(4)]
+    dst = [torch.zeros_like(t) for t in src]
+    c = GroupedCopy(dst, src)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c()
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+class _Buffers(SenderTransport):
+    def __init__(self, nbytes):
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+
+    def buffer(self, b):
+        return self.bufs[b]
+
+
+@requires_cuda
+@requires_triton
+def test_the_packer_uses_one_grouped_copy_once_the_same_tensors_come_again():
+    sd = {f"w{i}": torch.randn(256, 1024, device="cuda") for i in range(6)}  # 1 MiB each
+    plan = Plan.build([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in sd.items()], 2 << 20)
+    tr = _Buffers(plan.buffer_bytes)
+    packer, unpacker = Packer(plan, tr, torch.device("cuda")), Unpacker(plan, tr.bufs)
+    for push in range(3):
+        for t in sd.values():
+            t.add_(1)
+        for k, tensors in bucketed(plan, sd.items(), False):
+            packer.pack(k, tensors)
+            torch.cuda.synchronize()
+            assert all(torch.equal(v, sd[n]) for n, v in unpacker.loads[k])
+        built = [c is not None for c in packer._copies]
+        assert built == [push > 0] * plan.buckets  # built on the second push, then reused
