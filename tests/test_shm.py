@@ -51,3 +51,17 @@ def test_views_of_one_shared_storage_travel_as_one_frame() -> None:
     for name, t in value.items():
         assert torch.equal(out[name], t) and out[name].dtype == t.dtype
     assert len(encode(value)) == 5  # without shared memory: one frame per tensor
+
+
+def test_streaming_copy_any_alignment_and_length() -> None:
+    import pytest
+
+    fastcopy = pytest.importorskip(
+        "rlferry.wire._fastcopy", reason="built at install only where a C compiler is"
+    )
+    src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+    for d, s, n in [(0, 0, 0), (1, 3, 5), (7, 0, 63), (3, 5, 64), (13, 1, 1000), (5, 9, 1 << 19)]:
+        dst = torch.zeros(n + 32, dtype=torch.uint8)
+        fastcopy.copy(dst.data_ptr() + d, src.data_ptr() + s, n)
+        assert torch.equal(dst[d : d + n], src[s : s + n])
+        assert not dst[:d].any() and not dst[d + n :].any()  # nothing written outside
