@@ -271,6 +271,14 @@ class Hub:
         p.ready = k + 1
         self._dispatch_all()
 
+    def announce_all(self, n: int) -> None:
+        """Buckets 0..n-1 are all ready at once (zero copy: nothing to pack)."""
+        p = self.push
+        assert p is not None
+        p.checksums.extend([None] * (n - p.ready))
+        p.ready = n
+        self._dispatch_all()
+
     async def free(self, k: int, deadline: float) -> list[bytes]:
         """Wait until every member acknowledged bucket ``k``; the keys of those that read it."""
         p = self.push

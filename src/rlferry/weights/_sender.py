@@ -207,8 +207,8 @@ class WeightSender:
             run(self._hub.stream())
             if direct is not None:
                 tr.ready()  # type: ignore[attr-defined]
-                for k in range(plan.buckets):  # receivers read the tensors in place
-                    self._loop.loop.call_soon_threadsafe(self._hub.announce, k, None)
+                # receivers read the tensors in place: every bucket is ready, in one answer
+                self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif tr.collective:
                 buckets = bucketed(plan, named, checked)
                 tr.stream(plan, buckets, self._packer, verify, deadline)  # type: ignore[attr-defined]
