@@ -395,6 +395,18 @@ def test_a_batch_spanning_puts_and_units_is_assembled_in_order(q):
     assert torch.equal(b.data["x"].squeeze(1), torch.arange(9.0))
 
 
+def test_a_large_batch_gathered_from_several_puts_is_exact(q):
+    c = q.client()
+    puts = [torch.randn(256, 4096) for _ in range(4)]  # 16 MB: gathered by the bulk copy
+    jagged = [torch.randn(int(n), 3) for n in torch.randint(1, 9000, (1024,))]
+    for i, x in enumerate(puts):
+        rows = jagged[i * 256 : (i + 1) * 256]
+        c.put("p", {"x": x, "j": torch.nested.nested_tensor(rows, layout=torch.jagged)})
+    b = c.get("p", task="actor_train", batch_size=1024, fields=["x", "j"], timeout=5)
+    assert torch.equal(b.data["x"], torch.cat(puts))
+    assert all(torch.equal(a, b) for a, b in zip(jagged, b.data["j"].unbind(), strict=True))
+
+
 def test_string_fields_from_small_and_large_puts_come_back_in_order(q):
     c = q.client()
     small = ["a", "b"]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
+from rlferry.wire._shm import copy_many
 
 from ._errors import SchemaError
 
@@ -137,11 +138,12 @@ def jagged_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     values = [p.values() for p in parts]
     rows = sum(v.shape[0] for v in values)
     out = shared_empty([rows, *values[0].shape[1:]], values[0].dtype)
-    torch.cat(values, out=out)
-    offsets, at = [torch.zeros(1, dtype=torch.int64)], 0
+    offsets, at, blocks = [torch.zeros(1, dtype=torch.int64)], 0, []
     for p, v in zip(parts, values, strict=True):
         offsets.append(p.offsets()[1:] + at)  # type: ignore[attr-defined]
+        blocks.append((at, v))
         at += v.shape[0]
+    _rows_into(out, blocks)
     return torch.nested.nested_tensor_from_jagged(out, torch.cat(offsets))
 
 
@@ -185,14 +187,37 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
     out: Any
     if isinstance(first, torch.Tensor):
         out = shared_empty([n, *first.shape[1:]], first.dtype)
-    else:
-        import numpy as np
+        return _rows_into(out, [(at, col[a:b]) for at, (col, a, b) in _starts(pieces)])
+    import numpy as np
 
-        out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
-    at = 0
-    for col, a, b in pieces:
+    out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+    for at, (col, a, b) in _starts(pieces):
         out[at : at + b - a] = col[a:b]
-        at += b - a
+    return out
+
+
+def _starts(pieces: Sequence[tuple[Any, int, int]]) -> list[tuple[int, tuple[Any, int, int]]]:
+    """Each piece with the row where it starts in their concatenation."""
+    out, at = [], 0
+    for piece in pieces:
+        out.append((at, piece))
+        at += piece[2] - piece[1]
+    return out
+
+
+def _rows_into(out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Copy each ``(row, rows)`` block into ``out`` at that row: one large copy for all the
+    contiguous blocks (streaming, on several threads), torch's copy for the others."""
+    row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
+    jobs = []
+    for row, rows in blocks:
+        if rows.is_contiguous() and rows.dtype == out.dtype and rows.device == out.device:
+            jobs.append(
+                (out.data_ptr() + row * row_bytes, rows.data_ptr(), rows.shape[0] * row_bytes)
+            )
+        else:
+            out[row : row + rows.shape[0]] = rows
+    copy_many(jobs)
     return out
 
 
@@ -218,12 +243,14 @@ def assemble(
         first = parts[0][1]
         if isinstance(first, torch.Tensor):
             value = shared_empty([n, *first.shape[1:]], first.dtype)
+            blocks = []
             for positions, rows in parts:
                 a = positions[0]
                 if list(positions) == list(range(a, a + len(positions))):
-                    value[a : a + len(positions)] = rows  # a block: one memcpy
+                    blocks.append((a, rows))  # a block of the batch: one copy
                 else:
                     value.index_copy_(0, torch.as_tensor(positions, dtype=torch.long), rows)
+            _rows_into(value, blocks)
         else:
             import numpy as np
 
