@@ -177,6 +177,24 @@ def test_on_cuda_one_launch_copies_every_pair_exactly_as_copy_does():
 
 @requires_cuda
 @requires_triton
+@pytest.mark.parametrize("programs", [1, 7, 64])
+def test_on_cuda_a_bounded_grid_copies_every_pair_exactly(programs):
+    src = [torch.randn(s, device="cuda") for s in [(300, 1024), (4,), (3 * CHUNK_BYTES // 4 + 4,)]]
+    dst = _poisoned(src)
+    c = GroupedCopy(dst, src, programs=programs)
+    c()
+    torch.cuda.synchronize()
+    assert c.fused == 3 and all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+def test_a_grid_of_no_program_is_refused():
+    with pytest.raises(ValueError) as e:
+        GroupedCopy([torch.zeros(2)], [torch.zeros(2)], programs=0)
+    assert str(e.value) == "GroupedCopy.programs: expected None or >= 1, got 0"
+
+
+@requires_cuda
+@requires_triton
 def test_on_cuda_pairs_the_kernel_does_not_take_fall_back_in_the_same_call():
     base = torch.randn(4097, device="cuda")
     src = [

@@ -128,8 +128,9 @@ def nccl_priority(level: str) -> None:
 def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
     """Runs in its own process: preallocated parameters, commands from ``conn``.
 
-    rlferry's receiver loads with ``ParamLoader`` (one grouped copy per bucket)
-    or, ``kind="per_tensor"``, one ``_foreach_copy_`` per bucket."""
+    rlferry's receiver loads with ``ParamLoader`` (one grouped copy per bucket;
+    ``kind="grouped64"``: at most 64 programs, beside NCCL) or, ``kind="per_tensor"``,
+    one ``_foreach_copy_`` per bucket."""
     nccl_priority(os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high"))
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -139,7 +140,9 @@ def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
         torch._foreach_copy_([params[n] for n, _ in items], [t for _, t in items])
 
     def load(kind: str) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
-        return ParamLoader(params) if kind == "grouped" else per_tensor
+        if kind == "per_tensor":
+            return per_tensor
+        return ParamLoader(params, programs=64 if kind == "grouped64" else None)
 
     handlers: dict[str, Callable[..., Any]] = {
         "rlferry": lambda address, group, name, kind: _serve_rlferry(

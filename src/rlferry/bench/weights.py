@@ -100,7 +100,7 @@ def _rlferry(
     _pack.GROUPED_PACK = grouped  # read when the sender builds its packer
     sender = WeightSender(group="bench", transport=transport, receivers=len(engines),
                           bucket_bytes=bucket, zero_copy=zero_copy)  # fmt: skip
-    kind = "grouped" if grouped else "per_tensor"
+    kind = ("grouped64" if transport == "broadcast" else "grouped") if grouped else "per_tensor"
     for i, engine in enumerate(engines):
         engine.send("rlferry", sender.address, "bench", f"engine{i}", kind)
         assert engine.wait() == "joined"
@@ -317,9 +317,9 @@ def run_broadcast(
         ours = []
         for b in [bucket, *(more or [])]:
             best, med, used = _rlferry(engine, state, "broadcast", b, repeat)
-            ours.append(_row("rlferry broadcast (NCCL, ping-pong, grouped pack and load)", med,
-                             nbytes, raw_s, f"best {best * 1e3:.1f} ms; buckets of "
-                             f"{used / _GiB:.2f} GiB"))  # fmt: skip
+            ours.append(_row("rlferry broadcast (NCCL, ping-pong, grouped pack and load, "
+                             "64 programs)", med, nbytes, raw_s, f"best {best * 1e3:.1f} ms; "
+                             f"buckets of {used / _GiB:.2f} GiB"))  # fmt: skip
         best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat, grouped=False)
         ours.insert(0, _row("rlferry broadcast, per-tensor pack and load (_foreach_copy_)", med,
                             nbytes, raw_s, f"best {best * 1e3:.1f} ms; buckets of "

@@ -36,8 +36,31 @@ def _copy_tiles(table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         tl.store(dst + o, v, mask=m, cache_modifier=".cs")
 
 
-def launch(table: torch.Tensor, tiles: int, block: int = BLOCK_WORDS) -> None:
+@triton.jit
+def _copy_rows(table, rows, BLOCK: tl.constexpr, TILES: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A bounded grid: each program copies rows p, p + programs, ... tile by tile."""
+    for c in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = table + c * 3
+        n = tl.multiple_of(tl.load(row + 2), 4)
+        src = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.int32)), 16)
+        dst = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.int32)), 16)
+        for t in range(TILES):
+            o = t * BLOCK + tl.arange(0, BLOCK)
+            m = o < n
+            v = tl.load(src + o, mask=m, cache_modifier=".cg")
+            tl.store(dst + o, v, mask=m, cache_modifier=".cs")
+
+
+def launch(
+    table: torch.Tensor, tiles: int, block: int = BLOCK_WORDS, programs: int | None = None
+) -> None:
     """Copy every chunk of ``table`` (int64, shape (chunks, 3), on the device) on the
-    current stream; ``tiles``: programs per chunk (chunk words / ``block``)."""
+    current stream; ``tiles``: tiles per chunk (chunk words / ``block``). ``programs``:
+    at most that many programs (each looping over chunks), leaving the other SMs free
+    (for a collective running beside the copy); None: one program per tile."""
     with torch.cuda.device(table.device):
-        _copy_tiles[(table.shape[0], tiles)](table, BLOCK=block, num_warps=_WARPS)
+        if programs is None:
+            _copy_tiles[(table.shape[0], tiles)](table, BLOCK=block, num_warps=_WARPS)
+        else:
+            grid = (min(programs, table.shape[0]),)
+            _copy_rows[grid](table, table.shape[0], BLOCK=block, TILES=tiles, num_warps=_WARPS)

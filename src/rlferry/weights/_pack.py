@@ -20,6 +20,7 @@ from .transports._base import SenderTransport
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
 GROUPED_PACK = True  # CUDA packs of tensors seen at the same addresses: one grouped copy
+COLLECTIVE_PROGRAMS = 64  # a pack beside NCCL's broadcast uses at most this many programs
 
 
 class BucketItems(list[tuple[str, torch.Tensor]]):
@@ -83,6 +84,7 @@ class Packer:
             self._whole.append((dsts, idx))
             self._parts.append(parts)
         self._grouped = device.type == "cuda" and GROUPED_PACK and triton_available()
+        self._programs = COLLECTIVE_PROGRAMS if transport.collective else None
         self._copies: list[GroupedCopy | None] = [None] * plan.buckets
         self._ptrs: list[list[int] | None] = [None] * plan.buckets
 
@@ -105,7 +107,8 @@ class Packer:
         copy = self._copies[k]
         if ptrs == self._ptrs[k] and all(t.is_contiguous() for t in srcs):
             if copy is None and all(fusable(d, t) for d, t in zip(dsts, srcs, strict=True)):
-                copy = self._copies[k] = GroupedCopy(dsts, srcs, keep=False)
+                copy = GroupedCopy(dsts, srcs, keep=False, programs=self._programs)
+                self._copies[k] = copy
             if copy is not None:
                 copy()
                 return
