@@ -77,6 +77,7 @@ for _name in [
     if isinstance(_dt, torch.dtype):
         _DTYPES[_name] = _dt
 _DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
+_ITEMSIZE = {dt: dt.itemsize for dt in _DTYPES.values()}
 _NUMPY_KINDS = "biufc"
 
 _SCALARS = frozenset((int, float, str, bytes, bool, type(None)))
@@ -346,14 +347,14 @@ class _Decoding:
         raise WireError(f"malformed message: unknown extension code {code}")
 
     def tensor(self, node: Any) -> torch.Tensor:
-        if not (isinstance(node, list) and len(node) in (3, 4)):
+        if type(node) is not list or not 3 <= len(node) <= 4:
             raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
-        name, shape, index = node[:3]
-        dtype = _DTYPES.get(name) if isinstance(name, str) else None
+        name, shape, index = node[0], node[1], node[2]
+        dtype = _DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise WireError(f"malformed message: unknown dtype {name!r}")
-        numel = _checked_numel(shape)
-        nbytes = numel * dtype.itemsize
+        size = _ITEMSIZE[dtype]
+        nbytes = _checked_numel(shape) * size
         if len(node) == 3:
             view, at = self.frame(index, "a tensor"), 0
             if nbytes != view.nbytes:
@@ -368,18 +369,16 @@ class _Decoding:
                     f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
                     f"of frame {index}, which has {view.nbytes}"
                 )
-        if nbytes == 0 or view.readonly:
-            return _as_tensor(view[at : at + nbytes], dtype, shape)
         frame = self.frames[index - 1]
-        whole, start = (frame.whole, frame.offset) if isinstance(frame, BulkFrame) else (view, 0)
-        if (start + at) % dtype.itemsize:
-            return _as_tensor(view[at : at + nbytes], dtype, shape)
+        whole, at = (frame.whole, frame.offset + at) if type(frame) is BulkFrame else (view, at)
+        if nbytes == 0 or whole.readonly or at % size:
+            return _as_tensor(whole[at : at + nbytes], dtype, shape)
         base = self.bases.get((id(whole), dtype))
         if base is None:  # the frame's memory as one tensor: its tensors are cut from it
-            usable = whole.nbytes - whole.nbytes % dtype.itemsize
+            usable = whole.nbytes - whole.nbytes % size
             raw = torch.frombuffer(whole, dtype=torch.uint8, count=usable)
             base = self.bases[(id(whole), dtype)] = raw.view(dtype)
-        return base.as_strided(shape, _strides(shape), (start + at) // dtype.itemsize)
+        return base.as_strided(shape, _strides(shape), at // size)
 
     def ragged(self, node: Any) -> list[torch.Tensor]:
         if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._errors import WireError
-from ._shm import BULK_MIN, shared_empty
+from ._shm import BULK_MIN, copy_many, shared_empty
 
 __all__ = ["PackedStrings", "pack_strings"]
 
@@ -87,6 +87,11 @@ def _view(t: torch.Tensor) -> memoryview:
     return memoryview(holder).cast("B")
 
 
+def _address_of(b: bytes) -> int:
+    """Where a bytes object keeps its data (c_char_p points into it, no copy)."""
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
 _as_utf8 = ctypes.pythonapi.PyUnicode_AsUTF8AndSize
 _as_utf8.restype = ctypes.c_void_p
 _as_utf8.argtypes = [ctypes.py_object, ctypes.POINTER(ctypes.c_ssize_t)]
@@ -114,10 +119,11 @@ def pack_strings(items: list[Any]) -> PackedStrings | None:
     if total < BULK_MIN:
         return None
     data = shared_empty([total], torch.uint8)
-    at, base, move = 0, data.data_ptr(), ctypes.memmove
+    jobs, at, base = [], 0, data.data_ptr()
     for src, n in zip(sources, lengths, strict=True):
-        move(base + at, src, n)
+        jobs.append((base + at, src if isinstance(src, int) else _address_of(src), n))
         at += n
+    copy_many(jobs)  # sources stay alive: `items` (and `sources`) hold them
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
     return PackedStrings("s" if kind_type is str else "b", offsets, data)
