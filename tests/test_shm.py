@@ -65,3 +65,34 @@ def test_streaming_copy_any_alignment_and_length() -> None:
         fastcopy.copy(dst.data_ptr() + d, src.data_ptr() + s, n)
         assert torch.equal(dst[d : d + n], src[s : s + n])
         assert not dst[:d].any() and not dst[d + n :].any()  # nothing written outside
+
+
+def test_large_string_columns_come_back_exact_ascii_utf8_and_bytes() -> None:
+    import os
+
+    from rlferry.wire import pack_strings
+
+    ascii_text = [os.urandom(int(n)).hex() for n in torch.randint(0, 900, (3000,))]
+    utf8 = [*ascii_text[:1500], "naïve " * 200, *ascii_text[1500:]]  # one non-ASCII item
+    raw = [os.urandom(int(n)) for n in torch.randint(0, 1800, (1500,))]
+    for items in (ascii_text, utf8, raw, ["", "x" * (2 << 20), ""]):
+        packed = pack_strings(items)
+        assert packed is not None
+        out = packed.tolist()
+        assert out == items
+        assert all(type(a) is type(b) for a, b in zip(out, items, strict=True))
+    assert {pack_strings(ascii_text).tolist()[7]: 1}[ascii_text[7]] == 1  # hashes like a str
+
+
+def test_fill_strings_refuses_items_that_do_not_match_their_bounds() -> None:
+    import pytest
+
+    fastcopy = pytest.importorskip(
+        "rlferry.wire._fastcopy", reason="built at install only where a C compiler is"
+    )
+    data = torch.frombuffer(bytearray(b"hello world"), dtype=torch.uint8)
+    items = fastcopy.empty_strings([0, 3], True)
+    with pytest.raises(ValueError, match="an item's length differs from its bounds"):
+        fastcopy.fill_strings(items, 0, 1, data.data_ptr(), [0, 5])
+    with pytest.raises(ValueError, match="bad range or bounds"):
+        fastcopy.fill_strings(items, 0, 2, data.data_ptr(), [0, 3])

@@ -320,6 +320,18 @@ class _Copier:
         self.helpers: ThreadPoolExecutor | None = None
         self.threads = max(1, min(len(os.sched_getaffinity(0)), _COPY_THREADS_MAX))
 
+    def pool(self) -> ThreadPoolExecutor:
+        with self.lock:
+            if self.helpers is None:
+                self.helpers = ThreadPoolExecutor(max(1, self.threads - 1), "rlferry-copy")
+            return self.helpers
+
+    def side_by_side(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``calls`` at once: the first on this thread, the others on the helpers."""
+        running = [self.pool().submit(c) for c in calls[1:]]
+        first = calls[0]() if calls else None
+        return [first, *(f.result() for f in running)][: len(calls)]
+
     def run(self, jobs: Sequence[tuple[int, int, int]]) -> None:
         tasks: list[list[tuple[int, int, int]]] = [[]]  # ~_COPY_CHUNK bytes each
         size = 0
@@ -342,10 +354,7 @@ class _Copier:
                 for chunk in task:
                     move(*chunk)
             return
-        with self.lock:
-            if self.helpers is None:
-                self.helpers = ThreadPoolExecutor(self.threads - 1, "rlferry-copy")
-            helpers = self.helpers
+        helpers = self.pool()
         taken = iter(tasks)
         take = threading.Lock()
 
