@@ -96,3 +96,21 @@ def test_fill_strings_refuses_items_that_do_not_match_their_bounds() -> None:
         fastcopy.fill_strings(items, 0, 1, data.data_ptr(), [0, 5])
     with pytest.raises(ValueError, match="bad range or bounds"):
         fastcopy.fill_strings(items, 0, 2, data.data_ptr(), [0, 3])
+
+
+def test_bulk_copies_from_several_threads_at_once_all_land() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlferry.wire._shm import _copier
+
+    sources = [torch.randint(0, 255, (16 << 20,), dtype=torch.uint8) for _ in range(4)]
+    targets = [torch.zeros_like(s) for s in sources]
+
+    def one(i: int) -> bool:
+        copy_many([(targets[i].data_ptr(), sources[i].data_ptr(), sources[i].numel())])
+        sums = _copier.side_by_side([lambda: int(sources[i][:99].sum()), lambda: i])
+        return sums == [int(sources[i][:99].sum()), i]
+
+    with ThreadPoolExecutor(4) as pool:  # more callers than helper threads
+        assert all(pool.map(one, range(4)))
+    assert all(torch.equal(s, t) for s, t in zip(sources, targets, strict=True))

@@ -327,10 +327,15 @@ class _Copier:
             return self.helpers
 
     def side_by_side(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
-        """Run ``calls`` at once: the first on this thread, the others on the helpers."""
-        running = [self.pool().submit(c) for c in calls[1:]]
-        first = calls[0]() if calls else None
-        return [first, *(f.result() for f in running)][: len(calls)]
+        """Run ``calls`` at once: the first on this thread, the others on the helpers (or
+        here too, once this thread is free, when no helper has taken them yet)."""
+        if not calls:
+            return []
+        running = [(c, self.pool().submit(c)) for c in calls[1:]]
+        results = [calls[0]()]
+        for c, f in running:
+            results.append(c() if f.cancel() else f.result())
+        return results
 
     def run(self, jobs: Sequence[tuple[int, int, int]]) -> None:
         tasks: list[list[tuple[int, int, int]]] = [[]]  # ~_COPY_CHUNK bytes each
@@ -369,8 +374,9 @@ class _Copier:
 
         running = [helpers.submit(work) for _ in range(min(self.threads, len(tasks)) - 1)]
         work()
-        for f in running:
-            f.result()
+        for f in running:  # a helper busy with another copy never started: nothing left
+            if not f.cancel():
+                f.result()
 
 
 _copier = _Copier()
