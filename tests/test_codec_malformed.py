@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlferry.wire import WireError, decode, encode
-from rlferry.wire._codec import _RAGGED, _TENSOR, MAGIC
+from rlferry.wire._codec import _RAGGED, _TENSOR, _TENSORS, MAGIC
 
 
 def frames_of(value):
@@ -206,3 +206,38 @@ def test_shared_frame_decodes_views_at_their_offsets():
     assert torch.equal(b, torch.frombuffer(data, dtype=torch.int16)[1:4])
     a[0, 0] = 7.0  # views of the frame: no copy
     assert torch.frombuffer(data, dtype=torch.float32)[2] == 7.0
+
+
+def tensor_dict_ext(frame, entries):
+    return msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode([frame, entries]))
+
+
+@pytest.mark.parametrize(
+    ("node", "message"),
+    [
+        ([1, [["a", "float32", [4], 0]], 9], r"a tensor dict node is not \[frame, entries\]"),
+        ([1, [["a", "float32", [4]]]], r"a tensor dict entry is not \[key, dtype, shape, offset\]"),
+        (
+            [1, [[3, "float32", [4], 0]]],
+            r"a tensor dict entry is not \[key, dtype, shape, offset\]",
+        ),
+        ([1, [["a", "float99", [4], 0]]], r"unknown dtype 'float99'"),
+        (
+            [1, [["a", "float32", [4], 56]]],
+            r"tensor of 16 bytes at offset 56 of frame 1, which has 64",
+        ),
+        ([2, [["a", "float32", [4], 0]]], r"a tensor names frame 2, the message has frames 1\.\.1"),
+    ],
+)
+def test_malformed_tensor_dict(node, message):
+    tree = msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode(node))
+    with pytest.raises(WireError, match=rf"^malformed message: {message}"):
+        decode([header(tree, 1), bytearray(64)])
+
+
+def test_tensor_dict_decodes_views_at_their_offsets():
+    data = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
+    tree = tensor_dict_ext(1, [["a", "float32", [2, 2], 8], ["b", "int16", [3], 2]])
+    out = decode([header(tree, 1), data])
+    assert torch.equal(out["a"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+    assert torch.equal(out["b"], torch.frombuffer(data, dtype=torch.int16)[1:4])

@@ -51,6 +51,10 @@ def test_views_of_one_shared_storage_travel_as_one_frame() -> None:
     for name, t in value.items():
         assert torch.equal(out[name], t) and out[name].dtype == t.dtype
     assert len(encode(value)) == 5  # without shared memory: one frame per tensor
+    columns = {k: value[k] for k in ("a", "b", "c")}  # one storage: one node, one frame
+    frames = encode(columns, shared=True)
+    assert len(frames) == (2 if AVAILABLE else 4)
+    assert all(torch.equal(decode(frames)[k], t) for k, t in columns.items())
 
 
 def test_streaming_copy_any_alignment_and_length() -> None:

@@ -10,7 +10,8 @@ frames that follow the header, never copied into it.
 Sent through shared memory (``encode(..., shared=True)``), tensors that are views
 of one shared-memory storage (the columns of one put, say) travel as one frame,
 the storage, and their nodes say at which byte offset of it each one starts: one
-frame and one mapping however many tensors, not one per tensor.
+frame and one mapping however many tensors, not one per tensor. A dict of such tensors
+and nothing else (a read of a put's columns) is one node for all of them.
 
 Decoding builds every tensor as a view over its frame: no copy. Every length in
 a header is checked against the frames actually received before anything is
@@ -47,6 +48,7 @@ _TUPLE = 3  # packed list of the items
 _RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
 _JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
 _STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
+_TENSORS = 7  # [frame, [[key, dtype, shape, byte offset], ...]]: a dict of tensors, one storage
 
 _DTYPES: dict[str, torch.dtype] = {}
 for _name in [
@@ -162,6 +164,10 @@ class _Encoder:
                 return self.nested(obj)
             return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.tensor_node(obj)))
         if isinstance(obj, dict):
+            if self._shared and len(obj) > 1:
+                group = self.tensor_dict(obj)
+                if group is not None:
+                    return group
             out = {}
             for k, v in obj.items():
                 if not isinstance(k, str):
@@ -191,6 +197,38 @@ class _Encoder:
         if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
             return self.ndarray(obj)
         raise _Refused([], f"type {type(obj).__module__}.{type(obj).__qualname__}")
+
+    def tensor_dict(self, obj: dict[Any, Any]) -> msgspec.msgpack.Ext | None:
+        """A dict whose values are all plain tensors of one shared-memory storage (the
+        columns of one put, say): one node for all of them, None if it is anything else."""
+        entries, storage = [], None
+        for k, t in obj.items():
+            if not (
+                type(t) is torch.Tensor
+                and type(k) is str
+                and t.layout == torch.strided
+                and t.device.type == "cpu"
+                and t.dtype in _DTYPE_NAMES
+                and not t.requires_grad
+                and t.is_contiguous()
+            ):
+                return None
+            s = t.untyped_storage()
+            if storage is None:
+                storage = (s.data_ptr(), s.nbytes())
+            elif s.data_ptr() != storage[0] or s.nbytes() != storage[1]:
+                return None
+            entries.append([k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0]])
+        if storage is None:
+            return None
+        frame = self._storages.get(storage)
+        if frame is None:
+            if storage[1] < BULK_MIN or exports.find(*storage) is None:
+                return None
+            frame = self._storages[storage] = self._add(
+                _bytes_at(*storage, next(iter(obj.values())))
+            )
+        return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
 
     def strings(self, p: PackedStrings) -> msgspec.msgpack.Ext:
         offsets, data = p.parts()
@@ -344,31 +382,56 @@ class _Decoding:
             return self.ndarray(node)
         if code == _STRS:
             return self.strings(node)
+        if code == _TENSORS:
+            return self.tensor_dict(node)
         raise WireError(f"malformed message: unknown extension code {code}")
 
     def tensor(self, node: Any) -> torch.Tensor:
         if type(node) is not list or not 3 <= len(node) <= 4:
             raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
-        name, shape, index = node[0], node[1], node[2]
+        if len(node) == 4:
+            return self.cut(self.shared_frame(node[2]), node[2], node[0], node[1], node[3])
+        name, shape, index = node
+        dtype = self.dtype(name)
+        nbytes = _checked_numel(shape) * _ITEMSIZE[dtype]
+        view = self.frame(index, "a tensor")
+        if nbytes != view.nbytes:
+            raise WireError(
+                f"malformed message: tensor of shape {shape} and dtype {name} "
+                f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
+            )
+        return self.cut(view, index, name, shape, 0)
+
+    def tensor_dict(self, node: Any) -> dict[str, torch.Tensor]:
+        if not (type(node) is list and len(node) == 2 and type(node[1]) is list):
+            raise WireError("malformed message: a tensor dict node is not [frame, entries]")
+        index, entries = node
+        view = self.shared_frame(index)
+        out = {}
+        for entry in entries:
+            if not (type(entry) is list and len(entry) == 4 and type(entry[0]) is str):
+                raise WireError(
+                    "malformed message: a tensor dict entry is not [key, dtype, shape, offset]"
+                )
+            out[entry[0]] = self.cut(view, index, entry[1], entry[2], entry[3])
+        return out
+
+    def dtype(self, name: Any) -> torch.dtype:
         dtype = _DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise WireError(f"malformed message: unknown dtype {name!r}")
+        return dtype
+
+    def cut(self, view: memoryview, index: int, name: Any, shape: Any, at: Any) -> torch.Tensor:
+        """The tensor of ``name`` and ``shape`` at byte ``at`` of frame ``index`` (checked)."""
+        dtype = self.dtype(name)
         size = _ITEMSIZE[dtype]
         nbytes = _checked_numel(shape) * size
-        if len(node) == 3:
-            view, at = self.frame(index, "a tensor"), 0
-            if nbytes != view.nbytes:
-                raise WireError(
-                    f"malformed message: tensor of shape {shape} and dtype {name} "
-                    f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
-                )
-        else:
-            view, at = self.shared_frame(index), node[3]
-            if type(at) is not int or at < 0 or at + nbytes > view.nbytes:
-                raise WireError(
-                    f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
-                    f"of frame {index}, which has {view.nbytes}"
-                )
+        if type(at) is not int or at < 0 or at + nbytes > view.nbytes:
+            raise WireError(
+                f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
+                f"of frame {index}, which has {view.nbytes}"
+            )
         frame = self.frames[index - 1]
         whole, at = (frame.whole, frame.offset + at) if type(frame) is BulkFrame else (view, at)
         if nbytes == 0 or whole.readonly or at % size:
