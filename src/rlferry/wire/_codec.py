@@ -426,7 +426,8 @@ class _Decoding:
         """The tensor of ``name`` and ``shape`` at byte ``at`` of frame ``index`` (checked)."""
         dtype = self.dtype(name)
         size = _ITEMSIZE[dtype]
-        nbytes = _checked_numel(shape) * size
+        strides = _strides_of(shape)  # checks the shape
+        nbytes = (strides[0] * shape[0] if shape else 1) * size
         if type(at) is not int or at < 0 or at + nbytes > view.nbytes:
             raise WireError(
                 f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
@@ -441,7 +442,7 @@ class _Decoding:
             usable = whole.nbytes - whole.nbytes % size
             raw = torch.frombuffer(whole, dtype=torch.uint8, count=usable)
             base = self.bases[(id(whole), dtype)] = raw.view(dtype)
-        return base.as_strided(shape, _strides(shape), at // size)
+        return base.as_strided(shape, strides, at // size)
 
     def ragged(self, node: Any) -> list[torch.Tensor]:
         if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):
@@ -529,11 +530,20 @@ def _byte_view(frame: Buffer, index: int) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _strides(shape: list[int]) -> list[int]:
-    out = [1] * len(shape)
-    for i in range(len(shape) - 1, 0, -1):
-        out[i - 1] = out[i] * shape[i]
-    return out
+def _strides_of(shape: Any) -> list[int]:
+    """The contiguous strides of ``shape``, checked to be a shape (non-negative ints)."""
+    if type(shape) is list and len(shape) <= MAX_DIMS:
+        out = [1] * len(shape)
+        step = 1
+        for i in range(len(shape) - 1, -1, -1):
+            d = shape[i]
+            if type(d) is not int or d < 0:
+                break
+            out[i] = step
+            step *= d
+        else:
+            return out
+    raise WireError(f"malformed message: {shape!r} is not a shape (non-negative ints)")
 
 
 def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
