@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rlferry.wire import shared_copies
-from rlferry.wire._shm import AVAILABLE, copy_many, exports
+from rlferry.wire._copy import copy_many, side_by_side
+from rlferry.wire._shm import AVAILABLE, exports
 
 
 def test_shared_copies_equal_their_sources_across_chunks_and_layouts() -> None:
@@ -105,14 +106,12 @@ def test_fill_strings_refuses_items_that_do_not_match_their_bounds() -> None:
 def test_bulk_copies_from_several_threads_at_once_all_land() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlferry.wire._shm import _copier
-
     sources = [torch.randint(0, 255, (16 << 20,), dtype=torch.uint8) for _ in range(4)]
     targets = [torch.zeros_like(s) for s in sources]
 
     def one(i: int) -> bool:
         copy_many([(targets[i].data_ptr(), sources[i].data_ptr(), sources[i].numel())])
-        sums = _copier.side_by_side([lambda: int(sources[i][:99].sum()), lambda: i])
+        sums = side_by_side([lambda: int(sources[i][:99].sum()), lambda: i])
         return sums == [int(sources[i][:99].sum()), i]
 
     with ThreadPoolExecutor(4) as pool:  # more callers than helper threads

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
-from rlferry.wire._shm import copy_many
+from rlferry.wire._copy import copy_many
 
 from ._errors import SchemaError
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from ._copy import THREADS, copy_many, side_by_side
 from ._errors import WireError
-from ._shm import BULK_MIN, _copier, copy_many, shared_empty
+from ._shm import BULK_MIN, shared_empty
 
 __all__ = ["PackedStrings", "pack_strings"]
 
@@ -99,7 +100,7 @@ def _filled(is_str: bool, data: torch.Tensor, bounds: list[int]) -> list[Any] | 
     """The items, or None when a str column holds non-ASCII text (decoded as UTF-8 then)."""
     assert _made is not None
     items = _made.empty_strings(bounds, is_str)
-    parts = _copier.threads
+    parts = THREADS
     cuts = [bisect.bisect_left(bounds, bounds[-1] * k // parts) for k in range(parts)]
     cuts = sorted({min(c, len(items)) for c in cuts} | {len(items)})
     base = data.data_ptr()
@@ -107,7 +108,7 @@ def _filled(is_str: bool, data: torch.Tensor, bounds: list[int]) -> list[Any] | 
         functools.partial(_made.fill_strings, items, a, b, base, bounds)
         for a, b in itertools.pairwise(cuts)
     ]
-    return items if all(_copier.side_by_side(calls)) else None
+    return items if all(side_by_side(calls)) else None
 
 
 def _view(t: torch.Tensor) -> memoryview:
