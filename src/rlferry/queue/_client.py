@@ -315,13 +315,20 @@ class AsyncQueueClient:
             args = {"indexes": [indexes[p] for p in positions], "fields": fields}
             reads.append(self._call(client, "read", args, _CONTROL_TIMEOUT))
         parts = await asyncio.gather(*reads)
-        data = {}
         n = len(indexes)
-        whole = len(by_unit) == 1  # one unit, asked in batch order: its answer is the batch
-        for name in fields:
-            kind = share["kinds"].get(name, "list")
-            pieces = [(pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)]
-            data[name] = assemble(kind, pieces, n, whole)
+        kinds = share["kinds"]
+        if len(parts) == 1:  # one unit, asked in batch order: its answer is the batch
+            data = parts[0]
+            for name in fields:
+                if kinds.get(name) == "nested":  # a jagged field may come as its rows
+                    data[name] = assemble("nested", [(indexes, data[name])], n, whole=True)
+        else:
+            data = {}
+            for name in fields:
+                pieces = [
+                    (pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)
+                ]
+                data[name] = assemble(kinds.get(name, "list"), pieces, n)
         return Batch(
             partition, task, indexes, data, share["meta"], share["partition_meta"], share["lease"]
         )

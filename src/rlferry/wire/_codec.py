@@ -113,7 +113,7 @@ def _bytes_at(address: int, nbytes: int, owner: torch.Tensor) -> memoryview:
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
     if (
         t.layout == torch.strided
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.dtype in _DTYPE_NAMES
         and not t.requires_grad
         and t.is_contiguous()
@@ -207,7 +207,7 @@ class _Encoder:
                 type(t) is torch.Tensor
                 and type(k) is str
                 and t.layout == torch.strided
-                and t.device.type == "cpu"
+                and t.is_cpu
                 and t.dtype in _DTYPE_NAMES
                 and not t.requires_grad
                 and t.is_contiguous()
