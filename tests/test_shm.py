@@ -117,3 +117,29 @@ def test_bulk_copies_from_several_threads_at_once_all_land() -> None:
     with ThreadPoolExecutor(4) as pool:  # more callers than helper threads
         assert all(pool.map(one, range(4)))
     assert all(torch.equal(s, t) for s, t in zip(sources, targets, strict=True))
+
+
+def _copy_in_child(conn) -> None:  # type: ignore[no-untyped-def]
+    import ctypes
+    import os
+
+    # no torch here: its OpenMP pool does not survive a fork (a torch matter, not ours)
+    src = ctypes.create_string_buffer(os.urandom(24 << 20), 24 << 20)
+    dst = ctypes.create_string_buffer(24 << 20)
+    copy_many([(ctypes.addressof(dst), ctypes.addressof(src), 24 << 20)])  # helpers did not fork
+    conn.send(dst.raw == src.raw and side_by_side([lambda: 1, lambda: 2]) == [1, 2])
+
+
+def test_bulk_copy_in_a_forked_child_does_not_wait_for_helpers_that_are_not_there() -> None:
+    import multiprocessing as mp
+
+    src = torch.ones(16 << 20, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    copy_many([(dst.data_ptr(), src.data_ptr(), src.numel())])  # the helpers start
+    ctx = mp.get_context("fork")  # as a DataLoader worker is made
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_copy_in_child, args=(there,))
+    child.start()
+    assert here.poll(60), "the child's copy hung"
+    assert here.recv() is True
+    child.join(10)
