@@ -35,6 +35,20 @@ def test_zero_dim_empty_and_non_contiguous_tensors_round_trip():
     assert torch.equal(out["t"], strided)
 
 
+def test_lazy_conjugate_and_negative_views_travel_as_their_values():
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    conj = z.conj()  # a view with the conjugate bit: its memory holds z
+    neg = torch.randn(5).conj()._neg_view()  # type: ignore[attr-defined]
+    assert conj.is_conj() and neg.is_neg()
+    assert torch.equal(decode(encode(conj)), conj.resolve_conj())
+    assert torch.equal(decode(encode(neg)), neg.resolve_neg())
+    ragged = decode(encode([conj, conj[:2]]))
+    assert torch.equal(ragged[0], conj.resolve_conj())
+    assert torch.equal(ragged[1], conj[:2].resolve_conj())
+    both = decode(encode({"a": conj, "b": neg}, shared=True))
+    assert torch.equal(both["a"], conj.resolve_conj()) and torch.equal(both["b"], neg.resolve_neg())
+
+
 def test_list_of_tensors_of_different_lengths_comes_back_as_that_list():
     ragged = [torch.arange(3), torch.arange(5), torch.arange(0), torch.arange(1)]
     frames = encode(ragged)

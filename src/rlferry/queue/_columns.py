@@ -211,7 +211,12 @@ def _rows_into(out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]]) ->
     row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
     jobs = []
     for row, rows in blocks:
-        if rows.is_contiguous() and rows.dtype == out.dtype and rows.device == out.device:
+        if (
+            rows.is_contiguous()
+            and rows.dtype == out.dtype
+            and rows.device == out.device
+            and not (rows.is_conj() or rows.is_neg())  # lazy views: torch resolves them
+        ):
             jobs.append(
                 (out.data_ptr() + row * row_bytes, rows.data_ptr(), rows.shape[0] * row_bytes)
             )

@@ -117,6 +117,8 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
         and t.dtype in _DTYPE_NAMES
         and not t.requires_grad
         and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
     ):
         return t  # the usual case: sent as it is
     if t.layout != torch.strided:
@@ -129,7 +131,7 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":
             raise _Refused([], "a meta tensor has no data to send")
         t = t.detach().to("cpu")
-    return t.detach().contiguous()
+    return t.detach().resolve_conj().resolve_neg().contiguous()  # lazy views: their values
 
 
 class _Encoder:
@@ -211,6 +213,8 @@ class _Encoder:
                 and t.dtype in _DTYPE_NAMES
                 and not t.requires_grad
                 and t.is_contiguous()
+                and not t.is_conj()
+                and not t.is_neg()
             ):
                 return None
             s = t.untyped_storage()
@@ -254,10 +258,8 @@ class _Encoder:
             return None
         if any(t.layout != torch.strided or t.device.type == "meta" for t in seq):
             return None
-        flat = [
-            t.detach().reshape(-1).to("cpu").view(torch.uint8)
-            if t.dim()
-            else t.detach().reshape(1).to("cpu").view(torch.uint8)
+        flat = [  # lazy conjugate/negative views give their values
+            t.detach().resolve_conj().resolve_neg().reshape(-1).to("cpu").view(torch.uint8)
             for t in seq
         ]
         if len(flat) > 1:  # packed into warm shared memory: over ipc:// it is not copied again
