@@ -110,8 +110,9 @@ def _bytes_at(address: int, nbytes: int, owner: torch.Tensor) -> memoryview:
     return memoryview(holder).cast("B")
 
 
-def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
-    if (
+def _plain(t: torch.Tensor) -> bool:
+    """A CPU tensor whose memory holds its values in order (the usual case): sent as is."""
+    return (
         t.layout == torch.strided
         and t.is_cpu
         and t.dtype in _DTYPE_NAMES
@@ -119,8 +120,12 @@ def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
         and t.is_contiguous()
         and not t.is_conj()
         and not t.is_neg()
-    ):
-        return t  # the usual case: sent as it is
+    )
+
+
+def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    if _plain(t):
+        return t
     if t.layout != torch.strided:
         raise _Refused(
             [], f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
@@ -150,12 +155,18 @@ class _Encoder:
         if self._shared and t.numel():
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            frame = self._storages.get(key)
-            if frame is None and key[1] >= BULK_MIN and exports.find(*key) is not None:
-                frame = self._storages[key] = self._add(_bytes_at(key[0], key[1], t))
+            frame = self._storage_frame(key, t)
             if frame is not None:
                 return [_DTYPE_NAMES[t.dtype], list(t.shape), frame, t.data_ptr() - key[0]]
         return [_DTYPE_NAMES[t.dtype], list(t.shape), self._add(_tensor_buffer(t))]
+
+    def _storage_frame(self, key: tuple[int, int], owner: torch.Tensor) -> int | None:
+        """The frame of the shared-memory storage at ``key`` (address, size), added once;
+        None when that memory is not this process's shared memory."""
+        frame = self._storages.get(key)
+        if frame is None and key[1] >= BULK_MIN and exports.find(*key) is not None:
+            frame = self._storages[key] = self._add(_bytes_at(key[0], key[1], owner))
+        return frame
 
     def value(self, obj: Any) -> Any:
         # The common scalar kinds first: they need no work.
@@ -205,17 +216,7 @@ class _Encoder:
         columns of one put, say): one node for all of them, None if it is anything else."""
         entries, storage = [], None
         for k, t in obj.items():
-            if not (
-                type(t) is torch.Tensor
-                and type(k) is str
-                and t.layout == torch.strided
-                and t.is_cpu
-                and t.dtype in _DTYPE_NAMES
-                and not t.requires_grad
-                and t.is_contiguous()
-                and not t.is_conj()
-                and not t.is_neg()
-            ):
+            if not (type(t) is torch.Tensor and type(k) is str and _plain(t)):
                 return None
             s = t.untyped_storage()
             if storage is None:
@@ -223,15 +224,9 @@ class _Encoder:
             elif s.data_ptr() != storage[0] or s.nbytes() != storage[1]:
                 return None
             entries.append([k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0]])
-        if storage is None:
-            return None
-        frame = self._storages.get(storage)
+        frame = None if storage is None else self._storage_frame(storage, t)
         if frame is None:
-            if storage[1] < BULK_MIN or exports.find(*storage) is None:
-                return None
-            frame = self._storages[storage] = self._add(
-                _bytes_at(*storage, next(iter(obj.values())))
-            )
+            return None
         return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
 
     def strings(self, p: PackedStrings) -> msgspec.msgpack.Ext:
