@@ -23,15 +23,16 @@ requires_triton = pytest.mark.skipif(
 # -- on the CPU: what CI checks ------------------------------------------------------------
 
 
-def test_on_the_cpu_every_pair_is_copied_by_torch_with_the_same_result():
-    src = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(4, 4).t()]
-    dst = [torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64), torch.zeros(4, 4)]
+def test_on_the_cpu_plain_pairs_are_copied_as_bytes_the_others_by_torch():
+    big = torch.randn(3 << 20)  # 12 MB: the bulk copy's threads share it
+    src = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(4, 4).t(), big]
+    dst = [torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64), torch.zeros(4, 4),
+           torch.zeros_like(big)]  # fmt: skip
     c = GroupedCopy(dst, src)
     c()
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
-    assert (c.fused, c.fallback) == (0, 3)
-    why = "3 pairs by torch: the first (0): on the CPU (and 2 more)"
-    assert c.why == (why if triton_available() else "triton is not installed")
+    assert (c.fused, c.host, c.fallback) == (0, 3, 1)
+    assert c.why == "1 pairs by torch: the first (2): not contiguous"
 
 
 def test_a_copy_built_once_copies_the_current_values_each_call():

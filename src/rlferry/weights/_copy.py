@@ -8,9 +8,10 @@ fixed set of pairs (shapes checked, a table of 16-byte aligned chunks made
 on the device) and then copies them all with one launch of a Triton kernel.
 The pairs are fixed across pushes (the plan is), so the table is too.
 
-Triton is optional and imported only when a CUDA copy is built: without it,
-on CPU, and for pairs the kernel does not take (see :class:`GroupedCopy`),
-torch's ``_foreach_copy_`` copies instead.
+Triton is optional and imported only when a CUDA copy is built. CPU pairs of
+one dtype go through rlferry's bulk host copy (chunked over threads, streaming
+stores); without Triton and for other pairs the kernel does not take (see
+:class:`GroupedCopy`), torch's ``_foreach_copy_`` copies instead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from rlferry.wire._copy import copy_many
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 
@@ -73,8 +76,10 @@ class GroupedCopy:
     other pair (CPU tensors, a dtype to convert, a strided view, odd sizes),
     and every pair when Triton is not installed, is copied by
     ``torch._foreach_copy_`` in the same call: same result, one launch per
-    group of tensors instead of one in all. ``fused`` and ``fallback`` count
-    the pairs of each kind; ``why`` says why any pair fell back.
+    group of tensors instead of one in all. CPU pairs of one dtype, contiguous,
+    are copied as bytes by rlferry's bulk host copy. ``fused``, ``host`` and
+    ``fallback`` count the pairs of each kind; ``why`` says why any pair fell
+    back to torch.
 
     Calling it copies on the current stream (on CUDA it returns before the
     copy is done, like ``copy_``). The table holds the tensors' addresses: the
@@ -117,9 +122,15 @@ class GroupedCopy:
         fused = [i for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
                  if use_kernel and fusable(d, s) and d.numel() > 0]  # fmt: skip
         taken = set(fused)
+        host = [i for i in range(len(dsts)) if i not in taken and host_bytes(dsts[i], srcs[i])]
+        taken.update(host)
         rest = [i for i in range(len(dsts)) if i not in taken]
-        self.fused, self.fallback = len(fused), len(rest)
+        self.fused, self.host, self.fallback = len(fused), len(host), len(rest)
         self.why = _why(dsts, srcs, rest, use_kernel)
+        self._host_jobs = [  # CPU pairs: one bulk copy (chunked, on several threads)
+            (dsts[i].data_ptr(), srcs[i].data_ptr(), dsts[i].numel() * dsts[i].element_size())
+            for i in host
+        ]
         self._rest_dst = [dsts[i] for i in rest]
         self._rest_src = [srcs[i] for i in rest]
         self._kept = (dsts, srcs) if keep else None
@@ -143,8 +154,22 @@ class GroupedCopy:
             from ._copy_kernel import launch
 
             launch(self._table, self._tiles, programs=self.programs)
+        if self._host_jobs:
+            copy_many(self._host_jobs)
         if self._rest_dst:
             torch._foreach_copy_(self._rest_dst, self._rest_src)
+
+
+def host_bytes(d: torch.Tensor, s: torch.Tensor) -> bool:
+    """A CPU pair whose copy is a copy of bytes (same dtype, contiguous, no lazy view)."""
+    return (
+        d.is_cpu
+        and s.is_cpu
+        and s.dtype == d.dtype
+        and d.is_contiguous()
+        and s.is_contiguous()
+        and not (d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg())
+    )
 
 
 def _check_pair(d: Any, s: Any, name: str) -> None:
@@ -164,18 +189,18 @@ def _check_pair(d: Any, s: Any, name: str) -> None:
 def _why(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[int], kernel: bool) -> str:
     if not rest:
         return ""
-    if not kernel:
-        return "triton is not installed"
     i = rest[0]
     d, s = dsts[i], srcs[i]
-    if not d.is_cuda:
-        why = "on the CPU"
-    elif s.device != d.device:
+    if d.is_cuda and not kernel:
+        return "triton is not installed"
+    if s.device != d.device:
         why = f"source on {s.device}, destination on {d.device}"
     elif s.dtype != d.dtype:
         why = f"dtype {s.dtype} copied into {d.dtype}"
     elif not (d.is_contiguous() and s.is_contiguous()):
         why = "not contiguous"
+    elif d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
+        why = "a lazy conjugate or negative view"
     elif d.numel() == 0:
         why = "empty"
     else:

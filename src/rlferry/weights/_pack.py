@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from ._copy import GroupedCopy, fusable, triton_available
+from ._copy import GroupedCopy, fusable, host_bytes, triton_available
 from ._errors import WeightSyncError
 from ._plan import Plan, iterate_checked
 from .transports._base import SenderTransport
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
-GROUPED_PACK = True  # CUDA packs of tensors seen at the same addresses: one grouped copy
+GROUPED_PACK = True  # packs of tensors seen at the same addresses: one grouped copy (CUDA: one
+# Triton launch; CPU: one bulk host copy)
 COLLECTIVE_PROGRAMS = 64  # a pack beside NCCL's broadcast uses at most this many programs
 
 
@@ -83,7 +84,9 @@ class Packer:
                     idx.append(c.tensor)
             self._whole.append((dsts, idx))
             self._parts.append(parts)
-        self._grouped = device.type == "cuda" and GROUPED_PACK and triton_available()
+        self._grouped = GROUPED_PACK and (
+            device.type == "cpu" or (device.type == "cuda" and triton_available())
+        )
         self._programs = COLLECTIVE_PROGRAMS if transport.collective else None
         self._copies: list[GroupedCopy | None] = [None] * plan.buckets
         self._ptrs: list[list[int] | None] = [None] * plan.buckets
@@ -106,7 +109,9 @@ class Packer:
         ptrs = [t.data_ptr() for t in srcs]
         copy = self._copies[k]
         if ptrs == self._ptrs[k] and all(t.is_contiguous() for t in srcs):
-            if copy is None and all(fusable(d, t) for d, t in zip(dsts, srcs, strict=True)):
+            if copy is None and all(
+                fusable(d, t) or host_bytes(d, t) for d, t in zip(dsts, srcs, strict=True)
+            ):
                 copy = GroupedCopy(dsts, srcs, keep=False, programs=self._programs)
                 self._copies[k] = copy
             if copy is not None:
