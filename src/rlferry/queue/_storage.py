@@ -151,9 +151,12 @@ class StorageUnit:
         placed = _runs(indexes)
         for name, column in columns.items():
             chunk = _Chunk(column, len(indexes))
-            field = self.fields.setdefault(name, _Field())
-            for a, b, row in placed:  # a field put again: the old rows go
-                field.cut(a, b, self._release)
+            field = self.fields.get(name)
+            if field is None:
+                field = self.fields[name] = _Field()
+            for a, b, row in placed:
+                if field.runs and a < field.runs[-1][1]:  # a field put again: old rows go
+                    field.cut(a, b, self._release)
                 field.add(a, b, chunk, row)
             self.bytes_held += chunk.nbytes
             self.bytes_in += chunk.nbytes
