@@ -387,17 +387,8 @@ class _Decoding:
         if type(node) is not list or not 3 <= len(node) <= 4:
             raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
         if len(node) == 4:
-            return self.cut(self.shared_frame(node[2]), node[2], node[0], node[1], node[3])
-        name, shape, index = node
-        dtype = self.dtype(name)
-        nbytes = _checked_numel(shape) * _ITEMSIZE[dtype]
-        view = self.frame(index, "a tensor")
-        if nbytes != view.nbytes:
-            raise WireError(
-                f"malformed message: tensor of shape {shape} and dtype {name} "
-                f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
-            )
-        return self.cut(view, index, name, shape, 0)
+            return self.cut(node[2], node[0], node[1], node[3], self.shared_frame(node[2]))
+        return self.cut(node[2], node[0], node[1], 0)
 
     def tensor_dict(self, node: Any) -> dict[str, torch.Tensor]:
         if not (type(node) is list and len(node) == 2 and type(node[1]) is list):
@@ -410,7 +401,7 @@ class _Decoding:
                 raise WireError(
                     "malformed message: a tensor dict entry is not [key, dtype, shape, offset]"
                 )
-            out[entry[0]] = self.cut(view, index, entry[1], entry[2], entry[3])
+            out[entry[0]] = self.cut(index, entry[1], entry[2], entry[3], view)
         return out
 
     def dtype(self, name: Any) -> torch.dtype:
@@ -419,13 +410,23 @@ class _Decoding:
             raise WireError(f"malformed message: unknown dtype {name!r}")
         return dtype
 
-    def cut(self, view: memoryview, index: int, name: Any, shape: Any, at: Any) -> torch.Tensor:
-        """The tensor of ``name`` and ``shape`` at byte ``at`` of frame ``index`` (checked)."""
+    def cut(
+        self, index: Any, name: Any, shape: Any, at: Any, view: memoryview | None = None
+    ) -> torch.Tensor:
+        """The tensor of ``name`` and ``shape`` at byte ``at`` of frame ``index`` (checked):
+        the whole frame, or, given the ``view`` of a shared frame, a part of it."""
         dtype = self.dtype(name)
         size = _ITEMSIZE[dtype]
         strides = _strides_of(shape)  # checks the shape
         nbytes = (strides[0] * shape[0] if shape else 1) * size
-        if type(at) is not int or at < 0 or at + nbytes > view.nbytes:
+        if view is None:
+            view = self.frame(index, "a tensor")
+            if nbytes != view.nbytes:
+                raise WireError(
+                    f"malformed message: tensor of shape {shape} and dtype {name} "
+                    f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
+                )
+        elif type(at) is not int or at < 0 or at + nbytes > view.nbytes:
             raise WireError(
                 f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
                 f"of frame {index}, which has {view.nbytes}"
@@ -445,9 +446,7 @@ class _Decoding:
         if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):
             raise WireError("malformed message: a ragged node is not [dtype, shapes, frame]")
         name, shapes, index = node
-        dtype = _DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise WireError(f"malformed message: unknown dtype {name!r}")
+        dtype = self.dtype(name)
         sizes = [_checked_numel(s) * dtype.itemsize for s in shapes]
         view = self.frame(index, "a ragged list")
         if sum(sizes) != view.nbytes:
