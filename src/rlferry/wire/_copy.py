@@ -10,17 +10,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["THREADS", "copy_many", "side_by_side"]
+__all__ = ["THREADS", "copy_many", "fastcopy", "side_by_side"]
 
 _PARALLEL_COPY = 8 << 20  # a copy this large is shared among threads
 _COPY_CHUNK = 4 << 20  # bytes a copying thread takes at a time
 _COPY_THREADS_MAX = 8  # memory bandwidth stops growing long before this many cores
 
 
-try:  # streaming stores (built at install when a C compiler was there)
-    from ._fastcopy import copy as _stream_copy
+try:  # streaming stores and string fills (built at install when a C compiler was there)
+    from . import _fastcopy as fastcopy
 except ImportError:  # pragma: no cover - depends on the install
-    _stream_copy = ctypes.memmove  # type: ignore[assignment]
+    fastcopy = None  # type: ignore[assignment]
+_stream_copy = ctypes.memmove if fastcopy is None else fastcopy.copy
 
 
 class _Copier:

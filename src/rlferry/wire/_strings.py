@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._copy import THREADS, copy_many, side_by_side
+from ._copy import THREADS, copy_many, fastcopy, side_by_side
 from ._errors import WireError
 from ._shm import BULK_MIN, shared_empty
 
@@ -62,7 +62,7 @@ class PackedStrings:
     def tolist(self) -> list[Any]:
         offsets, data = self.parts()
         bounds = offsets.tolist()
-        if _made is not None and data.numel() >= _FILL_IN_PARALLEL and len(bounds) > 2:
+        if fastcopy is not None and data.numel() >= _FILL_IN_PARALLEL and len(bounds) > 2:
             items = _filled(self.kind == "s", data, bounds)
             if items is not None:
                 return items
@@ -76,12 +76,12 @@ class PackedStrings:
         """One packed column of several (one copy of the data)."""
         pieces = [p.parts() for p in parts]
         data = shared_empty([sum(d.numel() for _, d in pieces)], torch.uint8)
-        offsets = [torch.zeros(1, dtype=torch.int64)]
-        at = 0
+        offsets, jobs, at = [torch.zeros(1, dtype=torch.int64)], [], 0
         for o, d in pieces:
-            data[at : at + d.numel()] = d
+            jobs.append((data.data_ptr() + at, d.data_ptr(), d.numel()))
             offsets.append(o[1:] + at)
             at += d.numel()
+        copy_many(jobs)  # `pieces` keeps the sources alive
         return PackedStrings(parts[0].kind, torch.cat(offsets), data)
 
 
@@ -90,22 +90,18 @@ class PackedStrings:
 # pages, which costs more than the copy (TransferQueue's complex case: 3 columns of
 # 1024 x 32 KiB strings, 30 -> 12 ms on the 2-core VM).
 _FILL_IN_PARALLEL = 1 << 20
-try:
-    from . import _fastcopy as _made
-except ImportError:  # pragma: no cover - built at install where a C compiler was
-    _made = None  # type: ignore[assignment]
 
 
 def _filled(is_str: bool, data: torch.Tensor, bounds: list[int]) -> list[Any] | None:
     """The items, or None when a str column holds non-ASCII text (decoded as UTF-8 then)."""
-    assert _made is not None
-    items = _made.empty_strings(bounds, is_str)
+    assert fastcopy is not None
+    items = fastcopy.empty_strings(bounds, is_str)
     parts = THREADS
     cuts = [bisect.bisect_left(bounds, bounds[-1] * k // parts) for k in range(parts)]
     cuts = sorted({min(c, len(items)) for c in cuts} | {len(items)})
     base = data.data_ptr()
     calls = [
-        functools.partial(_made.fill_strings, items, a, b, base, bounds)
+        functools.partial(fastcopy.fill_strings, items, a, b, base, bounds)
         for a, b in itertools.pairwise(cuts)
     ]
     return items if all(side_by_side(calls)) else None
