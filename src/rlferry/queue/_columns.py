@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
-from rlferry.wire._copy import copy_many
+from rlferry.wire._copy import bytes_copy, copy_many
 
 from ._errors import SchemaError
 
@@ -216,12 +216,7 @@ def _rows_into(out: torch.Tensor, blocks: Sequence[tuple[int, torch.Tensor]]) ->
     row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
     jobs = []
     for row, rows in blocks:
-        if (
-            rows.is_contiguous()
-            and rows.dtype == out.dtype
-            and rows.device == out.device
-            and not (rows.is_conj() or rows.is_neg())  # lazy views: torch resolves them
-        ):
+        if bytes_copy(out, rows):
             jobs.append(
                 (out.data_ptr() + row * row_bytes, rows.data_ptr(), rows.shape[0] * row_bytes)
             )

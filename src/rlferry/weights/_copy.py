@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire._copy import copy_many
+from rlferry.wire._copy import bytes_copy, copy_many
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 
@@ -122,7 +122,7 @@ class GroupedCopy:
         fused = [i for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
                  if use_kernel and fusable(d, s) and d.numel() > 0]  # fmt: skip
         taken = set(fused)
-        host = [i for i in range(len(dsts)) if i not in taken and host_bytes(dsts[i], srcs[i])]
+        host = [i for i in range(len(dsts)) if i not in taken and bytes_copy(dsts[i], srcs[i])]
         taken.update(host)
         rest = [i for i in range(len(dsts)) if i not in taken]
         self.fused, self.host, self.fallback = len(fused), len(host), len(rest)
@@ -158,18 +158,6 @@ class GroupedCopy:
             copy_many(self._host_jobs)
         if self._rest_dst:
             torch._foreach_copy_(self._rest_dst, self._rest_src)
-
-
-def host_bytes(d: torch.Tensor, s: torch.Tensor) -> bool:
-    """A CPU pair whose copy is a copy of bytes (same dtype, contiguous, no lazy view)."""
-    return (
-        d.is_cpu
-        and s.is_cpu
-        and s.dtype == d.dtype
-        and d.is_contiguous()
-        and s.is_contiguous()
-        and not (d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg())
-    )
 
 
 def _check_pair(d: Any, s: Any, name: str) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from ._copy import GroupedCopy, fusable, host_bytes, triton_available
+from rlferry.wire._copy import bytes_copy
+
+from ._copy import GroupedCopy, fusable, triton_available
 from ._errors import WeightSyncError
 from ._plan import Plan, iterate_checked
 from .transports._base import SenderTransport
@@ -110,7 +112,7 @@ class Packer:
         copy = self._copies[k]
         if ptrs == self._ptrs[k] and all(t.is_contiguous() for t in srcs):
             if copy is None and all(
-                fusable(d, t) or host_bytes(d, t) for d, t in zip(dsts, srcs, strict=True)
+                fusable(d, t) or bytes_copy(d, t) for d, t in zip(dsts, srcs, strict=True)
             ):
                 copy = GroupedCopy(dsts, srcs, keep=False, programs=self._programs)
                 self._copies[k] = copy

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
+from ._copy import in_order
 from ._errors import WireError
 from ._shm import BULK_MIN, BulkFrame, exports, shared_empty
 from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
@@ -117,9 +118,7 @@ def _plain(t: torch.Tensor) -> bool:
         and t.is_cpu
         and t.dtype in _DTYPE_NAMES
         and not t.requires_grad
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
+        and in_order(t)
     )
 
 

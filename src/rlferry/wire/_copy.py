@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["THREADS", "copy_many", "fastcopy", "side_by_side"]
+import torch
+
+__all__ = ["THREADS", "bytes_copy", "copy_many", "fastcopy", "in_order", "side_by_side"]
 
 _PARALLEL_COPY = 8 << 20  # a copy this large is shared among threads
 _COPY_CHUNK = 4 << 20  # bytes a copying thread takes at a time
@@ -111,3 +113,14 @@ def copy_many(jobs: Sequence[tuple[int, int, int]]) -> None:
 def side_by_side(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run ``calls`` at once, on this thread and the copy helpers; their results in order."""
     return _copier.side_by_side(calls)
+
+
+def in_order(t: torch.Tensor) -> bool:
+    """Its memory holds its values in order: contiguous, no lazy conjugate or negative view."""
+    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
+def bytes_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copying ``src`` into ``dst`` is a copy of bytes (for :func:`copy_many`): both on
+    the CPU, of one dtype, in order."""
+    return dst.is_cpu and src.is_cpu and dst.dtype == src.dtype and in_order(dst) and in_order(src)

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ._copy import copy_many
+from ._copy import copy_many, in_order
 from ._errors import WireError
 
 __all__ = [
@@ -400,7 +400,7 @@ def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for i, nbytes in moves:
         t = out[i].detach()
         dst = flat[at : at + nbytes].view(t.dtype).view(t.shape)
-        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # plain bytes
+        if in_order(t):
             jobs.append((dst.data_ptr(), t.data_ptr(), nbytes))
         else:
             dst.copy_(t)
