@@ -178,7 +178,7 @@ def test_packed_strings_can_be_kept_packed_and_sliced_without_decoding():
 
     words = ["é" * 100 + str(i) for i in range(1000)]
     frames = [bytearray(memoryview(f).cast("B")) for f in encode(words)]
-    packed = decode(frames, packed_strings=True)
+    packed = decode(frames, forward=True)
     assert isinstance(packed, PackedStrings) and len(packed) == 1000
     assert packed[10:20].tolist() == words[10:20]
     again = roundtrip(PackedStrings.concat([packed[:5], packed[990:]]))

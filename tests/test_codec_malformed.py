@@ -241,3 +241,49 @@ def test_tensor_dict_decodes_views_at_their_offsets():
     out = decode([header(tree, 1), data])
     assert torch.equal(out["a"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
     assert torch.equal(out["b"], torch.frombuffer(data, dtype=torch.int16)[1:4])
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 16, 32, 48], [48, 32, 16, 0], [8, 8, 8, 8], [0, 8, 40, 44]],
+    ids=["spaced", "descending", "one place", "uneven"],
+)
+def test_tensor_dict_entries_of_one_shape_decode_at_their_own_offsets(offsets):
+    values = torch.arange(16, dtype=torch.float32)
+    data = bytearray(values.numpy().tobytes())
+    keys = ["a", "b", "c", "d"]
+    tree = tensor_dict_ext(
+        1, [[k, "float32", [2], at] for k, at in zip(keys, offsets, strict=True)]
+    )
+    out = decode([header(tree, 1), data])
+    assert list(out) == keys
+    for k, at in zip(keys, offsets, strict=True):
+        assert torch.equal(out[k], values[at // 4 : at // 4 + 2])
+    out["a"][0] = -1.0  # views of the frame, each its own tensor
+    assert torch.frombuffer(data, dtype=torch.float32)[offsets[0] // 4] == -1.0
+
+
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [
+        ([0, 16, 32, 48, 64], "tensor of 8 bytes at offset 64 of frame 1, which has 64"),
+        ([0, 8, 16, 56, 60], "tensor of 8 bytes at offset 60 of frame 1, which has 64"),
+        ([0, 8.0, 16], "tensor of 8 bytes at offset 8.0 of frame 1, which has 64"),
+    ],
+    ids=["last past the end", "after a run", "not an int"],
+)
+def test_tensor_dict_entries_of_one_shape_are_each_checked(offsets, message):
+    entries = [[f"k{i}", "float32", [2], at] for i, at in enumerate(offsets)]
+    with pytest.raises(WireError, match=rf"^malformed message: {message}$"):
+        decode([header(tree_of(entries), 1), bytearray(64)])
+
+
+def test_tensor_dict_entries_at_unaligned_offsets_come_as_their_bytes():
+    data = bytearray(range(64))
+    out = decode([header(tree_of([["a", "int16", [2], 1], ["b", "int16", [2], 3]]), 1), data])
+    assert out["a"].tolist() == torch.frombuffer(data[1:5], dtype=torch.int16).tolist()
+    assert out["b"].tolist() == torch.frombuffer(data[3:7], dtype=torch.int16).tolist()
+
+
+def tree_of(entries):
+    return tensor_dict_ext(1, entries)

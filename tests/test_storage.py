@@ -56,6 +56,12 @@ def test_reads_and_bytes_match_a_dict_model(steps: list[tuple[str, str, list[int
             order = held[::2] + held[1::2]
             got = unit.read(order, [name])[name]
             assert got.tolist() == [m[i] for i in order]
+            assert unit.read(held, [name])[name].tolist() == [m[i] for i in held]
+    both = sorted(set(model["a"]) & set(model["b"]))
+    if both:  # one read of several fields, each held in its own runs
+        got = unit.read(both, [*FIELDS, *FIELDS[::-1]])
+        for name in FIELDS:
+            assert got[name].tolist() == [model[name][i] for i in both]
     unit.drop(list(range(41)))
     assert unit.bytes_held == 0
     assert unit.stats()["samples"] == 0
@@ -77,3 +83,15 @@ def test_a_missing_sample_is_named() -> None:
     assert str(e.value) == (
         "field `x`: sample 2 has no value on this storage unit (it was dropped, or never put)"
     )
+
+
+def test_a_read_of_several_fields_across_puts_takes_every_row() -> None:
+    unit = StorageUnit()
+    for start in (0, 8):  # two puts of 4 rows, each its own run per field
+        rows = list(range(start, start + 4))
+        unit.store(rows, {"x": torch.tensor(rows) * 1.0, "y": torch.tensor(rows) * -1.0})
+    got = unit.read([0, 1, 2, 3, 8, 9, 10, 11], ["x", "y"])
+    assert got["x"].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert got["y"].tolist() == [-0.0, -1, -2, -3, -8, -9, -10, -11]
+    whole = unit.read([8, 9, 10, 11], ["y", "x"])  # exactly one put: its columns as they are
+    assert whole["x"].tolist() == [8, 9, 10, 11] and whole["y"].tolist() == [-8, -9, -10, -11]

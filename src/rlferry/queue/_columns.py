@@ -20,6 +20,7 @@ import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
 from rlferry.wire._copy import bytes_copy, copy_many
+from rlferry.wire._refs import materialized
 
 from ._errors import SchemaError
 
@@ -170,16 +171,22 @@ def nbytes(value: Any) -> int:
 def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
     """Rows ``[a, b)`` of stored columns, in order: ``pieces`` is ``[(column, a, b), ...]``.
 
-    One piece of a dense column comes back as a view (no copy); more pieces of
-    dense rows are gathered once into warm shared memory.
+    One piece of a column comes back as a view (no copy), a ``TensorRef`` of a
+    column held as one; more pieces of dense rows are gathered once into warm shared
+    memory.
     """
+    if len(pieces) == 1:
+        col, a, b = pieces[0]
+        if a == 0 and b == rows_of(col):
+            return col
+        if isinstance(col, torch.Tensor) and col.is_nested:
+            return jagged_rows(col, a, b)
+        return col[a:b]
+    pieces = [(materialized(col), a, b) for col, a, b in pieces]  # a gather builds tensors
     first = pieces[0][0]
     if isinstance(first, torch.Tensor) and first.is_nested:
         nested = [jagged_rows(col, a, b) for col, a, b in pieces]
-        return nested[0] if len(nested) == 1 else jagged_cat(nested)
-    if len(pieces) == 1:
-        col, a, b = pieces[0]
-        return col if a == 0 and b == rows_of(col) else col[a:b]
+        return jagged_cat(nested)
     if all(isinstance(col, PackedStrings) for col, _, _ in pieces):
         return PackedStrings.concat([col[a:b] for col, a, b in pieces])
     if isinstance(first, (list, PackedStrings)):  # small puts came as lists, large ones packed

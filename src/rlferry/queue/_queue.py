@@ -80,7 +80,7 @@ class Queue:
             )
             for _ in range(storage_units):
                 unit = StorageUnit(on_stored=ctrl.published)
-                srv = Server(unit.handle, default_address(transport), packed_strings=True)
+                srv = Server(unit.handle, default_address(transport), forward=True)
                 ctrl.register_unit(loop.run(srv.start()))
                 services.append(srv)
             loop.run(ctrl.start())

@@ -33,7 +33,7 @@ def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
             args = {"partition": partition, "indexes": indexes, "fields": fields}
             await (await link).request(["produced", args], timeout=_PUBLISH_TIMEOUT)
 
-        srv = Server(StorageUnit(published).handle, bind, secret=secret, packed_strings=True)
+        srv = Server(StorageUnit(published).handle, bind, secret=secret, forward=True)
         conn.send(await srv.start())
         link.set_result(AsyncClient(await asyncio.to_thread(conn.recv), secret=secret))
         stop = asyncio.Event()

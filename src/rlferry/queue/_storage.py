@@ -27,10 +27,11 @@ Stored = Callable[[str, list[int], list[str]], Awaitable[None]]
 class _Chunk:
     """One stored column: the rows one put placed on this unit for one field."""
 
-    __slots__ = ("column", "live", "nbytes")
+    __slots__ = ("column", "live", "nbytes", "rows")
 
     def __init__(self, column: Any, rows: int) -> None:
         self.column = column
+        self.rows = rows
         self.live = rows
         self.nbytes = nbytes(column)
 
@@ -86,6 +87,14 @@ class _Field:
         i = bisect.bisect_left(self.starts, a)
         self.runs.insert(i, (a, b, chunk, row))
         self.starts.insert(i, a)
+
+    def whole(self, a: int, b: int) -> _Chunk | None:
+        """The chunk that is exactly indexes ``[a, b)``, all its rows (a read of one put)."""
+        i = bisect.bisect_right(self.starts, a) - 1
+        if i < 0:
+            return None
+        start, stop, chunk, row = self.runs[i]
+        return chunk if start == a and stop == b and row == 0 and chunk.rows == b - a else None
 
     def pieces(self, a: int, b: int, name: str, out: list[tuple[Any, int, int]]) -> None:
         """Append ``(column, first row, stop row)`` pieces holding indexes ``[a, b)``."""
@@ -170,8 +179,14 @@ class StorageUnit:
     def read(self, indexes: list[int], fields: list[str]) -> dict[str, Any]:
         out = {}
         index_runs = _runs(indexes)  # once for all fields
+        first, stop, _ = index_runs[0] if len(index_runs) == 1 else (0, 0, 0)
         for name in fields:
             field = self.fields.get(name) or _Field()
+            chunk = field.whole(first, stop) if stop else None
+            if chunk is not None:  # the usual read: the rows of one put, as they came
+                out[name] = chunk.column
+                self.bytes_out += chunk.nbytes
+                continue
             pieces: list[tuple[Any, int, int]] = []
             for a, b, _ in index_runs:
                 field.pieces(a, b, name, pieces)

@@ -14,6 +14,7 @@ from ._errors import (
     WireError,
 )
 from ._loop import wire_loop
+from ._refs import TensorRef
 from ._shm import shared_copies, shared_empty
 from ._sockets import AsyncClient, Client, Server
 from ._strings import PackedStrings, pack_strings
@@ -28,6 +29,7 @@ __all__ = [
     "RequestTimeout",
     "SecurityError",
     "Server",
+    "TensorRef",
     "WireError",
     "decode",
     "default_address",

@@ -32,6 +32,7 @@ import torch
 
 from ._copy import in_order
 from ._errors import WireError
+from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
 from ._shm import BULK_MIN, BulkFrame, exports, shared_empty
 from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
 
@@ -51,35 +52,7 @@ _JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
 _STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
 _TENSORS = 7  # [frame, [[key, dtype, shape, byte offset], ...]]: a dict of tensors, one storage
 
-_DTYPES: dict[str, torch.dtype] = {}
-for _name in [
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-]:
-    _dt = getattr(torch, _name, None)
-    if isinstance(_dt, torch.dtype):
-        _DTYPES[_name] = _dt
-_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
+_DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
 _ITEMSIZE = {dt: dt.itemsize for dt in _DTYPES.values()}
 _NUMPY_KINDS = "biufc"
 
@@ -159,7 +132,16 @@ class _Encoder:
                 return [_DTYPE_NAMES[t.dtype], list(t.shape), frame, t.data_ptr() - key[0]]
         return [_DTYPE_NAMES[t.dtype], list(t.shape), self._add(_tensor_buffer(t))]
 
-    def _storage_frame(self, key: tuple[int, int], owner: torch.Tensor) -> int | None:
+    def ref_node(self, r: TensorRef) -> list[Any]:
+        """A reference to a tensor in shared memory: through shared memory it goes on as a
+        view of the same memory; otherwise its bytes travel, like a tensor's."""
+        if self._shared:
+            frame = self._storage_frame((r.address, r.whole.nbytes), r.whole)
+            if frame is not None:
+                return [r.dtype, r.shape, frame, r.offset]
+        return self.tensor_node(r.tensor())
+
+    def _storage_frame(self, key: tuple[int, int], owner: Any) -> int | None:
         """The frame of the shared-memory storage at ``key`` (address, size), added once;
         None when that memory is not this process's shared memory."""
         frame = self._storages.get(key)
@@ -175,6 +157,8 @@ class _Encoder:
             if obj.is_nested:
                 return self.nested(obj)
             return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.tensor_node(obj)))
+        if type(obj) is TensorRef:
+            return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.ref_node(obj)))
         if isinstance(obj, dict):
             if self._shared and len(obj) > 1:
                 group = self.tensor_dict(obj)
@@ -211,8 +195,12 @@ class _Encoder:
         raise _Refused([], f"type {type(obj).__module__}.{type(obj).__qualname__}")
 
     def tensor_dict(self, obj: dict[Any, Any]) -> msgspec.msgpack.Ext | None:
-        """A dict whose values are all plain tensors of one shared-memory storage (the
-        columns of one put, say): one node for all of them, None if it is anything else."""
+        """A dict whose values are all plain tensors of one shared-memory storage, or all
+        references into one shared memory (the columns of one put, say): one node for all
+        of them, None if it is anything else."""
+        first = next(iter(obj.values()))
+        if type(first) is TensorRef:
+            return self.ref_dict(obj, first)
         entries, storage = [], None
         for k, t in obj.items():
             if not (type(t) is torch.Tensor and type(k) is str and _plain(t)):
@@ -224,6 +212,19 @@ class _Encoder:
                 return None
             entries.append([k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0]])
         frame = None if storage is None else self._storage_frame(storage, t)
+        if frame is None:
+            return None
+        return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
+
+    def ref_dict(self, obj: dict[Any, Any], first: TensorRef) -> msgspec.msgpack.Ext | None:
+        memory, entries = (first.address, first.whole.nbytes), []
+        for k, r in obj.items():
+            if not (type(r) is TensorRef and type(k) is str):
+                return None
+            if r.whole is not first.whole and (r.address, r.whole.nbytes) != memory:
+                return None
+            entries.append([k, r.dtype, r.shape, r.offset])
+        frame = self._storage_frame(memory, first.whole)
         if frame is None:
             return None
         return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
@@ -330,13 +331,14 @@ _HEAD = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
 class _Decoding:
     """The state of one decode: the frames, which of them were used."""
 
-    def __init__(self, frames: Sequence[Buffer], packed_strings: bool = False) -> None:
-        self.packed_strings = packed_strings
+    def __init__(self, frames: Sequence[Buffer], forward: bool = False) -> None:
+        self.forward = forward
         self.frames = frames
         self.views = [_byte_view(f, i + 1) for i, f in enumerate(frames)]
         self.used = [False] * len(self.views)  # by one node alone
         self.shared = [False] * len(self.views)  # by nodes that give their offset in it
         self.bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.addresses: dict[int, int] = {}  # id(whole) -> its address (for TensorRefs)
         self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext)
 
     def frame(self, index: Any, what: str) -> memoryview:
@@ -369,7 +371,7 @@ class _Decoding:
             return tuple(items)
         node = msgspec.msgpack.decode(data)
         if code == _TENSOR:
-            return self.tensor(node)
+            return self.tensor(node, self.forward)
         if code == _RAGGED:
             return self.ragged(node)
         if code == _JAGGED:
@@ -382,26 +384,71 @@ class _Decoding:
             return self.tensor_dict(node)
         raise WireError(f"malformed message: unknown extension code {code}")
 
-    def tensor(self, node: Any) -> torch.Tensor:
+    def tensor(self, node: Any, ref: bool = False) -> Any:
+        """The tensor of a tensor node; with ``ref``, a :class:`TensorRef` where it lies
+        in shared memory."""
         if type(node) is not list or not 3 <= len(node) <= 4:
             raise WireError("malformed message: a tensor node is not [dtype, shape, frame]")
         if len(node) == 4:
-            return self.cut(node[2], node[0], node[1], node[3], self.shared_frame(node[2]))
-        return self.cut(node[2], node[0], node[1], 0)
+            return self.cut(node[2], node[0], node[1], node[3], self.shared_frame(node[2]), ref)
+        return self.cut(node[2], node[0], node[1], 0, None, ref)
 
-    def tensor_dict(self, node: Any) -> dict[str, torch.Tensor]:
+    def tensor_dict(self, node: Any) -> dict[str, Any]:
         if not (type(node) is list and len(node) == 2 and type(node[1]) is list):
             raise WireError("malformed message: a tensor dict node is not [frame, entries]")
         index, entries = node
         view = self.shared_frame(index)
-        out = {}
+        out: dict[str, Any] = {}
+        run: list[list[Any]] = []  # entries of one dtype and shape at evenly spaced offsets
+        joins, name0, shape0, last, step = False, None, None, 0, None
         for entry in entries:
             if not (type(entry) is list and len(entry) == 4 and type(entry[0]) is str):
                 raise WireError(
                     "malformed message: a tensor dict entry is not [key, dtype, shape, offset]"
                 )
-            out[entry[0]] = self.cut(index, entry[1], entry[2], entry[3], view)
+            _, name, shape, at = entry
+            if joins and type(at) is int and name == name0 and shape == shape0:
+                if step is None:
+                    step = at - last
+                if at - last == step:
+                    run.append(entry)
+                    last = at
+                    continue
+            self.cut_run(index, view, run, out)
+            run = [entry]
+            joins, name0, shape0, last, step = type(at) is int, name, shape, at, None
+        self.cut_run(index, view, run, out)
         return out
+
+    def cut_run(
+        self, index: int, view: memoryview, run: list[list[Any]], out: dict[str, Any]
+    ) -> None:
+        """The tensors of entries of one dtype and shape at evenly spaced offsets (the
+        columns of a put often are): cut in one call, where torch builds each tensor
+        at half the cost of one ``as_strided``."""
+        if not run:
+            return
+        _, name, shape, at = run[0]
+        first = self.cut(index, name, shape, at, view, self.forward)
+        out[run[0][0]] = first
+        if len(run) == 1:
+            return
+        frame = self.frames[index - 1]
+        whole, start = (frame.whole, frame.offset + at) if type(frame) is BulkFrame else (view, at)
+        base = None if self.forward else self.bases.get((id(whole), first.dtype))
+        size = _ITEMSIZE.get(first.dtype, 0)
+        step = run[1][3] - at
+        if base is None or not first.numel() or start % size or step < 0 or step % size:
+            for key, name, shape, at in run[1:]:  # one at a time
+                out[key] = self.cut(index, name, shape, at, view, self.forward)
+            return
+        _, name, shape, at = run[-1]
+        self.cut(index, name, shape, at, view)  # checks the bounds of the last, so of all
+        every = base.as_strided(
+            [len(run), *first.shape], [step // size, *first.stride()], start // size
+        )
+        for entry, t in zip(run[1:], every.unbind(0)[1:], strict=True):
+            out[entry[0]] = t
 
     def dtype(self, name: Any) -> torch.dtype:
         dtype = _DTYPES.get(name) if type(name) is str else None
@@ -410,10 +457,17 @@ class _Decoding:
         return dtype
 
     def cut(
-        self, index: Any, name: Any, shape: Any, at: Any, view: memoryview | None = None
-    ) -> torch.Tensor:
+        self,
+        index: Any,
+        name: Any,
+        shape: Any,
+        at: Any,
+        view: memoryview | None = None,
+        ref: bool = False,
+    ) -> Any:
         """The tensor of ``name`` and ``shape`` at byte ``at`` of frame ``index`` (checked):
-        the whole frame, or, given the ``view`` of a shared frame, a part of it."""
+        the whole frame, or, given the ``view`` of a shared frame, a part of it. With
+        ``ref``, a tensor that lies in shared memory comes as a :class:`TensorRef`."""
         dtype = self.dtype(name)
         size = _ITEMSIZE[dtype]
         strides = _strides_of(shape)  # checks the shape
@@ -431,7 +485,15 @@ class _Decoding:
                 f"of frame {index}, which has {view.nbytes}"
             )
         frame = self.frames[index - 1]
-        whole, at = (frame.whole, frame.offset + at) if type(frame) is BulkFrame else (view, at)
+        if type(frame) is not BulkFrame:
+            whole = view
+        else:
+            whole, at = frame.whole, frame.offset + at
+            if ref and not whole.readonly:
+                address = self.addresses.get(id(whole))
+                if address is None:
+                    address = self.addresses[id(whole)] = address_of(whole)
+                return TensorRef(whole, address, name, shape, at)
         if nbytes == 0 or whole.readonly or at % size:
             return _as_tensor(whole[at : at + nbytes], dtype, shape)
         base = self.bases.get((id(whole), dtype))
@@ -481,7 +543,7 @@ class _Decoding:
             raise WireError("malformed message: string data is not bytes")
         check_offsets(offsets, data.numel())
         packed = PackedStrings(node[0], offsets, data)
-        return packed if self.packed_strings else packed.tolist()
+        return packed if self.forward else packed.tolist()
 
     def ndarray(self, node: Any) -> Any:
         import numpy as np
@@ -549,15 +611,17 @@ def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.
     return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Buffer], *, packed_strings: bool = False) -> Any:
+def decode(frames: Sequence[Buffer], *, forward: bool = False) -> Any:
     """Rebuild the value of :func:`encode` from its frames, without copying tensor data.
 
     Tensors and arrays are views over the frames' memory (zmq frames received
     with ``copy=False`` are writable, so the tensors are too); read-only frames
     such as ``bytes`` are copied once.
 
-    With ``packed_strings``, long lists of str or bytes come back as
-    :class:`PackedStrings` (for services that store and forward them).
+    ``forward``: for services that store values and send them on without using them
+    (storage units). Long lists of str or bytes come back as :class:`PackedStrings`,
+    and tensors that lie in shared memory as :class:`TensorRef`: no Python string
+    and no torch object per value.
 
     Raises:
         WireError: missing, extra or truncated frames, or a header that does not
@@ -578,7 +642,7 @@ def decode(frames: Sequence[Buffer], *, packed_strings: bool = False) -> Any:
         raise WireError(
             f"malformed message: header announces {count} data frames, {len(frames) - 1} arrived"
         )
-    state = _Decoding(frames[1:], packed_strings)
+    state = _Decoding(frames[1:], forward)
     try:
         value = state.decoder.decode(tree)
     except WireError:

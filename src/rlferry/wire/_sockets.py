@@ -138,8 +138,9 @@ class Server:
     it) and raises :class:`SecurityError` without one. Over ipc:// large
     frames travel through shared memory (see ``rlferry.wire._shm``).
 
-    ``packed_strings``: long lists of str/bytes in requests stay packed
-    (:class:`~rlferry.wire.PackedStrings`), for services that only store and forward them.
+    ``forward``: for services that only store values and send them on (storage
+    units): requests decode with ``decode(..., forward=True)``, so long str/bytes lists
+    stay packed and tensors in shared memory stay references.
 
     ``on_disconnect(peer)``, if given, is called on the loop when a client that
     sent a request disconnects (closed, died, or silent past the heartbeat):
@@ -153,10 +154,10 @@ class Server:
         *,
         secret: str | bytes | None = None,
         on_disconnect: Callable[[bytes], None] | None = None,
-        packed_strings: bool = False,
+        forward: bool = False,
     ) -> None:
         address = address or default_address("tcp")
-        self._packed_strings = packed_strings
+        self._forward = forward
         check_bind(address, secret)
         self._handler = handler
         self._secret = secret
@@ -264,7 +265,7 @@ class Server:
                     _peer_pid(frames[-1]),
                     lambda eid: releases.owe(peer, eid),
                 )
-            value = decode(body, packed_strings=self._packed_strings)
+            value = decode(body, forward=self._forward)
             del body, frames
             result = await self._handler(value, peer)
             del value  # lets the request's shared memory go back to the client early
