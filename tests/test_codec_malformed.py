@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlferry.wire import WireError, decode, encode
+from rlferry.wire import WireError, decode, encode, shared_empty
 from rlferry.wire._codec import _RAGGED, _TENSOR, _TENSORS, MAGIC
 
 
@@ -208,82 +208,89 @@ def test_shared_frame_decodes_views_at_their_offsets():
     assert torch.frombuffer(data, dtype=torch.float32)[2] == 7.0
 
 
-def tensor_dict_ext(frame, entries):
-    return msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode([frame, entries]))
+def tensor_dict_ext(frame, groups):
+    return msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode([frame, groups]))
+
+
+GROUP = r"a tensor group is not \[keys, dtype, shape, byte offset, byte step >= 0\]"
 
 
 @pytest.mark.parametrize(
     ("node", "message"),
     [
-        ([1, [["a", "float32", [4], 0]], 9], r"a tensor dict node is not \[frame, entries\]"),
-        ([1, [["a", "float32", [4]]]], r"a tensor dict entry is not \[key, dtype, shape, offset\]"),
+        ([1, [[["a"], "float32", [4], 0, 0]], 9], r"a tensor dict node is not \[frame, groups\]"),
+        ([1, [[["a"], "float32", [4], 0]]], GROUP),
+        ([1, [["a", "float32", [4], 0, 0]]], GROUP),
+        ([1, [[[], "float32", [4], 0, 0]]], GROUP),
+        ([1, [[["a", 3], "float32", [4], 0, 0]]], GROUP),
+        ([1, [[["a"], "float32", [4], 0.0, 0]]], GROUP),
+        ([1, [[["a", "b"], "float32", [4], 0, -16]]], GROUP),
+        ([1, [[["a"], "float99", [4], 0, 0]]], r"unknown dtype 'float99'"),
+        ([1, [[["a"], "float32", [4, True], 0, 0]]], r"\[4, True\] is not a shape \(.*\)"),
         (
-            [1, [[3, "float32", [4], 0]]],
-            r"a tensor dict entry is not \[key, dtype, shape, offset\]",
+            [1, [[["a"], "float32", [4], 56, 0]]],
+            "tensor of 16 bytes at offset 56 of frame 1, which has 64",
         ),
-        ([1, [["a", "float99", [4], 0]]], r"unknown dtype 'float99'"),
         (
-            [1, [["a", "float32", [4], 56]]],
-            r"tensor of 16 bytes at offset 56 of frame 1, which has 64",
+            [1, [[["a", "b", "c", "d", "e"], "float32", [2], 0, 16]]],
+            "tensor of 8 bytes at offset 64 of frame 1, which has 64",
         ),
-        ([2, [["a", "float32", [4], 0]]], r"a tensor names frame 2, the message has frames 1\.\.1"),
+        (
+            [2, [[["a"], "float32", [4], 0, 0]]],
+            r"a tensor names frame 2, the message has frames 1\.\.1",
+        ),
     ],
 )
 def test_malformed_tensor_dict(node, message):
     tree = msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode(node))
-    with pytest.raises(WireError, match=rf"^malformed message: {message}"):
+    with pytest.raises(WireError, match=rf"^malformed message: {message}$"):
         decode([header(tree, 1), bytearray(64)])
 
 
 def test_tensor_dict_decodes_views_at_their_offsets():
     data = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
-    tree = tensor_dict_ext(1, [["a", "float32", [2, 2], 8], ["b", "int16", [3], 2]])
+    tree = tensor_dict_ext(1, [[["a"], "float32", [2, 2], 8, 0], [["b"], "int16", [3], 2, 0]])
     out = decode([header(tree, 1), data])
     assert torch.equal(out["a"], torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
     assert torch.equal(out["b"], torch.frombuffer(data, dtype=torch.int16)[1:4])
 
 
-@pytest.mark.parametrize(
-    "offsets",
-    [[0, 16, 32, 48], [48, 32, 16, 0], [8, 8, 8, 8], [0, 8, 40, 44]],
-    ids=["spaced", "descending", "one place", "uneven"],
-)
-def test_tensor_dict_entries_of_one_shape_decode_at_their_own_offsets(offsets):
+@pytest.mark.parametrize(("at", "step"), [(0, 16), (8, 0), (4, 8), (0, 8)])
+def test_a_tensor_group_decodes_each_tensor_at_its_own_offset(at, step):
     values = torch.arange(16, dtype=torch.float32)
     data = bytearray(values.numpy().tobytes())
     keys = ["a", "b", "c", "d"]
-    tree = tensor_dict_ext(
-        1, [[k, "float32", [2], at] for k, at in zip(keys, offsets, strict=True)]
-    )
+    tree = tensor_dict_ext(1, [[keys, "float32", [2], at, step]])
     out = decode([header(tree, 1), data])
     assert list(out) == keys
-    for k, at in zip(keys, offsets, strict=True):
-        assert torch.equal(out[k], values[at // 4 : at // 4 + 2])
-    out["a"][0] = -1.0  # views of the frame, each its own tensor
-    assert torch.frombuffer(data, dtype=torch.float32)[offsets[0] // 4] == -1.0
+    for i, k in enumerate(keys):
+        first = (at + i * step) // 4
+        assert torch.equal(out[k], values[first : first + 2])
+    out["b"][0] = -1.0  # views of the frame, each its own tensor
+    assert torch.frombuffer(data, dtype=torch.float32)[(at + step) // 4] == -1.0
 
 
-@pytest.mark.parametrize(
-    ("offsets", "message"),
-    [
-        ([0, 16, 32, 48, 64], "tensor of 8 bytes at offset 64 of frame 1, which has 64"),
-        ([0, 8, 16, 56, 60], "tensor of 8 bytes at offset 60 of frame 1, which has 64"),
-        ([0, 8.0, 16], "tensor of 8 bytes at offset 8.0 of frame 1, which has 64"),
-    ],
-    ids=["last past the end", "after a run", "not an int"],
-)
-def test_tensor_dict_entries_of_one_shape_are_each_checked(offsets, message):
-    entries = [[f"k{i}", "float32", [2], at] for i, at in enumerate(offsets)]
-    with pytest.raises(WireError, match=rf"^malformed message: {message}$"):
-        decode([header(tree_of(entries), 1), bytearray(64)])
-
-
-def test_tensor_dict_entries_at_unaligned_offsets_come_as_their_bytes():
+def test_a_tensor_group_at_unaligned_offsets_comes_as_its_bytes():
     data = bytearray(range(64))
-    out = decode([header(tree_of([["a", "int16", [2], 1], ["b", "int16", [2], 3]]), 1), data])
+    out = decode([header(tensor_dict_ext(1, [[["a", "b"], "int16", [2], 1, 2]]), 1), data])
     assert out["a"].tolist() == torch.frombuffer(data[1:5], dtype=torch.int16).tolist()
     assert out["b"].tolist() == torch.frombuffer(data[3:7], dtype=torch.int16).tolist()
 
 
-def tree_of(entries):
-    return tensor_dict_ext(1, entries)
+def test_the_encoder_groups_columns_of_one_shape_laid_out_evenly():
+    size = 1 << 16  # the storage is larger than the smallest frame sent by shared memory
+    flat = shared_empty([size * 8], torch.uint8)
+    cols = {f"f{i}": flat[i * size : (i + 1) * size].view(torch.float32) for i in range(6)}
+    cols["odd"] = flat[6 * size : 6 * size + 64].view(torch.int16)  # another dtype: its group
+    cols["back"] = cols["f0"]  # an offset behind the last: a group of its own
+    for t in cols.values():
+        t.copy_(torch.arange(t.numel()))
+    frames = encode(cols, shared=True)
+    if len(frames) != 2:
+        pytest.skip("no shared memory here: one frame per tensor")
+    _, _, tree = msgspec.msgpack.decode(frames[0])
+    groups = msgspec.msgpack.decode(tree.data)[1]
+    assert [g[0] for g in groups] == [[f"f{i}" for i in range(6)], ["odd"], ["back"]]
+    assert groups[0][3:] == [0, size]
+    out = decode(frames)
+    assert all(torch.equal(out[k], t) for k, t in cols.items())

@@ -50,7 +50,7 @@ _TUPLE = 3  # packed list of the items
 _RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
 _JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
 _STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
-_TENSORS = 7  # [frame, [[key, dtype, shape, byte offset], ...]]: a dict of tensors, one storage
+_TENSORS = 7  # [frame, [group, ...]]: a dict of tensors of one storage (see _group)
 
 _DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
 _ITEMSIZE = {dt: dt.itemsize for dt in _DTYPES.values()}
@@ -201,7 +201,8 @@ class _Encoder:
         first = next(iter(obj.values()))
         if type(first) is TensorRef:
             return self.ref_dict(obj, first)
-        entries, storage = [], None
+        entries: list[list[Any]] = []
+        storage = None
         for k, t in obj.items():
             if not (type(t) is torch.Tensor and type(k) is str and _plain(t)):
                 return None
@@ -210,20 +211,21 @@ class _Encoder:
                 storage = (s.data_ptr(), s.nbytes())
             elif s.data_ptr() != storage[0] or s.nbytes() != storage[1]:
                 return None
-            entries.append([k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0]])
+            _group(entries, k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0])
         frame = None if storage is None else self._storage_frame(storage, t)
         if frame is None:
             return None
         return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
 
     def ref_dict(self, obj: dict[Any, Any], first: TensorRef) -> msgspec.msgpack.Ext | None:
-        memory, entries = (first.address, first.whole.nbytes), []
+        memory = (first.address, first.whole.nbytes)
+        entries: list[list[Any]] = []
         for k, r in obj.items():
             if not (type(r) is TensorRef and type(k) is str):
                 return None
             if r.whole is not first.whole and (r.address, r.whole.nbytes) != memory:
                 return None
-            entries.append([k, r.dtype, r.shape, r.offset])
+            _group(entries, k, r.dtype, r.shape, r.offset)
         frame = self._storage_frame(memory, first.whole)
         if frame is None:
             return None
@@ -285,6 +287,21 @@ class _Encoder:
         buf = memoryview(flat).cast("B") if flat.nbytes else memoryview(b"")
         node = [a.dtype.str, shape, self._add(buf)]
         return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
+
+
+def _group(groups: list[list[Any]], key: str, dtype: str, shape: list[int], at: int) -> None:
+    """Add a tensor to the groups of a tensor-dict node. A group, ``[keys, dtype, shape,
+    byte offset, byte step]``, is tensors of one dtype and shape at evenly spaced offsets
+    (the columns of a put often are): the decoder builds all of them in one call."""
+    if groups:
+        g = groups[-1]
+        if g[1] == dtype and g[2] == shape and at >= g[3]:
+            if len(g[0]) == 1:
+                g[4] = at - g[3]
+            if at == g[3] + g[4] * len(g[0]):
+                g[0].append(key)
+                return
+    groups.append([[key], dtype, shape, at, 0])
 
 
 def encode(obj: Any, *, shared: bool = False) -> list[Buffer]:
@@ -395,60 +412,55 @@ class _Decoding:
 
     def tensor_dict(self, node: Any) -> dict[str, Any]:
         if not (type(node) is list and len(node) == 2 and type(node[1]) is list):
-            raise WireError("malformed message: a tensor dict node is not [frame, entries]")
-        index, entries = node
+            raise WireError("malformed message: a tensor dict node is not [frame, groups]")
+        index, groups = node
         view = self.shared_frame(index)
         out: dict[str, Any] = {}
-        run: list[list[Any]] = []  # entries of one dtype and shape at evenly spaced offsets
-        joins, name0, shape0, last, step = False, None, None, 0, None
-        for entry in entries:
-            if not (type(entry) is list and len(entry) == 4 and type(entry[0]) is str):
+        for group in groups:
+            if not (
+                type(group) is list
+                and len(group) == 5
+                and type(group[0]) is list
+                and group[0]
+                and all(type(k) is str for k in group[0])
+                and type(group[3]) is int
+                and type(group[4]) is int
+                and group[4] >= 0
+            ):
                 raise WireError(
-                    "malformed message: a tensor dict entry is not [key, dtype, shape, offset]"
+                    "malformed message: a tensor group is not "
+                    "[keys, dtype, shape, byte offset, byte step >= 0]"
                 )
-            _, name, shape, at = entry
-            if joins and type(at) is int and name == name0 and shape == shape0:
-                if step is None:
-                    step = at - last
-                if at - last == step:
-                    run.append(entry)
-                    last = at
-                    continue
-            self.cut_run(index, view, run, out)
-            run = [entry]
-            joins, name0, shape0, last, step = type(at) is int, name, shape, at, None
-        self.cut_run(index, view, run, out)
+            keys, name, shape, at, step = group
+            first = self.cut(index, name, shape, at, view, self.forward)
+            if len(keys) == 1:
+                out[keys[0]] = first
+                continue
+            last = at + step * (len(keys) - 1)
+            self.cut(index, name, shape, last, view)  # checks the bounds of the last, so of all
+            out.update(zip(keys, self.spaced(index, view, first, at, step, len(keys)), strict=True))
         return out
 
-    def cut_run(
-        self, index: int, view: memoryview, run: list[list[Any]], out: dict[str, Any]
-    ) -> None:
-        """The tensors of entries of one dtype and shape at evenly spaced offsets (the
-        columns of a put often are): cut in one call, where torch builds each tensor
-        at half the cost of one ``as_strided``."""
-        if not run:
-            return
-        _, name, shape, at = run[0]
-        first = self.cut(index, name, shape, at, view, self.forward)
-        out[run[0][0]] = first
-        if len(run) == 1:
-            return
+    def spaced(
+        self, index: int, view: memoryview, first: Any, at: int, step: int, count: int
+    ) -> list[Any]:
+        """``count`` tensors like ``first`` (cut at byte ``at``), ``step`` bytes apart."""
         frame = self.frames[index - 1]
         whole, start = (frame.whole, frame.offset + at) if type(frame) is BulkFrame else (view, at)
-        base = None if self.forward else self.bases.get((id(whole), first.dtype))
-        size = _ITEMSIZE.get(first.dtype, 0)
-        step = run[1][3] - at
-        if base is None or not first.numel() or start % size or step < 0 or step % size:
-            for key, name, shape, at in run[1:]:  # one at a time
-                out[key] = self.cut(index, name, shape, at, view, self.forward)
-            return
-        _, name, shape, at = run[-1]
-        self.cut(index, name, shape, at, view)  # checks the bounds of the last, so of all
+        if type(first) is TensorRef:
+            return [
+                TensorRef(whole, first.address, first.dtype, first.shape, start + i * step)
+                for i in range(count)
+            ]
+        base = self.bases.get((id(whole), first.dtype))
+        size = first.element_size()
+        if base is None or not first.numel() or start % size or step % size:
+            name, shape = _DTYPE_NAMES[first.dtype], list(first.shape)
+            return [self.cut(index, name, shape, at + i * step, view) for i in range(count)]
         every = base.as_strided(
-            [len(run), *first.shape], [step // size, *first.stride()], start // size
+            [count, *first.shape], [step // size, *first.stride()], start // size
         )
-        for entry, t in zip(run[1:], every.unbind(0)[1:], strict=True):
-            out[entry[0]] = t
+        return list(every.unbind(0))
 
     def dtype(self, name: Any) -> torch.dtype:
         dtype = _DTYPES.get(name) if type(name) is str else None
