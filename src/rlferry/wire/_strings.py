@@ -135,6 +135,8 @@ def pack_strings(items: list[Any]) -> PackedStrings | None:
         return None
     # Item by item, straight into shared memory: one joined temporary would be tens of MB
     # of fresh pages, which cost more to fault in than the copy itself.
+    if sum(map(len, items)) * (1 if kind_type is bytes else 4) < BULK_MIN:
+        return None  # too short even at 4 bytes a character (field names, short lists)
     sources: list[Any]
     if kind_type is bytes:
         sources, lengths = items, list(map(len, items))
