@@ -329,7 +329,7 @@ def run(iters: int, tq_python: str | None) -> str:
         )
     )
     scan = []
-    gets = field_scan([1, 8, 32], max(iters, 10) * 2)
+    gets = field_scan([1, 8, 32], max(iters, 10) * 6)
     for k, get in gets.items():
         seq = 73728 // k
         rate = gbps(B * seq * k * 4, get)

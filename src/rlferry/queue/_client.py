@@ -316,11 +316,11 @@ class AsyncQueueClient:
             reads.append(self._call(client, "read", args, _CONTROL_TIMEOUT))
         parts = await asyncio.gather(*reads)
         n = len(indexes)
-        kinds = share["kinds"]
+        kinds = share["kinds"]  # of the fields that are not plain tensors
         if len(parts) == 1:  # one unit, asked in batch order: its answer is the batch
             data = parts[0]
-            for name in fields:
-                if kinds.get(name) == "nested":  # a jagged field may come as its rows
+            for name, kind in kinds.items():
+                if kind == "nested":  # a jagged field may come as its rows
                     data[name] = assemble("nested", [(indexes, data[name])], n, whole=True)
         else:
             data = {}
@@ -328,7 +328,7 @@ class AsyncQueueClient:
                 pieces = [
                     (pos, part[name]) for pos, part in zip(by_unit.values(), parts, strict=True)
                 ]
-                data[name] = assemble(kinds.get(name, "list"), pieces, n)
+                data[name] = assemble(kinds.get(name, "tensor"), pieces, n)
         return Batch(
             partition, task, indexes, data, share["meta"], share["partition_meta"], share["lease"]
         )

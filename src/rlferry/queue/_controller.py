@@ -369,7 +369,7 @@ class Controller:
             "units": [s.unit for s in samples],
             "meta": {k: [s.meta.get(k) for s in samples] for k in keys},
             "partition_meta": p.meta,
-            "kinds": {f: p.signatures[f][0] for f in fields if f in p.signatures},
+            "kinds": {f: k for f in fields if (k := p.signatures[f][0]) != "tensor"},
             "lease": lease.id,
         }
 

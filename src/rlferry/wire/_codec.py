@@ -421,8 +421,7 @@ class _Decoding:
                 type(group) is list
                 and len(group) == 5
                 and type(group[0]) is list
-                and group[0]
-                and all(type(k) is str for k in group[0])
+                and set(map(type, group[0])) == _STR_ONLY  # and not empty
                 and type(group[3]) is int
                 and type(group[4]) is int
                 and group[4] >= 0
@@ -436,8 +435,12 @@ class _Decoding:
             if len(keys) == 1:
                 out[keys[0]] = first
                 continue
-            last = at + step * (len(keys) - 1)
-            self.cut(index, name, shape, last, view)  # checks the bounds of the last, so of all
+            last = at + step * (len(keys) - 1)  # in bounds, then all are
+            if last + first.nbytes > view.nbytes:
+                raise WireError(
+                    f"malformed message: tensor of {first.nbytes} bytes at offset {last} "
+                    f"of frame {index}, which has {view.nbytes}"
+                )
             out.update(zip(keys, self.spaced(index, view, first, at, step, len(keys)), strict=True))
         return out
 
@@ -597,6 +600,9 @@ def _byte_view(frame: Buffer, index: int) -> memoryview:
     except TypeError:
         raise WireError(f"frame {index} is a {type(frame).__name__}, not a buffer") from None
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+_STR_ONLY = {str}
 
 
 def _strides_of(shape: Any) -> list[int]:
