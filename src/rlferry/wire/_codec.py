@@ -421,7 +421,7 @@ class _Decoding:
                 type(group) is list
                 and len(group) == 5
                 and type(group[0]) is list
-                and set(map(type, group[0])) == _STR_ONLY  # and not empty
+                and set(map(type, group[0])) == {str}  # and not empty
                 and type(group[3]) is int
                 and type(group[4]) is int
                 and group[4] >= 0
@@ -437,10 +437,7 @@ class _Decoding:
                 continue
             last = at + step * (len(keys) - 1)  # in bounds, then all are
             if last + first.nbytes > view.nbytes:
-                raise WireError(
-                    f"malformed message: tensor of {first.nbytes} bytes at offset {last} "
-                    f"of frame {index}, which has {view.nbytes}"
-                )
+                raise _outside(first.nbytes, last, index, view)
             out.update(zip(keys, self.spaced(index, view, first, at, step, len(keys)), strict=True))
         return out
 
@@ -495,10 +492,7 @@ class _Decoding:
                     f"needs {nbytes} bytes, frame {index} has {view.nbytes}"
                 )
         elif type(at) is not int or at < 0 or at + nbytes > view.nbytes:
-            raise WireError(
-                f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
-                f"of frame {index}, which has {view.nbytes}"
-            )
+            raise _outside(nbytes, at, index, view)
         frame = self.frames[index - 1]
         if type(frame) is not BulkFrame:
             whole = view
@@ -602,7 +596,11 @@ def _byte_view(frame: Buffer, index: int) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-_STR_ONLY = {str}
+def _outside(nbytes: int, at: Any, index: Any, view: memoryview) -> WireError:
+    return WireError(
+        f"malformed message: tensor of {nbytes} bytes at offset {at!r} "
+        f"of frame {index}, which has {view.nbytes}"
+    )
 
 
 def _strides_of(shape: Any) -> list[int]:
