@@ -255,7 +255,7 @@ def test_tensor_dict_decodes_views_at_their_offsets():
     assert torch.equal(out["b"], torch.frombuffer(data, dtype=torch.int16)[1:4])
 
 
-@pytest.mark.parametrize(("at", "step"), [(0, 16), (8, 0), (4, 8), (0, 8)])
+@pytest.mark.parametrize(("at", "step"), [(0, 16), (8, 12), (4, 8), (0, 8)])
 def test_a_tensor_group_decodes_each_tensor_at_its_own_offset(at, step):
     values = torch.arange(16, dtype=torch.float32)
     data = bytearray(values.numpy().tobytes())
@@ -272,9 +272,34 @@ def test_a_tensor_group_decodes_each_tensor_at_its_own_offset(at, step):
 
 def test_a_tensor_group_at_unaligned_offsets_comes_as_its_bytes():
     data = bytearray(range(64))
-    out = decode([header(tensor_dict_ext(1, [[["a", "b"], "int16", [2], 1, 2]]), 1), data])
+    out = decode([header(tensor_dict_ext(1, [[["a", "b"], "int16", [2], 1, 4]]), 1), data])
     assert out["a"].tolist() == torch.frombuffer(data[1:5], dtype=torch.int16).tolist()
-    assert out["b"].tolist() == torch.frombuffer(data[3:7], dtype=torch.int16).tolist()
+    assert out["b"].tolist() == torch.frombuffer(data[5:9], dtype=torch.int16).tolist()
+
+
+@pytest.mark.parametrize(("shape", "step"), [([2], 0), ([2], 7), ([0], 0)])
+def test_a_tensor_group_whose_tensors_overlap_is_refused(shape, step):
+    # a step below the tensor's size would let one small frame feed any number of tensors
+    keys = [f"k{i}" for i in range(1000)]
+    tree = tensor_dict_ext(1, [[keys, "float32", shape, 0, step]])
+    with pytest.raises(WireError) as e:
+        decode([header(tree, 1), bytearray(64)])
+    nbytes = 4 * shape[0]
+    assert str(e.value) == (
+        f"malformed message: a tensor group of {nbytes}-byte tensors has byte step {step} "
+        "(its tensors must not overlap)"
+    )
+
+
+def test_a_service_of_plain_values_refuses_a_tensor_before_building_it():
+    frames = encode({"op": "get", "x": torch.ones(3)})
+    with pytest.raises(WireError) as e:
+        decode(frames, tensors=False)
+    assert str(e.value) == (
+        "malformed message: a tensor, array or packed list in a message to a service that "
+        "takes plain values only"
+    )
+    assert decode(encode({"op": "get", "t": (1, 2)}), tensors=False) == {"op": "get", "t": (1, 2)}
 
 
 def test_the_encoder_groups_columns_of_one_shape_laid_out_evenly():
@@ -283,6 +308,7 @@ def test_the_encoder_groups_columns_of_one_shape_laid_out_evenly():
     cols = {f"f{i}": flat[i * size : (i + 1) * size].view(torch.float32) for i in range(6)}
     cols["odd"] = flat[6 * size : 6 * size + 64].view(torch.int16)  # another dtype: its group
     cols["back"] = cols["f0"]  # an offset behind the last: a group of its own
+    cols["again"] = cols["f0"]  # the same tensor again: not a group with a step of 0
     for t in cols.values():
         t.copy_(torch.arange(t.numel()))
     frames = encode(cols, shared=True)
@@ -290,7 +316,7 @@ def test_the_encoder_groups_columns_of_one_shape_laid_out_evenly():
         pytest.skip("no shared memory here: one frame per tensor")
     _, _, tree = msgspec.msgpack.decode(frames[0])
     groups = msgspec.msgpack.decode(tree.data)[1]
-    assert [g[0] for g in groups] == [[f"f{i}" for i in range(6)], ["odd"], ["back"]]
+    assert [g[0] for g in groups] == [[f"f{i}" for i in range(6)], ["odd"], ["back"], ["again"]]
     assert groups[0][3:] == [0, size]
     out = decode(frames)
     assert all(torch.equal(out[k], t) for k, t in cols.items())

@@ -72,9 +72,64 @@ def test_timeout_raises_a_timeout_error(server):
     assert str(e.value) == f"no reply from {server.address} within 0.2 s"
 
 
-def test_nobody_listening_times_out():
-    with Client("tcp://127.0.0.1:9") as c, pytest.raises(RequestTimeout):
+def test_nobody_listening_is_never_answered_within_the_request_timeout():
+    with Client("tcp://127.0.0.1:9") as c, pytest.raises(PeerGone) as e:
         c.request(1, timeout=0.2)
+    assert str(e.value) == (
+        "tcp://127.0.0.1:9 never answered within 0.2 s (no server listens there: "
+        "is it running, and is this the address it printed?)"
+    )
+
+
+def test_nobody_listening_fails_after_the_connect_timeout_without_a_request_timeout():
+    with Client("tcp://127.0.0.1:9", connect_timeout=0.3) as c:
+        with pytest.raises(PeerGone) as e:
+            c.request(1, timeout=None)
+        assert "never answered within 0.3 s" in str(e.value)
+        with pytest.raises(PeerGone):  # later requests fail at once while nobody answers
+            c.request(1, timeout=None)
+
+
+def test_an_ipc_path_without_a_socket_file_is_refused_at_once():
+    with Client("ipc:///tmp/rlferry-test-nobody-here.sock") as c, pytest.raises(PeerGone) as e:
+        c.request(1, timeout=None)
+    assert str(e.value) == (
+        "no server at ipc:///tmp/rlferry-test-nobody-here.sock: its socket file does not "
+        "exist (is the server running, and is this the address it printed?)"
+    )
+
+
+@pytest.mark.parametrize("address", ["/tmp/x.sock", "127.0.0.1:5555", "http://h:1", "tcp://h"])
+def test_an_address_without_a_known_scheme_is_refused_by_the_constructor(address):
+    with pytest.raises(ValueError) as e:
+        Client(address)
+    assert str(e.value).startswith("address: expected tcp://HOST:PORT")
+    assert repr(address) in str(e.value)
+
+
+def test_an_ipc_server_removes_its_socket_file_on_close():
+    srv = Server(echo, default_address("ipc"))
+    path = wire_loop().run(srv.start()).removeprefix("ipc://")
+    assert os.path.exists(path)
+    wire_loop().run(srv.close())
+    assert not os.path.exists(path)
+
+
+def test_socket_files_of_dead_processes_are_swept_at_the_next_start(tmp_path, monkeypatch):
+    import rlferry.wire._address as address
+
+    proc = mp.get_context("spawn").Process(target=os.getpid)
+    proc.start()
+    proc.join()
+    dead = tmp_path / f"rlferry-{proc.pid}-0123456789ab.sock"
+    alive = tmp_path / f"rlferry-{os.getpid()}-0123456789ab.sock"
+    other = tmp_path / "someone-else.sock"
+    for f in (dead, alive, other):
+        f.write_bytes(b"")
+    monkeypatch.setattr(address.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(address, "_swept", False)
+    assert default_address("ipc").startswith(f"ipc://{tmp_path}/rlferry-{os.getpid()}-")
+    assert not dead.exists() and alive.exists() and other.exists()
 
 
 def test_closed_client_raises_channel_closed(server):
@@ -144,11 +199,20 @@ def test_curve_secret_lets_the_right_client_in_and_keeps_others_out():
             assert good.request("ok", timeout=10) == "ok"
         with (
             Client(address, secret="another secret of 32 bytes......") as bad,
-            pytest.raises((PeerGone, RequestTimeout)),
+            pytest.raises(SecurityError) as e,
         ):
-            bad.request("ok", timeout=1)
-        with Client(address) as plain, pytest.raises((PeerGone, RequestTimeout)):
-            plain.request("ok", timeout=1)
+            bad.request("ok", timeout=None)
+        assert str(e.value) == (
+            f"{address} refused this client's handshake: this client's secret differs from "
+            "the server's, or the server has none (pass the secret the server was started "
+            "with, or none)"
+        )
+        with Client(address) as plain, pytest.raises(SecurityError) as e:
+            plain.request("ok", timeout=None)
+        assert str(e.value) == (
+            f"{address} refused this client's handshake: the server requires a secret and "
+            "this client has none (pass secret=)"
+        )
     finally:
         wire_loop().run(srv.close())
 

@@ -211,7 +211,8 @@ class _Encoder:
                 storage = (s.data_ptr(), s.nbytes())
             elif s.data_ptr() != storage[0] or s.nbytes() != storage[1]:
                 return None
-            _group(entries, k, _DTYPE_NAMES[t.dtype], list(t.shape), t.data_ptr() - storage[0])
+            at = t.data_ptr() - storage[0]
+            _group(entries, k, _DTYPE_NAMES[t.dtype], list(t.shape), at, t.nbytes)
         frame = None if storage is None else self._storage_frame(storage, t)
         if frame is None:
             return None
@@ -225,7 +226,7 @@ class _Encoder:
                 return None
             if r.whole is not first.whole and (r.address, r.whole.nbytes) != memory:
                 return None
-            _group(entries, k, r.dtype, r.shape, r.offset)
+            _group(entries, k, r.dtype, r.shape, r.offset, r.nbytes)
         frame = self._storage_frame(memory, first.whole)
         if frame is None:
             return None
@@ -289,13 +290,16 @@ class _Encoder:
         return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
 
 
-def _group(groups: list[list[Any]], key: str, dtype: str, shape: list[int], at: int) -> None:
+def _group(
+    groups: list[list[Any]], key: str, dtype: str, shape: list[int], at: int, nbytes: int
+) -> None:
     """Add a tensor to the groups of a tensor-dict node. A group, ``[keys, dtype, shape,
     byte offset, byte step]``, is tensors of one dtype and shape at evenly spaced offsets
-    (the columns of a put often are): the decoder builds all of them in one call."""
+    that do not overlap (the columns of a put often are): the decoder builds all of them
+    in one call. A tensor that aliases the one before it starts a group of its own."""
     if groups:
         g = groups[-1]
-        if g[1] == dtype and g[2] == shape and at >= g[3]:
+        if g[1] == dtype and g[2] == shape and at >= g[3] + max(nbytes, 1):
             if len(g[0]) == 1:
                 g[4] = at - g[3]
             if at == g[3] + g[4] * len(g[0]):
@@ -348,8 +352,11 @@ _HEAD = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
 class _Decoding:
     """The state of one decode: the frames, which of them were used."""
 
-    def __init__(self, frames: Sequence[Buffer], forward: bool = False) -> None:
+    def __init__(
+        self, frames: Sequence[Buffer], forward: bool = False, tensors: bool = True
+    ) -> None:
         self.forward = forward
+        self.tensors = tensors
         self.frames = frames
         self.views = [_byte_view(f, i + 1) for i, f in enumerate(frames)]
         self.used = [False] * len(self.views)  # by one node alone
@@ -386,6 +393,11 @@ class _Decoding:
             if not isinstance(items, list):
                 raise WireError("malformed message: a tuple node does not hold a list")
             return tuple(items)
+        if not self.tensors:
+            raise WireError(
+                "malformed message: a tensor, array or packed list in a message to a service "
+                "that takes plain values only"
+            )
         node = msgspec.msgpack.decode(data)
         if code == _TENSOR:
             return self.tensor(node, self.forward)
@@ -435,6 +447,11 @@ class _Decoding:
             if len(keys) == 1:
                 out[keys[0]] = first
                 continue
+            if step < max(first.nbytes, 1):  # else one frame would feed any number of tensors
+                raise WireError(
+                    f"malformed message: a tensor group of {first.nbytes}-byte tensors has "
+                    f"byte step {step} (its tensors must not overlap)"
+                )
             last = at + step * (len(keys) - 1)  # in bounds, then all are
             if last + first.nbytes > view.nbytes:
                 raise _outside(first.nbytes, last, index, view)
@@ -627,7 +644,7 @@ def _as_tensor(view: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.
     return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Buffer], *, forward: bool = False) -> Any:
+def decode(frames: Sequence[Buffer], *, forward: bool = False, tensors: bool = True) -> Any:
     """Rebuild the value of :func:`encode` from its frames, without copying tensor data.
 
     Tensors and arrays are views over the frames' memory (zmq frames received
@@ -638,6 +655,10 @@ def decode(frames: Sequence[Buffer], *, forward: bool = False) -> Any:
     (storage units). Long lists of str or bytes come back as :class:`PackedStrings`,
     and tensors that lie in shared memory as :class:`TensorRef`: no Python string
     and no torch object per value.
+
+    ``tensors=False``: for services whose requests hold plain values only (a
+    controller): any tensor, array or packed list in the header is refused before
+    anything is built.
 
     Raises:
         WireError: missing, extra or truncated frames, or a header that does not
@@ -658,7 +679,7 @@ def decode(frames: Sequence[Buffer], *, forward: bool = False) -> Any:
         raise WireError(
             f"malformed message: header announces {count} data frames, {len(frames) - 1} arrived"
         )
-    state = _Decoding(frames[1:], forward)
+    state = _Decoding(frames[1:], forward, tensors)
     try:
         value = state.decoder.decode(tree)
     except WireError:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
     "ChannelClosed",
     "PeerGone",
@@ -9,6 +12,7 @@ __all__ = [
     "RequestTimeout",
     "SecurityError",
     "WireError",
+    "brief",
 ]
 
 
@@ -38,4 +42,27 @@ class RemoteError(WireError):
 
 
 class SecurityError(WireError):
-    """A bind or connect that would expose a service without a shared secret."""
+    """A bind that would expose a service without a shared secret, a secret too short, or
+    a server that refused this client's secret (or its lack of one)."""
+
+
+class _Brief(reprlib.Repr):
+    """reprlib that describes a tensor or array by its shape, never by its values."""
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        shape = getattr(x, "shape", None)
+        if shape is not None and hasattr(x, "dtype"):
+            return f"{type(x).__name__}(shape={list(shape)}, dtype={x.dtype})"
+        return f"<{type(x).__module__}.{type(x).__qualname__}>"
+
+
+_brief = _Brief()
+_brief.maxstring = _brief.maxother = 40
+_brief.maxlevel = 3
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """A repr of ``value`` for an error message, at most ``limit`` characters, built
+    without walking more than a few items of it (values from the network can be huge)."""
+    text = _brief.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

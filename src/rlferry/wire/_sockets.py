@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,14 +23,28 @@ import zmq.asyncio
 import zmq.auth.thread
 from zmq.utils.monitor import parse_monitor_message
 
-from ._address import check_bind, curve_keys, default_address
+from ._address import (
+    check_address,
+    check_bind,
+    curve_keys,
+    default_address,
+    ipc_path,
+    remove_socket_file,
+)
 from ._codec import decode, encode
-from ._errors import ChannelClosed, PeerGone, RemoteError, RequestTimeout, WireError
+from ._errors import (
+    ChannelClosed,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    SecurityError,
+    WireError,
+)
 from ._loop import wire_loop
 from ._shm import AVAILABLE as _SHM_AVAILABLE
 from ._shm import exports, pack_bulk, unpack_bulk
 
-__all__ = ["AsyncClient", "Client", "Handler", "Server"]
+__all__ = ["CONNECT_TIMEOUT", "AsyncClient", "Client", "Handler", "Server"]
 
 log = logging.getLogger("rlferry.wire")
 
@@ -38,6 +53,8 @@ Handler = Callable[[Any, bytes], Awaitable[Any]]
 
 _OK, _ERR = b"\x00", b"\x01"
 _CONTROL = bytes(8)  # request id of a release message
+CONNECT_TIMEOUT = 10.0
+"""Seconds a client waits for its first handshake before its requests fail as never answered."""
 _release_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[int]))
 _SOCKOPTS = {
     zmq.HEARTBEAT_IVL: 1000,
@@ -142,6 +159,10 @@ class Server:
     units): requests decode with ``decode(..., forward=True)``, so long str/bytes lists
     stay packed and tensors in shared memory stay references.
 
+    ``tensors=False``: for services whose requests hold plain values only (a
+    controller): a request with a tensor, array or packed list is refused before
+    anything is built, so a header cannot make it build objects.
+
     ``on_disconnect(peer)``, if given, is called on the loop when a client that
     sent a request disconnects (closed, died, or silent past the heartbeat):
     a service that parks requests or holds state per client learns it at once.
@@ -155,9 +176,11 @@ class Server:
         secret: str | bytes | None = None,
         on_disconnect: Callable[[bytes], None] | None = None,
         forward: bool = False,
+        tensors: bool = True,
     ) -> None:
-        address = address or default_address("tcp")
+        address = check_address(address or default_address("tcp"))
         self._forward = forward
+        self._tensors = tensors
         check_bind(address, secret)
         self._handler = handler
         self._secret = secret
@@ -169,6 +192,7 @@ class Server:
         self._peers_by_fd: dict[int, bytes] = {}
         self._on_disconnect = on_disconnect
         self._releases: _Releases | None = None
+        self._socket_file: str | None = None
         self.address = ""
 
     async def start(self) -> str:
@@ -194,6 +218,7 @@ class Server:
             raise WireError(f"bind {self._bind!r}: {e}") from None
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket_file = ipc_path(self.address)
         self._releases = _Releases(self._send_release)
         self._bg = [asyncio.ensure_future(self._serve())]
         if self._shm or self._on_disconnect is not None:
@@ -265,7 +290,7 @@ class Server:
                     _peer_pid(frames[-1]),
                     lambda eid: releases.owe(peer, eid),
                 )
-            value = decode(body, forward=self._forward)
+            value = decode(body, forward=self._forward, tensors=self._tensors)
             del body, frames
             result = await self._handler(value, peer)
             del value  # lets the request's shared memory go back to the client early
@@ -288,7 +313,8 @@ class Server:
             exports.peer_gone(peer)
 
     async def close(self) -> None:
-        """Stop serving; requests in progress are cancelled (their clients see PeerGone)."""
+        """Stop serving; requests in progress are cancelled (their clients see PeerGone).
+        An ipc:// server removes its socket file."""
         for t in [*self._bg, *self._tasks]:
             t.cancel()
         if self._sock is not None:
@@ -296,14 +322,21 @@ class Server:
                 self._sock.disable_monitor()
             self._sock.close(0)
             self._sock = None
+        if self._socket_file is not None:
+            remove_socket_file(self.address)
+            self._socket_file = None
 
 
 class AsyncClient:
     """An asyncio client of a :class:`Server`; many requests may be in flight at once.
 
     End of life: :class:`ChannelClosed` after :meth:`close`; :class:`PeerGone`
-    when the server disconnects while requests wait; :class:`RequestTimeout`
-    when no reply comes in time; :class:`RemoteError` when the handler raised.
+    when the server disconnects while requests wait, when an ipc:// address has no
+    socket file, or when no server answered the connection within
+    ``connect_timeout`` seconds (default :data:`CONNECT_TIMEOUT`; later requests
+    fail at once until it answers); :class:`SecurityError` when the server refused
+    this client's secret (or its lack of one); :class:`RequestTimeout` when no reply
+    comes in time; :class:`RemoteError` when the handler raised.
     """
 
     _ids = itertools.count(1)
@@ -314,9 +347,13 @@ class AsyncClient:
         *,
         secret: str | bytes | None = None,
         on_state: Callable[[bool], None] | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
-        self.address = address
+        self.address = check_address(address)
         self._secret = secret
+        self._connect_timeout = connect_timeout
+        self._connected = False  # a handshake succeeded, ever
+        self._never: asyncio.TimerHandle | None = None
         self._on_state = on_state  # called (on the loop) with True on connect, False on loss
         self._shm = _uses_shm(address)
         self._key = f"server:{id(self)}:{address}".encode()  # names the server in exports
@@ -324,7 +361,7 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: _Releases | None = None
-        self._gone: PeerGone | None = None
+        self._gone: WireError | None = None
         self._closed = False
 
     def connect(self) -> None:
@@ -336,6 +373,12 @@ class AsyncClient:
             raise ChannelClosed(f"client of {self.address} is closed")
         if self._sock is not None:
             return self._sock
+        path = ipc_path(self.address)
+        if path is not None and not os.path.exists(path):
+            raise PeerGone(
+                f"no server at {self.address}: its socket file does not exist (is the server "
+                "running, and is this the address it printed?)"
+            )
         sock = shared_context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         for opt, val in _SOCKOPTS.items():
@@ -348,6 +391,8 @@ class AsyncClient:
         monitor = sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_SUCCEEDED,
             addr=_monitor_address(),
         )
@@ -358,7 +403,18 @@ class AsyncClient:
             asyncio.ensure_future(self._read(sock)),
             asyncio.ensure_future(self._watch(monitor)),
         ]
+        self._never = asyncio.get_running_loop().call_later(
+            self._connect_timeout, self._never_answered
+        )
         return sock
+
+    def _never_answered(self) -> None:
+        if not self._connected and self._gone is None:
+            self._gone = PeerGone(
+                f"{self.address} never answered within {self._connect_timeout:g} s (no server "
+                "listens there: is it running, and is this the address it printed?)"
+            )
+            self._fail_all(self._gone)
 
     async def _send_release(self, peer: bytes, ids: list[int]) -> None:
         if self._sock is not None:
@@ -405,16 +461,19 @@ class AsyncClient:
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._gone = None
+                kind = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._gone, self._connected = None, True
+                    if self._never is not None:
+                        self._never.cancel()
                     if self._on_state is not None:
                         self._on_state(True)
                     continue
                 exports.peer_gone(self._key)
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self._gone = PeerGone(f"{self.address} refused our key (wrong secret?)")
-                else:
+                refused = self._refusal(kind)
+                if refused is not None:
+                    self._gone = refused
+                elif not isinstance(self._gone, SecurityError):  # a refusal ends in a disconnect
                     self._gone = PeerGone(
                         f"{self.address} disconnected (the server closed or died)"
                     )
@@ -425,6 +484,23 @@ class AsyncClient:
             return
         finally:
             monitor.close(0)
+
+    def _refusal(self, kind: int) -> SecurityError | None:
+        """The error of a handshake the server refused, or None for a plain disconnect."""
+        failed = (
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        )
+        if kind not in failed:
+            return None
+        why = (  # the client cannot tell these two apart: the handshake just fails
+            "this client's secret differs from the server's, or the server has none "
+            "(pass the secret the server was started with, or none)"
+        )
+        if self._secret is None:
+            why = "the server requires a secret and this client has none (pass secret=)"
+        return SecurityError(f"{self.address} refused this client's handshake: {why}")
 
     def _fail_all(self, exc: WireError) -> None:
         pending, self._pending = self._pending, {}
@@ -437,7 +513,8 @@ class AsyncClient:
 
         Raises:
             RequestTimeout: no reply within ``timeout`` seconds (None: no limit).
-            PeerGone: the server disconnected while we waited.
+            PeerGone: the server disconnected while we waited, or never answered.
+            SecurityError: the server refused this client's secret.
             ChannelClosed: this client was closed.
             RemoteError: the server's handler raised.
             WireError: ``value`` cannot be encoded.
@@ -456,6 +533,11 @@ class AsyncClient:
             await sock.send_multipart([rid, desc, *frames], copy=False)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            if not self._connected:
+                raise PeerGone(
+                    f"{self.address} never answered within {timeout} s (no server listens "
+                    "there: is it running, and is this the address it printed?)"
+                ) from None
             raise RequestTimeout(f"no reply from {self.address} within {timeout} s") from None
         finally:
             self._pending.pop(rid, None)
@@ -463,6 +545,8 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the socket; waiting requests raise :class:`ChannelClosed`."""
         self._closed = True
+        if self._never is not None:
+            self._never.cancel()
         self._fail_all(ChannelClosed(f"client of {self.address} was closed"))
         exports.peer_gone(self._key)
         for t in self._tasks:
@@ -479,9 +563,15 @@ class Client:
     Safe to share between threads. Same errors as :class:`AsyncClient`.
     """
 
-    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | bytes | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
         self._loop = wire_loop()
-        self._client = AsyncClient(address, secret=secret)
+        self._client = AsyncClient(address, secret=secret, connect_timeout=connect_timeout)
         self.address = address
 
     def request(self, value: Any, timeout: float | None = None) -> Any:
