@@ -14,7 +14,6 @@ from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSend
 from rlferry.weights._copy import CHUNK_BYTES, chunk_table, triton_available
 from rlferry.weights._pack import BucketItems, Packer, Unpacker, bucketed
 from rlferry.weights._plan import Plan, TensorSpec
-from rlferry.weights.transports._base import SenderTransport
 
 requires_triton = pytest.mark.skipif(
     not triton_available(), reason="needs Triton (on the GPU image; optional elsewhere)"
@@ -232,7 +231,10 @@ def test_on_cuda_the_copy_runs_on_the_current_stream():
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
 
 
-class _Buffers(SenderTransport):
+class _Buffers:  # what a Packer packs into
+    generation = 0
+    collective = False
+
     def __init__(self, nbytes):
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
 

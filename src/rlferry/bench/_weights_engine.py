@@ -17,7 +17,6 @@ import torch
 from rlferry.weights import ParamLoader, WeightReceiver
 from rlferry.weights._plan import Plan, TensorSpec
 from rlferry.weights.transports import _broadcast
-from rlferry.weights.transports._base import SenderTransport
 from rlferry.weights.transports._cuda_ipc import _open, _share
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -205,8 +204,11 @@ def ipc_send(conn: Connection, state: dict[str, torch.Tensor], bucket: int, reop
     conn.send(None)
 
 
-class _Shim(SenderTransport):
+class _Shim:
+    """The bucket buffers a Packer packs into (a ``BucketBuffers``), for the baselines."""
+
     generation = 0
+    collective = False
 
     def __init__(self, bufs: list[torch.Tensor]) -> None:
         self.bufs = bufs

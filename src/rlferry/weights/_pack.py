@@ -17,7 +17,7 @@ from rlferry.wire._copy import bytes_copy
 from ._copy import GroupedCopy, fusable, triton_available
 from ._errors import WeightSyncError
 from ._plan import Plan, iterate_checked
-from .transports._base import SenderTransport
+from .transports._base import BucketBuffers
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
@@ -67,7 +67,7 @@ def _indexed(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tens
 class Packer:
     """The sender's precomputed destination views, per bucket."""
 
-    def __init__(self, plan: Plan, transport: SenderTransport, device: torch.device) -> None:
+    def __init__(self, plan: Plan, transport: BucketBuffers, device: torch.device) -> None:
         self.generation = transport.generation
         self.plan = plan
         split = plan.split()

@@ -42,7 +42,12 @@ from ._pack import Unpacker
 from ._plan import Plan, TensorSpec, check_against
 from ._report import ReceiverStatistics
 from .transports import make_receiver
-from .transports._base import checksum
+from .transports._base import (
+    CollectiveReceiver,
+    MailboxReceiver,
+    ReceiverTransport,
+    checksum,
+)
 
 __all__ = ["WeightReceiver"]
 
@@ -100,8 +105,9 @@ class WeightReceiver:
             secret=secret,
         )
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
-        self._transport_name = ""
-        self._transport: Any = None
+        self._transport: ReceiverTransport | None = None
+        self._mailbox: MailboxReceiver | None = None  # the transport, if a mailbox
+        self._collective: CollectiveReceiver | None = None  # the transport, if a collective
         self._loop = wire_loop()
         self._client: AsyncClient | None = None
         self._prefetch: concurrent.futures.Future[Any] | None = None
@@ -130,8 +136,9 @@ class WeightReceiver:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
         self._client = AsyncClient(self.config.address, secret=self.config.secret)
         welcome = self._join(timeout)
-        self._transport_name = welcome.transport
-        self._transport = make_receiver(welcome.transport)
+        tr = self._transport = make_receiver(welcome.transport)
+        self._mailbox = tr if isinstance(tr, MailboxReceiver) else None
+        self._collective = tr if isinstance(tr, CollectiveReceiver) else None
         self._thread = threading.Thread(
             target=self._serve, name=f"rlferry-weights-{self.name}", daemon=True
         )
@@ -201,8 +208,8 @@ class WeightReceiver:
             failures=self._counts["failures"],
             bytes_loaded=self._counts["bytes"],
             last_push_seconds=self._last_seconds,
-            buffers_opened=getattr(t, "opened", 0),
-            groups_joined=getattr(t, "groups_joined", 0),
+            buffers_opened=t.opened if t is not None else 0,
+            groups_joined=t.groups_joined if t is not None else 0,
             last_error=self._last_error,
         )
 
@@ -260,8 +267,8 @@ class WeightReceiver:
                 return Ack(msg.seq, ABORTED)
             return Ack(0, IDLE)
         except Exception as e:
-            seq = getattr(msg, "seq", 0)
-            step = getattr(msg, "index", PLAN if isinstance(msg, Setup) else 0)
+            seq = msg.seq if isinstance(msg, (Setup, Bucket, Stream, Abort)) else 0
+            step = msg.index if isinstance(msg, Bucket) else PLAN if isinstance(msg, Setup) else 0
             return self._failed(seq, step, f"{type(e).__name__}: {e}")
 
     def _failed(self, seq: int, step: int, reason: str) -> Ack:
@@ -286,18 +293,20 @@ class WeightReceiver:
         if why is not None:
             return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
         handles: list[bytes] = []
-        if self._transport_name == "broadcast":
+        coll, mail = self._collective, self._mailbox
+        if coll is not None:
             host = _host_of(self.config.address)
-            self._transport.join(msg.transport, host, self.config.device, self._store_call)
-            bufs = self._transport.buffers(plan.buffer_bytes)
+            coll.join(msg.transport, host, self.config.device, self._store_call)
+            bufs = coll.buffers(plan.buffer_bytes)
         else:
-            handles = self._transport.attach(msg.transport, self.config.device)
-            if getattr(self._transport, "direct", False):  # cuda_ipc reading the sender's tensors
-                bufs = list(self._transport.tensors)
+            assert mail is not None
+            handles = mail.attach(msg.transport, self.config.device)
+            if mail.direct:  # zero copy: reading the sender's tensors
+                bufs = list(mail.tensors)
                 self._unpacker = Unpacker.direct(plan, bufs)
                 self._bufs, self._plan = bufs, plan
                 return Ack(msg.seq, PLAN, handles=handles)
-            bufs = [self._transport.buffer(0), self._transport.buffer(1)]
+            bufs = [mail.buffer(0), mail.buffer(1)]
         same = len(bufs) == len(self._bufs) and all(
             a is b for a, b in zip(bufs, self._bufs, strict=True)
         )
@@ -344,16 +353,17 @@ class WeightReceiver:
                 return failed
         if last + 1 < plan.buckets:
             return Ack(msg.seq, last)
-        self._transport.finish()
+        assert self._mailbox is not None
+        self._mailbox.finish()
         return self._commit(msg.seq, msg.version)
 
     def _load_bucket(self, msg: Bucket, k: int) -> Ack | None:
         """Load bucket ``k`` of a mailbox transport; a failure's Ack, or None."""
-        plan, tr = self._plan, self._transport
-        assert plan is not None
+        plan, tr = self._plan, self._mailbox
+        assert plan is not None and tr is not None
         b = k % 2
         tr.before_load(b)
-        stream = getattr(tr, "stream", None)
+        stream = tr.load_stream
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             if msg.checksum is not None and self.config.verify:
@@ -382,7 +392,8 @@ class WeightReceiver:
         def on_bucket(k: int, buf: torch.Tensor) -> None:
             self._load(k)
 
-        error = self._transport.stream(plan, on_bucket, msg.verify)
+        assert self._collective is not None
+        error = self._collective.stream(plan, on_bucket, msg.verify)
         if error is not None:
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
         return self._commit(msg.seq, msg.version)

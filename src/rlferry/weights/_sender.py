@@ -19,7 +19,7 @@ from ._pack import Packer, bucketed
 from ._plan import Plan, TensorSpec, named_pair
 from ._report import PushReport, SenderStatistics
 from .transports import make_sender
-from .transports._base import checksum
+from .transports._base import CollectiveSender, MailboxSender, checksum
 
 __all__ = ["WeightSender"]
 
@@ -100,10 +100,14 @@ class WeightSender:
             zero_copy=zero_copy,
         )
         self._loop = wire_loop()
-        self._transport = make_sender(transport, bind, secret)
+        self._transport = tr = make_sender(transport, bind, secret)
+        # exactly one of these is the transport: the kind decides how a push runs
+        self._mailbox = tr if isinstance(tr, MailboxSender) else None
+        self._collective = tr if isinstance(tr, CollectiveSender) else None
         self._hub = self._loop.run(self._make_hub())
-        self._hub.on_leave = self._transport.receiver_left
-        self._hub.store = getattr(self._transport, "kv", None)  # broadcast with a secret
+        self._hub.on_leave = tr.receiver_left
+        if self._collective is not None:  # broadcast with a secret: the group meets here
+            self._hub.store = self._collective.kv
         bind = bind or default_address("tcp" if transport == "broadcast" else "ipc")
         self._server = Server(
             self._hub.handle, bind, secret=secret, on_disconnect=self._hub.disconnected
@@ -173,52 +177,53 @@ class WeightSender:
         run = self._loop.run
         members = run(self._hub.begin({"seq": seq, "version": version}, wait_for, deadline))
         self._first = False
-        tr = self._transport
+        mail, coll = self._mailbox, self._collective
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
-        if self.config.zero_copy and hasattr(tr, "use_direct") and not checked and not verify:
+        if self.config.zero_copy and mail is not None and not checked and not verify:
             assert self._device is not None
             direct = [t for _, t in named]
-            if not tr.use_direct(direct, self._device):
+            if not mail.use_direct(direct, self._device):
                 named = iter([(s.name, t) for s, t in zip(plan.specs, direct, strict=True)])
                 direct = None
-        if direct is None and hasattr(tr, "use_packed"):
-            tr.use_packed()
+        if direct is None and mail is not None:
+            mail.use_packed()
         setups = self._setups(members, plan, timeout)
         push = Push(
             seq, version, plan.to_wire() if plan_sent else None, plan.fingerprint, members,
-            setups, tr.collective, verify,
+            setups, coll is not None, verify,
         )  # fmt: skip
         run(self._hub.start(push))
         try:
-            if tr.collective and setups:
-                tr.form(deadline)  # type: ignore[attr-defined]
+            if coll is not None and setups:
+                coll.form(deadline)
             rejected = run(self._hub.planned(deadline))
             if rejected:
                 raise WeightSyncError(
                     f"push of version {version}: {self._failures_text(rejected)}; no bucket moved",
                     {m.name: m.error or "" for m in rejected},
                 )
-            if not tr.collective:
+            if mail is not None:
                 for m in members:
                     if m.key in setups and m.error is None:
-                        tr.receiver_attached(m.key, m.handles)
+                        mail.receiver_attached(m.key, m.handles)
             run(self._hub.stream())
             if direct is not None:
-                tr.ready()  # type: ignore[attr-defined]
+                assert mail is not None
+                mail.ready()
                 # receivers read the tensors in place: every bucket is ready, in one answer
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
-            elif tr.collective:
+            elif coll is not None:
                 buckets = bucketed(plan, named, checked)
-                tr.stream(plan, buckets, self._packer, verify, deadline)  # type: ignore[attr-defined]
+                coll.stream(plan, buckets, self._packer, verify, deadline)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             p = run(self._hub.finish(deadline))
         except BaseException as e:
             reason = f"the sender failed: {type(e).__name__}: {e}"
-            if tr.collective:
-                tr.broken()  # type: ignore[attr-defined]
+            if coll is not None:
+                coll.broken()
             run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
             self._loop.loop.call_soon_threadsafe(self._hub.done)
             if isinstance(e, WeightSyncError) and not e.failures:
@@ -239,8 +244,8 @@ class WeightSender:
         self._stats["pushes"] += 1
         self._stats["bytes"] += plan.nbytes
         if failed:
-            if tr.collective:
-                tr.broken()  # type: ignore[attr-defined]
+            if coll is not None:
+                coll.broken()
             committed = f"{len(ok)} committed it" if ok else "none committed it"
             raise WeightSyncError(
                 f"push of version {version}: {self._failures_text(failed)}; {committed}",
@@ -266,7 +271,8 @@ class WeightSender:
             raise WeightSyncError("push: expected at least one named tensor, got none")
         data = itertools.chain([first], it)
         if self._device is None:
-            self._device = getattr(first[1], "device", torch.device("cpu"))
+            t = first[1]
+            self._device = t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
         if layout is not None:
             key = _key_of(layout)
         elif not one_shot:
@@ -284,23 +290,25 @@ class WeightSender:
 
     def _setups(self, members: list[Member], plan: Plan, timeout: float) -> dict[bytes, Any]:
         """Prepare the transport for ``plan``; the descriptor for each member that must attach."""
-        tr = self._transport
+        tr, mail, coll = self._transport, self._mailbox, self._collective
         assert self._device is not None
-        if tr.collective:
+        group = None
+        if coll is not None:
             keys = [m.key for m in members]
-            group = tr.group_for(keys, timeout, self._device)  # type: ignore[attr-defined]
+            group = coll.group_for(keys, timeout, self._device)
         tr.prepare(plan.buffer_bytes, self._device)
-        packs = not getattr(tr, "direct", False)
+        packs = mail is None or not mail.direct
         if packs and (self._packer is None or self._packer.generation != tr.generation):
             self._packer = Packer(plan, tr, self._device)
         out = {}
         for m in members:
-            if tr.collective:
+            if coll is not None:
                 if group is not None or m.plan != plan.fingerprint:
-                    base = group[m.key] if group is not None else tr.current(m.key)  # type: ignore[attr-defined]
+                    base = group[m.key] if group is not None else coll.current(m.key)
                     out[m.key] = {**base, "generation": tr.generation}
             elif m.plan != plan.fingerprint or m.generation != tr.generation:
-                out[m.key] = {**tr.descriptor(), "generation": tr.generation}
+                assert mail is not None
+                out[m.key] = {**mail.descriptor(), "generation": tr.generation}
         if out:
             self._stats["plans"] += 1
         return out
@@ -309,8 +317,8 @@ class WeightSender:
         self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,
         deadline: float,
     ) -> None:  # fmt: skip
-        tr, hub, packer = self._transport, self._hub, self._packer
-        assert packer is not None and packer.plan is plan
+        tr, hub, packer = self._mailbox, self._hub, self._packer
+        assert tr is not None and packer is not None and packer.plan is plan
         members = hub.push.members if hub.push else []
         readers = [m.key for m in members]
         call = self._loop.loop.call_soon_threadsafe
@@ -340,7 +348,7 @@ class WeightSender:
             bucket_bytes=self._plan.bucket_bytes if self._plan else self.config.bucket_bytes or 0,
             buffer_bytes=self._transport.buffer_bytes,
             plans_sent=self._stats["plans"],
-            groups_formed=getattr(self._transport, "groups_formed", 0),
+            groups_formed=self._transport.groups_formed,
         )
 
     def close(self) -> None:

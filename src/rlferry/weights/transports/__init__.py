@@ -1,15 +1,33 @@
-"""The ways bucket bytes move: ``shm``, ``cuda_ipc``, ``broadcast``."""
+"""The ways bucket bytes move: ``shm``, ``cuda_ipc`` (mailboxes), ``broadcast`` (a collective)."""
 
 from __future__ import annotations
 
-from typing import Any
+from ._base import (
+    CollectiveReceiver,
+    CollectiveSender,
+    MailboxReceiver,
+    MailboxSender,
+    ReceiverTransport,
+    SenderTransport,
+)
 
-from ._base import ReceiverTransport, SenderTransport
+__all__ = [
+    "CollectiveReceiver",
+    "CollectiveSender",
+    "MailboxReceiver",
+    "MailboxSender",
+    "ReceiverTransport",
+    "SenderTransport",
+    "make_receiver",
+    "make_sender",
+]
 
-__all__ = ["ReceiverTransport", "SenderTransport", "make_receiver", "make_sender"]
 
-
-def make_sender(name: str, bind: str | None, secret: str | bytes | None) -> SenderTransport:
+def make_sender(
+    name: str, bind: str | None, secret: str | bytes | None
+) -> MailboxSender | CollectiveSender:
+    """The sender's side of transport ``name``; ``bind`` and ``secret``: the control
+    channel's (a broadcast group meets where it does)."""
     if name == "shm":
         from ._shm import ShmSender
 
@@ -23,7 +41,8 @@ def make_sender(name: str, bind: str | None, secret: str | bytes | None) -> Send
     return BroadcastSender(bind, secret)
 
 
-def make_receiver(name: str) -> Any:
+def make_receiver(name: str) -> MailboxReceiver | CollectiveReceiver:
+    """A receiver's side of transport ``name`` (the one its sender's ``Welcome`` names)."""
     if name == "shm":
         from ._shm import ShmReceiver
 

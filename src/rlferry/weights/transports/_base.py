@@ -1,17 +1,44 @@
-"""What a transport does on each side: buffers to pack into and load from, or a group.
+"""The transport interface: what the sender and a receiver call on each kind of transport.
 
-*Mailbox* transports (shm, cuda_ipc) keep two bucket buffers that the sender
-packs into and every receiver maps once; the sender announces each bucket in a
-control message and reuses a buffer when every receiver acknowledged it.
-*Collective* transports (broadcast) move every bucket with one collective call
-per bucket; the control messages only start the stream and collect the results.
+*Mailbox* transports (shm, cuda_ipc: :class:`MailboxSender`,
+:class:`MailboxReceiver`) keep two bucket buffers that the sender packs into
+and every receiver maps once; the sender announces each bucket in a control
+message and reuses a buffer when every receiver acknowledged it. Both offer
+*zero copy*: when the pushed tensors can be shared as they are, receivers read
+them in place (``use_direct``) and nothing is packed.
+
+*Collective* transports (broadcast: :class:`CollectiveSender`,
+:class:`CollectiveReceiver`) move every bucket with one collective call per
+bucket through a group of the sender and its receivers; the control messages
+only form the group, start the stream and collect the results.
+
+The sender and the receiver tell the kinds apart with ``isinstance`` and call
+nothing outside these classes.
 """
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
 import torch
 
-__all__ = ["ReceiverTransport", "SenderTransport", "checksum"]
+if TYPE_CHECKING:
+    from .._messages import StoreOp, StoreReply
+    from .._plan import Plan
+    from ._rendezvous import KeyValue
+
+__all__ = [
+    "BucketBuffers",
+    "CollectiveReceiver",
+    "CollectiveSender",
+    "MailboxReceiver",
+    "MailboxSender",
+    "ReceiverTransport",
+    "SenderTransport",
+    "checksum",
+]
 
 
 def checksum(view: torch.Tensor) -> int:
@@ -19,55 +46,180 @@ def checksum(view: torch.Tensor) -> int:
     return int(view.view(torch.int64).sum().item())
 
 
-class SenderTransport:
-    """The sender's side; one per sender, made on its first push."""
+class BucketBuffers(Protocol):
+    """What a packer packs into: two bucket buffers of one ``generation``.
 
-    name = ""
-    collective = False
-    generation = 0  # bumps when the buffers (or group) change: receivers must attach again
+    ``collective``: the packs run beside a collective (their copies take a
+    bounded grid, leaving the collective its SMs)."""
 
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def collective(self) -> bool: ...
+
+    def buffer(self, b: int) -> torch.Tensor: ...
+
+
+# -- the sender's side ---------------------------------------------------------------------------
+
+
+class SenderTransport(abc.ABC):
+    """The sender's side of a transport; one per sender.
+
+    ``generation`` bumps whenever the buffers (or the group, or the zero-copy
+    tensors) change: receivers attached to an older one must attach again.
+    """
+
+    name: ClassVar[str] = ""
+    collective: ClassVar[bool] = False
+    generation: int = 0
+    groups_formed: int = 0  # collective: groups formed, ever
+
+    @abc.abstractmethod
     def prepare(self, nbytes: int, device: torch.device) -> None:
-        """Have two buffers of at least ``nbytes`` on ``device`` (mailbox transports)."""
-        raise NotImplementedError
+        """Have two buffers of at least ``nbytes`` on ``device`` (none while zero copy)."""
 
-    def descriptor(self) -> dict[str, object]:
-        """What a receiver needs to attach to the current buffers (plain data, no pickle)."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def buffer(self, b: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Buffer ``b`` (0 or 1) as bytes: the packer writes bucket ``k`` into ``k % 2``."""
+
+    @property
+    @abc.abstractmethod
+    def buffer_bytes(self) -> int:
+        """The bytes its buffers take together."""
+
+    def receiver_left(self, key: bytes) -> None:  # noqa: B027 (a no-op unless overridden)
+        """A receiver is gone or joined again: forget what it sent."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the buffers (or leave the group); the sender is closing."""
+
+
+class MailboxSender(SenderTransport):
+    """Two buffers in memory the receivers map (shm, cuda_ipc), or zero copy.
+
+    Per push the sender calls ``use_direct`` (the input is re-iterable, zero
+    copy is on, no verify) or ``use_packed``, then ``prepare``; a receiver
+    that must attach gets ``descriptor()``; its answer comes to
+    ``receiver_attached``. Zero copy: ``ready()``, then every bucket is
+    announced at once. Packed: per bucket ``before_pack``, the pack into
+    ``buffer(k % 2)``, ``after_pack``.
+    """
+
+    collective: ClassVar[bool] = False
+    direct: bool = False  # this push is zero copy: receivers read the pushed tensors in place
+
+    @abc.abstractmethod
+    def use_direct(self, tensors: list[torch.Tensor], device: torch.device) -> bool:
+        """Let receivers read ``tensors`` where they are, if they all can be; True if so
+        (``direct`` is then True). While the same tensors come again nothing is exported anew."""
+
+    @abc.abstractmethod
+    def use_packed(self) -> None:
+        """This push is packed into the buffers (a generator, verify, or zero copy off)."""
+
+    @abc.abstractmethod
+    def ready(self) -> None:
+        """Zero copy: the pushed tensors hold this push's values (cuda_ipc: records the
+        event the receivers' loads wait on); called before the buckets are announced."""
+
+    @abc.abstractmethod
+    def descriptor(self) -> dict[str, object]:
+        """What a receiver needs to attach to the current buffers or tensors (plain data)."""
 
     def receiver_attached(self, key: bytes, handles: list[bytes]) -> None:
         """A receiver attached; ``handles`` are what it sent back (cuda_ipc: its events)."""
 
-    def receiver_left(self, key: bytes) -> None:
-        """A receiver is gone or attached again: forget what it sent."""
-
     def before_pack(self, b: int, keys: list[bytes]) -> None:
-        """Buffer ``b`` is free on the CPU's side; order the pack after every receiver's reads."""
+        """Buffer ``b`` is free on the CPU's side; order the pack after the reads of the
+        receivers ``keys``."""
 
     def after_pack(self, b: int) -> None:
         """The pack of buffer ``b`` is issued; let the receivers order their reads after it."""
 
-    @property
-    def buffer_bytes(self) -> int:
-        return 0
 
+class CollectiveSender(SenderTransport):
+    """A group of the sender (rank 0) and its receivers; one collective per bucket.
+
+    Per push the sender calls ``group_for`` (a descriptor per receiver when the
+    group must be formed anew, else None; ``current`` for a receiver that only
+    needs the plan), ``prepare``, ``form`` once the descriptors went out, then
+    ``stream``. A push that fails calls ``broken``.
+    """
+
+    collective: ClassVar[bool] = True
+    kv: KeyValue | None = None  # the rendezvous pairs the sender's control channel serves
+
+    @abc.abstractmethod
+    def group_for(
+        self, keys: list[bytes], timeout: float, device: torch.device
+    ) -> dict[bytes, dict[str, Any]] | None:
+        """A descriptor per receiver ``keys`` when the group must be (re)formed, else None."""
+
+    @abc.abstractmethod
+    def current(self, key: bytes) -> dict[str, Any]:
+        """The descriptor of the current group, for receiver ``key`` (already a member)."""
+
+    @abc.abstractmethod
+    def form(self, deadline: float) -> None:
+        """Join the group being formed as rank 0 (blocks until every receiver joined)."""
+
+    @abc.abstractmethod
+    def stream(
+        self,
+        plan: Plan,
+        buckets: Iterator[tuple[int, list[Any]]],
+        packer: Any,
+        verify: bool,
+        deadline: float,
+    ) -> None:
+        """Pack and send every bucket (then the checksums if ``verify``); raises
+        ``WeightSyncError`` if the group broke."""
+
+    @abc.abstractmethod
+    def broken(self) -> None:
+        """A push failed: drop the group; the next push forms it anew."""
+
+
+# -- a receiver's side ---------------------------------------------------------------------------
+
+
+class ReceiverTransport(abc.ABC):
+    """A receiver's side of a transport; made when it joins (the sender names the kind)."""
+
+    opened: int = 0  # buffers mapped, IPC handles opened or bucket buffers made, ever
+    groups_joined: int = 0  # collective: groups joined, ever
+
+    @abc.abstractmethod
     def close(self) -> None:
-        pass
+        """Unmap the buffers (or leave the group)."""
 
 
-class ReceiverTransport:
-    """A receiver's side of a mailbox transport."""
+class MailboxReceiver(ReceiverTransport):
+    """Maps the sender's two buffers (or, zero copy, its tensors) and loads from them.
 
-    opened = 0  # buffers mapped or IPC handles opened, ever
+    Per plan: ``attach``; then per bucket ``before_load``, the load (on
+    ``load_stream`` when there is one), ``after_load``; ``finish`` before the
+    commit.
+    """
 
+    direct: bool = False  # attached to the sender's own tensors (zero copy), not to buffers
+    tensors: list[torch.Tensor]  # zero copy: the bytes of each pushed tensor, from its first
+
+    @abc.abstractmethod
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
-        """Map the buffers ``desc`` names (once: cached); returns what the sender needs back."""
-        raise NotImplementedError
+        """Map what ``desc`` names (once: cached); returns what the sender needs back."""
 
+    @abc.abstractmethod
     def buffer(self, b: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Buffer ``b`` (0 or 1), as bytes."""
+
+    @property
+    def load_stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream loads are issued on (cuda_ipc), or None."""
+        return None
 
     def before_load(self, b: int) -> None:
         """Order the load of buffer ``b`` after the sender's pack."""
@@ -78,5 +230,28 @@ class ReceiverTransport:
     def finish(self) -> None:
         """Wait until every issued load has completed (before a commit)."""
 
-    def close(self) -> None:
-        pass
+
+class CollectiveReceiver(ReceiverTransport):
+    """A receiver's rank in the sender's group, with its two bucket buffers."""
+
+    @abc.abstractmethod
+    def join(
+        self, desc: dict[str, Any], host: str, device: torch.device | None,
+        call: Callable[[StoreOp], StoreReply],
+    ) -> None:  # fmt: skip
+        """Join the group ``desc`` names (nothing to do if already in it); ``host``: the
+        sender's; ``call``: a rendezvous store operation sent over the control channel."""
+
+    @abc.abstractmethod
+    def buffers(self, nbytes: int) -> list[torch.Tensor]:
+        """The two bucket buffers, of at least ``nbytes`` (made once, grown when needed)."""
+
+    @abc.abstractmethod
+    def stream(
+        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
+    ) -> str | None:
+        """Receive every bucket, calling ``on_bucket`` on each; the first error, or None."""
+
+    @abc.abstractmethod
+    def leave(self) -> None:
+        """Leave the group (its peers' pending operations fail)."""

@@ -34,7 +34,7 @@ from rlferry.wire import wire_loop
 from .._errors import WeightSyncError
 from .._messages import StoreOp, StoreReply
 from .._plan import Plan
-from ._base import SenderTransport, checksum
+from ._base import CollectiveReceiver, CollectiveSender, checksum
 from ._rendezvous import CallStore, KeyValue, gloo_device, local_host_towards, loopback_store
 
 __all__ = ["BroadcastReceiver", "BroadcastSender"]
@@ -110,7 +110,7 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-class BroadcastSender(SenderTransport):
+class BroadcastSender(CollectiveSender):
     name = "broadcast"
     collective = True
 
@@ -282,7 +282,7 @@ class BroadcastSender(SenderTransport):
         self.kv = None
 
 
-class BroadcastReceiver:
+class BroadcastReceiver(CollectiveReceiver):
     """A receiver's end of the group, with its two bucket buffers."""
 
     def __init__(self) -> None:

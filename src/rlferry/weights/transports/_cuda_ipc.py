@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._errors import WeightSyncError
-from ._base import ReceiverTransport, SenderTransport
+from ._base import MailboxReceiver, MailboxSender
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
 
@@ -40,7 +40,7 @@ def _open(fields: list[Any]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage)
 
 
-class CudaIpcSender(SenderTransport):
+class CudaIpcSender(MailboxSender):
     name = "cuda_ipc"
 
     def __init__(self) -> None:
@@ -169,7 +169,7 @@ class CudaIpcSender(SenderTransport):
         self._bufs, self._packed, self._consumed, self._held = [], [], {}, []
 
 
-class CudaIpcReceiver(ReceiverTransport):
+class CudaIpcReceiver(MailboxReceiver):
     def __init__(self) -> None:
         self._key: tuple[bytes, ...] = ()
         self._bufs: list[torch.Tensor] = []
@@ -220,7 +220,7 @@ class CudaIpcReceiver(ReceiverTransport):
         return [bytes(ev.ipc_handle()) for ev in self._consumed]
 
     @property
-    def stream(self) -> torch.cuda.Stream | None:
+    def load_stream(self) -> torch.cuda.Stream | None:
         return self._stream
 
     def buffer(self, b: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from rlferry.wire import WireError
 from rlferry.wire._shm import _MEMFD_NAME, _Memory, exports
 
 from .._errors import WeightSyncError
-from ._base import ReceiverTransport, SenderTransport
+from ._base import MailboxReceiver, MailboxSender
 from ._shm_direct import export_storages, map_storages, storage_key, tensor_bytes
 
 __all__ = ["ShmReceiver", "ShmSender"]
@@ -34,7 +34,7 @@ def _tensor(mem: _Memory) -> torch.Tensor:
     return torch.frombuffer(mem.mm, dtype=torch.uint8)
 
 
-class ShmSender(SenderTransport):
+class ShmSender(MailboxSender):
     name = "shm"
 
     def __init__(self) -> None:
@@ -127,7 +127,7 @@ class ShmSender(SenderTransport):
         self._held = []
 
 
-class ShmReceiver(ReceiverTransport):
+class ShmReceiver(MailboxReceiver):
     def __init__(self) -> None:
         self._key: tuple[object, ...] = ()
         self._mems: list[_Memory] = []
