@@ -16,7 +16,6 @@ import torch
 
 from rlferry.weights import ParamLoader, WeightReceiver
 from rlferry.weights._plan import Plan, TensorSpec
-from rlferry.weights.transports import _broadcast
 from rlferry.weights.transports._cuda_ipc import _open, _share
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -116,11 +115,6 @@ class _Views:
         return names, views
 
 
-def nccl_priority(level: str) -> None:
-    """rlferry's NCCL streams: high priority (its default) or normal, for a comparison."""
-    _broadcast.HIGH_PRIORITY = level == "high"
-
-
 # -- the engine process ---------------------------------------------------------------------
 
 
@@ -130,7 +124,6 @@ def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
     rlferry's receiver loads with ``ParamLoader`` (one grouped copy per bucket;
     ``kind="grouped64"``: at most 64 programs, beside NCCL) or, ``kind="per_tensor"``,
     one ``_foreach_copy_`` per bucket."""
-    nccl_priority(os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high"))
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     params = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes}

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import GroupedCopy, WeightSender, _pack
+from rlferry.weights import GroupedCopy, WeightSender
 from rlferry.weights._sender import default_bucket_bytes
 
 from . import _weights_engine as eng
@@ -90,16 +90,18 @@ def _median_times(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 def _rlferry(
     engines: Engine | list[Engine], state: dict[str, torch.Tensor], transport: str,
     bucket: int | None, repeat: int, zero_copy: bool = True, grouped: bool = True,
+    nccl_high_priority: bool = True,
 ) -> tuple[float, float, int]:  # fmt: skip
     """Push ``state`` to every engine ``repeat`` times; (best, median, bucket bytes), checked.
     ``grouped``: engines load with ParamLoader and the sender packs with grouped copies;
-    else both copy per tensor (``_foreach_copy_``)."""
+    else both copy per tensor (``_foreach_copy_``). ``nccl_high_priority``: the sender's
+    option (broadcast: its NCCL streams and the engine's)."""
     engines = engines if isinstance(engines, list) else [engines]
     _progress(f"rlferry {transport}" + (f", {len(engines)} engines" if len(engines) > 1 else "")
               + ("" if grouped else ", per-tensor copies"))  # fmt: skip
-    _pack.GROUPED_PACK = grouped  # read when the sender builds its packer
     sender = WeightSender(group="bench", transport=transport, receivers=len(engines),
-                          bucket_bytes=bucket, zero_copy=zero_copy)  # fmt: skip
+                          bucket_bytes=bucket, zero_copy=zero_copy, grouped_pack=grouped,
+                          nccl_high_priority=nccl_high_priority)  # fmt: skip
     kind = ("grouped64" if transport == "broadcast" else "grouped") if grouped else "per_tensor"
     for i, engine in enumerate(engines):
         engine.send("rlferry", sender.address, "bench", f"engine{i}", kind)
@@ -111,7 +113,6 @@ def _rlferry(
         engine.conn.send("done")
         engine.wait()
     sender.close()
-    _pack.GROUPED_PACK = True
     want = eng.fingerprint(list(state.values()))
     for engine in engines:
         if engine.call("fingerprint") != want:
@@ -274,7 +275,7 @@ def run_broadcast(
     """``more``: other bucket sizes for more rlferry rows; ``baselines``: False runs only
     the raw limit and rlferry's rows."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    eng.nccl_priority(os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high"))
+    high = os.environ.get("RLFERRY_BENCH_NCCL_PRIORITY", "high") == "high"  # or normal
     shapes = eng.model_shapes(model, scale)
     dev = "cuda:0"
     torch.cuda.set_device(dev)
@@ -316,11 +317,13 @@ def run_broadcast(
             ]
         ours = []
         for b in [bucket, *(more or [])]:
-            best, med, used = _rlferry(engine, state, "broadcast", b, repeat)
+            best, med, used = _rlferry(engine, state, "broadcast", b, repeat,
+                                       nccl_high_priority=high)  # fmt: skip
             ours.append(_row("rlferry broadcast (NCCL, ping-pong, grouped pack and load, "
                              "64 programs)", med, nbytes, raw_s, f"best {best * 1e3:.1f} ms; "
                              f"buckets of {used / _GiB:.2f} GiB"))  # fmt: skip
-        best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat, grouped=False)
+        best, med, used = _rlferry(engine, state, "broadcast", bucket, repeat, grouped=False,
+                                   nccl_high_priority=high)  # fmt: skip
         ours.insert(0, _row("rlferry broadcast, per-tensor pack and load (_foreach_copy_)", med,
                             nbytes, raw_s, f"best {best * 1e3:.1f} ms; buckets of "
                             f"{used / _GiB:.2f} GiB"))  # fmt: skip

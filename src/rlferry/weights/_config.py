@@ -44,11 +44,16 @@ class SenderConfig:
     device: Any = None
     secret: str | bytes | None = None
     zero_copy: bool = True
+    grouped_pack: bool = True
+    nccl_high_priority: bool = True
 
     def __post_init__(self) -> None:
         _check_group("WeightSender", self.group)
-        if not isinstance(self.zero_copy, bool):
-            raise ValueError(f"WeightSender.zero_copy: expected a bool, got {self.zero_copy!r}")
+        for flag in ("zero_copy", "grouped_pack", "nccl_high_priority"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"WeightSender.{flag}: expected a bool, got {getattr(self, flag)!r}"
+                )
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"WeightSender.transport: expected one of 'shm', 'cuda_ipc', 'broadcast', "

@@ -21,8 +21,6 @@ from .transports._base import BucketBuffers
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
-GROUPED_PACK = True  # packs of tensors seen at the same addresses: one grouped copy (CUDA: one
-# Triton launch; CPU: one bulk host copy)
 COLLECTIVE_PROGRAMS = 64  # a pack beside NCCL's broadcast uses at most this many programs
 
 
@@ -65,9 +63,16 @@ def _indexed(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tens
 
 
 class Packer:
-    """The sender's precomputed destination views, per bucket."""
+    """The sender's precomputed destination views, per bucket.
 
-    def __init__(self, plan: Plan, transport: BucketBuffers, device: torch.device) -> None:
+    ``grouped``: a bucket whose tensors come again at the same addresses is packed
+    with one grouped copy (CUDA: one Triton launch; CPU: one bulk host copy);
+    False: always one ``_foreach_copy_`` (per tensor).
+    """
+
+    def __init__(
+        self, plan: Plan, transport: BucketBuffers, device: torch.device, *, grouped: bool = True
+    ) -> None:
         self.generation = transport.generation
         self.plan = plan
         split = plan.split()
@@ -86,7 +91,7 @@ class Packer:
                     idx.append(c.tensor)
             self._whole.append((dsts, idx))
             self._parts.append(parts)
-        self._grouped = GROUPED_PACK and (
+        self._grouped = grouped and (
             device.type == "cpu" or (device.type == "cuda" and triton_available())
         )
         self._programs = COLLECTIVE_PROGRAMS if transport.collective else None

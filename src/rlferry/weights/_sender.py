@@ -74,6 +74,15 @@ class WeightSender:
     (same tensors, same values); later tensors that are not shared yet are
     packed. A generator, ``verify`` or other tensors fall back to packing.
 
+    Two options exist for comparisons (the benchmark's rows), not for tuning:
+    ``grouped_pack=False`` packs every bucket with one ``_foreach_copy_`` (per
+    tensor) instead of one grouped copy for tensors pushed again at the same
+    addresses (the default: one Triton launch on CUDA, one bulk host copy on
+    CPU). ``nccl_high_priority=False`` (broadcast over NCCL) creates the group's
+    NCCL streams, on the sender and on every receiver, at normal priority
+    instead of high (the default: NCCL's kernels take SMs before the pack and
+    load copies queued beside them, and the collective is what bounds a push).
+
     A process may run one sender per group, each with its own transport.
     """
 
@@ -88,6 +97,8 @@ class WeightSender:
         device: Any = None,
         secret: str | bytes | None = None,
         zero_copy: bool = True,
+        grouped_pack: bool = True,
+        nccl_high_priority: bool = True,
     ) -> None:
         self.config = SenderConfig(
             group=group,
@@ -98,9 +109,13 @@ class WeightSender:
             device=device,
             secret=secret,
             zero_copy=zero_copy,
+            grouped_pack=grouped_pack,
+            nccl_high_priority=nccl_high_priority,
         )
         self._loop = wire_loop()
-        self._transport = tr = make_sender(transport, bind, secret)
+        self._transport = tr = make_sender(
+            transport, bind, secret, nccl_high_priority=nccl_high_priority
+        )
         # exactly one of these is the transport: the kind decides how a push runs
         self._mailbox = tr if isinstance(tr, MailboxSender) else None
         self._collective = tr if isinstance(tr, CollectiveSender) else None
@@ -299,7 +314,7 @@ class WeightSender:
         tr.prepare(plan.buffer_bytes, self._device)
         packs = mail is None or not mail.direct
         if packs and (self._packer is None or self._packer.generation != tr.generation):
-            self._packer = Packer(plan, tr, self._device)
+            self._packer = Packer(plan, tr, self._device, grouped=self.config.grouped_pack)
         out = {}
         for m in members:
             if coll is not None:

@@ -24,10 +24,11 @@ __all__ = [
 
 
 def make_sender(
-    name: str, bind: str | None, secret: str | bytes | None
+    name: str, bind: str | None, secret: str | bytes | None, *, nccl_high_priority: bool = True
 ) -> MailboxSender | CollectiveSender:
     """The sender's side of transport ``name``; ``bind`` and ``secret``: the control
-    channel's (a broadcast group meets where it does)."""
+    channel's (a broadcast group meets where it does); ``nccl_high_priority``: the
+    priority of a broadcast group's NCCL streams (see ``WeightSender``)."""
     if name == "shm":
         from ._shm import ShmSender
 
@@ -38,7 +39,7 @@ def make_sender(
         return CudaIpcSender()
     from ._broadcast import BroadcastSender
 
-    return BroadcastSender(bind, secret)
+    return BroadcastSender(bind, secret, high_priority=nccl_high_priority)
 
 
 def make_receiver(name: str) -> MailboxReceiver | CollectiveReceiver:

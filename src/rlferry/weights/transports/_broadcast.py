@@ -41,9 +41,6 @@ __all__ = ["BroadcastReceiver", "BroadcastSender"]
 
 log = logging.getLogger("rlferry.weights")
 _epochs = itertools.count(1)
-# NCCL's stream at high priority: its kernels take SMs before the pack and load copies
-# queued beside them (the collective is what bounds a push).
-HIGH_PRIORITY = True
 
 
 def _options() -> Any:
@@ -55,15 +52,17 @@ def _options() -> Any:
 
 def _make_group(
     backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float,
-    host: str | None,
+    host: str | None, high_priority: bool,
 ) -> Any:  # fmt: skip
-    """A group over ``store``; gloo's sockets listen on ``host`` (None: torch's default)."""
+    """A group over ``store``; gloo's sockets listen on ``host`` (None: torch's default);
+    NCCL's streams at high priority if ``high_priority`` (its kernels then take SMs before
+    the pack and load copies queued beside them: the collective is what bounds a push)."""
     td = datetime.timedelta(seconds=max(1.0, timeout))
     pstore = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
-        opts.is_high_priority_stream = HIGH_PRIORITY
+        opts.is_high_priority_stream = high_priority
         return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gopts._devices = [gloo_device(host)]
@@ -114,7 +113,9 @@ class BroadcastSender(CollectiveSender):
     name = "broadcast"
     collective = True
 
-    def __init__(self, bind: str | None, secret: str | bytes | None) -> None:
+    def __init__(
+        self, bind: str | None, secret: str | bytes | None, *, high_priority: bool = True
+    ) -> None:
         host = _bind_host(bind)
         # With a secret the group meets over the authenticated control channel (the hub
         # serves ``kv``); without, the control bind is loopback (the wire refuses
@@ -130,6 +131,7 @@ class BroadcastSender(CollectiveSender):
         self._descs: dict[bytes, dict[str, Any]] = {}
         self._bufs: list[torch.Tensor] = []
         self._timeout = 60.0
+        self._high_priority = high_priority  # NCCL's streams, here and at every receiver
         self.groups_formed = 0
 
     # -- the group ---------------------------------------------------------------
@@ -162,6 +164,7 @@ class BroadcastSender(CollectiveSender):
                 "rank": r + 1,
                 "world": world,
                 "timeout": timeout,
+                "high_priority": self._high_priority,
             }
             for r, k in enumerate(keys)
         }
@@ -198,7 +201,8 @@ class BroadcastSender(CollectiveSender):
         backend, prefix, world = self._pending
         self._pending = None
         try:
-            pg = _make_group(backend, self._store, prefix, 0, world, self._timeout, self._gloo_host)
+            pg = _make_group(backend, self._store, prefix, 0, world, self._timeout, self._gloo_host,
+                             self._high_priority)  # fmt: skip
             self._warm(pg)
         except Exception as e:
             raise WeightSyncError(
@@ -303,7 +307,7 @@ class BroadcastReceiver(CollectiveReceiver):
         try:
             backend, port, prefix = str(desc["backend"]), int(desc["port"]), str(desc["prefix"])
             rank, world, timeout = int(desc["rank"]), int(desc["world"]), float(desc["timeout"])
-            kind = str(desc["store"])
+            kind, high = str(desc["store"]), bool(desc["high_priority"])
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError("malformed setup: bad broadcast group") from None
         if kind not in ("tcp", "control"):
@@ -324,7 +328,8 @@ class BroadcastReceiver(CollectiveReceiver):
                 store = CallStore(call, timeout)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            pg = _make_group(backend, store, prefix, rank, world, timeout, local_host_towards(host))
+            pg = _make_group(backend, store, prefix, rank, world, timeout,
+                             local_host_towards(host), high)  # fmt: skip
             one = torch.zeros(1, device=dev)
             _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else timeout)
             if dev.type == "cuda":
