@@ -135,6 +135,7 @@ class WeightSender:
         self._packer: Packer | None = None
         self._device: torch.device | None = self.config.device
         self._first = True
+        self._moving = False  # the push in progress got past its plan: buckets may move
         self._closed = False
         self._stats = {"pushes": 0, "failed": 0, "bytes": 0, "plans": 0}
         self._last_seconds = 0.0
@@ -171,10 +172,17 @@ class WeightSender:
         if self._closed:
             raise WeightSyncError(f"sender of group {self.config.group!r} is closed")
         with self._lock:
+            kept = self._plan, self._key, self._packer, self._device
+            self._moving = False
             try:
                 return self._push(named_tensors, version, timeout, layout)
-            except WeightSyncError:
-                self._stats["failed"] += 1
+            except BaseException as e:
+                if not self._moving:  # it failed before any bucket moved: it leaves nothing
+                    self._plan, self._key, self._packer, self._device = kept
+                    if self._mailbox is not None:
+                        self._mailbox.abandon()
+                if isinstance(e, WeightSyncError):
+                    self._stats["failed"] += 1
                 raise
 
     def _push(
@@ -223,6 +231,7 @@ class WeightSender:
                 for m in members:
                     if m.key in setups and m.error is None:
                         mail.receiver_attached(m.key, m.handles)
+            self._moving = True
             run(self._hub.stream())
             if direct is not None:
                 assert mail is not None

@@ -125,6 +125,10 @@ class MailboxSender(SenderTransport):
         """Zero copy: the pushed tensors hold this push's values (cuda_ipc: records the
         event the receivers' loads wait on); called before the buckets are announced."""
 
+    def abandon(self) -> None:
+        """The push that called ``use_direct`` or ``use_packed`` failed before any bucket
+        moved (a receiver rejected the plan, say): forget what it alone allowed."""
+
     @abc.abstractmethod
     def descriptor(self) -> dict[str, object]:
         """What a receiver needs to attach to the current buffers or tensors (plain data)."""

@@ -45,6 +45,7 @@ class ShmSender(MailboxSender):
         self._ptrs: list[int] = []
         self._direct_desc: dict[str, object] = {}
         self._moved = False  # a direct push moved tensors into shared memory
+        self._moved_before = False  # ... before the current push
 
     @staticmethod
     def _check(device: torch.device) -> None:
@@ -58,6 +59,7 @@ class ShmSender(MailboxSender):
         """Let receivers read ``tensors`` in place (no pack), if they all can be (see
         ``_shm_direct``); while the same tensors are pushed again nothing is exported anew."""
         self._check(device)
+        self._moved_before = self._moved
         ptrs = [t.data_ptr() for t in tensors]
         if self.direct and ptrs == self._ptrs:
             self._held = tensors
@@ -77,9 +79,15 @@ class ShmSender(MailboxSender):
 
     def use_packed(self) -> None:
         """This push is packed into the buffers (a generator, verify, or zero_copy off)."""
+        self._moved_before = self._moved
         if self.direct:
             self.direct, self._held, self._ptrs, self._direct_desc = False, [], [], {}
             self.generation += 1
+
+    def abandon(self) -> None:
+        """A failed push's move does not count as the first push's: the tensors of the
+        next push may still be moved into shared memory (those it moved stay shared)."""
+        self._moved = self._moved_before
 
     def ready(self) -> None:
         """Direct mode: the tensors are written by this thread, before the announcements."""
