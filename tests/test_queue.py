@@ -94,7 +94,8 @@ def test_get_timeout_names_what_was_missing_and_leases_nothing(q):
         c.get("p", task="actor_train", batch_size=4, fields=["x"], timeout=0.2)
     assert str(e.value) == (
         "get `p` for task `actor_train`: 3 ready samples with fields ['x'] within 0.2 s, "
-        "a batch needs 4 per rank x 1 ranks (producers must put more, or wait longer)"
+        "a batch needs 4 per rank x 1 ranks (partition `p` holds fields ['x']; producers must "
+        "put more, or wait longer)"
     )
     assert isinstance(e.value, TimeoutError)
     assert c.get("p", task="actor_train", batch_size=3, fields=["x"], timeout=5).indexes == [
@@ -324,7 +325,9 @@ def test_unknown_task_is_refused(q):
 def test_non_string_partition_is_refused(q):
     with pytest.raises(SchemaError) as e:
         q.client().put(17, {"x": torch.zeros(1)})
-    assert str(e.value) == "partition: expected str, got int 17 (name partitions like 'train_17')"
+    assert str(e.value) == (
+        "partition: expected a non-empty str, got int 17 (name partitions like 'train_17')"
+    )
 
 
 def test_unsupported_value_names_the_field_and_loses_nothing(q):
@@ -471,8 +474,14 @@ def test_a_malformed_request_to_a_service_is_refused_by_name(q):
     with Client(q.address) as raw:
         with pytest.raises(RemoteError) as e:
             raw.request("stats", timeout=10)
-        assert e.value.message == "request: expected [op, args], got 'stats'"
+        assert e.value.kind == "SchemaError"
+        assert e.value.message == (
+            "request: expected a dict with `op`, got str (use rlferry's queue client)"
+        )
         with pytest.raises(RemoteError) as e:
-            raw.request(["nope", {}], timeout=10)
-        assert e.value.message.startswith("op: expected one of ['abort', 'ack', ")
-        assert raw.request(["stats", {}], timeout=10)["samples_held"] == 0
+            raw.request({"op": "nope"}, timeout=10)
+        assert e.value.message == (
+            "request: op: expected one of ['ack', 'alloc', 'clear', 'dump', 'fields', "
+            "'get', 'info', 'produced', 'release', 'stats'], got 'nope'"
+        )
+        assert raw.request({"op": "stats"}, timeout=10)["samples_held"] == 0

@@ -1,9 +1,11 @@
-"""The ``rlferry`` command: ``rlferry --version``, ``rlferry bench NAME``."""
+"""The ``rlferry`` command: ``--version``, ``serve queue``, ``bench NAME``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from typing import Any
 
 from . import __version__
 
@@ -14,6 +16,46 @@ BENCHES = (
 )
 
 
+def _serve_queue_parser(sub: Any) -> None:
+    sq = sub.add_parser(
+        "queue",
+        help="a queue: the controller here, each storage unit its own process",
+        description="Serve a rollout queue until SIGINT/SIGTERM. Prints `controller ADDRESS` "
+        "first, then one line per storage unit; clients use Queue.connect(ADDRESS).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sq.add_argument("--storage-units", type=int, default=2, help="storage unit processes")
+    sq.add_argument(
+        "--tasks",
+        default="train",
+        help="comma-separated task names: the consumers that each read every sample once "
+        "(e.g. actor_train,critic_train)",
+    )
+    sq.add_argument(
+        "--capacity", type=int, default=None, help="samples held at most (a put waits for room)"
+    )
+    sq.add_argument(
+        "--max-partitions", type=int, default=None, help="unfinished partitions at most"
+    )
+    sq.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a got batch stays leased without an ack before it is delivered again",
+    )
+    sq.add_argument(
+        "--bind",
+        default=None,
+        help="the controller's address (default: a fresh ipc:// path; tcp://127.0.0.1:* for a "
+        "free loopback port; off loopback needs --secret)",
+    )
+    sq.add_argument(
+        "--secret",
+        default=None,
+        help="shared secret of 16 bytes or more (CURVE); every client passes the same",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="rlferry", description="The data plane of asynchronous RL.")
     p.add_argument("--version", action="version", version=f"rlferry {__version__}")
@@ -22,32 +64,27 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     serve = sub.add_parser("serve", help="run services that clients connect to by address")
-    serve_sub = serve.add_subparsers(dest="service", required=True)
-    sq = serve_sub.add_parser("queue", help="a queue: controller + storage units (processes)")
-    sq.add_argument("--storage-units", type=int, default=2)
-    sq.add_argument(
-        "--bind",
-        default=None,
-        help="controller address (default: a new ipc:// path; off loopback needs --secret)",
-    )
-    sq.add_argument("--secret", default=None, help="shared secret (CURVE) for remote binds")
-    sq.add_argument("--tasks", default="train", help="comma-separated task names")
-    sq.add_argument("--capacity", type=int, default=None)
-    sq.add_argument("--max-partitions", type=int, default=None)
-    sq.add_argument("--lease-timeout", type=float, default=60.0)
+    _serve_queue_parser(serve.add_subparsers(dest="service", required=True))
     a = p.parse_args(argv)
     if a.command == "serve":
+        from rlferry.queue import QueueConfig, QueueError
         from rlferry.queue._serve import serve_queue
+        from rlferry.wire import SecurityError
 
-        serve_queue(
-            storage_units=a.storage_units,
-            bind=a.bind,
-            secret=a.secret,
-            tasks=tuple(a.tasks.split(",")),
-            capacity=a.capacity,
-            max_partitions=a.max_partitions,
-            lease_timeout=a.lease_timeout,
-        )
+        try:
+            config = QueueConfig(
+                storage_units=a.storage_units,
+                tasks=tuple(t.strip() for t in a.tasks.split(",")),
+                capacity=a.capacity,
+                max_partitions=a.max_partitions,
+                lease_timeout=a.lease_timeout,
+                bind=a.bind,
+                secret=a.secret,
+            )
+            serve_queue(config)
+        except (QueueError, SecurityError) as e:
+            print(f"rlferry serve queue: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(2)
     if a.command == "bench":
         importlib.import_module(f"rlferry.bench.{a.name}").main(a.args)
 

@@ -7,13 +7,15 @@
 ...     c.ack(b)
 """
 
-from ._client import AsyncQueueClient, Batch, QueueClient
+from ._client import WARN_AFTER, AsyncQueueClient, Batch, QueueClient
+from ._config import QueueConfig
 from ._dist import get_broadcast
 from ._errors import (
     GetTimeout,
     PutTimeout,
     QueueClosed,
     QueueError,
+    RemoteError,
     SchemaError,
     ServiceGone,
     UnknownPartition,
@@ -23,6 +25,7 @@ from ._queue import Queue
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential
 
 __all__ = [
+    "WARN_AFTER",
     "AsyncQueueClient",
     "Batch",
     "GetTimeout",
@@ -31,7 +34,9 @@ __all__ = [
     "Queue",
     "QueueClient",
     "QueueClosed",
+    "QueueConfig",
     "QueueError",
+    "RemoteError",
     "SchemaError",
     "SeqlenBalanced",
     "Sequential",

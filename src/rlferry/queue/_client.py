@@ -11,13 +11,10 @@ reads the rows from the storage units in parallel and assembles the batch.
 from __future__ import annotations
 
 import asyncio
-import re
+import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-
-import msgspec
-import torch
 
 from rlferry.wire import (
     AsyncClient,
@@ -25,34 +22,30 @@ from rlferry.wire import (
     PeerGone,
     RemoteError,
     RequestTimeout,
+    SecurityError,
     WireError,
-    encode,
     wire_loop,
 )
+from rlferry.wire._errors import brief
 from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
+from rlferry.wire._sockets import CONNECT_TIMEOUT
 
-from ._columns import (
-    assemble,
-    kind_of,
-    nbytes,
-    packed_string_columns,
-    rows_of,
-    shared_columns,
-    shared_tensor_columns,
-    signature,
-    split_rows,
-)
+from ._checks import check_partition, check_timeout, checked_address, checked_put, positive, staged
+from ._columns import assemble, split_rows
 from ._errors import ERRORS, QueueClosed, QueueError, SchemaError, ServiceGone
+from ._errors import RemoteError as QueueRemoteError
+from ._messages import Ack, Clear, Fields, Get, Info, Put, Read, Release, Stats, to_wire
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 
-__all__ = ["AsyncQueueClient", "Batch", "QueueClient"]
+__all__ = ["WARN_AFTER", "AsyncQueueClient", "Batch", "QueueClient"]
+
+log = logging.getLogger("rlferry.queue")
 
 T = TypeVar("T")
-_CONTROL_TIMEOUT = 30.0
-_STAGE_IN_THREAD = 4 << 20  # a put of this many bytes or more copies off the event loop
-_PLAIN = frozenset(
-    (str, bytes, int, float, bool, type(None), torch.Tensor)
-)  # for requests that never wait on other clients
+_CONTROL_TIMEOUT = 30.0  # requests that never wait on other clients (a dead peer: at once)
+_REPLY_MARGIN = 0.5  # a parked request's reply comes this much after its timeout, at most
+WARN_AFTER = 5.0
+"""Seconds a get waits before it checks that the partition holds its fields (and warns)."""
 
 
 @dataclass(frozen=True)
@@ -71,54 +64,59 @@ class Batch:
         return len(self.indexes)
 
 
-def _check_partition(partition: Any) -> None:
-    if not isinstance(partition, str):
-        raise SchemaError(
-            f"partition: expected str, got {type(partition).__name__} {partition!r} "
-            "(name partitions like 'train_17')"
-        )
-
-
-def _positive(name: str, value: Any) -> None:
-    if type(value) is not int or value < 1:
-        raise SchemaError(f"{name}: expected a positive int, got {value!r}")
-
-
 class AsyncQueueClient:
-    """The asyncio client of a queue. Errors: :mod:`rlferry.queue` ``QueueError`` subclasses."""
+    """The asyncio client of a queue. Errors: :mod:`rlferry.queue` ``QueueError`` subclasses,
+    and :class:`~rlferry.wire.SecurityError` when the queue refuses this client's secret.
 
-    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
-        self.address = address
+    A queue that does not answer is noticed within ``connect_timeout`` seconds
+    (``ServiceGone: ... never answered``), whatever a call's own ``timeout``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | bytes | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        self.address = checked_address(address)
         self._secret = secret
-        self._controller = AsyncClient(address, secret=secret)
+        self._connect_timeout = connect_timeout
+        self._controller = self._client_of(address)
         self._units: list[AsyncClient] = []
         self._batches: dict[tuple[str, str, int, int], int] = {}
+        self._warned: set[tuple[str, str]] = set()
         self._local = SHARED_MEMORY and address.startswith("ipc://")
 
-    async def _call(
-        self, client: AsyncClient, op: str, args: dict[str, Any], timeout: float | None
-    ) -> Any:
+    def _client_of(self, address: str) -> AsyncClient:
+        return AsyncClient(address, secret=self._secret, connect_timeout=self._connect_timeout)
+
+    async def _call(self, client: AsyncClient, msg: Any, timeout: float | None) -> Any:
         try:
-            return await client.request([op, args], timeout)
+            return await client.request(to_wire(msg), timeout)
         except RemoteError as e:
-            raise ERRORS.get(e.kind, ServiceGone)(e.message) from None
+            known = ERRORS.get(e.kind)
+            if known is None:
+                raise QueueRemoteError(e.kind, f"{e.message} (at {client.address})") from None
+            raise known(e.message) from None
+        except SecurityError:
+            raise
         except PeerGone as e:
-            raise ServiceGone(f"{client.address}: {e}") from None
+            raise ServiceGone(str(e)) from None
         except RequestTimeout:
             raise ServiceGone(
                 f"{client.address} did not answer within {timeout} s (is it running?)"
             ) from None
         except ChannelClosed:
             raise QueueClosed("this queue client is closed") from None
-        except WireError as e:  # a value the codec refuses: name the field, not the envelope
-            msg = re.sub(r"`\$\[1\]\.columns\.([^.\[`]+)", r"field `\1`, at `$", str(e))
-            raise SchemaError(msg.replace("cannot encode field", "field")) from None
+        except WireError as e:  # put checked its values before: this is a bug, say so whole
+            raise SchemaError(f"request `{msg.__struct_config__.tag}`: {e}") from None
 
     async def _unit(self, unit: int) -> AsyncClient:
         if unit >= len(self._units):
-            info = await self._call(self._controller, "info", {}, _CONTROL_TIMEOUT)
+            info = await self._call(self._controller, Info(), _CONTROL_TIMEOUT)
             for address in info["units"][len(self._units) :]:
-                self._units.append(AsyncClient(address, secret=self._secret))
+                self._units.append(self._client_of(address))
         return self._units[unit]
 
     async def put(
@@ -136,102 +134,38 @@ class AsyncQueueClient:
         ``data`` maps field names to columns (one row per sample); with
         ``indexes`` the fields are added to those existing samples. ``meta``
         maps keys to one value per sample; ``partition_meta`` is merged into the
-        partition's meta. Waits (by event) for room when the queue is full.
+        partition's meta. Waits (by event) for room when the queue is full, at
+        most ``timeout`` seconds (None: as long as it takes).
+
+        Every value is checked before anything is reserved; a put that fails
+        later gives back what it reserved.
 
         Raises:
             SchemaError: fields of different lengths, a kind or shape that
-                differs from earlier puts, bad indexes or meta.
+                differs from earlier puts, a value that cannot travel, bad
+                indexes or meta.
             PutTimeout: no room within ``timeout``.
             ServiceGone: the controller or a storage unit is unreachable.
         """
-        _check_partition(partition)
-        if not isinstance(data, dict) or not data:
-            raise SchemaError(
-                f"data: expected a dict of field name -> column, got {data!r:.60} "
-                "(e.g. {'tokens': [...], 'rewards': torch.tensor([...])})"
-            )
-        rows = -1
-        first = ""
-        signatures = {}
-        for name, column in data.items():
-            if not isinstance(name, str):
-                raise SchemaError(f"field {name!r}: expected a str name, got {type(name).__name__}")
-            kind = kind_of(name, column)
-            n = rows_of(column)
-            if rows < 0:
-                rows, first = n, name
-            elif n != rows:
-                raise SchemaError(
-                    f"field `{name}`: expected {rows} rows (as field `{first}`), got {n} "
-                    "(every field of one put must have the same number of samples)"
-                )
-            signatures[name] = signature(kind, column)
-            if isinstance(column, list) and not all(type(v) in _PLAIN for v in column):
-                try:  # plain values: refuse what cannot travel before anything is reserved
-                    encode(column)
-                except WireError as e:
-                    raise SchemaError(
-                        str(e).replace("cannot encode `", f"field `{name}`, at `", 1)
-                    ) from None
-        if rows == 0:
-            raise SchemaError("data: expected at least one sample, got 0 rows")
-        meta = dict(meta or {})
-        for key, values in meta.items():
-            if not isinstance(values, (list, tuple)) or len(values) != rows:
-                got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-                raise SchemaError(
-                    f"meta `{key}`: expected a list of {rows} values (one per sample), got {got}"
-                )
-            meta[key] = list(values)
-        if indexes is not None:
-            indexes = list(indexes)
-            if len(indexes) != rows or not all(type(i) is int for i in indexes):
-                raise SchemaError(
-                    f"indexes: expected {rows} ints (one per row of data), got {indexes!r:.60}"
-                )
-            if len(set(indexes)) != rows:
-                raise SchemaError(
-                    f"indexes: expected {rows} distinct ints, got a repeated one in "
-                    f"{indexes!r:.60} (one row of data per sample)"
-                )
-        alloc_args = {
-            "partition": partition,
-            "rows": rows,
-            "signatures": signatures,
-            "meta": meta,
-            "partition_meta": partition_meta,
-            "indexes": indexes,
-            "timeout": timeout,
-        }
-        alloc_timeout = None if timeout is None else timeout + _CONTROL_TIMEOUT
-        call = self._call(self._controller, "alloc", alloc_args, alloc_timeout)
-        if not self._local:
-            alloc = await call
-        else:  # the one copy into shared memory runs while the controller places the put
-            placing = asyncio.ensure_future(call)
-            try:
-                if sum(map(nbytes, data.values())) >= _STAGE_IN_THREAD:  # side by side:
-                    moved = await asyncio.gather(  # tensors copied, strings packed
-                        asyncio.to_thread(shared_tensor_columns, data),
-                        asyncio.to_thread(packed_string_columns, data),
-                    )
-                    data = {**data, **moved[0], **moved[1]}
-                else:
-                    data = shared_columns(data)
-            except BaseException:
-                await self._abandon(placing, partition, indexes is None)
-                raise
-            alloc = await placing
-        placed: list[int] = alloc["indexes"]
-        units: list[int] = alloc["units"]
-        blocks = _blocks(units)
-        sends = []
-        for unit, start, stop in blocks:
-            columns = {name: split_rows(col, [start, stop])[0] for name, col in data.items()}
-            client = await self._unit(unit)
-            args = {"partition": partition, "indexes": placed[start:stop], "columns": columns}
-            sends.append(self._call(client, "put", args, _CONTROL_TIMEOUT))
-        try:  # each unit makes its rows visible at the controller once stored
+        alloc = checked_put(partition, data, meta, indexes, partition_meta, timeout)
+        reply_timeout = None if timeout is None else timeout + _REPLY_MARGIN
+        placing = asyncio.ensure_future(self._call(self._controller, alloc, reply_timeout))
+        try:
+            if self._local:  # the one copy into shared memory runs while the controller places
+                data = await staged(data)
+            answer = await placing
+        except BaseException:
+            await self._abandon(placing, partition, indexes is None)
+            raise
+        placed: list[int] = answer["indexes"]
+        try:
+            sends = []
+            for unit, start, stop in _blocks(answer["units"]):
+                columns = {name: split_rows(col, [start, stop])[0] for name, col in data.items()}
+                client = await self._unit(unit)
+                msg = Put(partition, placed[start:stop], columns)
+                sends.append(self._call(client, msg, _CONTROL_TIMEOUT))
+            # each unit makes its rows visible at the controller once stored
             await asyncio.gather(*sends)
         except BaseException:
             if indexes is None:
@@ -241,17 +175,21 @@ class AsyncQueueClient:
 
     async def _abandon(self, placing: asyncio.Future[Any], partition: str, new: bool) -> None:
         """A put failed before its data moved: give back the samples it reserved."""
+        if not placing.done():
+            placing.cancel()  # not placed yet: the controller forgets the request with it
         try:
-            alloc = await placing
-        except QueueError:
+            answer = await placing
+        except (QueueError, asyncio.CancelledError):
             return  # nothing was reserved
         if new:
-            await self._give_back(partition, alloc["indexes"])
+            await self._give_back(partition, answer["indexes"])
 
     async def _give_back(self, partition: str, indexes: list[int]) -> None:
         """New samples that never became visible: their room goes back."""
-        args = {"partition": partition, "indexes": indexes}
-        await self._call(self._controller, "abort", args, _CONTROL_TIMEOUT)
+        try:
+            await self._call(self._controller, Release(partition, indexes), _CONTROL_TIMEOUT)
+        except QueueError as e:  # the controller is gone: its state went with it
+            log.warning("put `%s`: could not give back %d samples: %s", partition, len(indexes), e)
 
     async def get(
         self,
@@ -270,40 +208,46 @@ class AsyncQueueClient:
         With ``dp_size=N`` one round of ``N * batch_size`` samples is shared among
         the N ranks; every caller of one (partition, task, dp_rank, batch number)
         gets the same samples (TP/PP peers of a DP rank call get alike). Never
-        returns an empty batch.
+        returns an empty batch. A get that has waited ``WARN_AFTER`` seconds for
+        fields that no put of the partition brought logs a warning naming them
+        (a misspelled field would otherwise wait silently).
 
         Raises:
             GetTimeout: too few ready samples within ``timeout``; nothing leased.
+                Its message names the fields the partition holds.
             UnknownTask, SchemaError: bad arguments.
             ServiceGone: the controller or a storage unit is unreachable.
         """
-        _check_partition(partition)
-        _positive("batch_size", batch_size)
-        _positive("dp_size", dp_size)
+        check_partition(partition)
+        positive("batch_size", batch_size)
+        positive("dp_size", dp_size)
         if type(dp_rank) is not int or not 0 <= dp_rank < dp_size:
             raise SchemaError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+        if isinstance(fields, str) or not isinstance(fields, Sequence):
+            raise SchemaError(
+                f"fields: expected a list of field names, got {brief(fields)} "
+                "(e.g. fields=['tokens'])"
+            )
         fields = list(fields)
-        if not fields or not all(isinstance(f, str) for f in fields):
+        if not fields or not all(isinstance(f, str) and f for f in fields):
             raise SchemaError(f"fields: expected a non-empty list of field names, got {fields!r}")
-        chosen = sampler_from(sampler)
+        check_timeout(timeout)
         key = (partition, task, dp_rank, dp_size)
         number = self._batches.get(key, 0)
-        share = await self._call(
-            self._controller,
-            "get",
-            {
-                "partition": partition,
-                "task": task,
-                "fields": fields,
-                "batch_size": batch_size,
-                "dp_rank": dp_rank,
-                "dp_size": dp_size,
-                "batch": number,
-                "sampler": msgspec.to_builtins(chosen),
-                "timeout": timeout,
-            },
-            None if timeout is None else timeout + _CONTROL_TIMEOUT,
-        )
+        msg = Get(
+            partition, task, fields, batch_size, dp_rank, dp_size, number,
+            sampler_from(sampler), timeout,
+        )  # fmt: skip
+        reply_timeout = None if timeout is None else timeout + _REPLY_MARGIN
+        asking = asyncio.ensure_future(self._call(self._controller, msg, reply_timeout))
+        try:
+            if timeout is None or timeout > WARN_AFTER:
+                await asyncio.wait([asking], timeout=WARN_AFTER)  # one bounded wait, then:
+                if not asking.done():
+                    await self._warn_missing(partition, task, fields)
+            share = await asking
+        finally:
+            asking.cancel()  # this call was cancelled: so is its parked request
         self._batches[key] = number + 1
         indexes: list[int] = share["indexes"]
         by_unit: dict[int, list[int]] = {}
@@ -312,8 +256,8 @@ class AsyncQueueClient:
         reads = []
         for unit, positions in by_unit.items():
             client = await self._unit(unit)
-            args = {"indexes": [indexes[p] for p in positions], "fields": fields}
-            reads.append(self._call(client, "read", args, _CONTROL_TIMEOUT))
+            read = Read([indexes[p] for p in positions], fields)
+            reads.append(self._call(client, read, _CONTROL_TIMEOUT))
         parts = await asyncio.gather(*reads)
         n = len(indexes)
         kinds = share["kinds"]  # of the fields that are not plain tensors
@@ -333,39 +277,42 @@ class AsyncQueueClient:
             partition, task, indexes, data, share["meta"], share["partition_meta"], share["lease"]
         )
 
+    async def _warn_missing(self, partition: str, task: str, fields: list[str]) -> None:
+        """A get has waited a while: if the partition lacks some of its fields, say so once."""
+        try:
+            held = await self._call(self._controller, Fields(partition), _CONTROL_TIMEOUT)
+        except QueueError:
+            return  # the get itself will report what went wrong
+        missing = [f for f in fields if f not in held["fields"]]
+        missing = [f for f in missing if (partition, f) not in self._warned]
+        if held["exists"] and missing:
+            self._warned.update((partition, f) for f in missing)
+            log.warning(
+                "get `%s` for task `%s` has waited %g s for fields %s that no put of the "
+                "partition brought yet (it holds %s): is a field name misspelled?",
+                partition, task, WARN_AFTER, missing, held["fields"],
+            )  # fmt: skip
+
     async def ack(self, batch: Batch) -> int:
         """Mark the batch consumed for its task; returns how many samples were newly consumed."""
-        return int(
-            await self._call(
-                self._controller,
-                "ack",
-                {
-                    "partition": batch.partition,
-                    "task": batch.task,
-                    "lease": batch.lease,
-                    "indexes": batch.indexes,
-                },
-                _CONTROL_TIMEOUT,
-            )
-        )
+        msg = Ack(batch.partition, batch.task, batch.lease, batch.indexes)
+        return int(await self._call(self._controller, msg, _CONTROL_TIMEOUT))
 
     async def clear(self, partition: str) -> int:
         """Drop a partition and its data now, consumed or not; returns how many samples went."""
-        _check_partition(partition)
-        return int(
-            await self._call(self._controller, "clear", {"partition": partition}, _CONTROL_TIMEOUT)
-        )
+        check_partition(partition)
+        return int(await self._call(self._controller, Clear(partition), _CONTROL_TIMEOUT))
 
     async def statistics(self) -> dict[str, Any]:
         """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""
-        stats = await self._call(self._controller, "stats", {}, _CONTROL_TIMEOUT)
+        stats = await self._call(self._controller, Stats(), _CONTROL_TIMEOUT)
         units = []
         for u, alive in enumerate(stats.pop("storage_units_alive")):
             unit = await self._unit(u)
             one = {"alive": alive, "address": unit.address}
             if alive:
                 try:
-                    one.update(await self._call(unit, "stats", {}, _CONTROL_TIMEOUT))
+                    one.update(await self._call(unit, Stats(), _CONTROL_TIMEOUT))
                 except ServiceGone as e:  # died before the controller heard of it
                     one.update(alive=False, error=str(e))
             units.append(one)
@@ -395,19 +342,55 @@ class QueueClient:
     Safe to share between threads; runs on the process's wire loop.
     """
 
-    def __init__(self, address: str, *, secret: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | bytes | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
         self._loop = wire_loop()
-        self._client = AsyncQueueClient(address, secret=secret)
+        self._client = AsyncQueueClient(address, secret=secret, connect_timeout=connect_timeout)
         self.address = address
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
 
-    def put(self, partition: str, data: dict[str, Any], **kw: Any) -> list[int]:
-        return self._run(self._client.put(partition, data, **kw))
+    def put(
+        self,
+        partition: str,
+        data: dict[str, Any],
+        *,
+        meta: dict[str, Sequence[Any]] | None = None,
+        indexes: Sequence[int] | None = None,
+        partition_meta: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        return self._run(
+            self._client.put(
+                partition, data, meta=meta, indexes=indexes, partition_meta=partition_meta,
+                timeout=timeout,
+            )
+        )  # fmt: skip
 
-    def get(self, partition: str, **kw: Any) -> Batch:
-        return self._run(self._client.get(partition, **kw))
+    def get(
+        self,
+        partition: str,
+        *,
+        task: str,
+        batch_size: int,
+        fields: Sequence[str],
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        sampler: str | Sequential | GrpoGroups | SeqlenBalanced = "sequential",
+        timeout: float | None = None,
+    ) -> Batch:
+        return self._run(
+            self._client.get(
+                partition, task=task, batch_size=batch_size, fields=fields, dp_rank=dp_rank,
+                dp_size=dp_size, sampler=sampler, timeout=timeout,
+            )
+        )  # fmt: skip
 
     def ack(self, batch: Batch) -> int:
         return self._run(self._client.ack(batch))
@@ -428,9 +411,5 @@ class QueueClient:
         self.close()
 
 
-put_doc = AsyncQueueClient.put.__doc__
-QueueClient.put.__doc__ = put_doc
-QueueClient.get.__doc__ = AsyncQueueClient.get.__doc__
-QueueClient.ack.__doc__ = AsyncQueueClient.ack.__doc__
-QueueClient.clear.__doc__ = AsyncQueueClient.clear.__doc__
-QueueClient.statistics.__doc__ = AsyncQueueClient.statistics.__doc__
+for _name in ("put", "get", "ack", "clear", "statistics"):
+    getattr(QueueClient, _name).__doc__ = getattr(AsyncQueueClient, _name).__doc__

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
+from rlferry.wire._codec import tensor_refusal
 from rlferry.wire._copy import bytes_copy, copy_many
 from rlferry.wire._refs import materialized
 
@@ -39,7 +40,15 @@ __all__ = [
 
 
 def kind_of(field: str, value: Any) -> str:
+    """The kind of a column, checked to travel (nothing of it is copied or encoded).
+
+    Raises:
+        SchemaError: a value the queue cannot store, naming the field and the fix.
+    """
     if isinstance(value, torch.Tensor):
+        why = tensor_refusal(value)
+        if why is not None:
+            raise SchemaError(f"field `{field}`: cannot travel: {why}")
         if value.is_nested:
             return "nested"
         if value.dim() == 0:
@@ -51,6 +60,11 @@ def kind_of(field: str, value: Any) -> str:
     if isinstance(value, (list, PackedStrings)):  # strings may come packed already
         return "list"
     if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        if value.dtype.kind not in "biufc" or value.dtype.fields is not None:
+            raise SchemaError(
+                f"field `{field}`: cannot travel: numpy dtype {value.dtype} "
+                "(only bool, int, uint, float, complex; use a list for other values)"
+            )
         if value.ndim == 0:
             raise SchemaError(
                 f"field `{field}`: expected one row per sample, got a 0-d array "

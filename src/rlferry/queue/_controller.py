@@ -4,7 +4,12 @@ It knows every partition, every sample's global index, which fields of it are
 produced, which storage unit holds it, its custom meta, and per task whether
 it is leased or consumed. Requests that cannot be served yet (a ``get`` short
 of ready samples, a ``put`` over capacity) are parked on futures and answered
-when the state changes or their timeout expires: nothing polls.
+when the state changes or their timeout expires: nothing polls. A client that
+disconnects takes its parked requests with it (``disconnected``): a dead
+consumer is never leased samples.
+
+Every request is checked whole by its typed decoder (``_messages``) before it
+changes anything.
 
 The class holds no process-global state, so it can run in a thread, a child
 process, or a Ray actor alike.
@@ -17,13 +22,13 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rlferry.wire import AsyncClient
 
-from ._dispatch import dispatch
+from ._config import QueueConfig
 from ._errors import (
     GetTimeout,
     PutTimeout,
@@ -32,9 +37,25 @@ from ._errors import (
     UnknownPartition,
     UnknownTask,
 )
-from ._samplers import sampler_from
+from ._messages import (
+    Ack,
+    Alloc,
+    Clear,
+    Drop,
+    Dump,
+    Fields,
+    Get,
+    Info,
+    Produced,
+    Release,
+    Stats,
+    controller_request,
+    to_wire,
+)
 
 __all__ = ["Controller"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("rlferry.queue")
 
@@ -77,21 +98,13 @@ class Partition:
 class Controller:
     """The queue's controller; ``handle`` is its wire handler."""
 
-    def __init__(
-        self,
-        tasks: tuple[str, ...],
-        units: list[str],
-        *,
-        capacity: int | None = None,
-        max_partitions: int | None = None,
-        lease_timeout: float = 60.0,
-        secret: str | bytes | None = None,
-    ) -> None:
-        self.tasks = tuple(tasks)
+    def __init__(self, config: QueueConfig, units: list[str]) -> None:
+        self.config = config
+        self.tasks = config.tasks
         self.units = list(units)
-        self.capacity = capacity
-        self.max_partitions = max_partitions
-        self.lease_timeout = lease_timeout
+        self.capacity = config.capacity
+        self.max_partitions = config.max_partitions
+        self.lease_timeout = config.lease_timeout
         self.partitions: dict[str, Partition] = {}
         self.held = 0  # samples held (not yet freed)
         self.unit_load = [0] * len(units)  # samples held per storage unit
@@ -103,23 +116,52 @@ class Controller:
         self.waiting_gets = 0
         self.waiting_puts = 0
         self.started = time.monotonic()
-        self._secret = secret
+        self._secret = config.secret
         self._unit_clients: list[AsyncClient] = []
         self._bg: set[asyncio.Task[Any]] = set()
-        self._ops: dict[str, Callable[..., Any]] = {
-            "info": self.info,
-            "alloc": self.alloc,
-            "produced": self.produced,
-            "get": self.get,
-            "ack": self.ack,
-            "clear": self.clear,
-            "abort": self.abort,
-            "stats": self.stats,
-            "dump": self.dump,
-        }
+        self._parked: dict[bytes, set[asyncio.Task[Any]]] = {}  # per client: waiting requests
 
     async def handle(self, value: Any, peer: bytes) -> Any:
-        return await dispatch(self._ops, value)
+        """The wire handler: a typed request, checked whole, then served."""
+        msg = controller_request(value)
+        if isinstance(msg, Get):
+            return await self._parking(peer, self.get(msg))
+        if isinstance(msg, Alloc):
+            return await self._parking(peer, self.alloc(msg))
+        if isinstance(msg, Produced):
+            return self.produced(msg.partition, msg.indexes, msg.fields)
+        if isinstance(msg, Ack):
+            return self.ack(msg)
+        if isinstance(msg, Release):
+            return self.release(msg.partition, msg.indexes)
+        if isinstance(msg, Clear):
+            return self.clear(msg.partition)
+        if isinstance(msg, Fields):
+            return self.fields(msg.partition)
+        if isinstance(msg, Info):
+            return self.info()
+        if isinstance(msg, Stats):
+            return self.stats()
+        assert isinstance(msg, Dump)
+        return self.dump()
+
+    async def _parking(self, peer: bytes, request: Coroutine[Any, Any, T]) -> T:
+        """Serve a request that may wait, as part of ``peer``'s parked requests."""
+        task = asyncio.current_task()
+        assert task is not None
+        parked = self._parked.setdefault(peer, set())
+        parked.add(task)
+        try:
+            return await request
+        finally:
+            parked.discard(task)
+            if not parked:
+                self._parked.pop(peer, None)
+
+    def disconnected(self, peer: bytes) -> None:
+        """A client disconnected (closed, died): its parked requests go, unanswered."""
+        for task in self._parked.pop(peer, ()):
+            task.cancel()
 
     # -- helpers ----------------------------------------------------------------
     def _notify(self) -> None:
@@ -181,10 +223,18 @@ class Controller:
             self.unit_load[unit] -= len(indexes)
             if not self.unit_up[unit]:
                 continue  # its memory went with it
-            req = self._unit_client(unit).request(["drop", {"indexes": indexes}], timeout=30)
+            req = self._unit_client(unit).request(to_wire(Drop(indexes)), timeout=30)
             task = asyncio.ensure_future(req)
             self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            task.add_done_callback(functools.partial(self._dropped, unit, len(indexes)))
+
+    def _dropped(self, unit: int, count: int, task: asyncio.Task[Any]) -> None:
+        self._bg.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "storage unit %d (%s) did not drop %d freed samples: %s (its memory stays "
+                "held until it restarts)", unit, self.units[unit], count, task.exception(),
+            )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -196,17 +246,11 @@ class Controller:
         self.unit_up.append(True)
         return len(self.units) - 1
 
-    async def alloc(
-        self,
-        partition: str,
-        rows: int,
-        signatures: dict[str, list[Any]],
-        meta: dict[str, list[Any]],
-        partition_meta: dict[str, Any] | None,
-        indexes: list[int] | None,
-        timeout: float | None,
-    ) -> dict[str, Any]:
-        """Reserve samples (new ones, or the given existing ones) and say where they go."""
+    async def alloc(self, msg: Alloc) -> dict[str, Any]:
+        """Reserve samples (new ones, or the given existing ones) and say where they go.
+        Everything is checked before anything is reserved."""
+        partition, rows, signatures, meta = msg.partition, msg.rows, msg.signatures, msg.meta
+        partition_meta, indexes, timeout = msg.partition_meta, msg.indexes, msg.timeout
         if not self.units:
             raise SchemaError("storage: the queue has no storage unit yet (start one)")
         if indexes is not None:
@@ -218,6 +262,7 @@ class Controller:
                     "(add fields only to indexes a put of this partition returned)"
                 )
             self._check_signatures(p, signatures)
+            self._keep_signatures(p, signatures)
             self._set_meta(p, indexes, meta, partition_meta)
             return {"indexes": indexes, "units": [p.samples[i].unit for i in indexes]}
         if self.capacity is not None and rows > self.capacity:
@@ -225,6 +270,10 @@ class Controller:
                 f"put: expected at most capacity={self.capacity} samples, got {rows} "
                 "(split the put, or start the queue with a larger capacity)"
             )
+
+        known = self.partitions.get(partition)
+        if known is not None:
+            self._check_signatures(known, signatures)
 
         def room() -> bool | None:
             if self.capacity is not None and self.held + rows > self.capacity:
@@ -244,13 +293,6 @@ class Controller:
             ) from None
         finally:
             self.waiting_puts -= 1
-        part = self.partitions.get(partition)
-        if part is None:
-            part = self.partitions[partition] = Partition(partition)
-        p = part
-        self._check_signatures(p, signatures)
-        first = self.next_index
-        self.next_index += rows
         # A put goes whole to the unit holding the fewest samples: a get of its rows (or of
         # a DP rank's contiguous share) is then one view of one stored column, no copy.
         alive = [u for u in range(len(self.units)) if self.unit_up[u]]
@@ -258,6 +300,14 @@ class Controller:
             raise ServiceGone(
                 f"storage: all {len(self.units)} storage units are gone (restart the queue)"
             )
+        part = self.partitions.get(partition)
+        if part is None:
+            part = Partition(partition)
+        self._check_signatures(part, signatures)  # again: another put may have come meanwhile
+        self.partitions[partition] = p = part
+        self._keep_signatures(p, signatures)
+        first = self.next_index
+        self.next_index += rows
         unit = min(alive, key=self.unit_load.__getitem__)
         self.unit_load[unit] += rows
         units = [unit] * rows
@@ -277,6 +327,8 @@ class Controller:
                     f"`{p.name}`, got {_describe(sig)} (one field keeps one kind, dtype and "
                     "row shape; send rows of different lengths as a list of tensors)"
                 )
+
+    def _keep_signatures(self, p: Partition, signatures: dict[str, list[Any]]) -> None:
         for name, sig in signatures.items():
             p.signatures.setdefault(name, sig)
 
@@ -312,20 +364,11 @@ class Controller:
                 s.fields = new
         self._notify()
 
-    async def get(
-        self,
-        partition: str,
-        task: str,
-        fields: list[str],
-        batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-        batch: int,
-        sampler: Any,
-        timeout: float | None,
-    ) -> dict[str, Any]:
+    async def get(self, msg: Get) -> dict[str, Any]:
+        partition, task, fields, batch_size = msg.partition, msg.task, msg.fields, msg.batch_size
+        dp_rank, dp_size, batch, timeout = msg.dp_rank, msg.dp_size, msg.batch, msg.timeout
         self._task(task)
-        chosen = sampler_from(sampler)
+        chosen = msg.sampler
         key = (task, dp_size, dp_rank, batch)
         need = frozenset(fields)
 
@@ -356,7 +399,7 @@ class Controller:
             raise GetTimeout(
                 f"get `{partition}` for task `{task}`: {have} ready samples with fields "
                 f"{fields} within {timeout} s, a batch needs {batch_size} per rank x "
-                f"{dp_size} ranks (producers must put more, or wait longer)"
+                f"{dp_size} ranks ({self._holds(partition, fields)})"
             ) from None
         finally:
             self.waiting_gets -= 1
@@ -372,6 +415,27 @@ class Controller:
             "kinds": {f: k for f in fields if (k := p.signatures[f][0]) != "tensor"},
             "lease": lease.id,
         }
+
+    def _holds(self, partition: str, fields: list[str]) -> str:
+        """What a waiting get should know: the fields the partition holds, and the asked
+        ones no put has brought."""
+        p = self.partitions.get(partition)
+        if p is None:
+            return f"partition `{partition}` does not exist: no put made it, or it was freed"
+        held = sorted(p.signatures)
+        missing = [f for f in fields if f not in p.signatures]
+        if missing:
+            return (
+                f"partition `{partition}` holds fields {held}; no put brought {missing}: "
+                "is a field name misspelled?"
+            )
+        return (
+            f"partition `{partition}` holds fields {held}; producers must put more, or wait longer"
+        )
+
+    def fields(self, partition: str) -> dict[str, Any]:
+        p = self.partitions.get(partition)
+        return {"exists": p is not None, "fields": sorted(p.signatures) if p else []}
 
     def _lease(self, p: Partition, task: str, key: tuple[int, int, int], share: list[int]) -> None:
         lease = Lease(next(self.lease_ids), p.name, task, key, share)
@@ -405,8 +469,9 @@ class Controller:
                     del s.leased[lease.task]
         self._notify()
 
-    def ack(self, partition: str, task: str, lease: int, indexes: list[int]) -> int:
+    def ack(self, msg: Ack) -> int:
         """Consume leased samples; returns how many were newly consumed."""
+        partition, task, lease, indexes = msg.partition, msg.task, msg.lease, msg.indexes
         self._task(task)
         p = self.partitions.get(partition)
         if p is None:
@@ -437,8 +502,8 @@ class Controller:
         self._notify()
         return done
 
-    def abort(self, partition: str, indexes: list[int]) -> None:
-        """A put whose payload did not reach storage: forget its samples."""
+    def release(self, partition: str, indexes: list[int]) -> None:
+        """A put whose payload did not reach storage: forget its new samples."""
         p = self.partitions.get(partition)
         if p is None:
             return

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from rlferry.wire import RemoteError as WireRemoteError
+
 __all__ = [
     "GetTimeout",
     "PutTimeout",
     "QueueClosed",
     "QueueError",
+    "RemoteError",
     "SchemaError",
     "ServiceGone",
     "UnknownPartition",
@@ -50,6 +53,11 @@ class ServiceGone(QueueError):
 
 class QueueClosed(QueueError):
     """The client or queue was closed."""
+
+
+class RemoteError(QueueError, WireRemoteError):
+    """A service of the queue raised an error the client has no class for (a bug, or a
+    newer server): ``kind`` is the remote class name, ``message`` its text."""
 
 
 ERRORS: dict[str, type[QueueError]] = {

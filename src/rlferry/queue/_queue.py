@@ -19,9 +19,12 @@ from rlferry.wire import Server, default_address, wire_loop
 from rlferry.wire import decode as wire_decode
 from rlferry.wire import encode as wire_encode
 
+from ._checks import checked_address
 from ._client import AsyncQueueClient, QueueClient
+from ._config import QueueConfig
 from ._controller import Controller
 from ._errors import SchemaError
+from ._messages import Dump, Info, Load
 from ._storage import StorageUnit
 
 __all__ = ["Queue"]
@@ -57,46 +60,63 @@ class Queue:
         capacity: int | None = None,
         max_partitions: int | None = None,
         lease_timeout: float = 60.0,
-        transport: str = "ipc",
+        bind: str | None = None,
+        secret: str | bytes | None = None,
     ) -> Queue:
         """Start a controller and ``storage_units`` storage units in this process.
 
-        ``tasks``: the consumers that each read every sample once (e.g.
-        ``("actor_train", "critic_train")``). ``capacity``: samples held at most;
-        ``max_partitions``: unfinished partitions at most (the staleness bound);
-        a put over either waits for room. ``lease_timeout``: seconds a got batch
-        stays leased without an ack before it is delivered again.
+        The options are :class:`QueueConfig`'s (checked before anything starts):
+        ``tasks``, the consumers that each read every sample once (e.g.
+        ``("actor_train", "critic_train")``); ``capacity``, samples held at most;
+        ``max_partitions``, unfinished partitions at most (the staleness bound); a
+        put over either waits for room. ``lease_timeout``: seconds a got batch
+        stays leased without an ack before it is delivered again. ``bind``: the
+        controller's address (default a fresh ipc:// path); off loopback it needs
+        ``secret``.
         """
-        _check_config(storage_units, tasks, capacity, max_partitions, lease_timeout, transport)
+        config = QueueConfig(
+            storage_units=storage_units,
+            tasks=tuple(tasks) if isinstance(tasks, list) else tasks,
+            capacity=capacity,
+            max_partitions=max_partitions,
+            lease_timeout=lease_timeout,
+            bind=bind,
+            secret=secret,
+        )
         loop = wire_loop()
         services: list[Server] = []
         try:
-            ctrl = Controller(
-                tuple(tasks),
-                [],
-                capacity=capacity,
-                max_partitions=max_partitions,
-                lease_timeout=lease_timeout,
-            )
-            for _ in range(storage_units):
+            ctrl = Controller(config, [])
+            for _ in range(config.storage_units):
                 unit = StorageUnit(on_stored=ctrl.published)
-                srv = Server(unit.handle, default_address(transport), forward=True)
+                address = config.unit_bind() or default_address("ipc")
+                srv = Server(unit.handle, address, secret=secret, forward=True)
                 ctrl.register_unit(loop.run(srv.start()))
                 services.append(srv)
             loop.run(ctrl.start())
-            srv = Server(ctrl.handle, default_address(transport))
+            srv = Server(
+                ctrl.handle,
+                config.bind or default_address("ipc"),
+                secret=secret,
+                on_disconnect=ctrl.disconnected,
+                tensors=False,
+            )
             address = loop.run(srv.start())
             services.append(srv)
         except BaseException:
             for s in services:
                 loop.run(s.close())
             raise
-        return cls(address, services=services, controller=ctrl)
+        return cls(address, secret=secret, services=services, controller=ctrl)
 
     @classmethod
     def connect(cls, address: str, *, secret: str | bytes | None = None) -> Queue:
-        """A handle on a queue served elsewhere (``rlferry serve queue``)."""
-        return cls(address, secret=secret)
+        """A handle on a queue served elsewhere (``rlferry serve queue``).
+
+        Raises:
+            SchemaError: ``address`` is not a tcp://HOST:PORT or ipc://PATH address.
+        """
+        return cls(checked_address(address), secret=secret)
 
     def client(self) -> QueueClient:
         """A sync client (closed with the queue)."""
@@ -118,15 +138,16 @@ class Queue:
         leased samples are delivered again after :meth:`restore`)."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
+        run = wire_loop().run
         with QueueClient(self.address, secret=self._secret) as c:
             cc = c._client
-            state = wire_loop().run(cc._call(cc._controller, "dump", {}, 60))
-            info = wire_loop().run(cc._call(cc._controller, "info", {}, 60))
+            state = run(cc._call(cc._controller, Dump(), 60))
+            info = run(cc._call(cc._controller, Info(), 60))
             state["tasks"] = info["tasks"]
             _write(out / "controller.rlf", state)
             for u in range(len(info["units"])):
-                unit = wire_loop().run(cc._unit(u))
-                _write(out / f"unit-{u}.rlf", wire_loop().run(cc._call(unit, "dump", {}, 600)))
+                unit = run(cc._unit(u))
+                _write(out / f"unit-{u}.rlf", run(cc._call(unit, Dump(), 600)))
 
     @classmethod
     def restore(cls, path: str | os.PathLike[str], **start: Any) -> Queue:
@@ -149,11 +170,11 @@ class Queue:
         assert q._controller is not None
         loop = wire_loop()
         loop.run(_load(q._controller, state))
-        with QueueClient(q.address) as c:
+        with QueueClient(q.address, secret=q._secret) as c:
             cc = c._client
             for u in range(n_units):
                 unit = loop.run(cc._unit(u))
-                loop.run(cc._call(unit, "load", {"fields": _read(src / f"unit-{u}.rlf")}, 600))
+                loop.run(cc._call(unit, Load(_read(src / f"unit-{u}.rlf")), 600))
         return q
 
     def close(self) -> None:
@@ -177,32 +198,6 @@ class Queue:
 
 async def _load(ctrl: Controller, state: dict[str, Any]) -> None:
     ctrl.load(state)
-
-
-def _check_config(
-    storage_units: Any,
-    tasks: Any,
-    capacity: Any,
-    max_partitions: Any,
-    lease_timeout: Any,
-    transport: Any,
-) -> None:
-    if type(storage_units) is not int or storage_units < 1:
-        raise SchemaError(f"storage_units: expected an int >= 1, got {storage_units!r}")
-    if (
-        not isinstance(tasks, (tuple, list))
-        or not tasks
-        or not all(isinstance(t, str) and t for t in tasks)
-        or len(set(tasks)) != len(tasks)
-    ):
-        raise SchemaError(f"tasks: expected distinct non-empty task names, got {tasks!r}")
-    for name, value in (("capacity", capacity), ("max_partitions", max_partitions)):
-        if value is not None and (type(value) is not int or value < 1):
-            raise SchemaError(f"{name}: expected None or an int >= 1, got {value!r}")
-    if not isinstance(lease_timeout, (int, float)) or lease_timeout <= 0:
-        raise SchemaError(f"lease_timeout: expected seconds > 0, got {lease_timeout!r}")
-    if transport not in ("ipc", "tcp"):
-        raise SchemaError(f"transport: expected 'ipc' or 'tcp', got {transport!r}")
 
 
 def _write(path: Path, value: Any) -> None:

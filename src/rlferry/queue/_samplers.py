@@ -42,6 +42,10 @@ class GrpoGroups(msgspec.Struct, frozen=True, tag="grpo_groups"):
     group_size: int
     key: str = "group"
 
+    def __post_init__(self) -> None:
+        if type(self.group_size) is not int or self.group_size < 1:
+            raise SchemaError(f"group_size: expected an int >= 1, got {self.group_size!r}")
+
     def round(
         self, ready: Sequence[int], meta: Meta, batch_size: int, dp_size: int
     ) -> list[list[int]] | None:

@@ -1,4 +1,10 @@
-"""``rlferry serve queue``: the controller in this process, each storage unit in a child process."""
+"""``rlferry serve queue``: the controller in this process, each storage unit in a child process.
+
+The config is checked here, before any child starts. A child reports its bound
+address, or the error that stopped it, through its pipe; the parent waits on the
+pipe and on the child's death at once, so a unit that dies at start is reported
+with its own error, not after a timeout.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +12,39 @@ import asyncio
 import multiprocessing as mp
 import signal
 import sys
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rlferry.wire import AsyncClient, Server, default_address
 
+from ._config import QueueConfig
 from ._controller import Controller
+from ._errors import ServiceGone
+from ._messages import Produced, to_wire
 from ._storage import StorageUnit
 
-__all__ = ["serve_queue"]
+__all__ = ["UNIT_START_TIMEOUT", "serve_queue"]
 
 _PUBLISH_TIMEOUT = 30.0
+UNIT_START_TIMEOUT = 120.0
+"""Seconds a storage unit process may take to start (it imports torch)."""
 
 
-def _unit_address(bind: str) -> str:
-    if bind.startswith("tcp://"):
-        return bind.rsplit(":", 1)[0] + ":*"
-    return default_address("ipc")
-
-
-def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
+def _run_unit(bind: str | None, secret: str | bytes | None, conn: Connection) -> None:
     async def main() -> None:
         link: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
 
         async def published(partition: str, indexes: list[int], fields: list[str]) -> None:
-            args = {"partition": partition, "indexes": indexes, "fields": fields}
-            await (await link).request(["produced", args], timeout=_PUBLISH_TIMEOUT)
+            msg = to_wire(Produced(partition, indexes, fields))
+            await (await link).request(msg, timeout=_PUBLISH_TIMEOUT)
 
-        srv = Server(StorageUnit(published).handle, bind, secret=secret, forward=True)
-        conn.send(await srv.start())
+        srv = Server(
+            StorageUnit(published).handle,
+            bind or default_address("ipc"),
+            secret=secret,
+            forward=True,
+        )
+        conn.send(["ok", await srv.start()])
         link.set_result(AsyncClient(await asyncio.to_thread(conn.recv), secret=secret))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -45,52 +55,71 @@ def _run_unit(bind: str, secret: str | None, conn: Connection) -> None:
         await srv.close()
         await (await link).close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except Exception as e:  # the parent prints it: a unit that cannot start says why
+        conn.send(["error", f"{type(e).__name__}: {e}"])
+        sys.exit(1)
 
 
-def serve_queue(
-    *,
-    storage_units: int,
-    bind: str | None,
-    secret: str | None,
-    tasks: tuple[str, ...],
-    capacity: int | None,
-    max_partitions: int | None,
-    lease_timeout: float,
-) -> None:
-    """Serve until SIGINT/SIGTERM. Prints one line per service: ``controller ADDRESS`` first."""
-    bind = bind or default_address("ipc")
+def _started(i: int, proc: Any, conn: Connection) -> str:
+    """The address unit ``i`` bound, once it says so; its error if it failed or died first."""
+    ready = wait([conn, proc.sentinel], UNIT_START_TIMEOUT)
+    if not ready:
+        raise ServiceGone(
+            f"storage unit {i} did not start within {UNIT_START_TIMEOUT:g} s (a slow machine "
+            "importing torch, or a hung start)"
+        )
+    if conn in ready:
+        try:
+            status, text = conn.recv()
+        except EOFError:  # it died: its end of the pipe closed
+            status, text = "", ""
+        if status == "ok":
+            return str(text)
+        if status == "error":
+            raise ServiceGone(f"storage unit {i} failed to start: {text}")
+    proc.join(5)  # it is dead: its exit code
+    raise ServiceGone(
+        f"storage unit {i} died at start (exit code {proc.exitcode}) before saying why"
+    )
+
+
+def serve_queue(config: QueueConfig) -> None:
+    """Serve until SIGINT/SIGTERM. Prints one line per service: ``controller ADDRESS`` first.
+
+    Raises:
+        ServiceGone: a storage unit failed to start (its error is in the message).
+    """
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     units: list[str] = []
     conns: list[Connection] = []
     try:
-        for i in range(storage_units):
+        for i in range(config.storage_units):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_run_unit,
-                args=(_unit_address(bind), secret, child),
+                args=(config.unit_bind(), config.secret, child),
                 name=f"rlferry-storage-{i}",
                 daemon=True,
             )
             proc.start()
+            child.close()  # the child's end lives in the child only: its death closes the pipe
             procs.append(proc)
-            if not parent.poll(120):
-                raise RuntimeError(f"storage unit {i} did not start within 120 s")
-            units.append(parent.recv())
+            units.append(_started(i, proc, parent))
             conns.append(parent)
 
         async def main() -> None:
-            ctrl = Controller(
-                tasks,
-                units,
-                capacity=capacity,
-                max_partitions=max_partitions,
-                lease_timeout=lease_timeout,
-                secret=secret,
-            )
+            ctrl = Controller(config, units)
             await ctrl.start()
-            srv = Server(ctrl.handle, bind, secret=secret)
+            srv = Server(
+                ctrl.handle,
+                config.bind or default_address("ipc"),
+                secret=config.secret,
+                on_disconnect=ctrl.disconnected,
+                tensors=False,
+            )
             address = await srv.start()
             for conn in conns:  # each unit tells the controller what it stored
                 conn.send(address)

@@ -15,9 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._columns import nbytes, take
-from ._dispatch import dispatch
+from rlferry.wire._errors import brief
+
+from ._columns import nbytes, rows_of, take
 from ._errors import SchemaError
+from ._messages import Drop, Dump, Load, Put, Read, Stats, storage_request
 
 __all__ = ["StorageUnit", "Stored"]
 
@@ -135,23 +137,38 @@ class StorageUnit:
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.monotonic()
-        self._ops: dict[str, Callable[..., Any]] = {
-            "put": self.put,
-            "read": self.read,
-            "drop": self.drop,
-            "stats": self.stats,
-            "dump": self.dump,
-            "load": self.load,
-        }
 
     async def handle(self, value: Any, peer: bytes) -> Any:
-        return await dispatch(self._ops, value)
+        """The wire handler: a typed request, checked whole, then served."""
+        msg = storage_request(value)
+        if isinstance(msg, Read):
+            return self.read(msg.indexes, msg.fields)
+        if isinstance(msg, Put):
+            return await self.put(msg.partition, msg.indexes, msg.columns)
+        if isinstance(msg, Drop):
+            return self.drop(msg.indexes)
+        if isinstance(msg, Stats):
+            return self.stats()
+        if isinstance(msg, Dump):
+            return self.dump()
+        assert isinstance(msg, Load)
+        return self.load(msg.fields)
 
     async def put(self, partition: str, indexes: list[int], columns: dict[str, Any]) -> int:
         """Store a put's rows, then make them visible at the controller: a put is
         complete (and its producer may die) once this returns."""
         if self.on_stored is None:
             raise SchemaError("storage: this unit is not linked to a controller (cannot publish)")
+        for name, column in columns.items():
+            try:
+                n = rows_of(column)
+            except (AttributeError, TypeError, IndexError):
+                n = -1
+            if n != len(indexes):
+                raise SchemaError(
+                    f"field `{name}`: expected a column of {len(indexes)} rows (one per index), "
+                    f"got {brief(column)}"
+                )
         self.store(indexes, columns)
         await self.on_stored(partition, indexes, list(columns))
         return len(indexes)

@@ -36,7 +36,7 @@ from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
 from ._shm import BULK_MIN, BulkFrame, exports, shared_empty
 from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
 
-__all__ = ["Buffer", "decode", "encode"]
+__all__ = ["Buffer", "decode", "encode", "tensor_refusal"]
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
@@ -95,18 +95,30 @@ def _plain(t: torch.Tensor) -> bool:
     )
 
 
+def tensor_refusal(t: torch.Tensor) -> str | None:
+    """Why the codec refuses ``t``, or None if it travels (its data is not touched)."""
+    if t.is_nested:
+        if t.layout != torch.jagged:
+            return "a strided nested tensor (convert it to layout=torch.jagged)"
+        if getattr(t, "_lengths", None) is not None:
+            return "a jagged nested tensor with holes (call .contiguous() first)"
+        return tensor_refusal(t.values())
+    if t.layout != torch.strided:
+        return f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
+    if t.dtype not in _DTYPE_NAMES:
+        return f"tensor dtype {t.dtype} is not supported"
+    if t.device.type == "meta":
+        return "a meta tensor has no data to send"
+    return None
+
+
 def _host_contiguous(t: torch.Tensor) -> torch.Tensor:
     if _plain(t):
         return t
-    if t.layout != torch.strided:
-        raise _Refused(
-            [], f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
-        )
-    if t.dtype not in _DTYPE_NAMES:
-        raise _Refused([], f"tensor dtype {t.dtype} is not supported")
+    why = tensor_refusal(t)
+    if why is not None:
+        raise _Refused([], why)
     if t.device.type != "cpu":
-        if t.device.type == "meta":
-            raise _Refused([], "a meta tensor has no data to send")
         t = t.detach().to("cpu")
     return t.detach().resolve_conj().resolve_neg().contiguous()  # lazy views: their values
 
@@ -269,10 +281,9 @@ class _Encoder:
         return msgspec.msgpack.Ext(_RAGGED, self._packer.encode(node))
 
     def nested(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
-        if t.layout != torch.jagged:
-            raise _Refused([], "a strided nested tensor (convert it to layout=torch.jagged)")
-        if getattr(t, "_lengths", None) is not None:
-            raise _Refused([], "a jagged nested tensor with holes (call .contiguous() first)")
+        why = tensor_refusal(t)
+        if why is not None:
+            raise _Refused([], why)
         values = self.tensor_node(t.values())
         offsets = self.tensor_node(t.offsets())  # type: ignore[attr-defined]
         node = [values, offsets, int(t._ragged_idx)]  # type: ignore[attr-defined]
