@@ -40,3 +40,11 @@ def test_bench_wire_prints_a_table_with_ratios():
     )
     assert "| memcpy (baseline) |" in out.stdout
     assert "| rlferry wire, ipc:// |" in out.stdout and "x memcpy" in out.stdout
+
+
+def test_numpy_is_a_dependency_of_the_core_install():
+    # without it `import torch` prints "Failed to initialize NumPy", and numpy columns fail
+    from importlib.metadata import requires
+
+    core = [r for r in requires("rlferry") or [] if "extra ==" not in r]
+    assert any(r.startswith("numpy") for r in core)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -377,3 +378,17 @@ def test_a_blocked_put_raises_put_timeout_when_its_timeout_is_over():
         with pytest.raises(PutTimeout) as e:
             c.put("p", {"x": torch.zeros(1)}, timeout=0.3)
         assert str(e.value).startswith("put `p`: no room within 0.3 s (held 2 samples")
+
+
+# -- item 11: socket files ----------------------------------------------------------------------
+def _our_socket_files() -> set[str]:
+    folder = tempfile.gettempdir()
+    return {f for f in os.listdir(folder) if f.startswith(f"rlferry-{os.getpid()}-")}
+
+
+def test_a_queue_removes_its_socket_files_when_it_closes():
+    before = _our_socket_files()
+    with Queue.start(storage_units=2, tasks=("train",)) as q:
+        q.client().put("p", {"x": torch.zeros(1)})
+        assert len(_our_socket_files() - before) == 3  # the controller and two units
+    assert _our_socket_files() == before
