@@ -364,17 +364,6 @@ def test_a_push_with_a_layout_argument_plans_before_reading_the_generator(sender
         r.close()
 
 
-def test_the_first_push_waits_for_the_receivers_and_says_how_many_came(sender):
-    r0 = start(sender, Engine(state()), "r0")
-    with pytest.raises(WeightSyncError) as e:
-        sender.push(state().items(), version=1, timeout=0.5)
-    assert str(e.value) == (
-        "push of version 1: 1 of 2 receivers joined group 'rollout' in time (receivers join "
-        "with WeightReceiver(..., address=sender.address).start())"
-    )
-    r0.close()
-
-
 def test_a_receiver_that_joins_later_gets_the_plan_and_the_next_push(sender):
     sd = state()
     engines = [Engine(sd) for _ in range(3)]

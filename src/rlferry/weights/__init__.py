@@ -12,7 +12,7 @@ tensors by one grouped copy (``GroupedCopy``: one Triton launch on CUDA).
 """
 
 from ._copy import GroupedCopy, ParamLoader
-from ._errors import WeightSyncError
+from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._plan import TensorSpec
 from ._receiver import WeightReceiver
 from ._report import PushReport, ReceiverStatistics, SenderStatistics
@@ -22,7 +22,11 @@ __all__ = [
     "GroupedCopy",
     "ParamLoader",
     "PushReport",
+    "PushTimeout",
+    "ReceiverClosed",
     "ReceiverStatistics",
+    "SenderClosed",
+    "SenderGone",
     "SenderStatistics",
     "TensorSpec",
     "WeightReceiver",

@@ -1,4 +1,16 @@
-"""The weight plane's error: one class, carrying which receivers failed and why."""
+"""The weight plane's errors: one base class, and one subclass per end of life.
+
+``WeightSyncError`` is the base of them all (catch it to catch any). A push
+that some receivers failed raises it with ``failures`` (each failed receiver's
+name and reason) and ``report`` (who committed). The subclasses say how a
+sender or a receiver ended, as the wire's ``ChannelClosed``, ``PeerGone`` and
+``RequestTimeout`` do for a channel:
+
+- :class:`SenderClosed`: you closed the sender, then pushed.
+- :class:`ReceiverClosed`: you closed the receiver, then waited on it or started it.
+- :class:`SenderGone`: the receiver's sender closed, died, or never answered.
+- :class:`PushTimeout` (also a ``TimeoutError``): a push did not finish in its timeout.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._report import PushReport
 
-__all__ = ["WeightSyncError"]
+__all__ = ["PushTimeout", "ReceiverClosed", "SenderClosed", "SenderGone", "WeightSyncError"]
 
 
 class WeightSyncError(Exception):
@@ -29,3 +41,24 @@ class WeightSyncError(Exception):
         super().__init__(message)
         self.failures = dict(failures or {})
         self.report = report
+
+
+class SenderClosed(WeightSyncError):
+    """The sender was closed (by you): it pushes no more. Make a new one."""
+
+
+class ReceiverClosed(WeightSyncError):
+    """The receiver was closed (by you): it loads no more, ``wait_for`` cannot succeed
+    for a version it does not hold, and it cannot start again. Make a new one."""
+
+
+class SenderGone(WeightSyncError):
+    """The receiver's sender went away (closed or died), or never answered its join:
+    the receiver loads no more and keeps its last version. Join the next sender with
+    a new receiver."""
+
+
+class PushTimeout(WeightSyncError, TimeoutError):
+    """A push did not finish within its ``timeout``: too few receivers were ready
+    (the message names each that joined and what it was doing), or some did not
+    acknowledge in time (``failures`` names them; ``report`` says who committed)."""

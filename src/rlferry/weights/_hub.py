@@ -5,6 +5,13 @@ here (a long poll); the push, running in the caller's thread, moves the state
 forward (plan, bucket k ready, abort) and every parked request whose receiver
 can act on it is answered at once. The push waits for acknowledgements on an
 event that every ack, failure and disconnect sets: nothing polls.
+
+A push goes to the receivers that are ready (their request parked here). One
+that just joined is waited for until its first request comes, for
+:data:`JOIN_GRACE` seconds at most: a peer that joined and went quiet (a stuck
+thread, a stopped process, a client that sent ``Join`` and nothing since)
+holds up no push after that, and a push that fails for want of receivers names
+each one that joined and what it was seen doing.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import WeightSyncError
+from ._errors import PushTimeout, WeightSyncError
 from ._messages import (
     ABORTED,
     DONE,
@@ -35,7 +42,9 @@ from ._messages import (
     encode,
 )
 
-__all__ = ["Hub", "Member", "Push"]
+__all__ = ["JOIN_GRACE", "Hub", "Member", "Push"]
+
+JOIN_GRACE = 2.0  # seconds a push waits for a receiver that joined to ask for work
 
 
 class Member:
@@ -56,6 +65,9 @@ class Member:
         self.gone = False
         self.sent_setup = False
         self.fresh = True  # joined, its first request not parked yet
+        self.awaited = True  # fresh, and pushes still wait for it (JOIN_GRACE after joining)
+        self.version: int | None = None  # of the last push it took part in
+        self.late = False  # missed the push's timeout
         self.handles: list[bytes] = []
         self.checksums: list[int] = []
 
@@ -112,7 +124,8 @@ class Hub:
             old = self.members.pop(peer, None)
             if old is not None:
                 self._leave(old, "joined again")
-            self.members[peer] = Member(peer, msg)
+            new = self.members[peer] = Member(peer, msg)
+            asyncio.get_running_loop().call_later(JOIN_GRACE, self._grace_over, new)
             self._changed.set()
             return encode(Welcome(self.group, self.transport))
         m = self.members.get(peer)
@@ -173,6 +186,10 @@ class Hub:
         self.on_leave(m.key)
         self._changed.set()
 
+    def _grace_over(self, m: Member) -> None:
+        m.awaited = False
+        self._changed.set()
+
     # -- dispatch -----------------------------------------------------------------
     def _dispatch(self, m: Member) -> None:
         if not m.idle:
@@ -224,24 +241,38 @@ class Hub:
     async def begin(
         self, push_args: dict[str, Any], wait_for: int, deadline: float
     ) -> list[Member]:
-        """The members that take part: every idle one (the first push waits for ``wait_for``)."""
+        """The members that take part: every idle one, once ``wait_for`` are (and every one
+        that just joined asked for work, or its grace ran out); raises ``PushTimeout``
+        naming who was seen doing what if too few are ready by ``deadline``."""
 
-        def enough() -> bool:  # and every receiver that just joined is ready
+        def enough() -> bool:
             ms = self.members.values()
-            return sum(m.idle for m in ms) >= wait_for and not any(m.fresh for m in ms)
-
-        if not await self.until(enough, deadline):
-            have = sum(m.idle for m in self.members.values())
-            raise WeightSyncError(
-                f"push of version {push_args['version']}: {have} of {wait_for} receivers joined "
-                f"group {self.group!r} in time (receivers join with WeightReceiver(..., "
-                f"address=sender.address).start())"
+            return sum(m.idle for m in ms) >= wait_for and not any(
+                m.fresh and m.awaited for m in ms
             )
+
+        await self.until(enough, deadline)
         members = [m for m in self.members.values() if m.idle]
+        if len(members) < wait_for:
+            raise PushTimeout(self._too_few(push_args, wait_for))
         for m in members:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
-            m.step, m.want = IDLE, None
+            m.step, m.want, m.late = IDLE, None, False
+            m.version = push_args["version"]
         return members
+
+    def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:
+        ms = list(self.members.values())
+        ready = sum(m.idle for m in ms)
+        head = f"push of version {push_args['version']}: {ready} of {wait_for} receivers"
+        within = f"group {self.group!r} within {push_args['timeout']:g} s"
+        how = "receivers join with WeightReceiver(..., address=sender.address).start()"
+        busy = [m for m in ms if not m.idle]
+        if not busy:
+            return f"{head} joined {within} ({how})"
+        seen = "; ".join(f"receiver `{m.name}` ({m.where}) {_doing(m)}" for m in busy)
+        more = f"; {len(ms)} of {wait_for} joined ({how})" if len(ms) < wait_for else ""
+        return f"{head} ready in {within}: {seen}{more}"
 
     async def start(self, push: Push) -> None:
         """Send the plan (and buffers or group) to the members that need it."""
@@ -307,7 +338,21 @@ class Hub:
         for m in p.members:
             if not m.settled and m.step < step:
                 m.error = f"{what} within the push's timeout"
-                m.seq = -1  # later acks of this push are ignored
+                m.seq, m.late = -1, True  # later acks of this push are ignored
 
     def done(self) -> None:
         self.push = None
+
+
+def _doing(m: Member) -> str:
+    """What a member that is not ready was last seen doing, and the likely cause."""
+    if m.fresh:
+        return (
+            "joined but never asked for work (a peer that sent Join and nothing since, or a "
+            "receiver whose thread is stuck or whose process is stopped)"
+        )
+    since = f"took part in the push of version {m.version}" if m.version is not None else "joined"
+    return (
+        f"{since} and has not asked for work since (a `load` or `on_commit` that does not "
+        "return, or a stopped process)"
+    )

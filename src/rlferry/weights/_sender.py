@@ -13,7 +13,7 @@ import torch
 from rlferry.wire import Server, default_address, wire_loop
 
 from ._config import SenderConfig
-from ._errors import WeightSyncError
+from ._errors import PushTimeout, WeightSyncError
 from ._hub import Hub, Member, Push
 from ._pack import Packer, bucketed
 from ._plan import Plan, TensorSpec, named_pair
@@ -51,6 +51,13 @@ def _key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
     if key and all(type(k[0]) is str for k in key):
         return key
     return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
+
+
+def _error_class(
+    failed: list[Member], default: type[WeightSyncError] = WeightSyncError
+) -> type[WeightSyncError]:
+    """``PushTimeout`` if one of ``failed`` missed the push's timeout, else ``default``."""
+    return PushTimeout if any(m.late for m in failed) else default
 
 
 class WeightSender:
@@ -161,10 +168,19 @@ class WeightSender:
         a layout change, needs ``layout=``: the names with anything that has
         ``.shape`` and ``.dtype``, else the generator is read whole first).
 
+        A push goes to the receivers ready when it starts: the first waits for
+        ``receivers`` of them, later ones for one (and for a receiver that just
+        joined to ask for work, a moment at most); a receiver still busy with an
+        earlier push, or one that joined and never asked for work, is left out.
+
         Raises:
-            WeightSyncError: a receiver rejected the plan (nothing moved), failed
+            PushTimeout: (a ``TimeoutError``) too few receivers were ready within
+                ``timeout`` (the message names each one that joined and what it was
+                doing), or some did not acknowledge in time (``failures`` names them,
+                ``report`` says who committed).
+            WeightSyncError: a receiver rejected the plan (nothing moved) or failed
                 (``failures`` names each with its reason; the others committed,
-                ``report`` says who), or the push did not finish in ``timeout``.
+                ``report`` says who).
             ValueError: ``version`` is not an int.
         """
         if type(version) is not int:
@@ -198,7 +214,8 @@ class WeightSender:
         seq = next(self._seq)
         wait_for = self.config.receivers if self._first else 1
         run = self._loop.run
-        members = run(self._hub.begin({"seq": seq, "version": version}, wait_for, deadline))
+        args = {"seq": seq, "version": version, "timeout": timeout}
+        members = run(self._hub.begin(args, wait_for, deadline))
         self._first = False
         mail, coll = self._mailbox, self._collective
         plan_sent = any(m.plan != plan.fingerprint for m in members)
@@ -223,7 +240,7 @@ class WeightSender:
                 coll.form(deadline)
             rejected = run(self._hub.planned(deadline))
             if rejected:
-                raise WeightSyncError(
+                raise _error_class(rejected)(
                     f"push of version {version}: {self._failures_text(rejected)}; no bucket moved",
                     {m.name: m.error or "" for m in rejected},
                 )
@@ -253,7 +270,7 @@ class WeightSender:
             if isinstance(e, WeightSyncError) and not e.failures:
                 failed = [m for m in members if m.error is not None]
                 more = f"; {self._failures_text(failed)}" if failed else ""
-                raise WeightSyncError(
+                raise _error_class(failed, type(e))(
                     f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
                 ) from None
             raise
@@ -271,7 +288,7 @@ class WeightSender:
             if coll is not None:
                 coll.broken()
             committed = f"{len(ok)} committed it" if ok else "none committed it"
-            raise WeightSyncError(
+            raise _error_class(failed)(
                 f"push of version {version}: {self._failures_text(failed)}; {committed}",
                 {m.name: m.error or "" for m in failed},
                 report,
