@@ -16,10 +16,18 @@ from typing import Any
 import msgspec
 import torch
 
-from rlferry.wire import AsyncClient, ChannelClosed, PeerGone, RemoteError, WireError, wire_loop
+from rlferry.wire import (
+    AsyncClient,
+    ChannelClosed,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    WireError,
+    wire_loop,
+)
 
 from ._config import ReceiverConfig
-from ._errors import WeightSyncError
+from ._errors import ReceiverClosed, SenderGone, WeightSyncError
 from ._messages import (
     ABORTED,
     DONE,
@@ -75,9 +83,13 @@ class WeightReceiver:
     ``verify`` checks a checksum of every bucket. ``device``: for broadcast, the
     GPU of this receiver's buffers (default: the current CUDA device for NCCL).
 
-    End of life: :meth:`close` (the sender sees the receiver leave); a sender
-    that goes away ends the serving (``statistics().last_error`` says so) and
-    leaves the receiver at its last version: join the next sender with a new one.
+    End of life: :meth:`close` (the sender sees the receiver leave; a later
+    :meth:`wait_for` for a version it does not hold raises ``ReceiverClosed``). A
+    sender that goes away ends the serving and leaves the receiver at its last
+    version: ``wait_for`` raises ``SenderGone``; join the next sender with a new
+    receiver. A background thread that fails (a reply it cannot read, a bug)
+    makes ``wait_for`` raise ``WeightSyncError`` naming the failure. In each case
+    ``statistics().stopped`` says why the receiver serves no more.
     """
 
     def __init__(
@@ -123,15 +135,21 @@ class WeightReceiver:
         self._last_error: str | None = None
         self._push_start = 0.0
         self._failed_seq = -1
+        self._stopped: tuple[type[WeightSyncError], str] | None = None  # why it serves no more
 
     # -- life ---------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> WeightReceiver:
         """Join the sender's group (raises here if it refuses) and serve in the background.
 
         Raises:
-            WeightSyncError: the sender refused (wrong group or transport) or did
-                not answer within ``timeout``.
+            SenderGone: no sender at the address, or none answered within ``timeout``.
+            ReceiverClosed: this receiver was closed.
+            WeightSyncError: the sender refused (wrong group or transport).
         """
+        if self._closed:
+            raise ReceiverClosed(
+                f"receiver `{self.name}` is closed (make a new WeightReceiver to join again)"
+            )
         if self._thread is not None:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
         self._client = AsyncClient(self.config.address, secret=self.config.secret)
@@ -156,6 +174,17 @@ class WeightReceiver:
             raise WeightSyncError(
                 f"receiver `{self.name}` cannot join group {c.group!r} at {c.address}: {e.message}"
             ) from None
+        except PeerGone as e:
+            self._loop.run(self._client.close())
+            raise SenderGone(
+                f"receiver `{self.name}` cannot reach the sender at {c.address}: {e}"
+            ) from None
+        except RequestTimeout:
+            self._loop.run(self._client.close())
+            raise SenderGone(
+                f"receiver `{self.name}`: no answer from the sender at {c.address} within "
+                f"{timeout:g} s (is the sender running, and is this its address?)"
+            ) from None
         except WireError as e:
             self._loop.run(self._client.close())
             raise WeightSyncError(
@@ -170,17 +199,39 @@ class WeightReceiver:
         return self._version
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
-        """Block until ``self.version >= version``; False if ``timeout`` ran out first."""
+        """Block until ``self.version >= version``; False if ``timeout`` ran out first.
+
+        Raises (at once, not at the timeout), when the version can no longer come:
+            ReceiverClosed: the receiver was closed.
+            SenderGone: the sender went away (closed or died).
+            WeightSyncError: the receiver's thread failed (the message says how).
+        """
+
+        def reached() -> bool:
+            return self._version is not None and self._version >= version
+
         with self._cond:
-            return self._cond.wait_for(
-                lambda: self._version is not None and self._version >= version, timeout
-            )
+            self._cond.wait_for(lambda: reached() or self._stopped is not None, timeout)
+            if reached():
+                return True
+            if self._stopped is not None:
+                cls, why = self._stopped
+                raise cls(f"receiver `{self.name}` cannot reach version {version}: {why}")
+            return False
+
+    def _stop(self, cls: type[WeightSyncError], why: str) -> None:
+        """The receiver serves no more, because ``why``: every waiter learns it now."""
+        with self._cond:
+            if self._stopped is None:
+                self._stopped = (cls, why)
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Leave the group; a push in progress sees this receiver gone."""
         if self._closed:
             return
         self._closed = True
+        self._stop(ReceiverClosed, f"it is closed (at version {self._version})")
         if self._client is not None:
             # Leave first: the sender drops us now, not when it sees the socket go (and
             # if the sender is gone already, there is nobody to tell).
@@ -211,6 +262,7 @@ class WeightReceiver:
             buffers_opened=t.opened if t is not None else 0,
             groups_joined=t.groups_joined if t is not None else 0,
             last_error=self._last_error,
+            stopped=self._stopped[1] if self._stopped is not None else None,
         )
 
     # -- the loop -----------------------------------------------------------------
@@ -224,6 +276,23 @@ class WeightReceiver:
         fut.add_done_callback(_log_failure)
 
     def _serve(self) -> None:
+        """The background thread: serve until stopped, then say why to every waiter."""
+        try:
+            stopped = self._serve_pushes()
+        except BaseException as e:  # a reply it cannot read, or a bug: never hide it
+            log.exception("receiver %s: its thread failed", self.name)
+            stopped = (
+                WeightSyncError,
+                f"its thread failed: {type(e).__name__}: {e} (a sender of another rlferry "
+                f"version, or a bug: please report it); this receiver stays at version "
+                f"{self._version}",
+            )
+        if stopped is not None:
+            self._last_error = stopped[1]
+            self._stop(*stopped)
+
+    def _serve_pushes(self) -> tuple[type[WeightSyncError], str] | None:
+        """Serve every push; why it stopped (None: it was closed)."""
         dev = self.config.device
         if dev is not None and dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -232,18 +301,20 @@ class WeightReceiver:
             try:
                 msg = decode_reply(fut.result())
             except ChannelClosed:
-                return
+                return None
             except PeerGone as e:
-                self._last_error = f"the sender went away: {e}"
                 log.info("receiver %s: %s; it stays at version %s", self.name, e, self._version)
-                return
+                return SenderGone, (
+                    f"the sender at {self.config.address} went away (it closed or died); this "
+                    f"receiver stays at version {self._version} (join the next sender with a "
+                    "new WeightReceiver)"
+                )
             except RemoteError as e:  # the sender forgot us (it saw us disconnect): join again
                 log.info("receiver %s: %s; joining again", self.name, e.message)
                 try:
                     self._join(30.0)
                 except WeightSyncError as e2:
-                    self._last_error = str(e2)
-                    return
+                    return type(e2), f"the sender dropped it and it could not join again: {e2}"
                 fut = self._send(Ack(0, IDLE))
                 continue
             self._prefetch = None
@@ -253,6 +324,7 @@ class WeightReceiver:
                 fut = self._prefetch
             else:
                 fut = self._send(ack)
+        return None
 
     def _handle(self, msg: Any) -> Ack:
         try:

@@ -45,7 +45,9 @@ class SenderStatistics:
 @dataclass(frozen=True)
 class ReceiverStatistics:
     """A receiver's counters. ``buffers_opened`` counts buffer mappings (shm) or
-    IPC handles (cuda_ipc) it opened: once per layout, not once per push."""
+    IPC handles (cuda_ipc) it opened: once per layout, not once per push.
+    ``last_error``: the last push it failed, and why. ``stopped``: None while it
+    serves; else why it serves no more (closed, the sender gone, its thread failed)."""
 
     group: str
     name: str
@@ -57,3 +59,4 @@ class ReceiverStatistics:
     buffers_opened: int
     groups_joined: int
     last_error: str | None
+    stopped: str | None = None

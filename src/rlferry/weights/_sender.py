@@ -13,7 +13,7 @@ import torch
 from rlferry.wire import Server, default_address, wire_loop
 
 from ._config import SenderConfig
-from ._errors import PushTimeout, WeightSyncError
+from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
 from ._pack import Packer, bucketed
 from ._plan import Plan, TensorSpec, named_pair
@@ -181,12 +181,16 @@ class WeightSender:
             WeightSyncError: a receiver rejected the plan (nothing moved) or failed
                 (``failures`` names each with its reason; the others committed,
                 ``report`` says who).
+            SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:
-            raise WeightSyncError(f"sender of group {self.config.group!r} is closed")
+            raise SenderClosed(
+                f"push of version {version}: the sender of group {self.config.group!r} is "
+                "closed (make a new WeightSender)"
+            )
         with self._lock:
             kept = self._plan, self._key, self._packer, self._device
             self._moving = False
