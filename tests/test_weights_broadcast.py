@@ -1,9 +1,11 @@
 """The broadcast transport on CPU: a gloo group formed by rlferry, 1 to 4 receivers."""
 
+import threading
+
 import pytest
 import torch
 
-from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
 from test_weights import Engine, state
 
 
@@ -95,3 +97,27 @@ def test_broadcast_cpu_tensors_use_gloo_and_the_buffers_stay_on_cpu(sender):
     sender.push(sd.items(), version=1, timeout=60)
     assert e.equals(sd) and sender.statistics().buffer_bytes == 2 * 256
     r.close()
+
+
+def test_broadcast_a_push_past_its_timeout_raises_push_timeout_and_the_next_forms_a_new_group():
+    s = WeightSender(group="g", transport="broadcast", bucket_bytes=4096)
+    gate = threading.Event()
+    sd = {f"w{i}": torch.randn(1024) for i in range(8)}  # 8 buckets
+    params = {n: torch.zeros_like(t) for n, t in sd.items()}
+
+    def load(items):
+        gate.wait()  # stuck: the sender's gloo wait runs out
+        for n, t in items:
+            params[n].copy_(t)
+
+    r = WeightReceiver(group="g", address=s.address, load=load, name="r0").start()
+    with pytest.raises(PushTimeout) as e:
+        s.push(sd.items(), version=1, timeout=2)
+    assert str(e.value).startswith("push of version 1: the broadcast of bucket ")
+    assert "of 8 did not finish within the push's timeout: " in str(e.value)
+    gate.set()
+    assert s.push(sd.items(), version=2, timeout=30).receivers == ("r0",)
+    assert r.version == 2 and all(torch.equal(params[n], t) for n, t in sd.items())
+    assert s.statistics().groups_formed == 2
+    r.close()
+    s.close()

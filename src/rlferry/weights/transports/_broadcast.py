@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rlferry.wire import wire_loop
 
-from .._errors import WeightSyncError
+from .._errors import PushTimeout, WeightSyncError
 from .._messages import StoreOp, StoreReply
 from .._plan import Plan
 from ._base import CollectiveReceiver, CollectiveSender, checksum
@@ -275,6 +275,11 @@ class BroadcastSender(CollectiveSender):
             works.clear()
             del pg
             self.broken()
+            if time.monotonic() >= deadline:  # gloo's wait ran out: the push's timeout
+                raise PushTimeout(
+                    f"the broadcast of bucket {k} of {plan.buckets} did not finish within the "
+                    f"push's timeout: {failure}"
+                )
             raise WeightSyncError(
                 f"the broadcast of bucket {k} of {plan.buckets} failed: {failure}"
             )
