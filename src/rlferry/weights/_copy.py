@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire._copy import bytes_copy, copy_many
+from rlferry.wire._copy import BulkCopy, bytes_copy
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 
@@ -127,10 +127,10 @@ class GroupedCopy:
         rest = [i for i in range(len(dsts)) if i not in taken]
         self.fused, self.host, self.fallback = len(fused), len(host), len(rest)
         self.why = _why(dsts, srcs, rest, use_kernel)
-        self._host_jobs = [  # CPU pairs: one bulk copy (chunked, on several threads)
-            (dsts[i].data_ptr(), srcs[i].data_ptr(), dsts[i].numel() * dsts[i].element_size())
-            for i in host
-        ]
+        self._host = BulkCopy(  # CPU pairs: one bulk copy (chunked, on several threads)
+            [(d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
+             for d, s in ((dsts[i], srcs[i]) for i in host)]
+        ) if host else None  # fmt: skip
         self._rest_dst = [dsts[i] for i in rest]
         self._rest_src = [srcs[i] for i in rest]
         self._kept = (dsts, srcs) if keep else None
@@ -154,8 +154,8 @@ class GroupedCopy:
             from ._copy_kernel import launch
 
             launch(self._table, self._tiles, programs=self.programs)
-        if self._host_jobs:
-            copy_many(self._host_jobs)
+        if self._host is not None:
+            self._host()
         if self._rest_dst:
             torch._foreach_copy_(self._rest_dst, self._rest_src)
 

@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["THREADS", "bytes_copy", "copy_many", "fastcopy", "in_order", "side_by_side"]
+__all__ = [
+    "THREADS",
+    "BulkCopy",
+    "bytes_copy",
+    "copy_many",
+    "fastcopy",
+    "in_order",
+    "side_by_side",
+]
 
 _PARALLEL_COPY = 8 << 20  # a copy this large is shared among threads
 _COPY_CHUNK = 4 << 20  # bytes a copying thread takes at a time
@@ -58,8 +66,10 @@ class _Copier:
             results.append(c() if f.cancel() else f.result())
         return results
 
-    def run(self, jobs: Sequence[tuple[int, int, int]]) -> None:
-        tasks: list[list[tuple[int, int, int]]] = [[]]  # ~_COPY_CHUNK bytes each
+    @staticmethod
+    def chunks(jobs: Sequence[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """The copies cut into tasks of about ``_COPY_CHUNK`` bytes each."""
+        tasks: list[list[tuple[int, int, int]]] = [[]]
         size = 0
         for dst, src, n in jobs:
             for o in range(0, n, _COPY_CHUNK):
@@ -69,7 +79,10 @@ class _Copier:
                 m = min(_COPY_CHUNK, n - o)
                 tasks[-1].append((dst + o, src + o, m))
                 size += m
-        if sum(n for _, _, n in jobs) < _PARALLEL_COPY:
+        return tasks
+
+    def run(self, tasks: list[list[tuple[int, int, int]]], total: int) -> None:
+        if total < _PARALLEL_COPY:
             for task in tasks:
                 for chunk in task:
                     ctypes.memmove(*chunk)
@@ -107,7 +120,20 @@ THREADS = _copier.threads  # the calling thread and the helpers
 def copy_many(jobs: Sequence[tuple[int, int, int]]) -> None:
     """Copy ``(dst_address, src_address, nbytes)`` ranges of this process's memory, which
     the caller keeps alive; large totals on several threads."""
-    _copier.run(jobs)
+    _copier.run(_copier.chunks(jobs), sum(n for _, _, n in jobs))
+
+
+class BulkCopy:
+    """:func:`copy_many` of ranges fixed once, cut into tasks once: a copy made again and
+    again (a bucket's load every push) builds no Python object per range each time, which
+    would wake the garbage collector of the process (a trainer's, an engine's)."""
+
+    def __init__(self, jobs: Sequence[tuple[int, int, int]]) -> None:
+        self._tasks = _copier.chunks(jobs)
+        self._total = sum(n for _, _, n in jobs)
+
+    def __call__(self) -> None:
+        _copier.run(self._tasks, self._total)
 
 
 def side_by_side(calls: Sequence[Callable[[], Any]]) -> list[Any]:

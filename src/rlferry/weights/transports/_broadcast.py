@@ -87,6 +87,20 @@ def _wait(work: Any, timeout: float | None) -> None:
         work.wait(datetime.timedelta(seconds=max(0.001, timeout)))
 
 
+def _settled(pg: Any, works: list[Any], stream: Any) -> None:
+    """NCCL reports a failed collective asynchronously: once ``stream`` (which waited for
+    every work) is done, ask each work and the group for an error, so that a push that
+    met one raises instead of committing. A work asked with a timeout raises its error;
+    all are complete here, so nothing waits (torch's timed wait would poll)."""
+    stream.synchronize()
+    for w in works:
+        if w is not None:
+            w.wait(datetime.timedelta(seconds=60))
+    error = pg.get_error() if hasattr(pg, "get_error") else None
+    if error is not None and error.name != "SUCCESS":
+        raise RuntimeError(f"NCCL reported {error.name} on the group")
+
+
 def _abort(pg: Any) -> None:
     """Tear a group down so that its peers' pending operations fail at once.
 
@@ -269,6 +283,8 @@ class BroadcastSender(CollectiveSender):
             for w in works:
                 if w is not None:
                     _wait(w, None if nccl else deadline - time.monotonic())
+            if nccl:
+                _settled(pg, works, torch.cuda.current_stream(self._bufs[0].device))
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
         if failure:  # out of the except block: no traceback keeps the group alive
@@ -413,7 +429,7 @@ class BroadcastReceiver(CollectiveReceiver):
                             f"checksum mismatch in bucket {bad[0]} of {n} (the data came corrupt)"
                         )
                 if self._stream is not None:
-                    self._stream.synchronize()
+                    _settled(pg, works, self._stream)
             except RuntimeError as e:
                 failure = _first_line(e)
         if failure:  # the group broke (the sender or another receiver died): leave it
