@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
     return -(-bucket // 256) * 256
 
 
-def _same_layout(named: Iterable[Any], specs: list[TensorSpec]) -> bool:
+def _same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
     """Whether the pairs have the names, shapes and dtypes of ``specs``, in order.
 
     Read without keeping an object per tensor: a layout kept as 18,867 tuples (and as
