@@ -34,22 +34,16 @@ rlferry's row come from ``benchmarks/weights.py --transport broadcast`` in the s
 device call.
 """
 
+import argparse
 import os
-import sys
+import statistics
+import time
 
-# This folder holds a queue.py that would shadow the stdlib module: keep it off the import path.
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from rlferry.bench._weights_engine import fingerprint, make_state, model_shapes  # noqa: E402
+from _weights_engine import fingerprint, make_state, model_shapes
 
 NAME = "qwen3-8b"
 

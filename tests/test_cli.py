@@ -1,9 +1,12 @@
-"""The ``rlferry`` command line."""
+"""The ``rlferry`` command line, the wire benchmark script, the install's dependencies."""
 
+import pathlib
 import subprocess
 import sys
 
 import rlferry
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_version_flag_prints_the_package_version():
@@ -16,14 +19,11 @@ def test_version_flag_prints_the_package_version():
     assert out.stdout.strip() == f"rlferry {rlferry.__version__}"
 
 
-def test_bench_wire_prints_a_table_with_ratios():
+def test_the_wire_benchmark_prints_a_table_with_ratios():
     out = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "rlferry.cli",
-            "bench",
-            "wire",
+            str(BENCHMARKS / "wire.py"),
             "--samples",
             "16",
             "--fields",

@@ -1,9 +1,13 @@
-"""`rlferry bench weights` runs and prints its table (a small state dict, on CPU)."""
+"""`python benchmarks/weights.py` runs and prints its table (a small state dict, on CPU)."""
 
+import pathlib
 import subprocess
 import sys
 
-from rlferry.bench._weights_engine import model_shapes, specs_of
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from _weights_engine import model_shapes, specs_of  # noqa: E402
 
 
 def test_the_model_shapes_are_exact():
@@ -16,7 +20,7 @@ def test_the_model_shapes_are_exact():
 
 def test_bench_weights_prints_a_table_with_the_memcpy_ratio():
     out = subprocess.run(
-        [sys.executable, "-m", "rlferry.cli", "bench", "weights", "--scale", "64", "--repeat", "1"],
+        [sys.executable, str(BENCHMARKS / "weights.py"), "--scale", "64", "--repeat", "1"],
         capture_output=True,
         text=True,
         check=True,

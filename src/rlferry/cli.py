@@ -1,19 +1,15 @@
-"""The ``rlferry`` command: ``--version``, ``serve queue``, ``bench NAME``."""
+"""The ``rlferry`` command: ``rlferry --version``, ``rlferry serve queue``.
+
+The benchmarks are scripts in the repository's ``benchmarks/`` folder, not commands.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
 from . import __version__
-
-BENCHES = (
-    "queue",
-    "weights",
-    "wire",
-)
 
 
 def _serve_queue_parser(sub: Any) -> None:
@@ -60,9 +56,6 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="rlferry", description="The data plane of asynchronous RL.")
     p.add_argument("--version", action="version", version=f"rlferry {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run a benchmark and print its table")
-    bench.add_argument("name", choices=BENCHES)
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     serve = sub.add_parser("serve", help="run services that clients connect to by address")
     _serve_queue_parser(serve.add_subparsers(dest="service", required=True))
     a = p.parse_args(argv)
@@ -85,8 +78,6 @@ def main(argv: list[str] | None = None) -> None:
         except (QueueError, SecurityError) as e:
             print(f"rlferry serve queue: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(2)
-    if a.command == "bench":
-        importlib.import_module(f"rlferry.bench.{a.name}").main(a.args)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 from rlferry.queue import GetTimeout, Queue
 from rlferry.queue._columns import shared_columns
 
-from ._common import gbps, table
+from _common import gbps, table
 
 B, S = 1024, 8192
 
@@ -348,7 +348,7 @@ def run(iters: int, tq_python: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="rlferry bench queue", description=__doc__)
+    p = argparse.ArgumentParser(prog="python benchmarks/rollouts.py", description=__doc__)
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument(
         "--tq-python",

@@ -1,1 +1,0 @@
-"""Benchmarks shipped with the package, run by ``rlferry bench NAME`` and ``benchmarks/*.py``."""
