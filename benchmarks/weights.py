@@ -79,9 +79,10 @@ class Engine:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """The seconds of every timed run of one row, sorted."""
+    """The seconds of every timed run of one row, sorted, and of the warm-up runs before."""
 
     times: list[float]
+    warmup: tuple[float, ...] = ()
 
     @property
     def p50(self) -> float:
@@ -99,14 +100,14 @@ class Timing:
         return Timing([t * factor for t in self.times])
 
 
-def _timing(fn: Callable[[], object], repeat: int) -> Timing:
-    fn()  # warm-up: plans, handles, groups, allocator
+def _timing(fn: Callable[[], object], repeat: int, warmup: int = 1) -> Timing:
+    """``warmup`` runs (plans, handles, groups, allocator), then ``repeat`` timed ones."""
     times = []
-    for _ in range(repeat):
+    for _ in range(warmup + repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return Timing(sorted(times))
+    return Timing(sorted(times[warmup:]), tuple(times[:warmup]))
 
 
 def _rlferry(
@@ -129,7 +130,10 @@ def _rlferry(
         engine.send("rlferry", sender.address, "bench", f"engine{i}", kind)
         assert engine.wait() == "joined"
     version = iter(range(1, 1 << 30))
-    timing = _timing(lambda: sender.push(state.items(), version=next(version)), repeat)
+    # two warm-up pushes: the first sends the plan and forms the group, the second builds
+    # the grouped copies of tensors seen again at the same addresses (once per layout)
+    push = lambda: sender.push(state.items(), version=next(version))  # noqa: E731
+    timing = _timing(push, repeat, warmup=2)
     used = sender.statistics().bucket_bytes
     for engine in engines:
         engine.conn.send("done")
@@ -146,8 +150,12 @@ def _rlferry(
 
 
 def _row(name: str, t: Timing, nbytes: int, base: Timing, note: str = "") -> list[str]:
-    """p50, p90 and max of the row; GB/s and the ratio at the p50s."""
+    """p50, p90 and max of the row; GB/s and the ratio at the p50s; rlferry's warm-up
+    pushes in the notes."""
     ms = [f"{x * 1e3:.1f}" for x in (t.p50, t.p90, t.max)]
+    if len(t.warmup) > 1:
+        first = ", ".join(f"{x * 1e3:.0f}" for x in t.warmup)
+        note = f"{note}; warm-up pushes {first} ms" if note else f"warm-up pushes {first} ms"
     return [name, *ms, f"{gbps(nbytes, t.p50):.1f}", f"{base.p50 / t.p50:.2f}", note]
 
 
