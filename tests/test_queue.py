@@ -318,7 +318,8 @@ def test_unknown_task_is_refused(q):
         q.client().get("p", task="reward", batch_size=1, fields=["x"], timeout=1)
     assert str(e.value) == (
         "task `reward`: expected one of ['actor_train', 'critic_train'] "
-        "(register every task in Queue.start(tasks=...))"
+        "(register every task when the queue starts: Queue.start(tasks=...) or "
+        "`rlferry serve queue --tasks`)"
     )
 
 

@@ -76,6 +76,16 @@ def test_an_address_without_a_scheme_is_refused_at_connect(address):
     )
 
 
+def test_a_client_with_the_wrong_secret_gets_a_security_error_naming_the_secret():
+    with Queue.start(storage_units=1, bind="tcp://127.0.0.1:*", secret=SECRET) as q:
+        wrong = Queue.connect(q.address, secret="another secret, 32 bytes long...")
+        with wrong.client() as c, pytest.raises(SecurityError) as e:
+            c.put("p", {"x": torch.zeros(1)})
+        assert "this client's secret differs from the server's" in str(e.value)
+        with Queue.connect(q.address, secret=SECRET).client() as c:
+            assert c.put("p", {"x": torch.zeros(1)}) == [0]
+
+
 # -- item 2: `rlferry serve queue` checks its config first and sees a unit die at once ---------
 @pytest.mark.parametrize(
     ("args", "error"),

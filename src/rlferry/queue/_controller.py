@@ -186,7 +186,8 @@ class Controller:
         if task not in self.tasks:
             raise UnknownTask(
                 f"task `{task}`: expected one of {list(self.tasks)} "
-                "(register every task in Queue.start(tasks=...))"
+                "(register every task when the queue starts: Queue.start(tasks=...) or "
+                "`rlferry serve queue --tasks`)"
             )
 
     def _partition(self, name: str) -> Partition:
