@@ -6,6 +6,7 @@ may be, and runs each weight update as pause -> push -> commit -> resume. Comple
 are pushed by the engines, never polled.
 """
 
+from ._coordinator import Coordinator, CoordinatorStatistics, Group, UpdateReport
 from ._engine import (
     Completion,
     Engine,
@@ -16,14 +17,21 @@ from ._engine import (
     PauseMode,
     SamplingParams,
 )
+from ._http import EngineServer, RemoteEngine
 
 __all__ = [
     "Completion",
+    "Coordinator",
+    "CoordinatorStatistics",
     "Engine",
     "EngineError",
+    "EngineServer",
     "EngineStatistics",
     "FinishReason",
     "GenerateRequest",
+    "Group",
     "PauseMode",
+    "RemoteEngine",
     "SamplingParams",
+    "UpdateReport",
 ]

@@ -1,0 +1,255 @@
+"""Engines over HTTP: :class:`EngineServer` serves any :class:`Engine`, :class:`RemoteEngine`
+drives one by URL. JSON bodies encoded by msgspec (never pickle).
+
+The response to ``POST /generate`` is the completion: the engine process pushes it when
+the request ends, the coordinator awaits it, nothing polls. A server that dies fails
+its requests in flight at once (the connection closes), as :class:`EngineError`.
+
+A server binds 127.0.0.1 unless told otherwise; any other bind needs a ``token`` (16
+bytes or more), which every request must carry (``Authorization: Bearer TOKEN``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from rlferry.wire import SecurityError
+
+from ._engine import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineStatistics,
+    GenerateRequest,
+    PauseMode,
+)
+
+__all__ = ["EngineServer", "RemoteEngine"]
+
+T = TypeVar("T")
+CONTROL_TIMEOUT = 60.0  # a control call (pause, finish_weight_update, ...) answers within this
+CONNECT_TIMEOUT = 10.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class _Pause(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    mode: PauseMode = "keep"
+
+
+class _Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ids: list[str] | None = None
+
+
+class _Transfer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    group: str
+    address: str
+
+
+class _Version(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: int
+
+
+def _check_token(host: str, token: str | None) -> None:
+    if token is not None and len(token.encode()) < 16:
+        raise SecurityError(
+            f"token: expected at least 16 bytes, got {len(token.encode())} "
+            "(use e.g. `openssl rand -hex 32`)"
+        )
+    if token is None and host not in _LOOPBACK:
+        raise SecurityError(
+            f"bind {host!r}: an engine server off loopback needs a token (pass token=..., the "
+            "same on the coordinator's RemoteEngine; or bind 127.0.0.1)"
+        )
+
+
+class EngineServer:
+    """Serve ``engine`` over HTTP on ``host:port`` (port 0: a free one); ``url`` once started.
+
+    Routes: ``POST /generate`` (a :class:`GenerateRequest`, answered with its
+    :class:`Completion`), ``POST /pause`` (``{"mode": ...}``), ``POST /resume``, ``GET
+    /is_paused``, ``POST /abort`` (``{"ids": [...] | null}``), ``POST
+    /init_weight_transfer``, ``POST /start_weight_update``, ``POST /finish_weight_update``
+    (``{"version": v}``), ``GET /weight_version``, ``GET /statistics``.
+    """
+
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None
+    ) -> None:
+        _check_token(host, token)
+        self.engine = engine
+        self.host, self.port = host, port
+        self._token = token
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        app = web.Application(middlewares=[self._guard], client_max_size=64 << 20)
+        e = self.engine
+        app.add_routes([
+            web.post("/generate", self._json(GenerateRequest, e.generate)),
+            web.post("/pause", self._json(_Pause, lambda m: e.pause(m.mode))),
+            web.post("/resume", self._call(e.resume)),
+            web.get("/is_paused", self._call(e.is_paused)),
+            web.post("/abort", self._json(_Abort, lambda m: e.abort_requests(m.ids))),
+            web.post("/init_weight_transfer",
+                     self._json(_Transfer, lambda m: e.init_weight_transfer(m.group, m.address))),
+            web.post("/start_weight_update", self._call(e.start_weight_update)),
+            web.post("/finish_weight_update",
+                     self._json(_Version, lambda m: e.finish_weight_update(m.version))),
+            web.get("/weight_version", self._call(e.get_weight_version)),
+            web.get("/statistics", self._call(e.statistics)),
+        ])  # fmt: skip
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    @web.middleware
+    async def _guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self._token is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+                return _error(401, "SecurityError", "a request without this server's token")
+        try:
+            return await handler(request)
+        except EngineError as err:
+            return _error(409, "EngineError", err.reason)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
+            return _error(400, "ValueError", f"{request.path}: {err}")
+
+    @staticmethod
+    def _json(kind: Any, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read()
+            return _ok(await fn(msgspec.json.decode(body or b"{}", type=kind)))
+
+        return handle
+
+    @staticmethod
+    def _call(fn: Callable[[], Awaitable[Any]]) -> Any:
+        async def handle(request: web.Request) -> web.Response:
+            return _ok(await fn())
+
+        return handle
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def _ok(value: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(value), content_type="application/json")
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    body = json.dumps({"error": kind, "message": message})
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+class RemoteEngine:
+    """An :class:`Engine` served elsewhere by :class:`EngineServer` (``rlferry serve engine``).
+
+    ``name``: how the coordinator and the trainer's ``WeightSender`` know it (default: the
+    URL). Every failure is an :class:`EngineError` naming it: unreachable, gone mid-request
+    (at once: the connection closes), or an error of the engine.
+    """
+
+    def __init__(self, url: str, *, token: str | None = None, name: str | None = None) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url: expected http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
+            )
+        return self._session
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, kind: type[T] | None = None,
+        timeout: float | None = CONTROL_TIMEOUT,
+    ) -> Any:  # fmt: skip
+        data = msgspec.json.encode(body) if body is not None else None
+        limit = aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT)
+        try:
+            async with self._client().request(
+                method, self.url + path, data=data, timeout=limit,
+                headers={"Content-Type": "application/json"},
+            ) as resp:  # fmt: skip
+                raw = await resp.read()
+                if resp.status != 200:
+                    try:
+                        err = json.loads(raw)
+                        message = f"{err['error']}: {err['message']}"
+                    except (ValueError, KeyError, TypeError):
+                        message = f"HTTP {resp.status}: {raw[:200]!r}"
+                    raise EngineError(self.name, f"{path}: {message}")
+                return msgspec.json.decode(raw, type=kind) if kind else msgspec.json.decode(raw)
+        except asyncio.TimeoutError:
+            raise EngineError(self.name, f"{path}: no answer within {timeout} s") from None
+        except aiohttp.ClientConnectorError as e:
+            raise EngineError(self.name, f"{path}: unreachable ({e.os_error or e})") from None
+        except aiohttp.ClientError as e:
+            raise EngineError(
+                self.name, f"{path}: the engine went away ({type(e).__name__}: {e})"
+            ) from None
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        out: Completion = await self._request("POST", "/generate", request, Completion, None)
+        return out
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self._request("POST", "/pause", _Pause(mode))
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self._request("GET", "/is_paused"))
+
+    async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
+        return int(
+            await self._request("POST", "/abort", _Abort(None if ids is None else list(ids)))
+        )
+
+    async def init_weight_transfer(self, group: str, address: str) -> None:
+        await self._request("POST", "/init_weight_transfer", _Transfer(group, address))
+
+    async def start_weight_update(self) -> None:
+        await self._request("POST", "/start_weight_update")
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self._request("POST", "/finish_weight_update", _Version(version))
+
+    async def get_weight_version(self) -> int | None:
+        value = await self._request("GET", "/weight_version")
+        return None if value is None else int(value)
+
+    async def statistics(self) -> EngineStatistics:
+        out: EngineStatistics = await self._request("GET", "/statistics", kind=EngineStatistics)
+        return out
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
