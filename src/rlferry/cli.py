@@ -52,14 +52,46 @@ def _serve_queue_parser(sub: Any) -> None:
     )
 
 
+def _serve_engine_parser(sub: Any) -> None:
+    se = sub.add_parser(
+        "engine",
+        help="a generation engine (HFEngine) over HTTP",
+        description="Serve a transformers causal LM from a local directory until SIGINT/SIGTERM. "
+        "Prints `engine URL NAME` once it answers; a coordinator drives it with "
+        "RemoteEngine(URL). Needs the [hf] extra.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    se.add_argument("--model", required=True, help="a local directory (save_pretrained)")
+    se.add_argument("--host", default="127.0.0.1", help="off loopback needs --token")
+    se.add_argument("--port", type=int, default=0, help="0: a free port")
+    se.add_argument("--token", default=None, help="a shared token of 16 bytes or more")
+    se.add_argument("--name", default=None, help="the engine's name (default: hf-PID-N)")
+    se.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the model's)")
+    se.add_argument("--max-batch", type=int, default=64, help="rows decoded together at most")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="rlferry", description="The data plane of asynchronous RL.")
     p.add_argument("--version", action="version", version=f"rlferry {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run services that clients connect to by address")
-    _serve_queue_parser(serve.add_subparsers(dest="service", required=True))
+    services = serve.add_subparsers(dest="service", required=True)
+    _serve_queue_parser(services)
+    _serve_engine_parser(services)
     a = p.parse_args(argv)
-    if a.command == "serve":
+    if a.command == "serve" and a.service == "engine":
+        from rlferry.engines._serve import serve_engine
+        from rlferry.wire import SecurityError
+
+        try:
+            serve_engine(
+                a.model, host=a.host, port=a.port, token=a.token, name=a.name,
+                device=a.device, max_batch=a.max_batch,
+            )  # fmt: skip
+        except (SecurityError, ValueError, OSError) as e:
+            print(f"rlferry serve engine: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(2)
+    elif a.command == "serve":
         from rlferry.queue import QueueConfig, QueueError
         from rlferry.queue._serve import serve_queue
         from rlferry.wire import SecurityError

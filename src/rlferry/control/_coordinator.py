@@ -139,10 +139,10 @@ class Coordinator:
         self._bound = Staleness(batch_size, max_staleness, max_running, version)
         self.stale = stale
         self._members: dict[str, _Member] = {}
+        self._changed = asyncio.Event()  # set and replaced on every change waiters care about
         for engine in engines:
             self.add_engine(engine)
         self._ready: deque[_Unit] = deque()
-        self._changed = asyncio.Event()  # set and replaced on every change waiters care about
         self._running = asyncio.Event()  # set while no update holds rollouts back
         self._running.set()
         self._abort_epoch = 0  # bumped by an update in abort mode: its aborts are continued

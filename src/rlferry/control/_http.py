@@ -90,6 +90,12 @@ class EngineServer:
         self._runner: web.AppRunner | None = None
         self.url = ""
 
+    @staticmethod
+    def check_bind(host: str, token: str | None) -> None:
+        """Raise :class:`~rlferry.wire.SecurityError` for a bind that would need a token it
+        lacks, or a token too short (what the constructor checks), before anything starts."""
+        _check_token(host, token)
+
     async def start(self) -> str:
         app = web.Application(middlewares=[self._guard], client_max_size=64 << 20)
         e = self.engine
