@@ -1,0 +1,278 @@
+"""The running batch of an :class:`~rlferry.engines.hf.HFEngine`: rows, KV cache, sampling.
+
+Owned by the engine's thread; nothing here locks. One call is one forward pass:
+:meth:`Batch.prefill` runs the prompts of new rows on their own (left padded to a
+common length) and merges their cache into the running one, :meth:`Batch.decode`
+feeds every row its last token. Rows of different lengths share the cache by left
+padding: a 2D attention mask marks each row's real columns, and each row's position
+ids count only its real tokens, so a row computes what it would alone (up to the
+float rounding of a different batch shape). Finished rows leave through
+``batch_select_indices``; columns that no row uses any more are trimmed from the left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rlferry.control import Completion, FinishReason, GenerateRequest
+
+__all__ = ["Batch", "Row"]
+
+
+class Row:
+    """One request: its answer so far, how to sample it, and whom to tell when it ends."""
+
+    __slots__ = (
+        "finish",
+        "future",
+        "logprobs",
+        "loop",
+        "max_tokens",
+        "request",
+        "rng",
+        "stop",
+        "temperature",
+        "tokens",
+        "top_p",
+        "versions",
+    )
+
+    def __init__(
+        self, request: GenerateRequest, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
+    ) -> None:
+        p = request.params
+        self.request = request
+        self.loop = loop
+        self.future = future
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.max_tokens = p.max_tokens
+        self.stop = frozenset(p.stop_token_ids)
+        self.temperature = float(p.temperature)
+        self.top_p = float(p.top_p)
+        # A per-request generator: a seeded request draws the same uniforms in any batch.
+        self.rng = random.Random(p.seed) if p.temperature > 0 else None
+        self.finish: FinishReason | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def completion(self, engine: str, reason: FinishReason) -> Completion:
+        return Completion(
+            request_id=self.request.request_id, prompt_ids=self.request.prompt_ids,
+            token_ids=self.tokens, logprobs=self.logprobs, versions=self.versions,
+            finish_reason=reason, engine=engine,
+        )  # fmt: skip
+
+
+class Batch:
+    """The rows being generated, their cache, mask, positions and next inputs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        new_cache: Callable[[], Any],
+        logits_kw: str | None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self._new_cache = new_cache
+        self._logits_kw = logits_kw  # "logits_to_keep" where the model takes it
+        self.rows: list[Row] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cache: Any = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # cached columns
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)  # of next_ids
+        self.next_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._padded = False
+        self._sampling()
+
+    # -- the two kinds of step -------------------------------------------------------------
+    def prefill(self, rows: Sequence[Row], version: int) -> list[Row]:
+        """One forward pass over the prompts of ``rows``, which then join the batch; the
+        rows that ended at their first token."""
+        prompts = [r.request.prompt_ids for r in rows]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp_(min=0)
+        cache = self._new_cache()
+        kw: dict[str, Any] = {self._logits_kw: 1} if self._logits_kw else {}
+        padded = any(len(p) != width for p in prompts)
+        out = self.model(
+            input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
+            past_key_values=cache, use_cache=True, **kw,
+        )  # fmt: skip
+        tokens, logprobs = _sample(out.logits[:, -1, :], _params(rows, self.device))
+        self._join(rows, out.past_key_values, mask, positions[:, -1] + 1, tokens)
+        return self._record(tokens, logprobs, version, first=len(self.rows) - len(rows))
+
+    def decode(self, version: int) -> list[Row]:
+        """One forward pass feeding every row its last token; the rows that ended."""
+        n = len(self.rows)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        out = self.model(
+            input_ids=self.next_ids[:, None],
+            attention_mask=self.mask if self._padded else None,
+            position_ids=self.positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.positions = self.positions + 1
+        tokens, logprobs = _sample(out.logits[:, -1, :], self._params)
+        self.next_ids = tokens
+        return self._record(tokens, logprobs, version, first=0)
+
+    def _record(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int, first: int
+    ) -> list[Row]:
+        """Append each row's token from ``first`` on; remove and return the rows that ended."""
+        ended: list[Row] = []
+        for row, t, lp in zip(self.rows[first:], tokens.tolist(), logprobs.tolist(), strict=True):
+            row.tokens.append(t)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            if t in row.stop:
+                row.finish = "stop"
+            elif len(row.tokens) >= row.max_tokens:
+                row.finish = "length"
+            else:
+                continue
+            ended.append(row)
+        if ended:
+            self.remove(ended)
+        return ended
+
+    # -- membership ------------------------------------------------------------------------
+    def _join(
+        self,
+        rows: Sequence[Row],
+        cache: Any,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        next_ids: torch.Tensor,
+    ) -> None:
+        """Put ``rows`` (their prefilled ``cache`` and ``mask``) after the running rows."""
+        if not self.rows:
+            self.cache, self.mask = cache, mask
+        else:
+            width = max(self.mask.shape[1], mask.shape[1])
+            old, new = width - self.mask.shape[1], width - mask.shape[1]
+            for a, b in zip(self.cache.layers, cache.layers, strict=True):
+                a.keys = torch.cat([_left_pad(a.keys, old), _left_pad(b.keys, new)])
+                a.values = torch.cat([_left_pad(a.values, old), _left_pad(b.values, new)])
+            self.mask = torch.cat([F.pad(self.mask, (old, 0)), F.pad(mask, (new, 0))])
+        self.positions = torch.cat([self.positions, positions])
+        self.next_ids = torch.cat([self.next_ids, next_ids])
+        self.rows.extend(rows)
+        self._membership()
+
+    def remove(self, rows: Sequence[Row]) -> None:
+        """Take ``rows`` out of the batch (finished or aborted)."""
+        gone = {id(r) for r in rows}
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._reset()
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.next_ids = self.next_ids.index_select(0, index)
+        # Columns no remaining row uses (the left padding of a longer row that left).
+        start = int(self.mask.any(0).to(torch.uint8).argmax())
+        if start:
+            self.mask = self.mask[:, start:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, start:]
+                layer.values = layer.values[:, :, start:]
+        self._membership()
+
+    def clear(self) -> None:
+        """Drop every row and the cache (after a failed step, whatever state it left)."""
+        self.rows = []
+        self._reset()
+
+    def _membership(self) -> None:
+        self._padded = bool((self.mask == 0).any()) if self.rows else False
+        self._sampling()
+
+    def _sampling(self) -> None:
+        self._params = _params(self.rows, self.device)
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` (batch, heads, columns, dim) with ``n`` zero columns before its own."""
+    return F.pad(t, (0, 0, n, 0)) if n else t
+
+
+class Sampling(NamedTuple):
+    """How to sample each row: temperature (1 for greedy rows: their logprobs are of the
+    plain softmax), top-p (None when every row keeps all tokens), which rows are greedy
+    (None when none or all are), whether all are, and each sampled row's generator."""
+
+    temps: torch.Tensor
+    top_p: torch.Tensor | None
+    greedy: torch.Tensor | None
+    all_greedy: bool
+    rngs: list[random.Random | None]
+
+
+def _params(rows: Sequence[Row], device: torch.device) -> Sampling:
+    rngs = [r.rng for r in rows]
+    sampled = sum(g is not None for g in rngs)
+    temps = torch.tensor([[r.temperature or 1.0] for r in rows], dtype=torch.float32)
+    top_p = None
+    if any(r.top_p < 1.0 for r in rows if r.rng is not None):
+        top_p = torch.tensor([[r.top_p] for r in rows], dtype=torch.float32).to(device)
+    greedy = None
+    if 0 < sampled < len(rows):
+        greedy = torch.tensor([g is None for g in rngs], dtype=torch.bool).to(device)
+    return Sampling(temps.to(device), top_p, greedy, sampled == 0, rngs)
+
+
+def _sample(logits: torch.Tensor, how: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of every row and its log probability under ``softmax(logits / T)``
+    (before top-p). Greedy rows take the argmax of the logits; sampled rows invert their
+    distribution's CDF at one uniform drawn from their own generator."""
+    logits = logits.float()
+    if how.all_greedy:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    logp = torch.log_softmax(logits / how.temps, -1)
+    probs = logp.exp()
+    u = torch.tensor([g.random() if g is not None else 0.0 for g in how.rngs])
+    u = u.to(logits.device, torch.float32)[:, None]
+    last = logits.shape[-1] - 1
+    if how.top_p is None:
+        cdf = probs.cumsum(-1)
+        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)[:, 0]
+    else:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p.
+        sp, order = probs.sort(-1, descending=True)
+        cdf = torch.where(sp.cumsum(-1) - sp < how.top_p, sp, 0.0).cumsum(-1)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)
+        tokens = order.gather(1, pick)[:, 0]
+    if how.greedy is not None:
+        tokens = torch.where(how.greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]

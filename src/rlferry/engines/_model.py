@@ -1,0 +1,93 @@
+"""Loading the model an :class:`~rlferry.engines.hf.HFEngine` serves, and checking pushes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Loaded", "NonFinite", "check_finite", "load_model", "transformers"]
+
+
+def transformers() -> Any:
+    """The ``transformers`` module, or an ImportError naming the extra that brings it."""
+    try:
+        import transformers as tf
+    except ImportError:
+        raise ImportError(
+            "rlferry.engines.hf needs transformers: pip install 'rlferry[hf]'"
+        ) from None
+    return tf
+
+
+@dataclass(frozen=True)
+class Loaded:
+    model: torch.nn.Module
+    device: torch.device
+    vocab_size: int
+    max_len: int | None
+    new_cache: Callable[[], Any]
+
+
+def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
+    """``model`` (a causal LM or a local directory) on ``device`` in ``dtype``, in eval mode."""
+    tf = transformers()
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"HFEngine.device: expected a torch device such as 'cuda:0' or 'cpu', "
+                f"got {device!r}"
+            ) from None
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"HFEngine.dtype: expected None or a torch.dtype, got {dtype!r}")
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"HFEngine.model: expected a transformers causal LM or a local directory, "
+                f"got {path!r}, which is not a directory (nothing is downloaded)"
+            )
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    elif not isinstance(model, tf.PreTrainedModel):
+        raise ValueError(
+            f"HFEngine.model: expected a transformers causal LM or a local directory, "
+            f"got {type(model).__name__}"
+        )
+    first = next(model.parameters(), None)
+    device = device or (first.device if first is not None else torch.device("cpu"))
+    if first is not None and (first.device != device or (dtype and first.dtype != dtype)):
+        model = model.to(device=device, dtype=dtype)
+        device = next(model.parameters()).device  # "cuda" -> "cuda:0"
+    model.eval()
+    text = model.config.get_text_config()
+    return Loaded(
+        model=model,
+        device=device,
+        vocab_size=int(text.vocab_size),
+        max_len=getattr(text, "max_position_embeddings", None),
+        new_cache=tf.DynamicCache,
+    )
+
+
+class NonFinite(ValueError):
+    """A pushed tensor holds NaN or Inf."""
+
+
+def check_finite(items: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`NonFinite` naming the first float tensor of ``items`` with a NaN or
+    an Inf (one read of each, one device sync in all)."""
+    floats = [(n, t) for n, t in items if t.is_floating_point() and t.numel()]
+    if not floats:
+        return
+    ok = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    bad = next((n for (n, _), fine in zip(floats, ok, strict=True) if not fine), None)
+    if bad is not None:
+        raise NonFinite(
+            f"tensor `{bad}`: expected finite values, got NaN or Inf (check_finite; did "
+            "the trainer diverge?)"
+        )

@@ -1,0 +1,248 @@
+"""An engine's decode thread and the state its coroutines share with it.
+
+Everything under ``_cond`` is shared: the requests in flight, the gates that stop
+stepping, commands for the thread (aborts) and callers waiting for a step boundary
+(pause, start_weight_update). The thread waits on ``_cond`` whenever it cannot step or
+has nothing to do, and every change of that state notifies it. The running batch is
+the thread's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from rlferry.control import EngineError
+
+from ._batch import Batch, Row
+from ._bridge import Waiter, settle
+
+__all__ = ["Abort", "DecodeThread"]
+
+log = logging.getLogger("rlferry.engines")
+
+Abort = tuple[set[str] | None, Waiter | None]
+"""Request ids to end (None: all), and who waits for the count."""
+
+
+class DecodeThread:
+    """The decode loop: at each step boundary it applies aborts, resolves the callers
+    waiting for the engine to stop, admits waiting requests into the batch, and runs one
+    forward pass (a prefill of the admitted, else a decode step of the batch)."""
+
+    def __init__(
+        self, name: str, batch: Batch, *, version: int, max_batch: int, max_prefill: int
+    ) -> None:
+        self.name = name
+        self._batch = batch
+        self._max_batch = max_batch
+        self._max_prefill = max_prefill
+        self._cond = threading.Condition()
+        # -- under _cond ----------------------------------------------------------------
+        self._ids: dict[str, Row] = {}  # every request in flight, by id
+        self._staged: dict[asyncio.AbstractEventLoop, list[Row]] = {}  # this loop iteration's
+        self._waiting: deque[Row] = deque()  # not admitted yet
+        self._aborts: list[Abort] = []
+        self._waiters: list[Waiter] = []  # pause / start_weight_update, until stopped
+        self._paused = False
+        self._draining = False  # pause("wait"): admit nothing, pause once the rows end
+        self._updating = False  # between start_weight_update and finish_weight_update
+        self._loading = False  # from a push's first load to its commit (or for good)
+        self._refusing: str | None = None  # a failed finish_weight_update, until a commit
+        self._in_step = False
+        self._closing = False
+        self._dead: str | None = None  # why the thread ended (closed, or it failed)
+        self._version = version
+        self._error: str | None = None
+        self._counts = dict.fromkeys(("finished", "aborted", "tokens", "steps", "updates"), 0)
+        self._seconds = dict.fromkeys(("step", "paused", "update"), 0.0)
+        self._blocked_since: float | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"rlferry-engine-{name}", daemon=True
+        )
+
+    # -- the shared state (under _cond) -----------------------------------------------------
+    def _blocked(self) -> bool:
+        return self._paused or self._updating or self._loading or self._refusing is not None
+
+    def _gate_changed(self) -> None:
+        """Account the time stepping was stopped and wake the thread (under ``_cond``)."""
+        now = time.monotonic()
+        if self._blocked():
+            if self._blocked_since is None:
+                self._blocked_since = now
+        elif self._blocked_since is not None:
+            self._seconds["paused"] += now - self._blocked_since
+            self._blocked_since = None
+        self._cond.notify_all()
+
+    def _drop_waiters(self, kind: str, why: str) -> None:
+        keep = []
+        for w in self._waiters:
+            if w.kind == kind:
+                w.fail(EngineError(self.name, why))
+            else:
+                keep.append(w)
+        self._waiters = keep
+
+    def _alive(self) -> None:
+        if self._dead is not None:
+            raise EngineError(self.name, self._dead)
+
+    # -- the thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as e:  # a bug: never hide it, fail every waiter with it
+            log.exception("engine %s: its decode thread failed", self.name)
+            error = e
+        finally:
+            self._shutdown(error)
+
+    def _serve(self) -> None:
+        batch = self._batch
+        while True:
+            admit: list[Row] = []
+            aborts: list[Abort] | None = None
+            with self._cond:
+                while True:
+                    if self._aborts:
+                        aborts, self._aborts = self._aborts, []
+                        taken = self._take_queued(aborts)
+                        break
+                    if self._closing:
+                        return
+                    if self._blocked():
+                        for w in self._waiters:
+                            w.resolve(None)
+                        self._waiters = []
+                    elif self._draining and not batch.rows:
+                        self._paused, self._draining = True, False
+                        self._gate_changed()
+                        continue
+                    else:
+                        admit = [] if self._draining else self._admit()
+                        if admit or batch.rows:
+                            self._in_step = True
+                            version = self._version
+                            break
+                    self._cond.wait()  # woken by every change of requests, gates or commands
+            if aborts is not None:
+                self._apply_aborts(aborts, taken)
+                continue
+            self._step(admit, version)
+
+    def _admit(self) -> list[Row]:
+        """The waiting rows that join at this boundary (under ``_cond``)."""
+        room = self._max_batch - len(self._batch.rows)
+        out: list[Row] = []
+        width = 0
+        while self._waiting and len(out) < room:
+            w = max(width, len(self._waiting[0].request.prompt_ids))
+            if out and w * (len(out) + 1) > self._max_prefill:
+                break
+            out.append(self._waiting.popleft())
+            width = w
+        return out
+
+    def _step(self, admit: list[Row], version: int) -> None:
+        batch = self._batch
+        n = len(admit) or len(batch.rows)
+        t0 = time.perf_counter()
+        failed: Exception | None = None
+        try:
+            ended = batch.prefill(admit, version) if admit else batch.decode(version)
+        except Exception as e:
+            failed, ended = e, []
+        with self._cond:
+            self._in_step = False
+            self._counts["steps"] += 1
+            self._seconds["step"] += time.perf_counter() - t0
+            if failed is None:
+                self._counts["tokens"] += n
+            else:
+                self._error = f"a step failed: {type(failed).__name__}: {failed}"
+            self._cond.notify_all()
+        if failed is not None:
+            log.error("engine %s: %s", self.name, self._error)
+            rows = list(dict.fromkeys(batch.rows + admit))
+            batch.clear()  # its cache may be half updated
+            self._end(rows, error=f"{self._error} (the request's tokens are lost: resubmit it)")
+        self._end(ended)
+
+    def _take_queued(self, aborts: list[Abort]) -> list[Row]:
+        """Take the queued rows that ``aborts`` name (under ``_cond``)."""
+        hit = _aborted_by(aborts)
+        taken = [r for r in self._waiting if hit(r)]
+        self._waiting = deque(r for r in self._waiting if not hit(r))
+        for loop, rows in self._staged.items():
+            taken += [r for r in rows if hit(r)]
+            self._staged[loop] = [r for r in rows if not hit(r)]
+        return taken
+
+    def _apply_aborts(self, aborts: list[Abort], taken: list[Row]) -> None:
+        """End the running rows that ``aborts`` name and the queued ones ``taken``; tell
+        each caller of ``abort_requests`` how many of its requests ended."""
+        hit = _aborted_by(aborts)
+        running = [r for r in self._batch.rows if hit(r)]
+        self._batch.remove(running)
+        ended = running + taken
+        for r in ended:
+            r.finish = "abort"
+        self._end(ended)
+        for ids, waiter in aborts:
+            if waiter is not None:
+                waiter.resolve(sum(ids is None or r.request_id in ids for r in ended))
+
+    def _end(self, rows: list[Row], error: str | None = None) -> None:
+        """Tell the callers of ``rows`` that they ended (with ``error``: that they failed)."""
+        if not rows:
+            return
+        with self._cond:
+            for r in rows:
+                self._ids.pop(r.request_id, None)
+                if error is None:
+                    self._counts["aborted" if r.finish == "abort" else "finished"] += 1
+        for r in rows:
+            if error is not None:
+                settle(r.loop, r.future, error=EngineError(self.name, error))
+            else:
+                assert r.finish is not None
+                settle(r.loop, r.future, r.completion(self.name, r.finish))
+
+    def _shutdown(self, error: BaseException | None) -> None:
+        """The thread ends: everything in flight or waiting fails, now and from now on."""
+        with self._cond:
+            self._closing = True
+            self._dead = (
+                "closed (make a new engine)"
+                if error is None
+                else f"its decode thread failed: {type(error).__name__}: {error} (a bug: "
+                "please report it)"
+            )
+            rows = list(self._batch.rows) + list(self._waiting)
+            for staged in self._staged.values():
+                rows += staged
+            self._waiting.clear()
+            self._staged.clear()
+            waiters = self._waiters + [w for _, w in self._aborts if w is not None]
+            self._waiters, self._aborts = [], []
+            self._cond.notify_all()
+        self._end(rows, error=f"{self._dead}: the request ended unfinished (resubmit it)")
+        for w in waiters:
+            w.fail(EngineError(self.name, self._dead))
+
+
+def _aborted_by(aborts: list[Abort]) -> Callable[[Row], bool]:
+    """Whether one of ``aborts`` names a row."""
+    every = any(ids is None for ids, _ in aborts)
+    named: set[str] = set().union(*(ids for ids, _ in aborts if ids is not None))
+    return lambda row: every or row.request_id in named

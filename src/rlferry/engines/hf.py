@@ -1,0 +1,395 @@
+"""``HFEngine``: a Hugging Face ``transformers`` causal LM as an rlferry generation engine.
+
+A dedicated thread runs the decode loop (torch releases the GIL in its kernels); the
+protocol's coroutines hand it requests and commands under one ``threading.Condition``
+and await futures that the thread resolves through ``loop.call_soon_threadsafe``.
+The thread waits on that condition when it has nothing to do: nothing polls.
+
+Gates that stop stepping, each checked at a step boundary (between two forward
+passes): ``pause`` (``keep``/``abort``; ``wait`` first drains the running rows),
+``start_weight_update`` until ``finish_weight_update``, a push being loaded (from its
+first bucket to its commit), and a failed ``finish_weight_update``. ``is_paused()``
+is true while any of them holds.
+
+Weights and the load-failure rule: the engine serves only versions committed whole.
+The first bucket of a push waits for the step in progress to end and no step runs
+until the push commits, so a token never comes from a mix of versions. A push that
+fails after some of its buckets were loaded leaves the model holding a mix: the engine
+refuses to step (requests wait, ``is_paused()`` is true, ``statistics().last_error``
+says why) until a later push commits a whole version. A push that fails before it
+loaded anything leaves the model whole: the engine goes on serving its version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
+from rlferry.weights import ParamLoader, WeightReceiver
+
+from ._batch import Batch, Row
+from ._bridge import Waiter
+from ._model import NonFinite, check_finite, load_model
+from ._thread import DecodeThread
+
+__all__ = ["HFEngine"]
+
+log = logging.getLogger("rlferry.engines")
+_names = itertools.count()
+_MODES = ("keep", "abort", "wait")
+STEP_BOUND = 600.0
+"""Seconds a weight load and ``close`` wait for the step in progress to end."""
+
+
+class HFEngine(DecodeThread):
+    """A ``transformers`` causal LM generating with its own batched decode loop.
+
+    ``model``: a causal LM object (``PreTrainedModel``) or a local directory (loaded with
+    ``AutoModelForCausalLM.from_pretrained``; nothing is downloaded), moved to
+    ``device`` and ``dtype`` when given. Requests join the running batch at step
+    boundaries, up to ``max_batch`` rows; one prefill takes at most
+    ``max_prefill_tokens`` prompt tokens (padded; one request always fits).
+    ``max_model_len`` bounds prompt + ``max_tokens`` (default: the model's
+    ``max_position_embeddings``). ``version``: the version served before any push.
+    ``check_finite``: refuse a pushed bucket that holds NaN or Inf (it costs a read of
+    every pushed float tensor).
+
+    End of life: :meth:`close` (or ``with``) stops the thread; requests in flight and
+    calls waiting on the engine raise :class:`~rlferry.control.EngineError`, as does
+    every later call. A step that raises fails the requests of the batch (their
+    ``generate`` raises ``EngineError`` naming the exception); the engine goes on.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        name: str | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        max_batch: int = 64,
+        max_prefill_tokens: int = 8192,
+        max_model_len: int | None = None,
+        version: int = 0,
+        check_finite: bool = False,
+    ) -> None:
+        for field, value, low in (
+            ("max_batch", max_batch, 1), ("max_prefill_tokens", max_prefill_tokens, 1),
+            ("version", version, 0),
+        ):  # fmt: skip
+            if type(value) is not int or value < low:
+                raise ValueError(f"HFEngine.{field}: expected an int >= {low}, got {value!r}")
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 2):
+            raise ValueError(
+                f"HFEngine.max_model_len: expected None or an int >= 2, got {max_model_len!r}"
+            )
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"HFEngine.name: expected a non-empty str, got {name!r}")
+        if not isinstance(check_finite, bool):
+            raise ValueError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
+        loaded = load_model(model, device, dtype)
+        self.model = loaded.model
+        self.device: torch.device = loaded.device
+        self.vocab_size = loaded.vocab_size
+        self.max_model_len = max_model_len or loaded.max_len
+        self._check_finite = check_finite
+        # The engine's tensors by their state_dict names (views of the parameters and
+        # persistent buffers): what a push must match and where it is loaded.
+        self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict())
+        params = inspect.signature(self.model.forward).parameters
+        kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        batch = Batch(self.model, self.device, loaded.new_cache, kw)
+        super().__init__(
+            name or f"hf-{os.getpid()}-{next(_names)}", batch, version=version,
+            max_batch=max_batch, max_prefill=max_prefill_tokens,
+        )  # fmt: skip
+        self._receiver: WeightReceiver | None = None
+        self._since_commit = 0  # buckets loaded since the last commit (under _cond)
+        self._load_error: str | None = None  # why the last load failed (under _cond)
+        self._update_since: float | None = None
+        self._thread.start()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Generate ``request``; its completion once it ends (stop token, ``max_tokens``,
+        or an abort: then with the tokens so far and finish reason ``abort``).
+
+        Raises:
+            TypeError, ValueError: a request this engine cannot run (named).
+            EngineError: the engine closed, or the step it was in failed.
+        """
+        self._check_request(request)
+        loop = asyncio.get_running_loop()
+        row = Row(request, loop, loop.create_future())
+        rid = request.request_id
+        with self._cond:
+            self._alive()
+            if rid in self._ids:
+                raise ValueError(
+                    f"request `{rid}`: expected a request_id not in flight on engine "
+                    f"`{self.name}`, got one that is (request ids are unique per engine)"
+                )
+            self._ids[rid] = row
+            staged = self._staged.setdefault(loop, [])
+            staged.append(row)
+            first = len(staged) == 1
+        if first:  # the requests made in one loop iteration join in one prefill
+            loop.call_soon(self._flush, loop)
+        try:
+            return await row.future
+        except asyncio.CancelledError:
+            with self._cond:
+                self._aborts.append(({rid}, None))
+                self._cond.notify_all()
+            raise
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._cond:
+            rows = self._staged.pop(loop, [])
+            if self._dead is None:
+                self._waiting.extend(rows)
+                self._cond.notify_all()
+                return
+            for r in rows:
+                self._ids.pop(r.request_id, None)
+        for r in rows:
+            if not r.future.done():
+                r.future.set_exception(EngineError(self.name, self._dead))
+
+    def _check_request(self, request: Any) -> None:
+        if not isinstance(request, GenerateRequest):
+            raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
+        rid, prompt = request.request_id, request.prompt_ids
+        bad = next((i for i, t in enumerate(prompt) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"request `{rid}`: prompt_ids[{bad}]: expected a token id below "
+                f"{self.vocab_size} (the model's vocab_size), got {prompt[bad]}"
+            )
+        n = len(prompt) + request.params.max_tokens
+        if self.max_model_len is not None and n > self.max_model_len:
+            raise ValueError(
+                f"request `{rid}`: expected prompt + max_tokens <= {self.max_model_len} (the "
+                f"engine's max_model_len), got {len(prompt)} + {request.params.max_tokens} "
+                f"= {n} (shorten the prompt or lower max_tokens)"
+            )
+
+    async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
+        """End these requests (every one with None) at the next step boundary, with their
+        tokens so far (finish reason ``abort``); how many were in flight."""
+        if isinstance(ids, str) or not (ids is None or isinstance(ids, Sequence)):
+            raise TypeError(
+                f"abort_requests: expected a sequence of request ids or None, got "
+                f"{type(ids).__name__}"
+            )
+        waiter = Waiter.here()
+        with self._cond:
+            self._alive()
+            self._aborts.append((None if ids is None else set(ids), waiter))
+            self._cond.notify_all()
+        count: int = await waiter.future
+        return count
+
+    # -- pause --------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Return once the engine is paused: at the end of the step in progress for
+        ``keep`` (rows and their cache stay) and ``abort`` (every request in flight ends
+        with its tokens so far); for ``wait``, once the running rows finished (requests
+        not admitted yet wait for :meth:`resume`)."""
+        if mode not in _MODES:
+            raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+        waiter = Waiter.here("pause")
+        with self._cond:
+            self._alive()
+            if mode == "wait" and not self._blocked():
+                self._draining = True
+            else:
+                self._paused, self._draining = True, False
+            if mode == "abort":
+                self._aborts.append((None, None))
+            self._waiters.append(waiter)
+            self._gate_changed()
+        await waiter.future
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause` (a weight update or a mix of versions still holds it)."""
+        with self._cond:
+            self._alive()
+            self._paused = self._draining = False
+            self._drop_waiters("pause", "a resume() came before the engine paused")
+            self._gate_changed()
+
+    async def is_paused(self) -> bool:
+        """Whether the engine is not stepping: paused, updating weights, loading a push, or
+        refusing after a failed update."""
+        with self._cond:
+            return self._blocked()
+
+    # -- weights ------------------------------------------------------------------------
+    async def init_weight_transfer(
+        self, group: str, address: str, *, secret: str | bytes | None = None, timeout: float = 30.0
+    ) -> None:
+        """Join the trainer's ``WeightSender`` of ``group`` at ``address`` (a receiver that
+        checks every plan against the model's tensors before any bucket moves); a later
+        call leaves the previous sender."""
+        with self._cond:
+            self._alive()
+        load = functools.partial(self._load, ParamLoader(self._tensors))
+        recv = WeightReceiver(
+            group=group, address=address, load=load,
+            on_commit=self._on_commit, expected=self._tensors, name=self.name, secret=secret,
+            device=self.device if self.device.type == "cuda" else None,
+        )  # fmt: skip
+        await asyncio.to_thread(recv.start, timeout)
+        with self._cond:
+            old, self._receiver = self._receiver, recv
+        if old is not None:
+            await asyncio.to_thread(old.close)
+
+    async def start_weight_update(self) -> None:
+        """Return once no step runs (at the end of the step in progress) until
+        :meth:`finish_weight_update`."""
+        waiter = Waiter.here("update")
+        with self._cond:
+            self._alive()
+            self._updating = True
+            if self._update_since is None:
+                self._update_since = time.monotonic()
+            self._waiters.append(waiter)
+            self._gate_changed()
+        await waiter.future
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Serve ``version`` if it was committed whole; else raise ``EngineError`` and
+        refuse to step until a version commits whole."""
+        if type(version) is not int:
+            raise TypeError(f"finish_weight_update: expected an int version, got {version!r}")
+        with self._cond:
+            self._alive()
+            self._updating = False
+            self._drop_waiters("update", "a finish_weight_update() came before the engine stopped")
+            if not self._loading and self._version == version:
+                self._refusing = None
+                self._update_done()
+                self._gate_changed()
+                return
+            why = (
+                f"finish_weight_update({version}): expected version {version} committed "
+                f"whole, got version {self._version}"
+                + (" and a push loaded in part (the model holds a mix)" if self._loading else "")
+                + (f" (the load failed: {self._load_error})" if self._load_error else "")
+                + ("" if self._receiver else " (no weight transfer: call init_weight_transfer)")
+                + "; no step runs until a version commits whole (push it again)"
+            )
+            self._refusing = self._error = why
+            self._gate_changed()
+        raise EngineError(self.name, why)
+
+    async def get_weight_version(self) -> int | None:
+        return self._version
+
+    def _load(self, loader: ParamLoader, items: list[tuple[str, torch.Tensor]]) -> None:
+        """The receiver's ``load``: stop stepping at the push's first bucket, then copy."""
+        with self._cond:
+            if not self._loading:
+                self._loading = True
+                self._load_error = None
+                if self._update_since is None:
+                    self._update_since = time.monotonic()
+                self._gate_changed()
+                if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
+                    self._loading = False
+                    self._gate_changed()
+                    raise EngineError(
+                        self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
+                        "the push was not loaded (a step that long is a bug: please report it)",
+                    )  # fmt: skip
+        try:
+            if self._check_finite:
+                check_finite(items)
+            loader(items)
+        except Exception as e:
+            with self._cond:
+                self._load_error = f"{type(e).__name__}: {e}"
+                if isinstance(e, NonFinite) and self._since_commit == 0:
+                    self._loading = False  # nothing was loaded: the model is still whole
+                    self._error = f"weights: a push was refused before loading ({e})"
+                else:
+                    self._error = (
+                        f"weights: a push failed after {self._since_commit} of its buckets "
+                        f"were loaded ({type(e).__name__}: {e}); the model holds a mix of "
+                        "versions: no step runs until a version commits whole"
+                    )
+                self._gate_changed()
+            raise
+        with self._cond:
+            self._since_commit += 1
+
+    def _on_commit(self, version: int) -> None:
+        with self._cond:
+            self._version = version
+            self._loading = False
+            self._refusing = None
+            self._load_error = None
+            self._since_commit = 0
+            self._counts["updates"] += 1
+            if not self._updating:
+                self._update_done()
+            self._gate_changed()
+
+    def _update_done(self) -> None:
+        if self._update_since is not None:
+            self._seconds["update"] += time.monotonic() - self._update_since
+            self._update_since = None
+
+    # -- state --------------------------------------------------------------------------
+    async def statistics(self) -> EngineStatistics:
+        with self._cond:
+            paused = self._seconds["paused"]
+            if self._blocked_since is not None:
+                paused += time.monotonic() - self._blocked_since
+            return EngineStatistics(
+                name=self.name, version=self._version, paused=self._blocked(),
+                running=len(self._batch.rows),
+                waiting=len(self._waiting) + sum(map(len, self._staged.values())),
+                finished=self._counts["finished"], aborted=self._counts["aborted"],
+                tokens=self._counts["tokens"], steps=self._counts["steps"],
+                step_seconds=self._seconds["step"], paused_seconds=paused,
+                updates=self._counts["updates"], update_seconds=self._seconds["update"],
+                last_error=self._error,
+            )  # fmt: skip
+
+    # -- life ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the decode thread (after the step in progress) and leave the sender; what
+        was in flight raises ``EngineError``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STEP_BOUND)
+            if self._thread.is_alive():
+                log.warning("engine %s: its step did not end within %g s", self.name, STEP_BOUND)
+        recv, self._receiver = self._receiver, None
+        if recv is not None:
+            recv.close()
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HFEngine(name={self.name!r}, device={str(self.device)!r}, version={self._version})"
