@@ -1,0 +1,382 @@
+"""HFEngine: batched decoding, sampling, pause modes, aborts, input errors and end of life.
+
+A tiny random-init Llama made in the test; no timing assertions (a pause is measured
+in decode steps). Weight updates are in test_engine_hf_weights.py.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlferry.control import Engine, EngineError, GenerateRequest, SamplingParams
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
+from rlferry.engines.hf import HFEngine  # noqa: E402
+
+VOCAB = 64
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+def req(rid, prompt, **params):
+    params.setdefault("temperature", 0.0)
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=SamplingParams(**params))
+
+
+PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [10, 11, 12, 13, 14, 15, 16, 17]}
+
+
+def reference(model, prompt, n):
+    """``model.generate`` greedy, alone (no padding): tokens and their log-softmax."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    scores = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+    logp = [s[t].item() for s, t in zip(scores, tokens, strict=True)]
+    return tokens, logp
+
+
+def teacher_forced_logp(model, prompt, tokens, temperature):
+    """log softmax(logits / T) of each generated token, from one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+    return logp, logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+async def steps(engine):
+    return (await engine.statistics()).steps
+
+
+# -- decoding ----------------------------------------------------------------------------------
+
+
+def test_the_engine_is_an_rlferry_engine(model):
+    with HFEngine(model, name="e") as engine:
+        assert isinstance(engine, Engine)
+        assert engine.name == "e" and engine.device == torch.device("cpu")
+
+
+def test_batched_greedy_tokens_equal_model_generate_for_each_prompt(model):
+    """Three prompts of three lengths decode in one batch (left padded, one prefill);
+    each row's tokens and logprobs are model.generate's for that prompt alone."""
+
+    async def main():
+        with HFEngine(model, name="e") as engine:
+            done = await asyncio.gather(
+                *(engine.generate(req(k, p, max_tokens=24)) for k, p in PROMPTS.items())
+            )
+            return done, await engine.statistics()
+
+    done, stats = asyncio.run(main())
+    for c, (k, p) in zip(done, PROMPTS.items(), strict=True):
+        tokens, logp = reference(model, p, 24)
+        assert (c.request_id, c.prompt_ids, c.finish_reason, c.engine) == (k, p, "length", "e")
+        assert c.token_ids == tokens
+        assert c.logprobs == pytest.approx(logp, abs=1e-5)
+        assert c.versions == [0] * 24
+    assert stats.steps == 24  # one prefill for all three, then 23 decode steps
+    assert (stats.tokens, stats.finished, stats.running, stats.waiting) == (72, 3, 0, 0)
+
+
+def test_a_request_that_joins_a_running_batch_decodes_as_it_would_alone(model):
+    async def main():
+        with HFEngine(model) as engine:
+            first = asyncio.ensure_future(engine.generate(req("a", PROMPTS["a"], max_tokens=30)))
+            await engine.generate(req("clock", [3], max_tokens=3))  # "a" is mid-run now
+            late = await engine.generate(req("c", PROMPTS["c"], max_tokens=20))
+            return await first, late
+
+    first, late = asyncio.run(main())
+    assert first.token_ids == reference(model, PROMPTS["a"], 30)[0]
+    assert late.token_ids == reference(model, PROMPTS["c"], 20)[0]
+
+
+def test_a_stop_token_ends_the_request_and_is_kept(model):
+    tokens = reference(model, PROMPTS["b"], 24)[0]
+    stop = tokens[5]
+    k = tokens.index(stop)
+
+    async def main():
+        with HFEngine(model) as engine:
+            return await engine.generate(
+                req("b", PROMPTS["b"], max_tokens=24, stop_token_ids=(stop,))
+            )
+
+    done = asyncio.run(main())
+    assert (done.token_ids, done.finish_reason) == (tokens[: k + 1], "stop")
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(model):
+    params = {"max_tokens": 20, "temperature": 0.8, "seed": 7}
+
+    async def main():
+        with HFEngine(model) as engine:
+            alone = await engine.generate(req("s", PROMPTS["a"], **params))
+            batched = await asyncio.gather(
+                engine.generate(req("s", PROMPTS["a"], **params)),
+                engine.generate(req("x", PROMPTS["c"], max_tokens=20, temperature=1.0)),
+                engine.generate(req("g", PROMPTS["b"], max_tokens=9)),  # greedy beside
+            )
+            other_seed = await engine.generate(req("s", PROMPTS["a"], **{**params, "seed": 8}))
+            return alone, batched[0], other_seed
+
+    alone, batched, other_seed = asyncio.run(main())
+    assert alone.token_ids == batched.token_ids
+    assert alone.token_ids != other_seed.token_ids
+    # Each logprob is log softmax(logits / T) at the sampled token.
+    _, logp = teacher_forced_logp(model, PROMPTS["a"], alone.token_ids, 0.8)
+    assert alone.logprobs == pytest.approx(logp, abs=1e-4)
+
+
+def test_top_p_samples_only_from_the_nucleus(model):
+    async def main():
+        with HFEngine(model) as engine:
+            return await asyncio.gather(*(
+                engine.generate(req(f"r{i}", PROMPTS["c"], max_tokens=30, temperature=1.5,
+                                    top_p=0.3, seed=i))
+                for i in range(4)
+            ))  # fmt: skip
+
+    for done in asyncio.run(main()):
+        logp, _ = teacher_forced_logp(model, PROMPTS["c"], done.token_ids, 1.5)
+        for row, token in zip(logp.exp(), done.token_ids, strict=True):
+            sorted_p, order = row.sort(descending=True)
+            nucleus = int(((sorted_p.cumsum(0) - sorted_p) < 0.3).sum())
+            assert token in order[:nucleus].tolist()
+
+
+# -- pause, resume, abort -----------------------------------------------------------------------
+
+
+async def long_and_clock(engine, long=40):
+    """Start "long" beside a 4-token "clock"; return once the clock ended (so "long" is
+    mid-run, 4 steps in) with the task of "long"."""
+    task = asyncio.ensure_future(engine.generate(req("long", PROMPTS["c"], max_tokens=long)))
+    await engine.generate(req("clock", PROMPTS["b"], max_tokens=4))
+    return task
+
+
+def test_keep_mode_pauses_within_one_step_and_resumes_to_the_uninterrupted_tokens(model):
+    async def main():
+        with HFEngine(model) as engine:
+            uninterrupted = await (await long_and_clock(engine))
+            task = await long_and_clock(engine)
+            before = await steps(engine)
+            await engine.pause("keep")
+            paused_at = await engine.statistics()
+            assert paused_at.steps - before <= 1  # the step in progress, at most
+            assert await engine.is_paused() and paused_at.paused and paused_at.running == 1
+            assert await engine.abort_requests(["nobody"]) == 0  # a round trip of its thread
+            assert await steps(engine) == paused_at.steps and not task.done()
+            await engine.resume()
+            assert not await engine.is_paused()
+            return uninterrupted, await task
+
+    uninterrupted, resumed = asyncio.run(main())
+    assert resumed.token_ids == uninterrupted.token_ids
+    assert resumed.logprobs == uninterrupted.logprobs  # the same computation, bit for bit
+    assert resumed.finish_reason == "length"
+
+
+def test_abort_mode_returns_partial_tokens_that_a_continuation_completes(model):
+    async def main():
+        with HFEngine(model) as engine:
+            full = await engine.generate(req("full", PROMPTS["c"], max_tokens=40))
+            task = await long_and_clock(engine)
+            before = await steps(engine)
+            await engine.pause("abort")
+            assert await steps(engine) - before <= 1
+            partial = await task  # returned by the pause, not by a resume
+            assert (await engine.statistics()).aborted == 1
+            await engine.resume()
+            rest = await engine.generate(req(
+                "rest", PROMPTS["c"] + partial.token_ids, max_tokens=40 - len(partial.token_ids)
+            ))  # fmt: skip
+            return full, partial, rest
+
+    full, partial, rest = asyncio.run(main())
+    assert partial.finish_reason == "abort" and 4 <= len(partial.token_ids) < 40
+    assert partial.token_ids == full.token_ids[: len(partial.token_ids)]
+    assert partial.versions == [0] * len(partial.token_ids)
+    assert partial.token_ids + rest.token_ids == full.token_ids
+
+
+def test_wait_mode_finishes_in_flight_requests_and_holds_new_ones_until_resume(model):
+    async def main():
+        with HFEngine(model) as engine:
+            task = await long_and_clock(engine, long=12)
+            await engine.pause("wait")
+            assert task.done()  # the in-flight request finished before the pause returned
+            assert (task.result().finish_reason, len(task.result().token_ids)) == ("length", 12)
+            assert await engine.is_paused()
+            held = asyncio.ensure_future(engine.generate(req("new", PROMPTS["a"], max_tokens=5)))
+            await asyncio.sleep(0)  # let it be submitted
+            count = await steps(engine)
+            assert await engine.abort_requests(["nobody"]) == 0  # a round trip of its thread
+            stats = await engine.statistics()
+            assert (stats.waiting, stats.running, stats.steps) == (1, 0, count)
+            assert not held.done()
+            await engine.resume()
+            return await held
+
+    done = asyncio.run(main())
+    assert done.token_ids == reference(model, PROMPTS["a"], 5)[0]
+
+
+def test_abort_requests_ends_the_named_requests_with_their_tokens_so_far(model):
+    async def main():
+        with HFEngine(model) as engine:
+            other = asyncio.ensure_future(
+                engine.generate(req("other", PROMPTS["a"], max_tokens=30))
+            )
+            task = await long_and_clock(engine)
+            assert await engine.abort_requests(["long", "nobody"]) == 1
+            aborted = await task
+            assert not other.done()
+            await engine.pause()
+            queued = asyncio.ensure_future(engine.generate(req("queued", PROMPTS["b"])))
+            await asyncio.sleep(0)
+            assert await engine.abort_requests() == 2  # "other" (held) and "queued"
+            return aborted, await other, await queued, await engine.statistics()
+
+    aborted, other, queued, stats = asyncio.run(main())
+    assert aborted.finish_reason == "abort" and 4 <= len(aborted.token_ids) < 40
+    assert other.finish_reason == "abort" and len(other.token_ids) < 30
+    assert (queued.token_ids, queued.finish_reason, queued.versions) == ([], "abort", [])
+    assert (stats.aborted, stats.finished, stats.running, stats.waiting) == (3, 1, 0, 0)
+
+
+def test_a_cancelled_generate_aborts_its_request(model):
+    async def main():
+        with HFEngine(model) as engine:
+            task = await long_and_clock(engine, long=200)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await engine.pause()  # at a boundary: the abort was applied before it
+            return await engine.statistics()
+
+    stats = asyncio.run(main())
+    assert (stats.running, stats.aborted) == (0, 1)
+
+
+# -- errors and end of life ----------------------------------------------------------------------
+
+
+def test_bad_requests_are_refused_with_their_reason(model):
+    async def main():
+        with HFEngine(model, name="e", max_model_len=32) as engine:
+            with pytest.raises(TypeError) as e:
+                await engine.generate({"request_id": "x"})
+            assert str(e.value) == "generate: expected a GenerateRequest, got dict"
+            with pytest.raises(ValueError) as e:
+                await engine.generate(req("x", [1, 64, 2]))
+            assert str(e.value) == (
+                "request `x`: prompt_ids[1]: expected a token id below 64 (the model's "
+                "vocab_size), got 64"
+            )
+            with pytest.raises(ValueError) as e:
+                await engine.generate(req("x", [1] * 20, max_tokens=13))
+            assert str(e.value) == (
+                "request `x`: expected prompt + max_tokens <= 32 (the engine's max_model_len), "
+                "got 20 + 13 = 33 (shorten the prompt or lower max_tokens)"
+            )
+            await engine.pause()
+            held = asyncio.ensure_future(engine.generate(req("x", [1], max_tokens=4)))
+            await asyncio.sleep(0)
+            with pytest.raises(ValueError) as e:
+                await engine.generate(req("x", [2], max_tokens=4))
+            assert str(e.value) == (
+                "request `x`: expected a request_id not in flight on engine `e`, got one that "
+                "is (request ids are unique per engine)"
+            )
+            with pytest.raises(ValueError) as e:
+                await engine.pause("stop")
+            assert str(e.value) == "pause: mode: expected 'keep', 'abort' or 'wait', got 'stop'"
+            with pytest.raises(TypeError) as e:
+                await engine.abort_requests("x")
+            assert str(e.value) == (
+                "abort_requests: expected a sequence of request ids or None, got str"
+            )
+            await engine.resume()
+            assert len((await held).token_ids) == 4  # the refusals left it alone
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch": 0}, "HFEngine.max_batch: expected an int >= 1, got 0"),
+        ({"version": -1}, "HFEngine.version: expected an int >= 0, got -1"),
+        ({"max_model_len": 1}, "HFEngine.max_model_len: expected None or an int >= 2, got 1"),
+        ({"name": ""}, "HFEngine.name: expected a non-empty str, got ''"),
+        ({"device": "gpu0"}, "HFEngine.device: expected a torch device such as 'cuda:0' or "
+                             "'cpu', got 'gpu0'"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_with_their_reason(model, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        HFEngine(model, **kwargs)
+    assert str(e.value) == message
+
+
+def test_a_model_is_a_causal_lm_or_a_local_directory(model, tmp_path):
+    with pytest.raises(ValueError) as e:
+        HFEngine(torch.nn.Linear(2, 2))
+    assert str(e.value) == (
+        "HFEngine.model: expected a transformers causal LM or a local directory, got Linear"
+    )
+    with pytest.raises(ValueError) as e:
+        HFEngine(str(tmp_path / "nowhere"))
+    assert str(e.value) == (
+        "HFEngine.model: expected a transformers causal LM or a local directory, got "
+        f"'{tmp_path / 'nowhere'}', which is not a directory (nothing is downloaded)"
+    )
+    model.save_pretrained(tmp_path / "tiny")
+
+    async def main():
+        with HFEngine(tmp_path / "tiny") as engine:
+            return await engine.generate(req("a", PROMPTS["a"], max_tokens=8))
+
+    assert asyncio.run(main()).token_ids == reference(model, PROMPTS["a"], 8)[0]
+
+
+def test_close_fails_the_requests_in_flight_and_every_later_call(model):
+    async def main():
+        engine = HFEngine(model, name="e")
+        running = await long_and_clock(engine, long=200)
+        await engine.pause()
+        queued = asyncio.ensure_future(engine.generate(req("queued", PROMPTS["a"])))
+        await asyncio.sleep(0)
+        engine.close()
+        for task in (running, queued):
+            with pytest.raises(EngineError) as e:
+                await task
+            assert str(e.value) == (
+                "engine `e`: closed (make a new engine): the request ended unfinished (resubmit it)"
+            )
+        with pytest.raises(EngineError) as e:
+            await engine.generate(req("late", PROMPTS["a"]))
+        assert str(e.value) == "engine `e`: closed (make a new engine)"
+        with pytest.raises(EngineError):
+            await engine.pause()
+        engine.close()  # twice is fine
+
+    asyncio.run(main())
