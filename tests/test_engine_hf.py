@@ -94,6 +94,26 @@ def test_batched_greedy_tokens_equal_model_generate_for_each_prompt(model):
     assert (stats.tokens, stats.finished, stats.running, stats.waiting) == (72, 3, 0, 0)
 
 
+def test_a_sliding_window_model_decodes_as_model_generate():
+    """Mistral attends through a window of 4 tokens: the engine keeps transformers'
+    sliding masks (prompts and answers longer than the window, padded in one batch)."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, sliding_window=4,
+    )  # fmt: skip
+    mistral = transformers.MistralForCausalLM(config).eval()
+
+    async def main():
+        with HFEngine(mistral) as engine:
+            return await asyncio.gather(
+                *(engine.generate(req(k, p, max_tokens=16)) for k, p in PROMPTS.items())
+            )
+
+    for done, prompt in zip(asyncio.run(main()), PROMPTS.values(), strict=True):
+        assert done.token_ids == reference(mistral, prompt, 16)[0]
+
+
 def test_a_request_that_joins_a_running_batch_decodes_as_it_would_alone(model):
     async def main():
         with HFEngine(model) as engine:

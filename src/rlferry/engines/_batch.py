@@ -82,12 +82,20 @@ class Batch:
         device: torch.device,
         new_cache: Callable[[], Any],
         logits_kw: str | None,
+        sliding: bool,
     ) -> None:
         self.model = model
         self.device = device
         self._new_cache = new_cache
         self._logits_kw = logits_kw  # "logits_to_keep" where the model takes it
         self.rows: list[Row] = []
+        self._dtype = next(model.parameters()).dtype
+        # Eager and SDPA attention take an additive 4D mask as it is: a decode step of a
+        # padded batch then builds its mask in three small kernels, not transformers' few
+        # dozen (other attentions, flash say, get the 2D mask).
+        # Not for sliding-window layers: their masks are built by transformers.
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        self._additive = impl in ("eager", "sdpa") and not sliding
         self._reset()
 
     def _reset(self) -> None:
@@ -126,9 +134,14 @@ class Batch:
         """One forward pass feeding every row its last token; the rows that ended."""
         n = len(self.rows)
         self.mask = torch.cat([self.mask, self.mask.new_ones((n, 1))], dim=1)
+        mask = None
+        if self._padded:
+            mask = self.mask
+            if self._additive:  # the 4D mask the attention takes as it is (no mask building)
+                mask = (1 - mask)[:, None, None, :].to(self._dtype) * torch.finfo(self._dtype).min
         out = self.model(
             input_ids=self.next_ids[:, None],
-            attention_mask=self.mask if self._padded else None,
+            attention_mask=mask,
             position_ids=self.positions[:, None],
             past_key_values=self.cache,
             use_cache=True,
@@ -144,7 +157,10 @@ class Batch:
     ) -> list[Row]:
         """Append each row's token from ``first`` on; remove and return the rows that ended."""
         ended: list[Row] = []
-        for row, t, lp in zip(self.rows[first:], tokens.tolist(), logprobs.tolist(), strict=True):
+        # One copy to the host (one device sync): token ids are exact in float64.
+        both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
+        for row, t_, lp in zip(self.rows[first:], *both, strict=True):
+            t = int(t_)
             row.tokens.append(t)
             row.logprobs.append(lp)
             row.versions.append(version)
@@ -255,10 +271,9 @@ def _sample(logits: torch.Tensor, how: Sampling) -> tuple[torch.Tensor, torch.Te
     (before top-p). Greedy rows take the argmax of the logits; sampled rows invert their
     distribution's CDF at one uniform drawn from their own generator."""
     logits = logits.float()
-    if how.all_greedy:
+    if how.all_greedy:  # log softmax at one token: no (rows, vocab) output to write
         tokens = logits.argmax(-1)
-        logp = torch.log_softmax(logits, -1)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        return tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(-1)
     logp = torch.log_softmax(logits / how.temps, -1)
     probs = logp.exp()
     u = torch.tensor([g.random() if g is not None else 0.0 for g in how.rngs])

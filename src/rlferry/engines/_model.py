@@ -30,6 +30,7 @@ class Loaded:
     vocab_size: int
     max_len: int | None
     new_cache: Callable[[], Any]
+    sliding: bool  # some layers attend through a sliding window
 
 
 def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
@@ -71,6 +72,7 @@ def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
         vocab_size=int(text.vocab_size),
         max_len=getattr(text, "max_position_embeddings", None),
         new_cache=tf.DynamicCache,
+        sliding=any(getattr(tf.DynamicCache(config=model.config), "is_sliding", [])),
     )
 
 

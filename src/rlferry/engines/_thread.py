@@ -109,6 +109,8 @@ class DecodeThread:
 
     def _serve(self) -> None:
         batch = self._batch
+        if batch.device.type == "cuda":
+            torch.cuda.set_device(batch.device)
         while True:
             admit: list[Row] = []
             aborts: list[Abort] | None = None

@@ -109,7 +109,7 @@ class HFEngine(DecodeThread):
         self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict())
         params = inspect.signature(self.model.forward).parameters
         kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        batch = Batch(self.model, self.device, loaded.new_cache, kw)
+        batch = Batch(self.model, self.device, loaded.new_cache, kw, loaded.sliding)
         super().__init__(
             name or f"hf-{os.getpid()}-{next(_names)}", batch, version=version,
             max_batch=max_batch, max_prefill=max_prefill_tokens,
@@ -324,6 +324,8 @@ class HFEngine(DecodeThread):
                 self._load_error = f"{type(e).__name__}: {e}"
                 if isinstance(e, NonFinite) and self._since_commit == 0:
                     self._loading = False  # nothing was loaded: the model is still whole
+                    if not self._updating:
+                        self._update_since = None
                     self._error = f"weights: a push was refused before loading ({e})"
                 else:
                     self._error = (
