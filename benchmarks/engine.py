@@ -1,0 +1,179 @@
+"""HFEngine benchmark: tokens/s of the engine against ``model.generate`` on the same batch.
+
+A random-init Llama-shaped model is made in code (nothing downloaded). Both generate
+for the same ``--batch`` prompts of mixed lengths (left padded for ``model.generate``;
+the engine pads the same way in its own loop), on one device, in one process, taking
+turns run by run so that a drift of the machine falls on both alike. Each runs on a
+thread of its own: on the CPU every thread that calls torch has its own OpenMP team,
+and once two teams exist (the main thread's, from building the model, and the
+engine's) libgomp throttles their spin-waits, which slows small CPU ops on a thread
+that is not the main one by up to 1.6x on the 2-core VM; model.generate on a thread
+of its own pays the same as the engine's decode thread. Three cases:
+
+- ``greedy`` and ``sampled`` (temperature 1, top-p 1: ``model.generate(...,
+  do_sample=True, top_k=0)``): every sequence ``--new-tokens`` long, no stop token;
+- ``sampled, stop tokens``: as RL rollouts end, each sequence at its own length: the
+  same ``--stop`` token ids end every sequence (``eos_token_id`` for
+  ``model.generate``, which pads a finished sequence until the last one ends; the
+  engine drops it from its batch). Only the tokens up to each stop count.
+
+Each row is ``--repeat`` timed runs after a warm-up; tokens/s is the tokens generated
+over the run's wall time (for the engine: from submitting the requests to the last
+completion); p50, p90 and max over the runs.
+
+    python benchmarks/engine.py                  # CPU, small defaults (about a minute)
+    python benchmarks/engine.py --device cuda --batch 64 --hidden 1024 --layers 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import platform
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from rlferry.control import GenerateRequest, SamplingParams
+from rlferry.engines.hf import HFEngine
+
+from _common import table
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+        intermediate_size=args.hidden * 8 // 3, max_position_embeddings=4096,
+    )  # fmt: skip
+    dtype = getattr(torch, args.dtype)
+    return transformers.LlamaForCausalLM(config).to(args.device, dtype).eval()
+
+
+def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.batch,), generator=g)
+    return [torch.randint(3, args.vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def hf_generate(
+    model: torch.nn.Module, prompts: list[list[int]], new: int, sample: bool, stop: list[int]
+) -> int:
+    """``model.generate`` on the left-padded batch; the tokens generated (each sequence's
+    up to its first stop token)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+            min_new_tokens=None if stop else new, do_sample=sample, top_k=0, top_p=1.0,
+            temperature=1.0, pad_token_id=0, eos_token_id=stop or None,
+        )  # fmt: skip
+    generated = out[:, width:].cpu()
+    if not stop:
+        return generated.numel()
+    ends = torch.isin(generated, torch.tensor(stop)).int()
+    # A sequence's length: up to and with its first stop token (all of it if none came).
+    return sum(int(row.argmax()) + 1 if row.any() else len(row) for row in ends)
+
+
+async def engine_generate(
+    engine: HFEngine, prompts: list[list[int]], params: SamplingParams, run: int
+) -> int:
+    done = await asyncio.gather(*(
+        engine.generate(GenerateRequest(request_id=f"{run}-{i}", prompt_ids=p, params=params))
+        for i, p in enumerate(prompts)
+    ))  # fmt: skip
+    return sum(len(c.token_ids) for c in done)
+
+
+async def timed(fns: list[Callable[[], Awaitable[int]]], repeat: int) -> list[list[float]]:
+    """Tokens/s of each of ``fns`` over ``repeat`` rounds (after one warm-up round), the
+    runs of each round taken in turn."""
+    rates: list[list[float]] = [[] for _ in fns]
+    for round_ in range(repeat + 1):
+        for fn, out in zip(fns, rates, strict=True):
+            t0 = time.perf_counter()
+            tokens = await fn()
+            if round_:
+                out.append(tokens / (time.perf_counter() - t0))
+    return rates
+
+
+def cells(rates: list[float]) -> list[str]:
+    q = statistics.quantiles(rates, n=10, method="inclusive") if len(rates) > 1 else rates * 9
+    return [f"{statistics.median(rates):,.0f}", f"{q[8]:,.0f}", f"{max(rates):,.0f}"]
+
+
+async def main(args: argparse.Namespace) -> str:
+    model = make_model(args)
+    prompts = make_prompts(args)
+    g = torch.Generator().manual_seed(2)
+    stop = torch.randperm(args.vocab, generator=g)[: args.stop].tolist()
+    cases = [("greedy", False, []), ("sampled", True, []), ("sampled, stop tokens", True, stop)]
+    rows = []
+    runs = iter(range(1 << 30))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
+    loop = asyncio.get_running_loop()
+    with pool, HFEngine(model, name="bench", max_batch=args.batch) as engine:
+        for case, sample, stops in cases:
+            params = SamplingParams(
+                max_tokens=args.new_tokens, temperature=1.0 if sample else 0.0,
+                stop_token_ids=tuple(stops),
+            )  # fmt: skip
+
+            async def hf(sample: bool = sample, stops: list[int] = stops) -> int:
+                return await loop.run_in_executor(
+                    pool, hf_generate, model, prompts, args.new_tokens, sample, stops
+                )
+
+            async def ours(params: SamplingParams = params) -> int:
+                return await engine_generate(engine, prompts, params, next(runs))
+
+            base, mine = await timed([hf, ours], args.repeat)
+            ratio = statistics.median(mine) / statistics.median(base)
+            rows.append([f"model.generate, {case}", *cells(base), "1.00"])
+            rows.append([f"HFEngine, {case}", *cells(mine), f"{ratio:.2f}"])
+    return table(rows, ["run", "tokens/s p50", "p90", "max", "vs generate (p50)"])
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=16, help="prompts per run")
+    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest: half)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per sequence, at most")
+    p.add_argument("--stop", type=int, default=256, help="stop token ids (of the vocabulary)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=5)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse()
+    import transformers
+
+    print(
+        f"# HFEngine vs model.generate: {platform.node()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, {args.device} ({args.dtype}), "
+        f"{torch.get_num_threads()} threads; batch {args.batch}, prompts "
+        f"{args.prompt_len // 2}-{args.prompt_len} tokens, up to {args.new_tokens} new "
+        f"tokens ({args.stop} stop ids in the stop case); Llama {args.layers} layers x "
+        f"{args.hidden}, vocab {args.vocab}; {args.repeat} runs\n"
+    )
+    print(asyncio.run(main(args)))

@@ -1,0 +1,23 @@
+"""`python benchmarks/engine.py` runs and prints its table (a tiny model, on CPU)."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_bench_engine_prints_a_table_against_model_generate():
+    args = "--batch 3 --prompt-len 8 --new-tokens 6 --stop 8 --vocab 64 --hidden 32 "
+    args += "--layers 1 --heads 2 --repeat 2"
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "engine.py"), *args.split()],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    for case in ("greedy", "sampled", "sampled, stop tokens"):
+        assert f"| model.generate, {case} |" in out.stdout
+        assert f"| HFEngine, {case} |" in out.stdout
