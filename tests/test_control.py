@@ -96,3 +96,112 @@ def test_no_consumed_sample_lags_more_than_max_staleness(eta, stale):
             assert set(lags) == {0} and not spanned
 
     run(main())
+
+
+def test_an_engine_whose_load_raises_is_named_and_the_others_serve_the_new_version():
+    async def main():
+        trainer = tiny_model(0)
+        good = HFEngine(tiny_model(0), name="good")
+        picky = HFEngine(tiny_model(0), name="picky", check_finite=True)  # refuses NaN weights
+        sender = WeightSender(group="fail", transport="shm", receivers=2)
+        for engine in (good, picky):
+            await engine.init_weight_transfer("fail", sender.address)
+        coord = Coordinator([good, picky], batch_size=2, max_staleness=1)
+        state = perturbed(trainer, 1)
+        state["lm_head.weight"][0, 0] = float("nan")
+        try:
+            with pytest.raises(EngineError) as e:
+                await coord.update_weights(
+                    lambda t: sender.push(state.items(), version=1, timeout=t), version=1,
+                    timeout=10,
+                )  # fmt: skip
+            assert e.value.engine == "picky"
+            assert str(e.value).startswith("engine `picky`: weight update to version 1 failed: ")
+            assert "NaN" in str(e.value) or "finite" in str(e.value)
+            assert await good.get_weight_version() == 1 and coord.version == 1
+            assert await picky.get_weight_version() == 0
+            stats = coord.statistics()
+            assert stats.engines_serving == 1  # the picky one gets no rollouts meanwhile
+            group = await (await coord.submit([1, 2, 3], SamplingParams(max_tokens=3), n=2))
+            assert {c.engine for c in group.completions} == {"good"}
+            assert all(v == 1 for c in group.completions for v in c.versions)
+        finally:
+            await close_all(coord, [good, picky], sender)
+
+    run(main())
+
+
+def test_a_restored_coordinator_keeps_staleness_bounded():
+    async def main():
+        trainer, engines, sender = await engines_with_sender(1, "restart")
+        coord = Coordinator(engines, batch_size=2, max_staleness=1)
+        params = SamplingParams(max_tokens=4)
+        for step in range(1, 4):
+            for k in range(2):
+                await coord.submit([1, 2], params, group=k)
+            await coord.batch(2, timeout=30)
+            state = perturbed(trainer, step)
+            await coord.update_weights(
+                lambda t, s=state, v=step: sender.push(s.items(), version=v, timeout=t),
+                version=step, timeout=30,
+            )  # fmt: skip
+        saved = coord.state_dict()
+        await coord.close()
+        again = Coordinator(engines, batch_size=2, max_staleness=1)
+        fresh = again.statistics().capacity
+        again.load_state_dict(saved)
+        stats = again.statistics()
+        assert saved["version"] == 3 and stats.version == 3 and stats.consumed == 6
+        # (eta + 1) x batch_size ahead of the trainer, not (eta + v + 1) x batch_size
+        assert fresh == 4 and stats.capacity == 4
+        with pytest.raises(TimeoutError):
+            for k in range(5):  # the fifth sample finds no room
+                await again.submit([1, 2], params, group=k, timeout=0.5)
+        await close_all(again, engines, sender)
+
+    run(main())
+
+
+def test_bad_coordinator_arguments_are_refused():
+    with pytest.raises(ValueError) as e:
+        Coordinator([], batch_size=0)
+    assert str(e.value) == "batch_size: expected an int >= 1, got 0"
+    with pytest.raises(ValueError) as e:
+        Coordinator([], batch_size=2, max_staleness=-1)
+    assert str(e.value) == "max_staleness: expected an int >= 0 (0 = synchronous), got -1"
+    with pytest.raises(ValueError) as e:
+        Coordinator([], batch_size=2, stale="keep")
+    assert str(e.value) == "stale: expected 'drop' or 'regenerate', got 'keep'"
+    with pytest.raises(TypeError) as e:
+        Coordinator([object()], batch_size=2)  # type: ignore[list-item]
+    assert str(e.value).startswith("engine: expected an rlferry.control.Engine")
+
+
+def test_an_abort_mode_update_continues_each_rollout_from_its_partial_tokens():
+    async def main():
+        greedy = SamplingParams(max_tokens=60, temperature=0.0)
+        alone = HFEngine(tiny_model(0), name="alone")
+        from rlferry.control import GenerateRequest
+
+        want = await alone.generate(
+            GenerateRequest(request_id="w", prompt_ids=[5, 6, 7], params=greedy)
+        )
+        alone.close()
+        trainer, engines, sender = await engines_with_sender(1, "partial")
+        coord = Coordinator(engines, batch_size=1, max_staleness=1)
+        try:
+            pending = await coord.submit([5, 6, 7], greedy)
+            await asyncio.sleep(0.15)  # ~60 ms of the ~0.5 s decode: the update lands midway
+            same = trainer.state_dict()  # the same weights: the tokens must not change
+            await coord.update_weights(
+                lambda t: sender.push(same.items(), version=1, timeout=t), version=1,
+                mode="abort", timeout=30,
+            )  # fmt: skip
+            (got,) = (await pending).completions
+            assert got.token_ids == want.token_ids and got.finish_reason == "length"
+            assert set(got.versions) == {0, 1}  # begun before the update, ended after it
+            assert got.versions == sorted(got.versions)
+        finally:
+            await close_all(coord, engines, sender)
+
+    run(main())

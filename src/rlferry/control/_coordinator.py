@@ -39,6 +39,7 @@ __all__ = ["Coordinator", "CoordinatorStatistics", "Group", "UpdateReport"]
 
 T = TypeVar("T")
 _ids = itertools.count(1)
+_PUSH = " push"  # the key of a push's own failure (no engine has a name with a space first)
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
@@ -402,12 +403,12 @@ class Coordinator:
                     max(0.001, deadline - time.monotonic() + 1.0),
                 )
             except asyncio.TimeoutError:
-                failed.setdefault("push", f"did not return within {timeout} s")
+                failed.setdefault(_PUSH, f"did not return within {timeout} s")
             except Exception as e:
                 for name, why in getattr(e, "failures", {}).items():
                     failed.setdefault(name, why)
                 if not getattr(e, "failures", None):
-                    failed.setdefault("push", f"{type(e).__name__}: {e}")
+                    failed.setdefault(_PUSH, f"{type(e).__name__}: {e}")
             marks.append(time.monotonic())
             live = [m for m in members if m.engine.name not in failed]
             await self._each(
@@ -431,9 +432,14 @@ class Coordinator:
         self._seconds["push"] += marks[2] - marks[1]
         self._seconds["update"] += end - t0
         if failed:
+            pushed = failed.pop(_PUSH, None)
             text = "; ".join(f"`{name}`: {why}" for name, why in failed.items())
+            if pushed is not None:
+                text = f"the push: {pushed}" + (f"; {text}" if text else "")
             raise EngineError(
-                ", ".join(failed), f"weight update to version {version} failed: {text}"
+                ", ".join(failed) or "(all)",
+                f"weight update to version {version} failed: {text}",
+                failed,
             )
         return UpdateReport(
             version=version, engines=tuple(m.engine.name for m in members),

@@ -41,12 +41,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class EngineError(Exception):
-    """An engine failed a request or a step of a weight update; ``engine`` names it."""
+    """An engine failed a request or a step of a weight update; ``engine`` names it (the
+    engines, comma-separated, for an update that several failed: ``failures`` maps each
+    name to its reason)."""
 
-    def __init__(self, engine: str, message: str) -> None:
+    def __init__(self, engine: str, message: str, failures: dict[str, str] | None = None) -> None:
         super().__init__(f"engine `{engine}`: {message}")
         self.engine = engine
         self.reason = message
+        self.failures = dict(failures or {engine: message})
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,181 @@
+"""Engines in their own processes, driven over HTTP: completions pushed, deaths noticed."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from rlferry.control import (
+    Coordinator,
+    EngineError,
+    EngineServer,
+    GenerateRequest,
+    RemoteEngine,
+    SamplingParams,
+)
+from rlferry.wire import SecurityError
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
+from rlferry.engines.hf import HFEngine  # noqa: E402
+from rlferry.weights import WeightSender  # noqa: E402
+from test_control import perturbed, tiny_model  # noqa: E402
+
+TOKEN = "a token of the whole job, 32 B.."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tiny_model(0).save_pretrained(path)
+    return str(path)
+
+
+def serve(model_dir: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("engine http://127.0.0.1:"), line
+    return proc, line.split()[1]
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_a_remote_engine_generates_what_the_same_engine_does_in_process(model_dir):
+    proc, url = serve(model_dir, "--name", "far")
+
+    async def main():
+        remote = RemoteEngine(url)
+        local = HFEngine(tiny_model(0), name="near")
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        try:
+            request = GenerateRequest(request_id="a", prompt_ids=[3, 1, 4, 1, 5], params=params)
+            far, near = await asyncio.gather(remote.generate(request), local.generate(request))
+            assert far.token_ids == near.token_ids and far.engine == "far"
+            assert far.versions == [0] * 8 and len(far.logprobs) == 8
+            await remote.pause("keep")
+            assert await remote.is_paused()
+            await remote.resume()
+            assert not await remote.is_paused()
+            stats = await remote.statistics()
+            assert stats.name == "far" and stats.finished == 1
+        finally:
+            await remote.close()
+            local.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop(proc)
+
+
+def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(model_dir):
+    proc, url = serve(model_dir, "--name", "doomed")
+
+    async def main():
+        trainer = tiny_model(0)
+        remote = RemoteEngine(url, name="doomed")
+        local = HFEngine(tiny_model(0), name="local")
+        sender = WeightSender(group="kill", transport="shm", receivers=2)
+        await asyncio.gather(
+            local.init_weight_transfer("kill", sender.address),
+            remote.init_weight_transfer("kill", sender.address),
+        )
+        coord = Coordinator([local, remote], batch_size=2, max_staleness=1)
+        state = perturbed(trainer, 1)
+
+        def push(seconds: float):
+            os.kill(proc.pid, signal.SIGKILL)  # between pause and push: mid-update
+            proc.wait(10)
+            return sender.push(state.items(), version=2, timeout=seconds)
+
+        try:
+            await coord.update_weights(  # both engines take the first version
+                lambda t: sender.push(state.items(), version=1, timeout=t), version=1, timeout=10
+            )
+            assert await remote.get_weight_version() == 1
+            state = perturbed(trainer, 2)
+            with pytest.raises(EngineError) as e:
+                await coord.update_weights(push, version=2, timeout=10)
+            assert e.value.engine == "doomed" and list(e.value.failures) == ["doomed"]
+            assert "did not finish in time" not in str(e.value)  # seen, not waited out
+            assert await local.get_weight_version() == 2
+            group = await (await coord.submit([1, 2], SamplingParams(max_tokens=2), n=2))
+            assert {c.engine for c in group.completions} == {"local"}
+        finally:
+            await coord.close()
+            await remote.close()
+            local.close()
+            sender.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
+    proc, url = serve(model_dir)
+
+    async def main():
+        remote = RemoteEngine(url, name="dies")
+        await remote.pause("keep")  # the request waits in the engine
+        request = GenerateRequest(request_id="x", prompt_ids=[1, 2], params=SamplingParams())
+        waiting = asyncio.ensure_future(remote.generate(request))
+        await asyncio.sleep(0.2)  # the request reaches the engine and waits there (paused)
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineError) as e:
+            await asyncio.wait_for(waiting, 10)
+        assert str(e.value).startswith("engine `dies`: /generate: the engine went away")
+        await remote.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.wait(10)
+
+
+def test_serve_engine_off_loopback_needs_a_token(model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+         "--host", "0.0.0.0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.startswith(
+        "rlferry serve engine: SecurityError: bind '0.0.0.0': an engine server off loopback "
+        "needs a token"
+    )
+
+
+def test_a_server_with_a_token_refuses_requests_without_it():
+    async def main():
+        engine = HFEngine(tiny_model(0), name="guarded")
+        server = EngineServer(engine, token=TOKEN)
+        url = await server.start()
+        try:
+            stranger = RemoteEngine(url, name="guarded")
+            with pytest.raises(EngineError) as e:
+                await stranger.is_paused()
+            await stranger.close()
+            assert str(e.value) == (
+                "engine `guarded`: /is_paused: SecurityError: a request without this server's token"
+            )
+            good = RemoteEngine(url, token=TOKEN)
+            assert await good.is_paused() is False
+            await good.close()
+        finally:
+            await server.close()
+            engine.close()
+
+    asyncio.run(main())
+    with pytest.raises(SecurityError) as e:
+        EngineServer.check_bind("127.0.0.1", "short")
+    assert str(e.value).startswith("token: expected at least 16 bytes, got 5")
