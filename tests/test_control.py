@@ -205,3 +205,39 @@ def test_an_abort_mode_update_continues_each_rollout_from_its_partial_tokens():
             await close_all(coord, engines, sender)
 
     run(main())
+
+
+def test_finished_groups_go_into_the_queue_with_their_versions():
+    from rlferry.control import put_groups
+    from rlferry.queue import GrpoGroups, Queue
+
+    async def main(q):
+        trainer, engines, sender = await engines_with_sender(1, "toq")
+        coord = Coordinator(engines, batch_size=4, max_staleness=1)
+        client = q.async_client()
+        try:
+            params = SamplingParams(max_tokens=5, temperature=1.0, seed=1)
+            for k in range(2):
+                await coord.submit([1, 2, 3 + k], params, n=2, group=f"g{k}")
+            groups = await coord.batch(2, timeout=30)
+            idx = await put_groups(client, "train_0", groups)
+            batch = await client.get(
+                "train_0", task="train", batch_size=4, sampler=GrpoGroups(group_size=2),
+                fields=["prompt_ids", "response_ids", "logprobs", "versions"], timeout=10,
+            )  # fmt: skip
+            assert sorted(batch.indexes) == sorted(idx)
+            flat = [c for g in groups for c in g.completions]
+            by_index = dict(zip(idx, flat, strict=True))
+            for row, i in enumerate(batch.indexes):
+                c = by_index[i]
+                assert batch.data["response_ids"][row].tolist() == c.token_ids
+                assert batch.data["versions"][row].tolist() == c.versions
+                assert batch.data["logprobs"][row].tolist() == pytest.approx(c.logprobs)
+                assert batch.meta["version_start"][row] == c.version_start
+                assert batch.meta["group"][row] in ("g0", "g1")
+        finally:
+            await client.close()
+            await close_all(coord, engines, sender)
+
+    with Queue.start(storage_units=1, tasks=("train",)) as q:
+        run(main(q))

@@ -18,6 +18,7 @@ from ._engine import (
     SamplingParams,
 )
 from ._http import EngineServer, RemoteEngine
+from ._rollouts import put_groups, rollout_columns
 
 __all__ = [
     "Completion",
@@ -34,4 +35,6 @@ __all__ = [
     "RemoteEngine",
     "SamplingParams",
     "UpdateReport",
+    "put_groups",
+    "rollout_columns",
 ]
