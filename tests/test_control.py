@@ -212,7 +212,7 @@ def test_finished_groups_go_into_the_queue_with_their_versions():
     from rlferry.queue import GrpoGroups, Queue
 
     async def main(q):
-        trainer, engines, sender = await engines_with_sender(1, "toq")
+        _, engines, sender = await engines_with_sender(1, "toq")
         coord = Coordinator(engines, batch_size=4, max_staleness=1)
         client = q.async_client()
         try:
