@@ -5,6 +5,7 @@ fails midway leaves the engine refusing to step until a whole version commits.
 """
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def test_an_update_during_generation_changes_the_version_of_the_tokens_after_it(
     k = done.versions.index(1)
     assert k >= 4 and done.versions == [0] * k + [1] * (40 - k)
     assert (stats.version, stats.updates, stats.paused, stats.last_error) == (1, 1, False, None)
+    assert stats.update_seconds > 0 and stats.paused_seconds >= stats.update_seconds
 
 
 def test_a_bare_push_during_generation_never_steps_on_a_mix_of_versions():
@@ -251,3 +253,61 @@ def test_a_push_of_another_layout_is_rejected_before_any_bucket_moves():
         "`lm_head.weight`: expected shape [64, 64] float32, got shape [65, 64] float32"
     )
     assert done.versions == [0] * 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_pauses_aborts_and_pushes_end_every_request_and_never_mix(seed):
+    """A random run: requests come and go while pauses of every mode, resumes, aborts,
+    cancels and pushes (coordinated and bare) interleave. Every request ends (none
+    hangs), within its max_tokens, its versions never go down, and only committed
+    versions appear."""
+    rng = random.Random(seed)
+    states = {v: tiny_model(v).state_dict() for v in (1, 2, 3, 4)}
+
+    async def main():
+        engine, sender = await joined(tiny_model(0), f"random-{seed}", bucket_bytes=8192)
+        with engine, sender:
+            tasks = {}
+            version = 0
+            for i in range(40):
+                params = SamplingParams(
+                    max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 1.0]), seed=i
+                )
+                prompt = [rng.randrange(64) for _ in range(rng.randint(1, 12))]
+                tasks[f"r{i}"] = (params.max_tokens, asyncio.ensure_future(
+                    engine.generate(GenerateRequest(request_id=f"r{i}", prompt_ids=prompt,
+                                                    params=params))
+                ))  # fmt: skip
+                action = rng.random()
+                if action < 0.15:
+                    await engine.pause(rng.choice(["keep", "abort", "wait"]))
+                    assert await engine.is_paused()
+                    await engine.resume()
+                elif action < 0.25 and version < 4:
+                    version += 1
+                    await engine.pause(rng.choice(["keep", "abort", "wait"]))
+                    await engine.start_weight_update()
+                    await push(sender, states[version], version)
+                    await engine.finish_weight_update(version)
+                    await engine.resume()
+                elif action < 0.35 and version < 4:
+                    version += 1
+                    await push(sender, states[version], version)  # bare
+                elif action < 0.45:
+                    await engine.abort_requests(rng.sample(sorted(tasks), k=min(3, len(tasks))))
+                elif action < 0.5:
+                    tasks[f"r{i}"][1].cancel()
+                await asyncio.sleep(0)
+            done = await asyncio.wait_for(
+                asyncio.gather(*(t for _, t in tasks.values()), return_exceptions=True), 60
+            )
+            return [(n, d) for (n, _), d in zip(tasks.values(), done, strict=True)], version
+
+    results, last = asyncio.run(main())
+    for max_tokens, done in results:
+        if isinstance(done, asyncio.CancelledError):
+            continue
+        assert len(done.token_ids) <= max_tokens
+        assert done.finish_reason in ("stop", "length", "abort")
+        assert done.finish_reason != "length" or len(done.token_ids) == max_tokens
+        assert done.versions == sorted(done.versions) and set(done.versions) <= set(range(last + 1))
