@@ -357,11 +357,30 @@ def test_bad_settings_are_refused_with_their_reason(model, kwargs, message):
     assert str(e.value) == message
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_a_cuda_device_without_cuda_is_refused(model):
+    with pytest.raises(ValueError) as e:
+        HFEngine(model, device="cuda")
+    assert str(e.value) == (
+        "HFEngine.device: expected a device this torch can use, got 'cuda' "
+        "(torch.cuda.is_available() is False)"
+    )
+
+
 def test_a_model_is_a_causal_lm_or_a_local_directory(model, tmp_path):
     with pytest.raises(ValueError) as e:
         HFEngine(torch.nn.Linear(2, 2))
     assert str(e.value) == (
         "HFEngine.model: expected a transformers causal LM or a local directory, got Linear"
+    )
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    ))  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        HFEngine(bert)
+    assert str(e.value) == (
+        "HFEngine.model: expected a transformers causal LM or a local directory, got BertModel"
     )
     with pytest.raises(ValueError) as e:
         HFEngine(str(tmp_path / "nowhere"))

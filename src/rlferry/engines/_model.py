@@ -44,6 +44,11 @@ def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
                 f"HFEngine.device: expected a torch device such as 'cuda:0' or 'cpu', "
                 f"got {device!r}"
             ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"HFEngine.device: expected a device this torch can use, got {str(device)!r} "
+                "(torch.cuda.is_available() is False)"
+            )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"HFEngine.dtype: expected None or a torch.dtype, got {dtype!r}")
     if isinstance(model, (str, os.PathLike)):
@@ -54,7 +59,7 @@ def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
                 f"got {path!r}, which is not a directory (nothing is downloaded)"
             )
         model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    elif not isinstance(model, tf.PreTrainedModel):
+    if not isinstance(model, tf.PreTrainedModel) or not model.can_generate():
         raise ValueError(
             f"HFEngine.model: expected a transformers causal LM or a local directory, "
             f"got {type(model).__name__}"
