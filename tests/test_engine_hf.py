@@ -397,6 +397,30 @@ def test_a_model_is_a_causal_lm_or_a_local_directory(model, tmp_path):
     assert asyncio.run(main()).token_ids == reference(model, PROMPTS["a"], 8)[0]
 
 
+def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on():
+    """GPT-2 has 16 learned positions; an engine told it may go to 64 meets an index
+    error at position 16, a real failure of a step."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    ).eval()
+
+    async def main():
+        with HFEngine(gpt2, name="e", max_model_len=64) as engine:
+            with pytest.raises(EngineError) as e:
+                await engine.generate(req("long", PROMPTS["c"], max_tokens=20))
+            short = await engine.generate(req("short", PROMPTS["a"], max_tokens=4))
+            return str(e.value), short, await engine.statistics()
+
+    error, short, stats = asyncio.run(main())
+    assert error == (
+        "engine `e`: a step failed: IndexError: index out of range in self (the request's "
+        "tokens are lost: resubmit it)"
+    )
+    assert stats.last_error == "a step failed: IndexError: index out of range in self"
+    assert len(short.token_ids) == 4 and (stats.running, stats.finished) == (0, 1)
+
+
 def test_close_fails_the_requests_in_flight_and_every_later_call(model):
     async def main():
         engine = HFEngine(model, name="e")
