@@ -5,10 +5,10 @@ for the same ``--batch`` prompts of mixed lengths (left padded for ``model.gener
 the engine pads the same way in its own loop), on one device, in one process, taking
 turns run by run so that a drift of the machine falls on both alike. Each runs on a
 thread of its own: on the CPU every thread that calls torch has its own OpenMP team,
-and once two teams exist (the main thread's, from building the model, and the
-engine's) libgomp throttles their spin-waits, which slows small CPU ops on a thread
-that is not the main one by up to 1.6x on the 2-core VM; model.generate on a thread
-of its own pays the same as the engine's decode thread. Three cases:
+and with two teams alive (the main thread's, from building the model, and the
+engine's) libgomp throttles their spin-waits, which slows small CPU ops (a 16x256
+matmul 1.6x on the 2-core VM); model.generate on a thread of its own pays the same
+as the engine's decode thread. Three cases:
 
 - ``greedy`` and ``sampled`` (temperature 1, top-p 1: ``model.generate(...,
   do_sample=True, top_k=0)``): every sequence ``--new-tokens`` long, no stop token;

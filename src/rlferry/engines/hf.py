@@ -65,10 +65,19 @@ class HFEngine(DecodeThread):
     ``check_finite``: refuse a pushed bucket that holds NaN or Inf (it costs a read of
     every pushed float tensor).
 
+    Requests made in one event-loop iteration (an ``asyncio.gather`` of a group) are
+    prefilled together. Greedy rows equal ``model.generate`` for the same prompt (up
+    to the float rounding of another batch shape); a seeded row samples the same
+    tokens in any batch.
+
     End of life: :meth:`close` (or ``with``) stops the thread; requests in flight and
     calls waiting on the engine raise :class:`~rlferry.control.EngineError`, as does
     every later call. A step that raises fails the requests of the batch (their
     ``generate`` raises ``EngineError`` naming the exception); the engine goes on.
+
+    On the CPU the decode thread has its own OpenMP team: with another thread's team
+    alive (the one that built the model, say), libgomp throttles its spin-waits and
+    small ops run slower (a 16x256 matmul 1.6x slower on a 2-core VM).
     """
 
     def __init__(
@@ -205,8 +214,9 @@ class HFEngine(DecodeThread):
     async def pause(self, mode: PauseMode = "keep") -> None:
         """Return once the engine is paused: at the end of the step in progress for
         ``keep`` (rows and their cache stay) and ``abort`` (every request in flight ends
-        with its tokens so far); for ``wait``, once the running rows finished (requests
-        not admitted yet wait for :meth:`resume`)."""
+        with its tokens so far, a queued one with none); for ``wait``, once the running
+        rows finished (requests not admitted yet wait for :meth:`resume`). Requests that
+        come while paused wait for :meth:`resume`."""
         if mode not in _MODES:
             raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         waiter = Waiter.here("pause")
