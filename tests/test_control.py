@@ -188,10 +188,11 @@ def test_an_abort_mode_update_continues_each_rollout_from_its_partial_tokens():
         )
         alone.close()
         trainer, engines, sender = await engines_with_sender(1, "partial")
-        coord = Coordinator(engines, batch_size=1, max_staleness=1)
+        coord = Coordinator(engines, batch_size=2, max_staleness=1)
         try:
             pending = await coord.submit([5, 6, 7], greedy)
-            await asyncio.sleep(0.15)  # ~60 ms of the ~0.5 s decode: the update lands midway
+            clock = await coord.submit([1, 2], SamplingParams(max_tokens=8, temperature=0.0))
+            await clock  # 8 decode steps done: the long rollout is under way, far from its end
             same = trainer.state_dict()  # the same weights: the tokens must not change
             await coord.update_weights(
                 lambda t: sender.push(same.items(), version=1, timeout=t), version=1,

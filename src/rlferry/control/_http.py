@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -72,6 +73,9 @@ def _check_token(host: str, token: str | None) -> None:
 
 class EngineServer:
     """Serve ``engine`` over HTTP on ``host:port`` (port 0: a free one); ``url`` once started.
+
+    Every JSON answer carries ``X-Rlferry-Done-Ns``, the server's ``time.monotonic_ns()``
+    when the answer was ready (on one host, the delivery time of a completion).
 
     Routes: ``POST /generate`` (a :class:`GenerateRequest`, answered with its
     :class:`Completion`), ``POST /pause`` (``{"mode": ...}``), ``POST /resume``, ``GET
@@ -141,7 +145,11 @@ class EngineServer:
     def _json(kind: Any, fn: Callable[[Any], Awaitable[Any]]) -> Any:
         async def handle(request: web.Request) -> web.Response:
             body = await request.read()
-            return _ok(await fn(msgspec.json.decode(body or b"{}", type=kind)))
+            answer = await fn(msgspec.json.decode(body or b"{}", type=kind))
+            done = time.monotonic_ns()  # when the answer was ready: delivery is measurable
+            response = _ok(answer)
+            response.headers["X-Rlferry-Done-Ns"] = str(done)
+            return response
 
         return handle
 

@@ -1,0 +1,329 @@
+"""Control-plane benchmark: completion delivery, idle cost, and the weight-update cycle.
+
+- **Delivery**: how long after an engine has a completion its caller holds it. Pushed
+  (rlferry): in-process, the engine's future; across processes, the HTTP response of
+  ``rlferry serve engine`` (the server stamps ``X-Rlferry-Done-Ns`` when the answer is
+  ready, on the host's monotonic clock). Polled (the baseline, AReaL's ``_fetch_loop``
+  with ``wait(timeout=0.05)``): the caller looks for finished requests every 50 ms.
+  Each request generates one token on a tiny model; p50, p99 and max over
+  ``--requests``.
+- **Idle**: a coordinator (this process) and two engine processes with nothing to do for
+  ``--idle`` seconds: CPU time of the three, as a share of one core.
+- **Update cycle**: ``Coordinator.update_weights`` (pause, push, commit, resume) against
+  the bare ``WeightSender.push`` of the same weights, shm on the CPU (``--device cpu``)
+  or cuda_ipc on one GPU (``--device cuda``), with the engine idle and while it
+  generates (its pause then waits for the decode step in flight). ``--model tiny`` or
+  ``qwen3-0.6b`` (the Qwen3-0.6B shapes, random init, bf16 on CUDA).
+
+    python benchmarks/control.py                         # CPU, about a minute
+    python benchmarks/control.py --device cuda --model qwen3-0.6b --only update
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import torch
+
+from rlferry.control import (
+    Completion,
+    Coordinator,
+    GenerateRequest,
+    RemoteEngine,
+    SamplingParams,
+)
+from rlferry.engines.hf import HFEngine
+from rlferry.weights import WeightSender
+
+from _common import table
+
+_POLL = 0.05  # the baseline's poll interval (AReaL: wait(timeout=0.05))
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def qwen3_06b(device: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return transformers.Qwen3ForCausalLM(config).to(device, dtype).eval()
+
+
+def stats_ms(seconds: list[float]) -> list[str]:
+    s = sorted(seconds)
+    pick = [s[len(s) // 2], s[min(len(s) - 1, round(0.99 * (len(s) - 1)))], s[-1]]
+    return [f"{x * 1e3:.3f}" for x in pick]
+
+
+def one_token(i: int) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=f"d{i}", prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=1)
+    )
+
+
+# -- delivery -------------------------------------------------------------------------------
+async def delivered_in_process(engine: HFEngine, n: int) -> list[float]:
+    """From the engine's thread handing a completion over (it calls ``settle``, timed
+    here) to the awaiting task holding it."""
+    from rlferry.engines import _thread
+
+    handed: dict[int, float] = {}
+    settle = _thread.settle
+
+    def timed(loop: Any, future: Any, result: Any = None, error: Any = None) -> None:
+        handed[id(future)] = time.perf_counter()
+        settle(loop, future, result, error)
+
+    _thread.settle = timed
+    out = []
+    try:
+        for i in range(n):
+            fut = asyncio.ensure_future(engine.generate(one_token(i)))
+            await fut
+            got = time.perf_counter()
+            out.append(got - max(handed.values()))
+            handed.clear()
+    finally:
+        _thread.settle = settle
+    return out
+
+
+async def polled_in_process(engine: HFEngine, n: int) -> list[float]:
+    """The baseline: the engine's result lands in a dict; the caller looks every 50 ms."""
+    out = []
+    finished: dict[str, float] = {}
+
+    async def run(req: GenerateRequest) -> None:
+        await engine.generate(req)
+        finished[req.request_id] = time.perf_counter()
+
+    for i in range(n):
+        req = one_token(i)
+        task = asyncio.ensure_future(run(req))
+        while req.request_id not in finished:
+            await asyncio.sleep(_POLL)  # the poll loop being measured
+        out.append(time.perf_counter() - finished.pop(req.request_id))
+        await task
+    return out
+
+
+async def delivered_across(url: str, n: int) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            body = msgspec.json.encode(one_token(i))
+            async with session.post(url + "/generate", data=body) as resp:
+                raw = await resp.read()
+                got = time.monotonic_ns()
+                msgspec.json.decode(raw, type=Completion)
+                out.append((got - int(resp.headers["X-Rlferry-Done-Ns"])) / 1e9)
+    return out
+
+
+def serve(model_dir: str, name: str) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+           "--name", name]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("engine "):
+        raise RuntimeError(f"rlferry serve engine did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_delivery(args: argparse.Namespace) -> str:
+    engine = HFEngine(tiny(), name="bench")
+    await engine.generate(one_token(-1))  # warm-up
+    rows = []
+    pushed = await delivered_in_process(engine, args.requests)
+    polled = await polled_in_process(engine, max(10, args.requests // 10))
+    engine.close()
+    with tempfile.TemporaryDirectory() as d:
+        tiny().save_pretrained(d)
+        proc, url = serve(d, "far")
+        try:
+            async with aiohttp.ClientSession() as s:
+                await (
+                    await s.post(url + "/generate", data=msgspec.json.encode(one_token(-1)))
+                ).read()
+            across = await delivered_across(url, args.requests)
+            far_polled = await polled_far(url, max(10, args.requests // 10))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    rows.append(["pushed, in process (the engine's future)", *stats_ms(pushed)])
+    rows.append(["pushed, across processes (HTTP response)", *stats_ms(across)])
+    rows.append([f"polled every {_POLL * 1e3:.0f} ms, in process (baseline)", *stats_ms(polled)])
+    rows.append([f"polled every {_POLL * 1e3:.0f} ms, across processes (baseline)",
+                 *stats_ms(far_polled)])  # fmt: skip
+    return "Completion delivery (engine has it -> caller holds it), ms\n\n" + table(
+        rows, ("path", "p50", "p99", "max")
+    )
+
+
+async def polled_far(url: str, n: int) -> list[float]:
+    """Polling across processes: the engine's stamp of each answer is when it was ready."""
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            body = msgspec.json.encode(one_token(i))
+            ready: list[int] = []
+
+            async def call(body: bytes = body, ready: list[int] = ready) -> None:
+                async with session.post(url + "/generate", data=body) as resp:
+                    await resp.read()
+                    ready.append(int(resp.headers["X-Rlferry-Done-Ns"]))
+
+            task = asyncio.ensure_future(call())
+            while not ready:  # the baseline's poll loop: look every 50 ms
+                await asyncio.sleep(_POLL)
+            out.append((time.monotonic_ns() - ready[0]) / 1e9)
+            await task
+    return out
+
+
+# -- idle -------------------------------------------------------------------------------------
+async def run_idle(args: argparse.Namespace) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        tiny().save_pretrained(d)
+        procs = [serve(d, f"idle{i}") for i in range(2)]
+        engines = [RemoteEngine(url, name=f"idle{i}") for i, (_, url) in enumerate(procs)]
+        coord = Coordinator(engines, batch_size=4)
+        try:
+            pids = [os.getpid(), *(p.pid for p, _ in procs)]
+            before = [cpu_seconds(p) for p in pids]
+            t0 = time.monotonic()
+            await asyncio.sleep(args.idle)  # nothing to do: what does it cost?
+            wall = time.monotonic() - t0
+            after = [cpu_seconds(p) for p in pids]
+        finally:
+            await coord.close()
+            for e in engines:
+                await e.close()
+            for p, _ in procs:
+                p.terminate()
+                p.wait(30)
+    shares = [(a - b) / wall * 100 for a, b in zip(after, before, strict=True)]
+    rows = [[name, f"{s:.3f}"] for name, s in zip(
+        ["coordinator (this process)", "engine process 1", "engine process 2"], shares,
+        strict=True)]  # fmt: skip
+    rows.append(["all three", f"{sum(shares):.3f}"])
+    return f"Idle for {wall:.1f} s, % of one core\n\n" + table(rows, ("process", "% CPU"))
+
+
+# -- update cycle ------------------------------------------------------------------------------
+async def run_update(args: argparse.Namespace) -> str:
+    device = args.device
+    make = (lambda s: qwen3_06b(device)) if args.model == "qwen3-0.6b" else (
+        lambda s: tiny(s).to(device))  # fmt: skip
+    trainer, served = make(1), make(0)
+    transport = "cuda_ipc" if device.startswith("cuda") else "shm"
+    engine = HFEngine(served, name="e0")
+    sender = WeightSender(group="bench", transport=transport, receivers=1)
+    await engine.init_weight_transfer("bench", sender.address)
+    coord = Coordinator([engine], batch_size=8, max_staleness=4)
+    state = trainer.state_dict()
+    version = iter(range(1, 1 << 30))
+    bare, idle, busy = [], [], []
+    await asyncio.to_thread(sender.push, state.items(), version=next(version))  # warm-up
+    await asyncio.to_thread(sender.push, state.items(), version=next(version))
+    step = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        await asyncio.to_thread(sender.push, state.items(), version=next(version))
+        bare.append(time.perf_counter() - t0)
+        v = next(version)
+        coord._bound.version = v - 1  # the bare pushes moved the engine's version on
+        r = await coord.update_weights(
+            lambda t, v=v: sender.push(state.items(), version=v, timeout=t), version=v
+        )
+        idle.append(r.seconds)
+    generating = asyncio.ensure_future(_keep_busy(coord))
+    for _ in range(args.repeat):
+        await asyncio.sleep(0.05)
+        v = next(version)
+        before = await engine.statistics()
+        r = await coord.update_weights(
+            lambda t, v=v: sender.push(state.items(), version=v, timeout=t), version=v
+        )
+        busy.append(r.seconds)
+        after = await engine.statistics()
+        if after.steps > before.steps:
+            step.append((after.step_seconds - before.step_seconds) / (after.steps - before.steps))
+    generating.cancel()
+    await coord.close()
+    engine.close()
+    sender.close()
+    rows = [
+        ["bare WeightSender.push (baseline)", *stats_ms(bare)],
+        ["update_weights, engine idle", *stats_ms(idle)],
+        ["update_weights, engine generating", *stats_ms(busy)],
+    ]
+    mean_step = sum(step) / len(step) * 1e3 if step else float("nan")
+    return (
+        f"Update cycle (pause, push, commit, resume), {args.model} on {device}, {transport}; "
+        f"one decode step of the running batch: {mean_step:.1f} ms\n\n"
+        + table(rows, ("path", "p50 ms", "p99 ms", "max ms"))
+    )
+
+
+async def _keep_busy(coord: Coordinator) -> None:
+    params = SamplingParams(max_tokens=64, temperature=1.0)
+    while True:
+        fut = await coord.submit([1, 2, 3, 4], params, n=4)
+        fut.add_done_callback(lambda f: f.exception())
+        await coord.batch(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/control.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--idle", type=float, default=10.0)
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", choices=("tiny", "qwen3-0.6b"), default="tiny")
+    p.add_argument("--only", choices=("delivery", "idle", "update"), default=None)
+    a = p.parse_args(argv)
+    where = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else platform.node()
+    print(f"{where}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}\n", flush=True)  # fmt: skip
+    parts: dict[str, Any] = {"delivery": run_delivery, "idle": run_idle, "update": run_update}
+    for name, fn in parts.items():
+        if a.only in (None, name):
+            print(asyncio.run(fn(a)) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
