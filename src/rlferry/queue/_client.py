@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -124,7 +124,7 @@ class AsyncQueueClient:
         partition: str,
         data: dict[str, Any],
         *,
-        meta: dict[str, Sequence[Any]] | None = None,
+        meta: Mapping[str, Sequence[Any]] | None = None,
         indexes: Sequence[int] | None = None,
         partition_meta: dict[str, Any] | None = None,
         timeout: float | None = None,
@@ -361,7 +361,7 @@ class QueueClient:
         partition: str,
         data: dict[str, Any],
         *,
-        meta: dict[str, Sequence[Any]] | None = None,
+        meta: Mapping[str, Sequence[Any]] | None = None,
         indexes: Sequence[int] | None = None,
         partition_meta: dict[str, Any] | None = None,
         timeout: float | None = None,
