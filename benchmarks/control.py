@@ -145,9 +145,9 @@ async def delivered_across(url: str, n: int) -> list[float]:
     return out
 
 
-def serve(model_dir: str, name: str) -> tuple[subprocess.Popen[str], str]:
+def serve(model_dir: str, name: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
-           "--name", name]  # fmt: skip
+           "--name", name, *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -244,65 +244,84 @@ async def run_idle(args: argparse.Namespace) -> str:
 
 # -- update cycle ------------------------------------------------------------------------------
 async def run_update(args: argparse.Namespace) -> str:
+    """The engine in its own process (``rlferry serve engine``), as in a real job: cuda_ipc
+    needs the sender and the engine in two processes on one GPU."""
     device = args.device
     make = (lambda s: qwen3_06b(device)) if args.model == "qwen3-0.6b" else (
         lambda s: tiny(s).to(device))  # fmt: skip
-    trainer, served = make(1), make(0)
     transport = "cuda_ipc" if device.startswith("cuda") else "shm"
-    engine = HFEngine(served, name="e0")
-    sender = WeightSender(group="bench", transport=transport, receivers=1)
-    await engine.init_weight_transfer("bench", sender.address)
+    with tempfile.TemporaryDirectory() as d:
+        make(0).save_pretrained(d)
+        trainer = make(1)
+        proc, url = serve(d, "e0", "--device", device)
+        engine = RemoteEngine(url, name="e0")
+        sender = WeightSender(group="bench", transport=transport, receivers=1)
+        try:
+            await engine.init_weight_transfer("bench", sender.address)
+            rows, step = await _cycles(args, engine, sender, trainer.state_dict())
+        finally:
+            await engine.close()
+            sender.close()
+            proc.terminate()
+            proc.wait(60)
+    return (
+        f"Update cycle (pause, push, commit, resume), {args.model} on {device}, {transport}; "
+        f"one decode step of the running batch: {step:.1f} ms\n\n"
+        + table(rows, ("path", "p50 ms", "p99 ms", "max ms"))
+    )
+
+
+async def _cycles(
+    args: argparse.Namespace, engine: RemoteEngine, sender: WeightSender, state: dict[str, Any]
+) -> tuple[list[list[str]], float]:
     coord = Coordinator([engine], batch_size=8, max_staleness=4)
-    state = trainer.state_dict()
     version = iter(range(1, 1 << 30))
-    bare, idle, busy = [], [], []
-    await asyncio.to_thread(sender.push, state.items(), version=next(version))  # warm-up
-    await asyncio.to_thread(sender.push, state.items(), version=next(version))
-    step = []
+    bare, idle, busy, step = [], [], [], []
+
+    def push(v: int) -> Any:
+        return lambda t: sender.push(state.items(), version=v, timeout=t)
+
+    for _ in range(2):  # warm-up: the plan, the handles, the grouped copies
+        v = next(version)
+        await coord.update_weights(push(v), version=v)
     for _ in range(args.repeat):
+        v = next(version)
+        await engine.start_weight_update()  # the bare push, with the engine holding still
         t0 = time.perf_counter()
-        await asyncio.to_thread(sender.push, state.items(), version=next(version))
+        await asyncio.to_thread(push(v), 60.0)
         bare.append(time.perf_counter() - t0)
+        await engine.finish_weight_update(v)
+        coord._bound.version = v  # the bare push moved the version on
         v = next(version)
-        coord._bound.version = v - 1  # the bare pushes moved the engine's version on
-        r = await coord.update_weights(
-            lambda t, v=v: sender.push(state.items(), version=v, timeout=t), version=v
-        )
-        idle.append(r.seconds)
+        idle.append((await coord.update_weights(push(v), version=v)).seconds)
     generating = asyncio.ensure_future(_keep_busy(coord))
-    for _ in range(args.repeat):
-        await asyncio.sleep(0.05)
-        v = next(version)
-        before = await engine.statistics()
-        r = await coord.update_weights(
-            lambda t, v=v: sender.push(state.items(), version=v, timeout=t), version=v
-        )
-        busy.append(r.seconds)
-        after = await engine.statistics()
-        if after.steps > before.steps:
-            step.append((after.step_seconds - before.step_seconds) / (after.steps - before.steps))
-    generating.cancel()
-    await coord.close()
-    engine.close()
-    sender.close()
+    try:
+        for _ in range(args.repeat):
+            await asyncio.sleep(0.1)  # rollouts under way
+            v = next(version)
+            before = await engine.statistics()
+            busy.append((await coord.update_weights(push(v), version=v)).seconds)
+            after = await engine.statistics()
+            if after.steps > before.steps:
+                step.append(
+                    (after.step_seconds - before.step_seconds) / (after.steps - before.steps)
+                )
+    finally:
+        generating.cancel()
+        await coord.close()
     rows = [
         ["bare WeightSender.push (baseline)", *stats_ms(bare)],
         ["update_weights, engine idle", *stats_ms(idle)],
         ["update_weights, engine generating", *stats_ms(busy)],
     ]
-    mean_step = sum(step) / len(step) * 1e3 if step else float("nan")
-    return (
-        f"Update cycle (pause, push, commit, resume), {args.model} on {device}, {transport}; "
-        f"one decode step of the running batch: {mean_step:.1f} ms\n\n"
-        + table(rows, ("path", "p50 ms", "p99 ms", "max ms"))
-    )
+    return rows, (sum(step) / len(step) * 1e3 if step else float("nan"))
 
 
 async def _keep_busy(coord: Coordinator) -> None:
     params = SamplingParams(max_tokens=64, temperature=1.0)
     while True:
         fut = await coord.submit([1, 2, 3, 4], params, n=4)
-        fut.add_done_callback(lambda f: f.exception())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         await coord.batch(1)
 
 
