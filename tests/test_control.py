@@ -242,3 +242,16 @@ def test_finished_groups_go_into_the_queue_with_their_versions():
 
     with Queue.start(storage_units=1, tasks=("train",)) as q:
         run(main(q))
+
+
+def test_prometheus_metrics_read_the_coordinators_statistics():
+    prometheus_client = pytest.importorskip("prometheus_client", reason="needs [prometheus]")
+    from rlferry.control import register_metrics
+
+    coord = Coordinator([], batch_size=4, max_staleness=2, version=3)
+    registry = prometheus_client.CollectorRegistry()
+    register_metrics(coord, registry)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "rlferry_version 3.0" in text
+    assert "rlferry_capacity 24.0" in text  # (2 + 3 + 1) x 4
+    assert "rlferry_dropped_total 0.0" in text

@@ -18,6 +18,7 @@ from ._engine import (
     SamplingParams,
 )
 from ._http import EngineServer, RemoteEngine
+from ._metrics import register_metrics
 from ._rollouts import put_groups, rollout_columns
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "SamplingParams",
     "UpdateReport",
     "put_groups",
+    "register_metrics",
     "rollout_columns",
 ]
