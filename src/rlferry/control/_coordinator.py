@@ -99,6 +99,7 @@ class _Member:
     engine: Engine
     running: int = 0
     broken: str | None = None  # why it gets no rollouts (a failed update), until it recovers
+    own: str | None = None  # the name the engine gives itself (its weight receiver's name)
 
 
 @dataclass
@@ -391,6 +392,10 @@ class Coordinator:
         self._running.clear()
         marks = [t0]
         try:
+            await self._each(
+                [m for m in members if m.own is None], self._learn_name, "statistics",
+                deadline, failed,
+            )  # fmt: skip
             await self._each(members, lambda m: m.engine.pause(mode), "pause", deadline, failed)
             await self._each(
                 members, lambda m: m.engine.start_weight_update(), "start_weight_update",
@@ -405,8 +410,9 @@ class Coordinator:
             except asyncio.TimeoutError:
                 failed.setdefault(_PUSH, f"did not return within {timeout} s")
             except Exception as e:
+                by_own = {m.own: m.engine.name for m in members if m.own is not None}
                 for name, why in getattr(e, "failures", {}).items():
-                    failed.setdefault(name, why)
+                    failed.setdefault(by_own.get(name, name), why)
                 if not getattr(e, "failures", None):
                     failed.setdefault(_PUSH, f"{type(e).__name__}: {e}")
             marks.append(time.monotonic())
@@ -447,6 +453,11 @@ class Coordinator:
             finish_seconds=marks[3] - marks[2], resume_seconds=end - marks[3],
             seconds=end - t0,
         )  # fmt: skip
+
+    @staticmethod
+    async def _learn_name(m: _Member) -> None:
+        """The name the engine gives itself: a push names failed receivers by it."""
+        m.own = (await m.engine.statistics()).name
 
     async def _each(
         self,
