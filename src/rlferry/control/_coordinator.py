@@ -33,6 +33,7 @@ from ._engine import (
     PauseMode,
     SamplingParams,
 )
+from ._http import RemoteEngine
 from ._staleness import Staleness
 
 __all__ = ["Coordinator", "CoordinatorStatistics", "Group", "UpdateReport"]
@@ -115,7 +116,8 @@ class _Unit:
 
 
 class Coordinator:
-    """Drives :class:`Engine` s for a trainer.
+    """Drives :class:`Engine` s (objects, or URLs of engines served by ``rlferry serve
+    engine``) for a trainer.
 
     ``batch_size``: samples per training step; ``max_staleness`` (eta): how many
     versions a trained sample may lag (0 = synchronous); admission follows AReaL's
@@ -128,7 +130,7 @@ class Coordinator:
 
     def __init__(
         self,
-        engines: Iterable[Engine],
+        engines: Iterable[Engine | str],
         *,
         batch_size: int,
         max_staleness: int = 1,
@@ -155,8 +157,11 @@ class Coordinator:
         self._closed = False
 
     # -- engines ------------------------------------------------------------------------
-    def add_engine(self, engine: Engine) -> None:
-        """Route rollouts to ``engine`` from now on (its name must be unique)."""
+    def add_engine(self, engine: Engine | str) -> None:
+        """Route rollouts to ``engine`` from now on (its name must be unique); a URL is an
+        engine served by ``rlferry serve engine`` (a :class:`RemoteEngine`)."""
+        if isinstance(engine, str):
+            engine = RemoteEngine(engine)
         if not isinstance(engine, Engine):
             raise TypeError(
                 f"engine: expected an rlferry.control.Engine (HFEngine, RemoteEngine, ...), "
