@@ -1,0 +1,48 @@
+"""What a demo run records: one row per training step, and the run's summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunRecord", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """One training step of a run. Seconds are wall-clock seconds of the driver.
+
+    ``generate_seconds``: the engines' busy time during the step (summed over engines,
+    divided by their number); ``wait_seconds``: the trainer waiting for rollouts (the
+    batch not ready yet); ``train_seconds``: the trainer's forward, backward and
+    optimizer step (the slower DP rank); ``sync_seconds``: the weight update (pause,
+    push, commit, resume). ``lags``: every trained sample's lag, in versions.
+    """
+
+    step: int
+    wall: float  # seconds since the run started, at the end of this step
+    reward_mean: float
+    reward_max: float
+    samples: int
+    samples_per_s: float
+    staleness_mean: float
+    staleness_max: int
+    generate_seconds: float
+    wait_seconds: float
+    train_seconds: float
+    sync_seconds: float
+    loss: float
+    lags: list[int] = field(default_factory=list)
+    version: int = 0
+
+
+@dataclass
+class RunRecord:
+    """A whole run: its name (``"async (max_staleness=2)"``), its settings, its steps, and
+    figures measured once (``summary``: e.g. ``reward_start``, ``reward_end``,
+    ``wall_seconds``, ``samples_per_s``, ``sync_share``)."""
+
+    name: str
+    config: dict[str, Any]
+    steps: list[StepRecord] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
