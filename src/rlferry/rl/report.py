@@ -1,0 +1,443 @@
+"""The demo's report: a run's figures (:func:`summarize`), a progress bar's strings
+(:func:`format_progress`), and ``report.md`` with its plots (:func:`write_report`).
+
+The plots need matplotlib (``pip install 'rlferry[demo]'``), imported only when a report is
+written; they are drawn on their own ``Figure`` with the Agg canvas, so pyplot's state and
+its backend stay as the caller left them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ._records import RunRecord, StepRecord
+
+__all__ = ["format_progress", "read_runs", "summarize", "write_report"]
+
+_DPI = 110
+_PHASE_COLORS = {  # the trainer's step, bottom to top
+    "wait_seconds": ("waiting for rollouts", "#bdbdbd"),
+    "train_seconds": ("training", "#4c72b0"),
+    "sync_seconds": ("weight sync", "#dd8452"),
+    "other": ("other (step time not in a phase)", "#e5d8bd"),
+}
+
+
+def summarize(run: RunRecord) -> dict[str, float]:
+    """A run's figures, computed from its steps.
+
+    ``steps``, ``samples`` (trained); ``reward_start`` / ``reward_end``: the mean
+    ``reward_mean`` of the first / last 10% of the steps (at least one step);
+    ``wall_seconds``: at the end of the last step; ``samples_per_s``: samples over that;
+    ``step_seconds``: wall seconds per step; ``generate_seconds``, ``wait_seconds``,
+    ``train_seconds``, ``sync_seconds``: the mean of each phase per step; ``sync_share``:
+    weight sync's share of the wall time (0 to 1); ``staleness_mean`` /
+    ``staleness_max``: over every trained sample's lag (over the steps' own figures where
+    no step recorded its lags). A run without steps has 0 steps and samples and NaN for
+    the rest.
+    """
+    steps = run.steps
+    n = len(steps)
+    samples = float(sum(s.samples for s in steps))
+    if n == 0:
+        nan = math.nan
+        return {"steps": 0.0, "samples": 0.0} | dict.fromkeys(_FIGURES[2:], nan)
+    k = max(1, math.ceil(n / 10))
+    wall = steps[-1].wall
+    lags = [lag for s in steps for lag in s.lags]
+    if lags:
+        staleness_mean, staleness_max = sum(lags) / len(lags), float(max(lags))
+    else:
+        weights = [s.samples for s in steps] if samples else [1] * n
+        weighted = sum(s.staleness_mean * w for s, w in zip(steps, weights, strict=True))
+        staleness_mean = weighted / sum(weights)
+        staleness_max = float(max(s.staleness_max for s in steps))
+    return {
+        "steps": float(n),
+        "samples": samples,
+        "reward_start": sum(s.reward_mean for s in steps[:k]) / k,
+        "reward_end": sum(s.reward_mean for s in steps[-k:]) / k,
+        "wall_seconds": wall,
+        "samples_per_s": samples / wall if wall > 0 else math.nan,
+        "step_seconds": wall / n,
+        "generate_seconds": sum(s.generate_seconds for s in steps) / n,
+        "wait_seconds": sum(s.wait_seconds for s in steps) / n,
+        "train_seconds": sum(s.train_seconds for s in steps) / n,
+        "sync_seconds": sum(s.sync_seconds for s in steps) / n,
+        "sync_share": sum(s.sync_seconds for s in steps) / wall if wall > 0 else math.nan,
+        "staleness_mean": staleness_mean,
+        "staleness_max": staleness_max,
+    }
+
+
+def format_progress(step: StepRecord) -> dict[str, str]:
+    """Short strings of one step for a tqdm postfix (``bar.set_postfix(format_progress(s))``):
+    reward, staleness (mean/max), samples/s and the four phases (``850ms``, ``1.25s``)."""
+    return {
+        "reward": f"{step.reward_mean:.3f}",
+        "stale": f"{step.staleness_mean:.1f}/{step.staleness_max}",
+        "samples/s": f"{step.samples_per_s:.1f}",
+        "gen": _duration(step.generate_seconds),
+        "wait": _duration(step.wait_seconds),
+        "train": _duration(step.train_seconds),
+        "sync": _duration(step.sync_seconds),
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.2f}s" if seconds < 10 else f"{seconds:.1f}s"
+
+
+def read_runs(path: str | Path) -> list[RunRecord]:
+    """The runs a report's ``runs.json`` holds, to write the report again."""
+    out = []
+    for run in json.loads(Path(path).read_text()):
+        steps = [StepRecord(**s) for s in run["steps"]]
+        out.append(RunRecord(run["name"], run["config"], steps, run["summary"]))
+    return out
+
+
+def write_report(out_dir: str | Path, runs: Sequence[RunRecord]) -> Path:
+    """Write ``report.md``, its plots (``reward_by_step.png``, ``reward_by_time.png``,
+    ``phases.png``, ``staleness.png``) and ``runs.json`` (the records, for
+    :func:`read_runs`) into ``out_dir`` (made if missing); returns the path of
+    ``report.md``. A figure a run's ``summary`` holds is shown as recorded there, over
+    the one :func:`summarize` computes; the summary's other numbers get rows of their own.
+
+    Raises:
+        ValueError: no runs.
+        ImportError: matplotlib is not installed (``pip install 'rlferry[demo]'``).
+    """
+    if not runs:
+        raise ValueError("write_report: expected at least one run, got none")
+    _matplotlib()  # before anything is written
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [json.dumps(_finite(asdict(r)), default=str) for r in runs]  # a line a run
+    (out / "runs.json").write_text("[\n" + ",\n".join(records) + "\n]\n")
+    _plot_reward(out / "reward_by_step.png", runs, by_time=False)
+    _plot_reward(out / "reward_by_time.png", runs, by_time=True)
+    _plot_phases(out / "phases.png", runs)
+    _plot_staleness(out / "staleness.png", runs)
+    path = out / "report.md"
+    path.write_text(_markdown(runs))
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None, so ``runs.json`` is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------- report.md
+
+_FIGURES = (  # summarize's keys, in its table's order
+    "steps",
+    "samples",
+    "reward_start",
+    "reward_end",
+    "wall_seconds",
+    "samples_per_s",
+    "step_seconds",
+    "generate_seconds",
+    "wait_seconds",
+    "train_seconds",
+    "sync_seconds",
+    "sync_share",
+    "staleness_mean",
+    "staleness_max",
+)
+_ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
+    "steps": ("steps", "{:.0f}".format),
+    "samples": ("samples trained", "{:.0f}".format),
+    "reward_start": ("reward at the start (mean, first 10% of steps)", "{:.3f}".format),
+    "reward_end": ("reward at the end (mean, last 10% of steps)", "{:.3f}".format),
+    "wall_seconds": ("wall time (s)", "{:.1f}".format),
+    "samples_per_s": ("samples/s", "{:.1f}".format),
+    "step_seconds": ("wall time per step (s)", "{:.3f}".format),
+    "generate_seconds": ("generate: engines busy (s per step)", "{:.3f}".format),
+    "wait_seconds": ("wait for rollouts (s per step)", "{:.3f}".format),
+    "train_seconds": ("train (s per step)", "{:.3f}".format),
+    "sync_seconds": ("weight sync (s per step)", "{:.3f}".format),
+    "sync_share": ("weight-sync share of a step (%)", lambda v: f"{v * 100:.1f}"),
+    "staleness_mean": ("staleness mean (versions)", "{:.2f}".format),
+    "staleness_max": ("staleness max (versions)", "{:.0f}".format),
+}
+
+
+def _markdown(runs: Sequence[RunRecord]) -> str:
+    names = [_escape(r.name) for r in runs]
+    figures = [_figures(r) for r in runs]
+    keys = list(_FIGURES) + [k for f in figures for k in f if k not in _ROWS]
+    title = "rlferry demo: " + (names[0] if len(runs) == 1 else f"{len(runs)} runs")
+    lines = [f"# {title}", "", _row(["figure", *names]), _row(["---"] + ["---:"] * len(runs))]
+    for key in dict.fromkeys(keys):
+        label, fmt = _ROWS.get(key, (f"`{key}`", _number))
+        cells = [fmt(f[key]) if math.isfinite(f.get(key, math.nan)) else "-" for f in figures]
+        lines.append(_row([label, *cells]))
+    lines.append("")
+    for run in runs:
+        if not run.steps:
+            lines += [f"**{_escape(run.name)}** recorded no steps: it has no figures or plots.", ""]
+    speedup = _speedup(runs)
+    if speedup:
+        lines += [speedup, ""]
+    lines += [
+        "## Reward",
+        "",
+        "Each step's mean reward (dots) and its moving mean over about 10% of the steps (line).",
+        "",
+        "![Reward by training step](reward_by_step.png)",
+        "",
+        "![Reward by wall time](reward_by_time.png)",
+        "",
+        "## Where the time goes",
+        "",
+        "Bars: the trainer's step, from the end of the one before (waiting for rollouts, "
+        "training, weight sync, the rest). Line: the engines' generating time in that step "
+        "(summed over the engines, divided by their number); where the line rises above "
+        "the grey, the engines generated while the trainer worked.",
+        "",
+        "![Seconds per phase of each step](phases.png)",
+        "",
+        "## Staleness",
+        "",
+        "Every trained sample's lag: how many versions the trainer was past the weights "
+        "that generated it.",
+        "",
+        "![Staleness of the trained samples](staleness.png)",
+        "",
+        "## Settings",
+        "",
+        *_settings(runs),
+        "",
+        "The records: [runs.json](runs.json) (`rlferry.rl.report.read_runs` reads them back).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _figures(run: RunRecord) -> dict[str, float]:
+    figures = summarize(run)
+    for key, value in run.summary.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            figures[key] = float(value)
+    return figures
+
+
+def _speedup(runs: Sequence[RunRecord]) -> str | None:
+    """With two runs: how much less wall time the faster took for the steps both ran."""
+    if len(runs) != 2:
+        return None
+    k = min(len(r.steps) for r in runs)
+    if k == 0:
+        return None
+    (fast_t, fast), (slow_t, slow) = sorted((r.steps[k - 1].wall, r.name) for r in runs)
+    if fast_t <= 0:
+        return None
+    return (
+        f"**{_escape(fast)}** was {slow_t / fast_t:.2f}x as fast as **{_escape(slow)}** "
+        f"in wall time for the same {k} steps ({fast_t:.1f} s against {slow_t:.1f} s)."
+    )
+
+
+def _settings(runs: Sequence[RunRecord]) -> list[str]:
+    keys = dict.fromkeys(k for r in runs for k in r.config)
+    if not keys:
+        return ["No settings recorded."]
+    lines = [_row(["setting", *(_escape(r.name) for r in runs)]), _row(["---"] * (len(runs) + 1))]
+    for key in keys:
+        cells = [_setting(r.config[key]) if key in r.config else "-" for r in runs]
+        lines.append(_row([f"`{key}`", *cells]))
+    return lines
+
+
+def _setting(value: Any) -> str:
+    if isinstance(value, str):
+        return _escape(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return _escape(json.dumps(value, default=str))
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    """``Figure`` and ``FigureCanvasAgg``, or an ImportError naming the extra."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(
+            "rlferry.rl.report needs matplotlib for its plots: pip install 'rlferry[demo]'"
+        ) from None
+    return Figure, FigureCanvasAgg
+
+
+def _figure(rows: int, size: tuple[float, float], **share: Any) -> tuple[Any, list[Any]]:
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=size, dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, 1, squeeze=False, **share)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.set_axisbelow(True)
+    return fig, list(axes)
+
+
+def _nothing(ax: Any, text: str, *, ticks: bool = False) -> None:
+    """``text`` where a plot would be; no ticks, unless other axes share them."""
+    if not ticks:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4")
+
+
+def _legend(fig: Any, axes: Sequence[Any], ncols: int = 0, title: str | None = None) -> None:
+    """One legend for ``axes`` below them (never over the data), long labels wrapped."""
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(textwrap.fill(label, 60), handle)
+    if not ncols:  # the runs side by side while they fit
+        ncols = 1 if sum(len(k) for k in handles) > 70 else len(handles)
+    fig.legend(
+        handles.values(),
+        handles.keys(),
+        loc="outside lower center",
+        ncols=ncols,
+        title=title,
+        title_fontsize="small",
+    )
+
+
+def _integers() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """A centered moving mean over about 10% of the values (fewer at the ends)."""
+    n, half = len(values), round(len(values) / 20)
+    out = []
+    for i in range(n):
+        window = values[max(0, i - half) : i + half + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def _plot_reward(path: Path, runs: Sequence[RunRecord], *, by_time: bool) -> None:
+    fig, (ax,) = _figure(1, (7.5, 4.2))
+    for i, run in enumerate(runs):
+        if not run.steps:
+            continue
+        x = [s.wall if by_time else s.step for s in run.steps]
+        y = [s.reward_mean for s in run.steps]
+        color = f"C{i % 10}"
+        ax.plot(x, y, "o", ms=3.5, alpha=0.3, color=color, markeredgewidth=0)
+        ax.plot(x, _smooth(y), color=color, lw=2, label=run.name)
+    if any(r.steps for r in runs):
+        _legend(fig, [ax], title="lines: moving mean, dots: each step")
+    else:
+        _nothing(ax, "no steps recorded")
+    what = "wall time" if by_time else "training step"
+    if by_time:
+        ax.set_xlim(left=0)
+    elif any(r.steps for r in runs):
+        ax.xaxis.set_major_locator(_integers())
+    ax.set_title(f"Mean reward by {what}")
+    ax.set_xlabel("wall time since the run started (s)" if by_time else "training step")
+    ax.set_ylabel("mean reward of the step's samples")
+    fig.savefig(path)
+
+
+def _plot_phases(path: Path, runs: Sequence[RunRecord]) -> None:
+    fig, axes = _figure(len(runs), (8.0, 0.9 + 2.7 * len(runs)), sharex=True, sharey=True)
+    for ax, run in zip(axes, runs, strict=True):
+        ax.set_title(run.name, fontsize="medium")
+        ax.set_ylabel("seconds")
+        if not run.steps:
+            _nothing(ax, "no steps recorded", ticks=any(r.steps for r in runs))
+            continue
+        x = [s.step for s in run.steps]
+        phases = {key: [getattr(s, key) for s in run.steps] for key in list(_PHASE_COLORS)[:3]}
+        starts = [0.0] + [s.wall for s in run.steps[:-1]]
+        phases["other"] = [
+            max(0.0, s.wall - start - s.wait_seconds - s.train_seconds - s.sync_seconds)
+            for s, start in zip(run.steps, starts, strict=True)
+        ]
+        width = 0.8 * min((b - a for a, b in itertools.pairwise(x)), default=1)
+        bottom = [0.0] * len(x)
+        for key, values in phases.items():
+            if not any(values):
+                continue
+            label, color = _PHASE_COLORS[key]
+            ax.bar(x, values, width, bottom=bottom, color=color, label=label, linewidth=0)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        gen = [s.generate_seconds for s in run.steps]
+        ax.plot(x, gen, color="black", lw=1.2, marker="o", ms=2.5, label="engines generating")
+    axes[-1].set_xlabel("training step")
+    axes[-1].xaxis.set_major_locator(_integers())
+    _legend(fig, axes, ncols=3)
+    fig.suptitle("Where the time goes: seconds of each step", fontsize="large")
+    fig.savefig(path)
+
+
+def _plot_staleness(path: Path, runs: Sequence[RunRecord]) -> None:
+    fig, (ax,) = _figure(1, (7.5, 4.2))
+    lagged = [(i, r, [lag for s in r.steps for lag in s.lags]) for i, r in enumerate(runs)]
+    lagged = [(i, r, lags) for i, r, lags in lagged if lags]
+    width = 0.8 / max(1, len(lagged))
+    top = 0
+    for j, (i, run, lags) in enumerate(lagged):
+        counts = Counter(lags)
+        x = [lag - 0.4 + width * (j + 0.5) for lag in sorted(counts)]
+        y = [100 * counts[lag] / len(lags) for lag in sorted(counts)]
+        mean = sum(lags) / len(lags)
+        label = f"{run.name}: {len(lags)} samples, mean {mean:.2f}"
+        bars = ax.bar(x, y, width, color=f"C{i % 10}", label=label, linewidth=0)
+        if len(counts) <= 12:
+            ax.bar_label(bars, fmt="%.0f%%", fontsize="small", padding=2)
+        top = max(top, max(lags))
+    if lagged:
+        _legend(fig, [ax])
+        ax.set_xlim(-0.6, max(top, 1) + 0.6)
+        ax.set_ylim(0, 108)  # room for the label of a bar of 100%
+        ax.set_yticks(range(0, 101, 20))
+        ax.xaxis.set_major_locator(_integers())
+    else:
+        _nothing(ax, "no lags recorded")
+    ax.set_title("Staleness of every trained sample")
+    ax.set_xlabel("lag (versions the trainer was past the sample's weights)")
+    ax.set_ylabel("share of trained samples (%)")
+    fig.savefig(path)
