@@ -305,7 +305,10 @@ class Coordinator:
         unit.ended += 1
         self._bound.finish(accepted=done is not None)
         if error is not None and not unit.future.done():
-            unit.future.set_exception(error)
+            if isinstance(error, asyncio.CancelledError):
+                unit.future.cancel()  # closed: nobody needs to hear of it
+            else:
+                unit.future.set_exception(error)
         if unit.ended == unit.n:
             if unit.future.done():  # it failed: its finished samples will not be trained
                 self._bound.discard(sum(c is not None for c in unit.completions))

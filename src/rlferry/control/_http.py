@@ -81,7 +81,8 @@ class EngineServer:
     :class:`Completion`), ``POST /pause`` (``{"mode": ...}``), ``POST /resume``, ``GET
     /is_paused``, ``POST /abort`` (``{"ids": [...] | null}``), ``POST
     /init_weight_transfer``, ``POST /start_weight_update``, ``POST /finish_weight_update``
-    (``{"version": v}``), ``GET /weight_version``, ``GET /statistics``.
+    (``{"version": v}``), ``GET /weight_version``, ``GET /statistics``, and ``GET
+    /fingerprint`` for an engine that has one (``HFEngine``).
     """
 
     def __init__(
@@ -117,6 +118,9 @@ class EngineServer:
             web.get("/weight_version", self._call(e.get_weight_version)),
             web.get("/statistics", self._call(e.statistics)),
         ])  # fmt: skip
+        digest = getattr(e, "fingerprint", None)  # optional: HFEngine has it
+        if digest is not None:
+            app.add_routes([web.get("/fingerprint", self._call(digest))])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -258,6 +262,10 @@ class RemoteEngine:
     async def get_weight_version(self) -> int | None:
         value = await self._request("GET", "/weight_version")
         return None if value is None else int(value)
+
+    async def fingerprint(self) -> str:
+        """The engine's :func:`rlferry.weights.fingerprint` (engines that have one)."""
+        return str(await self._request("GET", "/fingerprint", timeout=600))
 
     async def statistics(self) -> EngineStatistics:
         out: EngineStatistics = await self._request("GET", "/statistics", kind=EngineStatistics)

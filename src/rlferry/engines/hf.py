@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
-from rlferry.weights import ParamLoader, WeightReceiver
+from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 
 from ._batch import Batch, Row
 from ._bridge import Waiter
@@ -370,6 +370,11 @@ class HFEngine(DecodeThread):
             self._update_since = None
 
     # -- state --------------------------------------------------------------------------
+    async def fingerprint(self) -> str:
+        """:func:`rlferry.weights.fingerprint` of the weights served (the model's state
+        dict): equal to the trainer's when the engine holds its weights bit for bit."""
+        return await asyncio.to_thread(fingerprint, self.model.state_dict().items())
+
     async def statistics(self) -> EngineStatistics:
         with self._cond:
             paused = self._seconds["paused"]

@@ -13,6 +13,7 @@ tensors by one grouped copy (``GroupedCopy``: one Triton launch on CUDA).
 
 from ._copy import GroupedCopy, ParamLoader
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
+from ._fingerprint import fingerprint
 from ._plan import TensorSpec
 from ._receiver import WeightReceiver
 from ._report import PushReport, ReceiverStatistics, SenderStatistics
@@ -32,4 +33,5 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "fingerprint",
 ]

@@ -1,0 +1,115 @@
+"""A trainer process of the demo: one data-parallel rank.
+
+Each rank loads the warm-started model, joins a ``torch.distributed`` group with the
+other rank (gloo on the CPU, NCCL on CUDA), wraps the model in DDP, and takes commands
+from the driver on a pipe:
+
+- ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
+  queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss (DDP
+  averages the gradients), ack the batch; answer with the loss and the stats;
+- ``("push", version, seconds)`` (rank 0 only): push the weights to the engines through
+  its ``WeightSender``; answer when every engine committed;
+- ``("fingerprint",)``: the digest of its weights (``rlferry.weights.fingerprint``);
+- ``("stop",)``.
+
+FSDP2 (``fully_shard``) is not used on the CPU: its collectives need
+``reduce_scatter``, which gloo lacks; DDP's all-reduce is what gloo has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["trainer_main"]
+
+
+def trainer_main(rank: int, conn: Connection, settings: dict[str, Any]) -> None:
+    """The process's entry point; reports ``("ready", info)`` or ``("error", text)``.
+    Ctrl-C is the driver's to handle: it stops this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(rank, conn, settings)
+    except Exception as e:  # the driver prints it: a rank that fails says why
+        conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc(limit=6)}"))  # fmt: skip
+
+
+def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
+    import transformers
+
+    from rlferry.queue import GrpoGroups, Queue
+    from rlferry.weights import WeightSender, fingerprint
+
+    from .grpo import GrpoBatch, grpo_loss
+
+    torch.manual_seed(s["seed"] + rank)
+    if s["threads"]:
+        torch.set_num_threads(s["threads"])  # the processes of a run share the cores
+    device = torch.device(s["device"] if s["device"] == "cpu" else f"cuda:{rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{s['port']}", rank=rank, world_size=2
+    )
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        s["model_dir"], local_files_only=True
+    )
+    model = model.to(device)
+    model.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
+    sender = None
+    if rank == 0 and s["sync"]:
+        sender = WeightSender(group="demo", transport=s["transport"], receivers=s["engines"])
+    client = Queue.connect(s["queue"]).client()
+    conn.send(("ready", {"sender": sender.address if sender else None, "pid": os.getpid()}))
+    groups_per_rank = s["groups_per_step"] // 2
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "fingerprint":
+            conn.send(("ok", {"fingerprint": fingerprint(model.state_dict().items())}))
+            continue
+        if cmd[0] == "push":
+            assert sender is not None
+            _, version, seconds = cmd
+            t0 = time.perf_counter()
+            sender.push(model.state_dict().items(), version=version, timeout=seconds)
+            conn.send(("ok", {"seconds": time.perf_counter() - t0}))
+            continue
+        _, step = cmd
+        t0 = time.perf_counter()
+        batch = client.get(
+            f"train_{step}", task="train", batch_size=groups_per_rank * s["group_size"],
+            fields=["prompt_ids", "response_ids", "logprobs", "advantages"],
+            dp_rank=rank, dp_size=2, sampler=GrpoGroups(group_size=s["group_size"]),
+            timeout=600,
+        )  # fmt: skip
+        got = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        d = batch.data
+        rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
+        loss, stats = grpo_loss(ddp, rows, clip=s["clip"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        client.ack(batch)
+        conn.send(("ok", {
+            **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got,
+            "get_seconds": got - t0,
+        }))  # fmt: skip
+    client.close()
+    if sender is not None:
+        sender.close()
+    dist.destroy_process_group()

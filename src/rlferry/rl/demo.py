@@ -1,0 +1,378 @@
+"""``rlferry demo``: asynchronous GRPO end to end on the three planes.
+
+The driver (this process) warm-starts a small model on the task, saves it, and starts:
+``engines`` engine processes (``rlferry serve engine``, each an ``HFEngine``), an
+embedded queue, and two trainer processes (data parallel, ``torch.distributed``). Then,
+every step:
+
+1. a producer keeps the engines busy through the ``Coordinator`` (``submit`` waits,
+   by event, while ``max_staleness`` would be exceeded);
+2. the driver takes the step's finished GRPO groups (``Coordinator.batch``: none staler
+   than ``max_staleness``), scores them, computes group-normalized advantages and puts
+   them into the queue partition ``train_{step}`` (versions in the meta);
+3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
+   the clipped GRPO loss, and acks;
+4. the coordinator pauses the engines, trainer rank 0 pushes its weights through its
+   ``WeightSender`` (shm on the CPU, cuda_ipc on CUDA), the engines commit, resume.
+
+With ``max_staleness=0`` nothing generates while the trainer trains: synchronous RL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
+from rlferry.queue import Queue
+
+from ._records import RunRecord, StepRecord
+from ._trainer import trainer_main
+
+__all__ = ["DemoConfig", "run_demo"]
+
+START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """One run's settings (see ``rlferry demo --help``)."""
+
+    steps: int = 120
+    engines: int = 2
+    max_staleness: int = 2
+    device: str = "cpu"
+    model: str = "tiny"
+    seed: int = 0
+    sync: bool = True
+    groups_per_step: int = 8  # GRPO groups per training step (half per DP rank)
+    group_size: int = 8
+    lr: float = 3e-4
+    clip: float = 0.2
+    warm_steps: int = 60
+
+    def __post_init__(self) -> None:
+        lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
+                "group_size": 2, "warm_steps": 0}  # fmt: skip
+        for name, low in lows.items():
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        if self.groups_per_step % 2:
+            raise ValueError(
+                f"groups_per_step: expected an even number (two DP ranks), got "
+                f"{self.groups_per_step}"
+            )
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and torch.cuda.device_count() < 2:
+            raise ValueError(
+                "device: 'cuda' needs 2 GPUs (one per trainer rank; engines share GPU 0), "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+
+    @property
+    def name(self) -> str:
+        if not self.sync:
+            return "no weight sync (control)"
+        if self.max_staleness == 0:
+            return "sync (max_staleness=0)"
+        return f"async (max_staleness={self.max_staleness})"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Processes:
+    """The run's child processes; :meth:`stop` ends them all, also on Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.trainers: list[tuple[Any, Connection]] = []
+        self.engines: list[subprocess.Popen[str]] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def add_engine(self, proc: subprocess.Popen[str]) -> None:
+        """Keep ``proc`` to stop it; one that starts after :meth:`stop` is stopped at once
+        (engines start on threads while the run may already be failing)."""
+        with self._lock:
+            self.engines.append(proc)
+            if self._stopped:
+                proc.terminate()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        for _, conn in self.trainers:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
+        for proc in self.engines:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 2  # a trainer between steps stops at once; else:
+        for proc, _ in self.trainers:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for proc in self.engines:
+            try:
+                proc.wait(max(0.1, deadline + 5 - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _call(conn: Connection, *cmd: Any) -> dict[str, Any]:
+    conn.send(cmd)
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(str(value))
+    return dict(value)
+
+
+def _start_trainers(procs: _Processes, settings: dict[str, Any]) -> str | None:
+    ctx = mp.get_context("spawn")
+    for rank in range(2):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=trainer_main, args=(rank, child, settings), name=f"rlferry-trainer-{rank}",
+            daemon=True,
+        )  # fmt: skip
+        proc.start()
+        child.close()
+        procs.trainers.append((proc, parent))
+    sender = None
+    for rank, (proc, conn) in enumerate(procs.trainers):
+        if not conn.poll(START_TIMEOUT):
+            raise RuntimeError(f"trainer rank {rank} did not start within {START_TIMEOUT:g} s")
+        try:
+            status, info = conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"trainer rank {rank} died at start (exit code {proc.exitcode})"
+            ) from None
+        if status != "ready":
+            raise RuntimeError(str(info))
+        sender = sender or info["sender"]
+    return sender
+
+
+def _start_engine(procs: _Processes, model_dir: str, i: int, device: str) -> str:
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+           "--name", f"engine{i}", "--device", "cuda:0" if device == "cuda" else "cpu"]  # fmt: skip
+    env = dict(os.environ)
+    if device == "cpu":  # the processes of a run share the cores: one thread each
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs.add_engine(proc)
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()  # the engine prints its URL once it answers (or dies)
+    if not line.startswith("engine "):
+        raise RuntimeError(f"engine {i} did not start: {proc.stderr.read()[-2000:]}")
+    return line.split()[1]
+
+
+async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
+    from .grpo import group_advantages
+    from .model import make_model, warm_start
+    from .task import ReverseTask
+
+    task = ReverseTask()
+    tok = task.tokenizer
+    record = RunRecord(config.name, dataclasses.asdict(config))
+    procs = _Processes()
+    with (
+        tempfile.TemporaryDirectory(prefix="rlferry-demo-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        model = make_model(config.model, tok.vocab_size, seed=config.seed)
+        warm = warm_start(model, task, steps=config.warm_steps, seed=config.seed)
+        record.summary["warm_start_loss"] = [warm[0], warm[-1]] if warm else []
+        model.save_pretrained(tmp)
+        queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
+        stack.callback(procs.stop)
+        settings = {
+            "seed": config.seed, "device": config.device, "port": _free_port(),
+            "model_dir": tmp, "lr": config.lr, "clip": config.clip, "sync": config.sync,
+            "engines": config.engines, "queue": queue.address,
+            "transport": "cuda_ipc" if config.device == "cuda" else "shm",
+            "groups_per_step": config.groups_per_step, "group_size": config.group_size,
+            "threads": 1 if config.device == "cpu" else 0,
+        }  # fmt: skip
+        starting = asyncio.gather(*(
+            asyncio.to_thread(_start_engine, procs, tmp, i, config.device)
+            for i in range(config.engines)
+        ))  # fmt: skip
+        sender = await asyncio.to_thread(_start_trainers, procs, settings)
+        urls = await starting
+        engines = [RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(urls)]
+        if sender is not None:
+            await asyncio.gather(*(e.init_weight_transfer("demo", sender) for e in engines))
+        batch = config.groups_per_step * config.group_size
+        coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness)
+        prompts: dict[int, Any] = {}
+        params = SamplingParams(
+            max_tokens=task.max_tokens, temperature=1.0, stop_token_ids=(tok.eos_id,)
+        )
+
+        async def produce() -> None:
+            rng = random.Random(config.seed)
+            for k in range(1 << 62):
+                prompt = task.sample(1, rng)[0]
+                prompts[k] = prompt
+                await coord.submit(prompt.ids, params, n=config.group_size, group=k)
+
+        producer = asyncio.ensure_future(produce())
+        client = queue.async_client()
+        rank0 = procs.trainers[0][1]
+        t_start = time.monotonic()
+        try:
+            for step in range(1, config.steps + 1):
+                busy0 = [await e.statistics() for e in engines]
+                t0 = time.monotonic()
+                groups = await coord.batch(config.groups_per_step, timeout=600)
+                t_wait = time.monotonic() - t0
+                lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
+                rewards = _score(task, prompts, groups)
+                data, meta = rollout_columns(groups)
+                adv = group_advantages(torch.tensor(rewards), config.group_size)
+                data["advantages"] = adv
+                meta["reward"] = rewards
+                await client.put(f"train_{step}", data, meta=meta, timeout=60)
+                t1 = time.monotonic()
+                results = await asyncio.gather(*(
+                    asyncio.to_thread(_call, conn, "train", step) for _, conn in procs.trainers
+                ))  # fmt: skip
+                t_train = time.monotonic() - t1
+                t2 = time.monotonic()
+                if config.sync:
+                    await coord.update_weights(_pusher(rank0, step), version=step, timeout=120)
+                t_sync = time.monotonic() - t2
+                busy1 = [await e.statistics() for e in engines]
+                gen = sum(
+                    b.step_seconds - a.step_seconds for a, b in zip(busy0, busy1, strict=True)
+                )
+                wall = time.monotonic() - t_start
+                row = StepRecord(
+                    step=step, wall=wall, reward_mean=sum(rewards) / len(rewards),
+                    reward_max=max(rewards), samples=len(rewards),
+                    samples_per_s=len(rewards) / max(1e-9, time.monotonic() - t0),
+                    staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
+                    generate_seconds=gen / len(engines), wait_seconds=t_wait,
+                    train_seconds=t_train, sync_seconds=t_sync,
+                    loss=sum(r["loss"] for r in results) / len(results), lags=lags,
+                    version=coord.version,
+                )  # fmt: skip
+                record.steps.append(row)
+                if progress is not None:
+                    progress(row)
+            record.summary.update(await _final_check(engines, coord, rank0, config))
+        finally:
+            producer.cancel()
+            await coord.close()
+            await client.close()
+            for e in engines:
+                await e.close()
+    record.summary["wall_seconds"] = time.monotonic() - t_start
+    return record
+
+
+def _pusher(rank0: Connection, version: int) -> Any:
+    """The push of an update: trainer rank 0 pushes its weights (it answers once every
+    engine committed)."""
+
+    def push(seconds: float) -> dict[str, Any]:
+        return _call(rank0, "push", version, seconds)
+
+    return push
+
+
+def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[float]:
+    out = []
+    for g in groups:
+        prompt = prompts.pop(g.group)
+        out += [task.reward(prompt, c.token_ids) for c in g.completions]
+    return out
+
+
+async def _final_check(
+    engines: list[RemoteEngine], coord: Coordinator, rank0: Connection, config: DemoConfig
+) -> dict[str, Any]:
+    """The engines serve the trainer's last version, bit for bit (with weight sync)."""
+    versions = [await e.get_weight_version() for e in engines]
+    out: dict[str, Any] = {"engine_versions": versions, "trainer_version": coord.version}
+    if not config.sync:
+        return out
+    trainer = (await asyncio.to_thread(_call, rank0, "fingerprint"))["fingerprint"]
+    digests = [await e.fingerprint() for e in engines]
+    if any(v != coord.version for v in versions) or any(d != trainer for d in digests):
+        raise RuntimeError(
+            f"the engines serve versions {versions} with weights {digests}, the trainer is "
+            f"at {coord.version} with {trainer}"
+        )
+    out["weights_fingerprint"] = trainer
+    return out
+
+
+def run_demo(config: DemoConfig, progress: Any = None) -> RunRecord:
+    """Run the demo once (Ctrl-C stops every process it started)."""
+    return asyncio.run(_run(config, progress))
+
+
+def default_out() -> Path:
+    return Path("rlferry-demo")
+
+
+def main(args: Any) -> Path:
+    """``rlferry demo``: one run (or, with ``--compare``, synchronous then asynchronous),
+    a progress bar per run, the report in ``--out``; returns the report's path."""
+    from tqdm import tqdm
+
+    from .report import format_progress, summarize, write_report
+
+    base = DemoConfig(
+        steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
+        device=args.device, model=args.model, seed=args.seed, sync=not args.no_sync,
+    )  # fmt: skip
+    configs = [base]
+    if args.compare:
+        asynchronous = (
+            base if base.max_staleness > 0 else dataclasses.replace(base, max_staleness=2)
+        )
+        configs = [dataclasses.replace(base, max_staleness=0), asynchronous]
+    runs = []
+    for config in configs:
+        with tqdm(total=config.steps, desc=config.name, unit="step", dynamic_ncols=True) as bar:
+
+            def progress(row: StepRecord, bar: Any = bar) -> None:
+                bar.set_postfix(format_progress(row), refresh=False)
+                bar.update(1)
+
+            run = run_demo(config, progress)
+        run.summary = {**summarize(run), **{k: v for k, v in run.summary.items()
+                                             if isinstance(v, (int, float))}}  # fmt: skip
+        runs.append(run)
+    return write_report(Path(args.out), runs)

@@ -1,0 +1,69 @@
+"""`rlferry demo` end to end: a short run on the tiny model, and Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (the [demo] extra)")
+pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
+
+from rlferry.rl.demo import DemoConfig, run_demo
+from rlferry.rl.report import summarize, write_report
+
+
+def test_a_short_demo_trains_within_its_staleness_and_ends_with_the_trainers_weights(tmp_path):
+    config = DemoConfig(
+        steps=4, engines=2, max_staleness=1, groups_per_step=2, group_size=4, warm_steps=5
+    )
+    run = run_demo(config)
+    assert [s.step for s in run.steps] == [1, 2, 3, 4]
+    for s in run.steps:
+        assert s.samples == 8 and len(s.lags) == 8
+        assert max(s.lags) <= config.max_staleness and min(s.lags) >= 0
+    versions = [s.version for s in run.steps]
+    assert versions == sorted(versions) and versions[-1] == 4
+    # the run checked that the engines hold the trainer's last weights bit for bit
+    assert run.summary["engine_versions"] == [4, 4]
+    assert len(run.summary["weights_fingerprint"]) == 64
+    run.summary = {**summarize(run), "trainer_version": 4}
+    report = write_report(tmp_path, [run])
+    for name in ("reward_by_step.png", "reward_by_time.png", "phases.png", "staleness.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "async (max_staleness=1)" in report.read_text()
+
+
+def _session_processes(sid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_path):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    cmd = [sys.executable, "-m", "rlferry.cli", "demo", "--steps", "500", "--engines", "2",
+           "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    assert proc.stderr is not None
+    seen = b""
+    while b"1/500" not in seen:  # the progress bar's first step: everything runs
+        chunk = proc.stderr.read1(4096)
+        assert chunk, f"the demo ended before its first step: {seen[-2000:]!r}"
+        seen += chunk
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal reaches the whole group
+    assert proc.wait(30) == 130
+    assert _session_processes(proc.pid) == []
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert shm_after - shm_before == set()
