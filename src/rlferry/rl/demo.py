@@ -212,6 +212,10 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         warm = warm_start(model, task, steps=config.warm_steps, seed=config.seed)
         record.summary["warm_start_loss"] = [warm[0], warm[-1]] if warm else []
         model.save_pretrained(tmp)
+        if config.device == "cpu":  # the run's processes share the cores: one thread each
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
         queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
         stack.callback(procs.stop)
         settings = {
