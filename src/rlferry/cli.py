@@ -80,7 +80,7 @@ def _demo_parser(sub: Any) -> None:
         "[demo] extra.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d.add_argument("--steps", type=int, default=120, help="training steps per run")
+    d.add_argument("--steps", type=int, default=200, help="training steps per run")
     d.add_argument("--engines", type=int, default=2, help="engine processes")
     d.add_argument("--max-staleness", type=int, default=2, help="0 = synchronous")
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

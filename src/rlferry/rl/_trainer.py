@@ -1,19 +1,19 @@
 """A trainer process of the demo: one data-parallel rank.
 
 Each rank loads the warm-started model, joins a ``torch.distributed`` group with the
-other rank (gloo on the CPU, NCCL on CUDA), wraps the model in DDP, and takes commands
-from the driver on a pipe:
+other rank (gloo on the CPU, NCCL on CUDA) and shards the model with FSDP2
+(``fully_shard`` per decoder layer, then the whole model): each rank holds half of every
+parameter, gradients are reduce-scattered. It takes commands from the driver on a pipe:
 
 - ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
-  queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss (DDP
-  averages the gradients), ack the batch; answer with the loss and the stats;
-- ``("push", version, seconds)`` (rank 0 only): push the weights to the engines through
-  its ``WeightSender``; answer when every engine committed;
-- ``("fingerprint",)``: the digest of its weights (``rlferry.weights.fingerprint``);
+  queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
+  answer with the loss and its stats;
+- ``("push", version, seconds)`` (both ranks): the weights stream to the engines from
+  the shards, gathered tensor by tensor (a generator: the full state dict never exists
+  at once); rank 0 pushes them through its ``WeightSender`` and answers once every
+  engine committed, rank 1 takes part in the gathers;
+- ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
 - ``("stop",)``.
-
-FSDP2 (``fully_shard``) is not used on the CPU: its collectives need
-``reduce_scatter``, which gloo lacks; DDP's all-reduce is what gloo has.
 """
 
 from __future__ import annotations
@@ -64,9 +64,8 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         s["model_dir"], local_files_only=True
     )
-    model = model.to(device)
+    model = _sharded(model.to(device))
     model.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
     sender = None
     if rank == 0 and s["sync"]:
@@ -79,13 +78,18 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         if cmd[0] == "stop":
             break
         if cmd[0] == "fingerprint":
-            conn.send(("ok", {"fingerprint": fingerprint(model.state_dict().items())}))
+            digest = fingerprint(_gathered(model))  # every rank gathers, rank 0 answers
+            conn.send(("ok", {"fingerprint": digest}))
             continue
         if cmd[0] == "push":
-            assert sender is not None
             _, version, seconds = cmd
             t0 = time.perf_counter()
-            sender.push(model.state_dict().items(), version=version, timeout=seconds)
+            if sender is not None:
+                layout = list(model.state_dict().items())  # global shapes, no data read
+                sender.push(_gathered(model), version=version, timeout=seconds, layout=layout)
+            else:
+                for _ in _gathered(model):  # rank 1: its part of every gather
+                    pass
             conn.send(("ok", {"seconds": time.perf_counter() - t0}))
             continue
         _, step = cmd
@@ -100,7 +104,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         d = batch.data
         rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
-        loss, stats = grpo_loss(ddp, rows, clip=s["clip"])
+        loss, stats = grpo_loss(model, rows, clip=s["clip"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -113,3 +117,23 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if sender is not None:
         sender.close()
     dist.destroy_process_group()
+
+
+def _sharded(model: Any) -> Any:
+    """FSDP2: each decoder layer its own unit (its parameters gathered for its forward
+    and backward only), then the rest of the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _gathered(model: Any) -> Any:
+    """``(name, full tensor)`` of the model's state, one gather per tensor, in order (a
+    collective: every rank must iterate it alike)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t

@@ -54,14 +54,14 @@ START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
 class DemoConfig:
     """One run's settings (see ``rlferry demo --help``)."""
 
-    steps: int = 120
+    steps: int = 200
     engines: int = 2
     max_staleness: int = 2
     device: str = "cpu"
     model: str = "tiny"
     seed: int = 0
     sync: bool = True
-    groups_per_step: int = 8  # GRPO groups per training step (half per DP rank)
+    groups_per_step: int = 16  # GRPO groups per training step (half per DP rank)
     group_size: int = 8
     lr: float = 3e-4
     clip: float = 0.2
@@ -147,6 +147,10 @@ class _Processes:
 
 def _call(conn: Connection, *cmd: Any) -> dict[str, Any]:
     conn.send(cmd)
+    return _answer(conn)
+
+
+def _answer(conn: Connection) -> dict[str, Any]:
     status, value = conn.recv()
     if status != "ok":
         raise RuntimeError(str(value))
@@ -251,7 +255,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
 
         producer = asyncio.ensure_future(produce())
         client = queue.async_client()
-        rank0 = procs.trainers[0][1]
+        ranks = [conn for _, conn in procs.trainers]
         t_start = time.monotonic()
         try:
             for step in range(1, config.steps + 1):
@@ -273,7 +277,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await coord.update_weights(_pusher(rank0, step), version=step, timeout=120)
+                    await coord.update_weights(_pusher(ranks, step), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
                 busy1 = [await e.statistics() for e in engines]
                 gen = sum(
@@ -293,7 +297,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 record.steps.append(row)
                 if progress is not None:
                     progress(row)
-            record.summary.update(await _final_check(engines, coord, rank0, config))
+            record.summary.update(await _final_check(engines, coord, ranks, config))
         finally:
             producer.cancel()
             await coord.close()
@@ -304,12 +308,15 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     return record
 
 
-def _pusher(rank0: Connection, version: int) -> Any:
+def _pusher(ranks: list[Connection], version: int) -> Any:
     """The push of an update: trainer rank 0 pushes its weights (it answers once every
     engine committed)."""
 
     def push(seconds: float) -> dict[str, Any]:
-        return _call(rank0, "push", version, seconds)
+        for conn in ranks:  # both ranks gather the shards; rank 0 sends
+            conn.send(("push", version, seconds))
+        answers = [_answer(conn) for conn in ranks]  # rank 1's too: nothing left unread
+        return answers[0]
 
     return push
 
@@ -323,14 +330,17 @@ def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[floa
 
 
 async def _final_check(
-    engines: list[RemoteEngine], coord: Coordinator, rank0: Connection, config: DemoConfig
+    engines: list[RemoteEngine], coord: Coordinator, ranks: list[Connection], config: DemoConfig
 ) -> dict[str, Any]:
     """The engines serve the trainer's last version, bit for bit (with weight sync)."""
     versions = [await e.get_weight_version() for e in engines]
     out: dict[str, Any] = {"engine_versions": versions, "trainer_version": coord.version}
     if not config.sync:
         return out
-    trainer = (await asyncio.to_thread(_call, rank0, "fingerprint"))["fingerprint"]
+    for conn in ranks:
+        conn.send(("fingerprint",))
+    answers = await asyncio.gather(*(asyncio.to_thread(_answer, conn) for conn in ranks))
+    trainer = answers[0]["fingerprint"]
     digests = [await e.fingerprint() for e in engines]
     if any(v != coord.version for v in versions) or any(d != trainer for d in digests):
         raise RuntimeError(
