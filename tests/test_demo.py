@@ -67,3 +67,12 @@ def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_
     assert _session_processes(proc.pid) == []
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert shm_after - shm_before == set()
+
+
+def test_a_demo_setting_that_cannot_work_is_refused_before_anything_starts():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "demo", "--engines", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == "rlferry demo: engines: expected an int >= 1, got 0\n"

@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             report = demo(a)
+        except ValueError as e:  # a setting that cannot work: said before anything starts
+            print(f"rlferry demo: {e}", file=sys.stderr)
+            sys.exit(2)
         except KeyboardInterrupt:
             print("rlferry demo: interrupted; every process it started was stopped",
                   file=sys.stderr)  # fmt: skip
