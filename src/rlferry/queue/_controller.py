@@ -23,7 +23,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rlferry.wire import AsyncClient
@@ -52,47 +51,13 @@ from ._messages import (
     controller_request,
     to_wire,
 )
+from ._state import Lease, Partition, Sample, describe, ready_samples
 
 __all__ = ["Controller"]
 
 T = TypeVar("T")
 
 log = logging.getLogger("rlferry.queue")
-
-
-_NO_FIELDS: frozenset[str] = frozenset()
-
-
-class Sample:
-    __slots__ = ("consumed", "fields", "index", "leased", "meta", "unit")
-
-    def __init__(self, index: int, unit: int, meta: dict[str, Any]) -> None:
-        self.index = index
-        self.unit = unit
-        self.fields: frozenset[str] = _NO_FIELDS  # shared among samples with the same fields
-        self.meta = meta
-        self.consumed: set[str] = set()
-        self.leased: dict[str, int] = {}  # task -> lease id
-
-
-@dataclass
-class Lease:
-    id: int
-    partition: str
-    task: str
-    key: tuple[int, int, int]  # (dp_size, dp_rank, batch number)
-    indexes: list[int]
-    timer: asyncio.TimerHandle | None = None
-
-
-@dataclass
-class Partition:
-    name: str
-    samples: dict[int, Sample] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    signatures: dict[str, list[Any]] = field(default_factory=dict)
-    shares: dict[tuple[str, int, int, int], Lease] = field(default_factory=dict)
-    gets: int = 0
 
 
 class Controller:
@@ -324,8 +289,8 @@ class Controller:
             known = p.signatures.get(name)
             if known is not None and known != sig:
                 raise SchemaError(
-                    f"field `{name}`: expected {_describe(known)} as in earlier puts of "
-                    f"`{p.name}`, got {_describe(sig)} (one field keeps one kind, dtype and "
+                    f"field `{name}`: expected {describe(known)} as in earlier puts of "
+                    f"`{p.name}`, got {describe(sig)} (one field keeps one kind, dtype and "
                     "row shape; send rows of different lengths as a list of tensors)"
                 )
 
@@ -380,7 +345,7 @@ class Controller:
             lease = p.shares.get(key)
             if lease is not None:
                 return lease
-            ready = _ready(p, task, need)
+            ready = ready_samples(p, task, need)
             has_round = any(k[:2] == key[:2] and k[3] == batch for k in p.shares)
             size = 1 if has_round else dp_size  # a re-asked share after a lease expired
             shares = chosen.round(ready, lambda i, k: p.samples[i].meta.get(k), batch_size, size)
@@ -396,7 +361,7 @@ class Controller:
             lease = await self._until(serve, timeout)
         except TimeoutError:
             p = self.partitions.get(partition)
-            have = 0 if p is None else len(_ready(p, task, need))
+            have = 0 if p is None else len(ready_samples(p, task, need))
             raise GetTimeout(
                 f"get `{partition}` for task `{task}`: {have} ready samples with fields "
                 f"{fields} within {timeout} s, a batch needs {batch_size} per rank x "
@@ -587,26 +552,3 @@ class Controller:
     async def close(self) -> None:
         for c in self._unit_clients:
             await c.close()
-
-
-def _ready(p: Partition, task: str, need: frozenset[str]) -> list[int]:
-    """Samples of ``p`` that ``task`` has not consumed nor leased and that hold ``need``."""
-    holds: dict[frozenset[str], bool] = {}  # a put's samples share one set: test it once
-    out = []
-    for s in p.samples.values():
-        if task in s.consumed or task in s.leased:
-            continue
-        ok = holds.get(s.fields)
-        if ok is None:
-            ok = holds[s.fields] = need <= s.fields
-        if ok:
-            out.append(s.index)
-    return out
-
-
-def _describe(sig: list[Any]) -> str:
-    if sig[0] in ("tensor", "ndarray"):
-        return f"{sig[0]} of {sig[1]} rows of shape {sig[2]}"
-    if sig[0] == "nested":
-        return f"jagged nested tensor of {sig[1]}"
-    return "a list"
