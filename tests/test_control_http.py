@@ -133,7 +133,11 @@ def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(EngineError) as e:
             await asyncio.wait_for(waiting, 10)
-        assert str(e.value).startswith("engine `dies`: /generate: the engine went away")
+        # at once, as the connection closes (or, on a slow machine where the request had
+        # not reached it yet, is refused): never a timeout
+        message = str(e.value)
+        assert message.startswith("engine `dies`: /generate: ")
+        assert "went away" in message or "unreachable" in message
         await remote.close()
 
     try:
