@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Any
 
@@ -30,6 +31,7 @@ def serve_engine(
         try:
             server = EngineServer(engine, host, port, token=token)
             url = await server.start()
+            gc.freeze()  # the model and the libraries: kept for good, not scanned by the GC
             print(f"engine {url} {engine.name}", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

@@ -19,6 +19,7 @@ parameter, gradients are reduce-scattered. It takes commands from the driver on 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import time
@@ -71,6 +72,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if rank == 0 and s["sync"]:
         sender = WeightSender(group="demo", transport=s["transport"], receivers=s["engines"])
     client = Queue.connect(s["queue"]).client()
+    gc.freeze()  # torch, transformers, the model: kept for good, no longer scanned by the GC
     conn.send(("ready", {"sender": sender.address if sender else None, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // 2
     while True:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -253,6 +254,11 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 prompts[k] = prompt
                 await coord.submit(prompt.ids, params, n=config.group_size, group=k)
 
+        # Everything made so far (torch, transformers, the model, the services) lives as long
+        # as the run: out of the garbage collector's sight, a full collection scans only
+        # what the steps make (without this: 130-290 ms pauses every ~8 steps here).
+        gc.freeze()
+        stack.callback(gc.unfreeze)
         producer = asyncio.ensure_future(produce())
         client = queue.async_client()
         ranks = [conn for _, conn in procs.trainers]
