@@ -15,6 +15,7 @@ it gets no rollouts until it serves a later version whole.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import time
 from collections import deque
@@ -375,9 +376,10 @@ class Coordinator:
         mode: PauseMode = "keep",
         timeout: float = 60.0,
     ) -> UpdateReport:
-        """Pause every engine, run ``push(seconds_left)`` (in a thread: e.g. ``lambda t:
-        sender.push(model.state_dict().items(), version=v, timeout=t)``), have every
-        engine serve ``version``, and resume every engine whatever happened.
+        """Pause every engine, run ``push(seconds_left)`` (a function, run in a thread: e.g.
+        ``lambda t: sender.push(model.state_dict().items(), version=v, timeout=t)``; or a
+        coroutine function, awaited), have every engine serve ``version``, and resume
+        every engine whatever happened.
 
         Raises:
             EngineError: an engine failed a step (pause, load, commit, resume) or did not
@@ -411,10 +413,10 @@ class Coordinator:
             )  # fmt: skip
             marks.append(time.monotonic())
             try:
-                await asyncio.wait_for(
-                    asyncio.to_thread(push, max(0.001, deadline - time.monotonic())),
-                    max(0.001, deadline - time.monotonic() + 1.0),
-                )
+                left = max(0.001, deadline - time.monotonic())
+                pushing = push(left) if inspect.iscoroutinefunction(push) else (
+                    asyncio.to_thread(push, left))  # fmt: skip
+                await asyncio.wait_for(pushing, left + 1.0)
             except asyncio.TimeoutError:
                 failed.setdefault(_PUSH, f"did not return within {timeout} s")
             except Exception as e:
