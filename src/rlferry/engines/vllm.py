@@ -15,7 +15,8 @@ switches to rlferry by naming it::
 registers the backend there (without it, only an engine in this process, with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, knows the name). The same extension serves
 trainers that drive weights with ``collective_rpc`` (``rlferry_join``,
-``rlferry_receive``).
+``rlferry_receive``). :class:`VLLMEngine` drives an ``AsyncLLM`` as an
+:class:`rlferry.control.Engine`, so the coordinator runs vLLM as it runs ``HFEngine``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ except ImportError as e:  # the extra is missing
         f"without a GPU) ({e})"
     ) from None
 
+from ._vllm_engine import VLLMEngine
 from ._vllm_gate import GateError
 from ._vllm_trainer import LLMClient, RlferryTrainerEngine, RlferryTrainerInitInfo
 from ._vllm_worker import (
@@ -46,6 +48,7 @@ __all__ = [
     "RlferryTrainerInitInfo",
     "RlferryUpdateInfo",
     "RlferryWeightTransferEngine",
+    "VLLMEngine",
     "WorkerExtension",
     "register",
 ]

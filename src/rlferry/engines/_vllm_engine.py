@@ -1,0 +1,392 @@
+"""``VLLMEngine``: a vLLM ``AsyncLLM`` driven as an :class:`rlferry.control.Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
+
+__all__ = ["VLLMEngine"]
+
+_MODES = ("keep", "abort", "wait")
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_names = itertools.count()
+EXTENSION = "rlferry.engines.vllm.WorkerExtension"
+
+
+class VLLMEngine:
+    """A vLLM ``AsyncLLM`` (its engine core in its own process) as an rlferry engine.
+
+    ``model``: a model directory or name (an ``AsyncLLM`` is built with
+    ``engine_args``, and with ``weight_transfer_config={"backend": "rlferry"}``,
+    ``worker_extension_cls="rlferry.engines.vllm.WorkerExtension"``,
+    ``logprobs_mode="processed_logprobs"`` and ``enable_prefix_caching=False`` unless
+    given), or an ``AsyncLLM`` made with that backend and extension.
+
+    Versions: rlferry's int versions are vLLM's weight-version labels ``str(v)``;
+    vLLM's initial label ``"default"`` is ``version``. A completion's per-token versions
+    come from vLLM's ``weight_versions`` spans. Log probabilities are vLLM's processed
+    ones: ``log_softmax(logits / temperature)`` (temperature 1 for greedy), taken after
+    top-p when ``top_p < 1`` (rlferry's protocol says before: they differ then).
+
+    Pause modes are vLLM's (``keep`` leaves the KV cache; ``abort`` and ``wait`` clear
+    the prefix cache, so no request reuses keys computed by older weights).
+    ``start_weight_update`` starts vLLM's update and leaves its ``update_weights`` call
+    in flight, waiting (up to ``update_timeout`` seconds) for the next push the
+    receiver commits; ``finish_weight_update(v)`` checks that ``v`` committed and
+    labels it. An update that failed after loading part of a push leaves the model
+    holding a mix: the engine then stays paused (``resume`` does not resume it,
+    ``is_paused()`` is true) until an update commits whole; one that failed before
+    loading anything serves its previous version.
+
+    End of life: :meth:`close` shuts vLLM down; requests in flight fail with
+    :class:`EngineError`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        name: str | None = None,
+        version: int = 0,
+        update_timeout: float = 60.0,
+        **engine_args: Any,
+    ) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"VLLMEngine.name: expected a non-empty str, got {name!r}")
+        if type(version) is not int or version < 0:
+            raise ValueError(f"VLLMEngine.version: expected an int >= 0, got {version!r}")
+        if not isinstance(update_timeout, (int, float)) or not update_timeout > 0:
+            raise ValueError(
+                f"VLLMEngine.update_timeout: expected a number > 0, got {update_timeout!r}"
+            )
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if isinstance(model, AsyncLLM):
+            if engine_args:
+                raise ValueError(
+                    f"VLLMEngine: engine_args {sorted(engine_args)} apply to a model path "
+                    "only, not to an AsyncLLM already made"
+                )
+            self.llm = model
+        else:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+
+            if not isinstance(model, (str, os.PathLike)):
+                raise TypeError(
+                    f"VLLMEngine.model: expected a model path or an AsyncLLM, got "
+                    f"{type(model).__name__}"
+                )
+            args: dict[str, Any] = {
+                "weight_transfer_config": {"backend": "rlferry"},
+                "worker_extension_cls": EXTENSION,
+                "logprobs_mode": "processed_logprobs",
+                "enable_prefix_caching": False,
+            }
+            args.update(engine_args)
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=os.fspath(model), **args))
+        self.name = name or f"vllm-{os.getpid()}-{next(_names)}"
+        self._initial = version
+        self._label = "default"  # vLLM's label of the version served
+        self.update_timeout = float(update_timeout)
+        self._inflight: set[str] = set()
+        self._update: asyncio.Task[Any] | None = None
+        self._refusing: str | None = None  # why the engine stays paused (a mixed model)
+        self._paused = False
+        self._closed = False
+        self._error: str | None = None
+        self._counts = {"finished": 0, "aborted": 0, "tokens": 0, "updates": 0}
+        self._seconds = {"paused": 0.0, "update": 0.0}
+        self._paused_since: float | None = None
+        self._update_since: float | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Generate ``request`` with vLLM; its completion once it ends (a stop token,
+        ``max_tokens``, or an abort: then with the tokens so far, reason ``abort``).
+
+        Raises:
+            TypeError, ValueError: a request this engine cannot run (named).
+            EngineError: vLLM failed the request, or the engine is closed.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not isinstance(request, GenerateRequest):
+            raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
+        self._alive()
+        rid, p = request.request_id, request.params
+        if rid in self._inflight:
+            raise ValueError(
+                f"request `{rid}`: expected a request_id not in flight on engine "
+                f"`{self.name}`, got one that is (request ids are unique per engine)"
+            )
+        params = SamplingParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+            stop_token_ids=list(p.stop_token_ids), seed=p.seed, logprobs=0,
+            ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+        self._inflight.add(rid)
+        final = None
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            async for out in self.llm.generate(prompt, params, rid):
+                final = out
+        except (ValueError, TypeError):
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise EngineError(self.name, f"request `{rid}` failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._inflight.discard(rid)
+        if final is None or not final.outputs:
+            raise EngineError(self.name, f"request `{rid}`: vLLM ended it without an output")
+        return self._completion(request, final.outputs[0])
+
+    def _completion(self, request: GenerateRequest, out: Any) -> Completion:
+        rid = request.request_id
+        tokens = list(out.token_ids)
+        reason = _REASONS.get(str(out.finish_reason))
+        if reason is None:
+            raise EngineError(
+                self.name, f"request `{rid}`: vLLM finished it with reason {out.finish_reason!r}"
+            )
+        logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, out.logprobs or [], strict=False)]
+        if len(logprobs) != len(tokens):
+            raise EngineError(
+                self.name,
+                f"request `{rid}`: expected a log probability per token ({len(tokens)}), got "
+                f"{len(logprobs)}",
+            )
+        versions = [self._version_of(None)] * len(tokens)
+        for span in out.weight_versions or ():
+            v = self._version_of(span.version)
+            for i in range(max(0, span.start), min(len(tokens), span.end)):
+                versions[i] = v
+        self._counts["aborted" if reason == "abort" else "finished"] += 1
+        self._counts["tokens"] += len(tokens)
+        return Completion(
+            request_id=rid, prompt_ids=list(request.prompt_ids), token_ids=tokens,
+            logprobs=logprobs, versions=versions, finish_reason=reason,  # type: ignore[arg-type]
+            engine=self.name,
+        )  # fmt: skip
+
+    def _version_of(self, label: str | None) -> int:
+        """rlferry's version of a vLLM label (the last served for None)."""
+        if label is None:
+            label = self._label
+        if label == "default":
+            return self._initial
+        try:
+            return int(label)
+        except ValueError:
+            return -1  # a label someone else set: not an rlferry version
+
+    async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
+        """End these requests (every one with None) now, with their tokens so far (finish
+        reason ``abort``); how many were in flight."""
+        if isinstance(ids, str) or not (ids is None or isinstance(ids, Sequence)):
+            raise TypeError(
+                f"abort_requests: expected a sequence of request ids or None, got "
+                f"{type(ids).__name__}"
+            )
+        self._alive()
+        targets = list(self._inflight) if ids is None else [i for i in ids if i in self._inflight]
+        if targets:
+            await self.llm.abort(targets)
+        return len(targets)
+
+    # -- pause ------------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """vLLM's ``pause_generation(mode)``: returns once the engine is paused."""
+        if mode not in _MODES:
+            raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+        self._alive()
+        await self._call("pause", self.llm.pause_generation(mode=mode, clear_cache=mode != "keep"))
+        self._paused = True
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause` (not while the model holds a mix of versions)."""
+        self._alive()
+        self._paused = False
+        await self._settle()
+        if self._refusing is not None:
+            return
+        await self._call("resume", self.llm.resume_generation())
+        if self._paused_since is not None:
+            self._seconds["paused"] += time.monotonic() - self._paused_since
+            self._paused_since = None
+
+    async def is_paused(self) -> bool:
+        self._alive()
+        return bool(await self._call("is_paused", self.llm.is_paused()))
+
+    # -- weights ----------------------------------------------------------------------------
+    async def init_weight_transfer(
+        self, group: str, address: str, *, secret: str | None = None, timeout: float = 30.0
+    ) -> None:
+        """Join the trainer's ``WeightSender`` of ``group`` at ``address`` (every worker of
+        vLLM; their receivers are named after this engine)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._alive()
+        info: dict[str, Any] = {"group": group, "address": address, "name": self.name,
+                                "timeout": timeout}  # fmt: skip
+        if secret is not None:
+            info["secret"] = secret
+        req = WeightTransferInitRequest(init_info=info)
+        await self._call("init_weight_transfer", self.llm.init_weight_transfer_engine(req))
+
+    async def start_weight_update(self) -> None:
+        """Start vLLM's weight update and its ``update_weights`` call, which waits (up to
+        ``update_timeout``) for the next push to commit."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._alive()
+        await self._settle()
+        if self._update is not None:
+            raise EngineError(self.name, "start_weight_update: an update is in progress already")
+        await self._call("start_weight_update", self.llm.start_weight_update())
+        self._update_since = time.monotonic()
+        req = WeightTransferUpdateRequest(
+            update_info={"version": None, "timeout": self.update_timeout}
+        )
+        self._update = asyncio.ensure_future(self.llm.update_weights(req))
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Serve ``version`` if the push committed it whole; else raise ``EngineError``
+        (and stay paused if the model holds a mix)."""
+        if type(version) is not int:
+            raise TypeError(f"finish_weight_update: expected an int version, got {version!r}")
+        self._alive()
+        task, self._update = self._update, None
+        if task is None:
+            raise EngineError(
+                self.name,
+                f"finish_weight_update({version}): no update in progress "
+                "(call start_weight_update first)",
+            )
+        try:
+            await asyncio.wait_for(task, self.update_timeout + 30.0)
+        except Exception as e:
+            why = await self._failed(
+                f"finish_weight_update({version}): expected version {version} committed "
+                f"whole, got {_reason(e)}"
+            )
+            raise EngineError(self.name, why) from None
+        got = (await self._state()).get("version")
+        if got != version:
+            why = (
+                f"finish_weight_update({version}): expected version {version} committed, got "
+                f"version {got} (the trainer pushed another version)"
+            )
+            await self._call("finish_weight_update", self.llm.finish_weight_update(str(got)))
+            self._label, self._error = str(got), why
+            self._updated()
+            raise EngineError(self.name, why)
+        await self._call("finish_weight_update", self.llm.finish_weight_update(str(version)))
+        self._label, self._refusing = str(version), None
+        self._updated()
+        if not self._paused:  # a refusing engine that the coordinator resumed already
+            await self._call("resume", self.llm.resume_generation())
+
+    async def _settle(self) -> None:
+        """Take an update that ended without ``finish_weight_update`` (the coordinator
+        skips it for an engine whose push failed): note why, and whether the model
+        holds a mix."""
+        task = self._update
+        if task is None or not task.done():
+            return
+        self._update = None
+        if task.cancelled():
+            await self._failed("the update was cancelled")
+        elif task.exception() is not None:
+            await self._failed(f"the update failed: {_reason(task.exception())}")  # type: ignore[arg-type]
+        else:
+            self._updated()
+
+    async def _failed(self, why: str) -> str:
+        """Record a failed update; with a mixed model the engine refuses to serve."""
+        if (await self._state()).get("mixed"):
+            why += "; the model holds a mix: no request runs until a version commits whole"
+            self._refusing = why
+        self._error = why
+        self._updated()
+        return why
+
+    def _updated(self) -> None:
+        self._counts["updates"] += 1
+        if self._update_since is not None:
+            self._seconds["update"] += time.monotonic() - self._update_since
+            self._update_since = None
+
+    async def _state(self) -> dict[str, Any]:
+        """The first worker's receiver state (``rlferry_state``)."""
+        states = await self._call("rlferry_state", self.llm.collective_rpc("rlferry_state"))
+        return dict(states[0]) if states else {}
+
+    async def get_weight_version(self) -> int | None:
+        self._alive()
+        label = await self._call("get_weight_version", self.llm.get_weight_version())
+        return self._version_of(str(label))
+
+    async def statistics(self) -> EngineStatistics:
+        paused = self._paused or self._refusing is not None
+        extra = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
+        return EngineStatistics(
+            name=self.name, version=self._version_of(None), paused=paused,
+            running=len(self._inflight), waiting=0, finished=self._counts["finished"],
+            aborted=self._counts["aborted"], tokens=self._counts["tokens"], steps=0,
+            step_seconds=0.0, paused_seconds=self._seconds["paused"] + extra,
+            updates=self._counts["updates"], update_seconds=self._seconds["update"],
+            last_error=self._error,
+        )  # fmt: skip
+
+    # -- life -------------------------------------------------------------------------------
+    def _alive(self) -> None:
+        if self._closed:
+            raise EngineError(self.name, "closed (make a new VLLMEngine)")
+
+    async def _call(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(self.name, f"{what} failed: {_reason(e)}") from e
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine core process included)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.llm.shutdown()
+        self.llm = None  # collected now, while the interpreter is whole
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then wait (up to 10 s) for vLLM's output task on this event loop
+        to end: call it before closing the loop."""
+        handler = getattr(self.llm, "output_handler", None) if not self._closed else None
+        self.close()
+        if handler is not None and not handler.done():
+            await asyncio.wait([handler], timeout=10.0)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
