@@ -220,3 +220,35 @@ def test_after_a_rejected_first_push_the_right_tensors_are_still_read_in_place()
     assert s.statistics().buffer_bytes == 0  # no packing buffers
     r.close()
     s.close()
+
+
+def test_on_failure_hears_a_failed_push_then_the_end_of_serving():
+    heard = []
+    done = threading.Event()
+
+    def on_failure(reason, final):
+        heard.append((reason, final))
+        if final:
+            done.set()
+
+    def refuse(items):
+        raise ValueError("bucket refused")
+
+    s = WeightSender(group="g", transport="shm")
+    r = receiver(s, load=refuse, on_failure=on_failure)
+    with pytest.raises(WeightSyncError):
+        s.push(weights().items(), version=1, timeout=30)
+    want = "load raised ValueError: bucket refused (at bucket 0 of 1, version 1)"
+    assert heard[0] == (want, False)
+    s.close()
+    assert done.wait(10), heard
+    reason, final = heard[-1]
+    assert final and "went away" in reason
+    r.close()
+
+
+def test_on_failure_must_be_callable():
+    s = WeightSender(group="g", transport="shm")
+    with pytest.raises(ValueError, match=r"WeightReceiver.on_failure: expected a callable"):
+        WeightReceiver(group="g", address=s.address, load=print, on_failure="log")
+    s.close()

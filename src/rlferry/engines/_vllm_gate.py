@@ -93,15 +93,14 @@ class Gate:
             self._committed = version
             self._cond.notify_all()
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, final: bool = False) -> None:
+        """The receiver's ``on_failure``: a push failed (``final``: the receiver serves
+        no more)."""
         with self._cond:
-            if self._failure is None:
+            if final:
+                self._stopped = reason
+            elif self._failure is None:
                 self._failure = reason
-            self._cond.notify_all()
-
-    def stopped(self, reason: str) -> None:
-        with self._cond:
-            self._stopped = reason
             self._cond.notify_all()
 
     # -- the worker's side ------------------------------------------------------------------

@@ -25,7 +25,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlferry.weights import TensorSpec, WeightReceiver
-from rlferry.weights._messages import Abort
 
 from ._vllm_gate import Gate, GateError
 
@@ -85,28 +84,6 @@ class RlferryUpdateInfo(WeightTransferUpdateInfo):
                 f"update_info.version: expected None or an int >= 0, got {self.version!r}"
             )
         _positive("update_info", "timeout", self.timeout)
-
-
-class _Receiver(WeightReceiver):
-    """A ``WeightReceiver`` that tells the gate at once when a push failed or aborted,
-    or when it serves no more, so that ``update_weights`` raises then, not at its
-    timeout."""
-
-    def __init__(self, gate: Gate, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._gate = gate
-
-    def _handle(self, msg: Any) -> Any:
-        ack = super()._handle(msg)
-        if isinstance(msg, Abort):
-            self._gate.failed(f"the sender aborted the push: {msg.reason}")
-        elif getattr(ack, "error", None):
-            self._gate.failed(str(ack.error))
-        return ack
-
-    def _stop(self, cls: Any, why: str) -> None:
-        super()._stop(cls, why)
-        self._gate.stopped(why)
 
 
 def checkpoint_check(path: str) -> Callable[[list[TensorSpec]], None] | None:
@@ -208,9 +185,10 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
             name = f"{name}:rank{rank}"
         gate = Gate(name, init_info.timeout)
         model_path = str(getattr(self.model_config, "model", "") or "")
-        recv = _Receiver(
-            gate, group=init_info.group, address=init_info.address, load=gate.load,
-            on_commit=gate.committed, expected=checkpoint_check(model_path),
+        recv = WeightReceiver(
+            group=init_info.group, address=init_info.address, load=gate.load,
+            on_commit=gate.committed, on_failure=gate.failed,
+            expected=checkpoint_check(model_path),
             verify=init_info.verify, name=name, secret=init_info.secret,
             device=self.device if torch.device(self.device).type == "cuda" else None,
         )  # fmt: skip

@@ -94,6 +94,7 @@ class ReceiverConfig:
     load: Callable[[list[tuple[str, torch.Tensor]]], Any]
     device: Any = None
     on_commit: Callable[[int], Any] | None = None
+    on_failure: Callable[[str, bool], Any] | None = None
     expected: Mapping[str, Any] | Callable[[list[Any]], None] | None = None
     verify: bool = False
     name: str | None = None
@@ -115,6 +116,11 @@ class ReceiverConfig:
             raise ValueError(
                 f"WeightReceiver.on_commit: expected a callable taking the version, "
                 f"got {type(self.on_commit).__name__}"
+            )
+        if self.on_failure is not None and not callable(self.on_failure):
+            raise ValueError(
+                f"WeightReceiver.on_failure: expected a callable taking (reason, final), "
+                f"got {type(self.on_failure).__name__}"
             )
         e = self.expected
         if e is not None and not (callable(e) or isinstance(e, Mapping)):

@@ -82,6 +82,10 @@ class WeightReceiver:
     bad list of specs) validates the layout before any bucket moves.
     ``verify`` checks a checksum of every bucket. ``device``: for broadcast, the
     GPU of this receiver's buffers (default: the current CUDA device for NCCL).
+    ``on_failure(reason, final)`` is called, on the receiver's thread, when a push
+    fails here or its sender aborts it (``final`` False), and when the receiver
+    stops serving (``final`` True): a caller that waits on pushes in a thread of
+    its own (an engine's update call) learns it at once, not at its timeout.
 
     End of life: :meth:`close` (the sender sees the receiver leave; a later
     :meth:`wait_for` for a version it does not hold raises ``ReceiverClosed``). A
@@ -100,6 +104,7 @@ class WeightReceiver:
         load: Callable[[list[tuple[str, torch.Tensor]]], Any],
         device: Any = None,
         on_commit: Callable[[int], Any] | None = None,
+        on_failure: Callable[[str, bool], Any] | None = None,
         expected: Mapping[str, Any] | Callable[[list[TensorSpec]], None] | None = None,
         verify: bool = False,
         name: str | None = None,
@@ -111,6 +116,7 @@ class WeightReceiver:
             load=load,
             device=device,
             on_commit=on_commit,
+            on_failure=on_failure,
             expected=expected,
             verify=verify,
             name=name,
@@ -222,9 +228,19 @@ class WeightReceiver:
     def _stop(self, cls: type[WeightSyncError], why: str) -> None:
         """The receiver serves no more, because ``why``: every waiter learns it now."""
         with self._cond:
-            if self._stopped is None:
+            first = self._stopped is None
+            if first:
                 self._stopped = (cls, why)
             self._cond.notify_all()
+        if first:
+            self._tell_failure(why, final=True)
+
+    def _tell_failure(self, reason: str, final: bool = False) -> None:
+        if self.config.on_failure is not None:
+            try:
+                self.config.on_failure(reason, final)
+            except Exception as e:  # the receiver goes on: its own ack carries the failure
+                log.warning("receiver %s: on_failure raised %s: %s", self.name, type(e).__name__, e)
 
     def close(self) -> None:
         """Leave the group; a push in progress sees this receiver gone."""
@@ -336,6 +352,7 @@ class WeightReceiver:
                 return self._stream(msg)
             if isinstance(msg, Abort):
                 self._drop_push()
+                self._tell_failure(f"the sender aborted the push: {msg.reason}")
                 return Ack(msg.seq, ABORTED)
             return Ack(0, IDLE)
         except Exception as e:
@@ -348,6 +365,7 @@ class WeightReceiver:
         self._last_error = reason
         self._failed_seq = seq
         log.warning("receiver %s: %s", self.name, reason)
+        self._tell_failure(reason)
         return Ack(seq, step, error=reason)
 
     def _drop_push(self) -> None:
