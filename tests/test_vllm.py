@@ -375,6 +375,9 @@ def test_the_engine_generates_greedy_tokens_with_logprobs_and_versions(engine, l
     assert (done.token_ids, done.versions, done.finish_reason, done.engine) == (
         tokens, [0] * 10, "length", "vllm-engine")  # fmt: skip
     assert max(abs(a - b) for a, b in zip(done.logprobs, logprobs, strict=True)) < 1e-4
+    stats = loop.run_until_complete(engine.statistics())
+    assert stats.name == "vllm-engine" and stats.running == 0 and stats.tokens >= 10
+    assert stats.step_seconds > 0  # the time a request was in flight
 
 
 @needs_vllm
@@ -500,3 +503,25 @@ def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, l
     )
     assert paused and version == before
     assert got.token_ids == want.token_ids and got.versions == [before] * 4
+
+
+# -- the demo with vLLM engines -----------------------------------------------------------------
+@needs_vllm
+def test_the_demo_runs_with_vllm_engines_and_ends_on_the_trainers_version(vllm_env):
+    pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
+    from rlferry.rl.demo import DemoConfig, run_demo
+
+    config = DemoConfig(engine="vllm", steps=3, engines=1, max_staleness=1, groups_per_step=2,
+                        group_size=4, warm_steps=5)  # fmt: skip
+    run = run_demo(config)
+    assert [s.step for s in run.steps] == [1, 2, 3]
+    for s in run.steps:
+        assert s.samples == 8 and min(s.lags) >= 0 and max(s.lags) <= 1
+    assert run.summary["engine_versions"] == [3] and run.summary["trainer_version"] == 3
+
+
+def test_the_demo_refuses_vllm_engines_on_cuda():
+    from rlferry.rl.demo import DemoConfig
+
+    with pytest.raises(ValueError, match=r"engine: 'vllm' runs in the demo on the CPU only"):
+        DemoConfig(engine="vllm", device="cuda")

@@ -55,17 +55,23 @@ def _serve_queue_parser(sub: Any) -> None:
 def _serve_engine_parser(sub: Any) -> None:
     se = sub.add_parser(
         "engine",
-        help="a generation engine (HFEngine) over HTTP",
-        description="Serve a transformers causal LM from a local directory until SIGINT/SIGTERM. "
+        help="a generation engine (HFEngine or VLLMEngine) over HTTP",
+        description="Serve a causal LM from a local directory until SIGINT/SIGTERM. "
         "Prints `engine URL NAME` once it answers; a coordinator drives it with "
-        "RemoteEngine(URL). Needs the [hf] extra.",
+        "RemoteEngine(URL). Needs the [hf] extra (--engine hf) or [vllm] (--engine vllm).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     se.add_argument("--model", required=True, help="a local directory (save_pretrained)")
+    se.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf",
+        help="hf: HFEngine (transformers); vllm: VLLMEngine (an AsyncLLM, token ids only)",
+    )  # fmt: skip
     se.add_argument("--host", default="127.0.0.1", help="off loopback needs --token")
     se.add_argument("--port", type=int, default=0, help="0: a free port")
     se.add_argument("--token", default=None, help="a shared token of 16 bytes or more")
-    se.add_argument("--name", default=None, help="the engine's name (default: hf-PID-N)")
+    se.add_argument(
+        "--name", default=None, help="the engine's name (default: hf-PID-N, vllm-PID-N)"
+    )
     se.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the model's)")
     se.add_argument("--max-batch", type=int, default=64, help="rows decoded together at most")
 
@@ -84,6 +90,10 @@ def _demo_parser(sub: Any) -> None:
     d.add_argument("--engines", type=int, default=2, help="engine processes")
     d.add_argument("--max-staleness", type=int, default=2, help="0 = synchronous")
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    d.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf",
+        help="hf: HFEngine; vllm: VLLMEngine (the [vllm] extra, on the CPU)",
+    )  # fmt: skip
     d.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="rlferry-demo", help="where the report goes")
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             serve_engine(
-                a.model, host=a.host, port=a.port, token=a.token, name=a.name,
+                a.model, engine=a.engine, host=a.host, port=a.port, token=a.token, name=a.name,
                 device=a.device, max_batch=a.max_batch,
             )  # fmt: skip
         except (SecurityError, ValueError, OSError) as e:

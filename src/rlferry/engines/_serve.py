@@ -1,18 +1,38 @@
-"""``rlferry serve engine``: an :class:`HFEngine` in its own process, served over HTTP."""
+"""``rlferry serve engine``: an engine (``HFEngine`` or ``VLLMEngine``) in its own process,
+served over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 from typing import Any
 
-__all__ = ["serve_engine"]
+__all__ = ["ENGINES", "serve_engine"]
+
+ENGINES = ("hf", "vllm")
+
+
+def _vllm_engine(model: str, name: str | None, device: Any, max_batch: int) -> Any:
+    """A ``VLLMEngine`` of ``model`` as the demo and ``serve engine`` run it: token ids in
+    and out (no tokenizer), eager, the checkpoint's dtype (float32 on the CPU)."""
+    if device is not None and str(device) != "cpu" and not str(device).startswith("cuda"):
+        raise ValueError(f"--device: expected cpu or cuda[:N] for vllm, got {device!r}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU
+    if device is not None and str(device).startswith("cuda:"):  # vLLM takes the first visible
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device).partition(":")[2]
+    from .vllm import VLLMEngine
+
+    args: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True,
+                            "max_num_seqs": max_batch, "max_model_len": 512}  # fmt: skip
+    return VLLMEngine(model, name=name, **args)
 
 
 def serve_engine(
     model: str,
     *,
+    engine: str = "hf",
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
@@ -20,19 +40,26 @@ def serve_engine(
     device: Any = None,
     max_batch: int = 64,
 ) -> None:
-    """Load ``model`` (a local directory), serve it until SIGINT/SIGTERM, print
+    """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
+    ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
     ``engine URL NAME`` once it answers. The token is checked before the model loads."""
     from rlferry.control import EngineServer
 
-    from .hf import HFEngine
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
 
     async def main() -> None:
-        engine = HFEngine(model, name=name, device=device, max_batch=max_batch)
+        if engine == "vllm":
+            e = _vllm_engine(model, name, device, max_batch)
+        else:
+            from .hf import HFEngine
+
+            e = HFEngine(model, name=name, device=device, max_batch=max_batch)
         try:
-            server = EngineServer(engine, host, port, token=token)
+            server = EngineServer(e, host, port, token=token)
             url = await server.start()
             gc.freeze()  # the model and the libraries: kept for good, not scanned by the GC
-            print(f"engine {url} {engine.name}", flush=True)
+            print(f"engine {url} {e.name}", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,7 +67,10 @@ def serve_engine(
             await stop.wait()
             await server.close()
         finally:
-            engine.close()
+            if engine == "vllm":
+                await e.aclose()
+            else:
+                e.close()
 
     EngineServer.check_bind(host, token)
     asyncio.run(main())

@@ -104,6 +104,8 @@ class VLLMEngine:
         self._seconds = {"paused": 0.0, "update": 0.0}
         self._paused_since: float | None = None
         self._update_since: float | None = None
+        self._busy_since: float | None = None  # a request in flight since then
+        self._busy = 0.0  # seconds with a request in flight, before _busy_since
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -132,6 +134,8 @@ class VLLMEngine:
             stop_token_ids=list(p.stop_token_ids), seed=p.seed, logprobs=0,
             ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )  # fmt: skip
+        if not self._inflight:
+            self._busy_since = time.monotonic()
         self._inflight.add(rid)
         final = None
         try:
@@ -146,6 +150,9 @@ class VLLMEngine:
             raise EngineError(self.name, f"request `{rid}` failed: {type(e).__name__}: {e}") from e
         finally:
             self._inflight.discard(rid)
+            if not self._inflight and self._busy_since is not None:
+                self._busy += time.monotonic() - self._busy_since
+                self._busy_since = None
         if final is None or not final.outputs:
             raise EngineError(self.name, f"request `{rid}`: vLLM ended it without an output")
         return self._completion(request, final.outputs[0])
@@ -340,13 +347,17 @@ class VLLMEngine:
         return self._version_of(str(label))
 
     async def statistics(self) -> EngineStatistics:
+        """``step_seconds``: seconds with a request in flight (vLLM does not say how long
+        it stepped); ``steps``: 0."""
         paused = self._paused or self._refusing is not None
-        extra = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
+        now = time.monotonic()
+        extra = now - self._paused_since if self._paused_since is not None else 0.0
+        busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
         return EngineStatistics(
             name=self.name, version=self._version_of(None), paused=paused,
             running=len(self._inflight), waiting=0, finished=self._counts["finished"],
             aborted=self._counts["aborted"], tokens=self._counts["tokens"], steps=0,
-            step_seconds=0.0, paused_seconds=self._seconds["paused"] + extra,
+            step_seconds=busy, paused_seconds=self._seconds["paused"] + extra,
             updates=self._counts["updates"], update_seconds=self._seconds["update"],
             last_error=self._error,
         )  # fmt: skip

