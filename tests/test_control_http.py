@@ -75,6 +75,34 @@ def test_a_remote_engine_generates_what_the_same_engine_does_in_process(model_di
         stop(proc)
 
 
+def test_a_control_call_answers_while_more_generates_wait_than_a_connection_pool_holds():
+    async def main():
+        engine = HFEngine(tiny_model(0), name="busy")
+        server = EngineServer(engine, "127.0.0.1", 0)
+        remote = RemoteEngine(await server.start())
+        try:
+            await remote.pause("keep")
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+            parked = [
+                asyncio.ensure_future(remote.generate(
+                    GenerateRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3], params=params)
+                ))
+                for i in range(150)
+            ]  # fmt: skip
+            # behind 150 parked generates (aiohttp's default pool holds 100 connections)
+            assert await asyncio.wait_for(remote.is_paused(), 10)
+            await asyncio.wait_for(remote.resume(), 10)
+            done = await asyncio.wait_for(asyncio.gather(*parked), 60)
+            assert len({c.request_id for c in done}) == 150
+            assert all(len(c.token_ids) == 2 for c in done)
+        finally:
+            await remote.close()
+            await server.close()
+            engine.close()
+
+    asyncio.run(main())
+
+
 def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(model_dir):
     proc, url = serve(model_dir, "--name", "doomed")
 

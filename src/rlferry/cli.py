@@ -94,6 +94,12 @@ def _demo_parser(sub: Any) -> None:
         "--engine", choices=("hf", "vllm"), default="hf",
         help="hf: HFEngine; vllm: VLLMEngine (the [vllm] extra, on the CPU)",
     )  # fmt: skip
+    d.add_argument(
+        "--layout", choices=("colocated", "split"), default="colocated",
+        help="with --device cuda: colocated (engines on GPU 0 beside trainer rank 0, "
+        "cuda_ipc) or split (engines on the first half of the GPUs, a trainer rank on each "
+        "other GPU, NCCL broadcast)",
+    )  # fmt: skip
     d.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="rlferry-demo", help="where the report goes")

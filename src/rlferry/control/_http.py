@@ -197,7 +197,12 @@ class RemoteEngine:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # No connection limit: every generate in flight holds a connection until its
+            # completion, and a control call (pause, statistics) must never queue behind
+            # them (aiohttp's default pool of 100 made a pause wait for hundreds of
+            # completions while the coordinator kept more samples in flight).
             self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT),
             )

