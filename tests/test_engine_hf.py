@@ -443,3 +443,13 @@ def test_close_fails_the_requests_in_flight_and_every_later_call(model):
         engine.close()  # twice is fine
 
     asyncio.run(main())
+
+
+def test_waiting_rows_join_a_decoding_batch_together_not_one_by_one():
+    from rlferry.engines._thread import JOIN_AFTER, joining
+
+    assert joining(running=0, joinable=1, deferred=0)  # nothing decodes: at once
+    assert not joining(running=128, joinable=8, deferred=0)  # a prefill for 8 of 136: later
+    assert joining(running=128, joinable=32, deferred=0)  # a quarter of the batch: now
+    assert joining(running=128, joinable=1, deferred=JOIN_AFTER)  # waited long enough
+    assert not joining(running=5, joinable=0, deferred=JOIN_AFTER)  # nobody to join

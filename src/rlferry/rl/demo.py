@@ -398,6 +398,14 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 if progress is not None:
                     progress(row)
             record.summary.update(await _final_check(engines, coord, ranks, config))
+            ends = [await e.statistics() for e in engines]
+            forwards = sum(e.steps for e in ends)
+            if forwards:  # engines that count their forward passes (HFEngine)
+                record.summary.update({
+                    "engine: forward passes per step": forwards / len(ends) / config.steps,
+                    "engine: ms per forward pass": 1e3 * sum(e.step_seconds for e in ends)
+                    / forwards,
+                })  # fmt: skip
             stats = coord.statistics()
             if stats.updates:  # where an update's time goes, ms per update
                 n = stats.updates / 1e3
