@@ -76,3 +76,15 @@ def test_a_demo_setting_that_cannot_work_is_refused_before_anything_starts():
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr == "rlferry demo: engines: expected an int >= 1, got 0\n"
+
+
+def test_demo_settings_that_cannot_work_name_the_setting_and_the_fix():
+    with pytest.raises(ValueError) as e:
+        DemoConfig(layout="split")
+    assert str(e.value) == (
+        "layout: 'split' places engines and trainers on GPUs: use --device cuda"
+    )
+    with pytest.raises(ValueError, match=r"^layout: expected 'colocated' or 'split', got 'far'$"):
+        DemoConfig(layout="far")
+    with pytest.raises(ValueError, match=r"^engine: expected 'hf' or 'vllm', got 'tgi'$"):
+        DemoConfig(engine="tgi")
