@@ -4,15 +4,17 @@ Each rank loads the warm-started model, joins a ``torch.distributed`` group with
 other ranks (gloo on the CPU, NCCL on CUDA) and shards the model with FSDP2
 (``fully_shard`` per decoder layer, then the whole model): each of ``dp`` ranks holds a
 ``1/dp`` of every parameter, gradients are reduce-scattered (a single rank, as in the
-split GPU layout on 2 GPUs, keeps the plain model). It takes commands from the driver on a pipe:
+split GPU layout on 2 GPUs, keeps the plain model). It takes commands from the driver on
+a pipe:
 
 - ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
   answer with the loss and its stats;
-- ``("push", version, seconds)`` (both ranks): the weights stream to the engines from
-  the shards, gathered tensor by tensor (a generator: the full state dict never exists
-  at once); rank 0 pushes them through its ``WeightSender`` and answers once every
-  engine committed, rank 1 takes part in the gathers;
+- ``("push", version, seconds)`` (every rank): the weights stream to the engines from
+  the shards, gathered a bucket at a time (``_gather.gathered``: one collective per
+  bucket; the full state dict never exists at once); rank 0 pushes them through its
+  ``WeightSender`` and answers once every engine committed, the others take part in
+  the gathers;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
 - ``("stop",)``.
 """
@@ -52,6 +54,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from rlferry.queue import GrpoGroups, Queue
     from rlferry.weights import WeightSender, fingerprint
 
+    from ._gather import gathered
     from .grpo import GrpoBatch, grpo_loss
 
     torch.manual_seed(s["seed"] + rank)
@@ -88,7 +91,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         if cmd[0] == "stop":
             break
         if cmd[0] == "fingerprint":
-            digest = fingerprint(_gathered(model, serve))  # every rank gathers, rank 0 answers
+            # every rank gathers, rank 0 answers; tensor by tensor with DTensor's own
+            # gather, apart from the pushes' bucketed one: a check of it too
+            digest = fingerprint(
+                (n, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(serve))
+                for n, t in model.state_dict().items()
+            )
             conn.send(("ok", {"fingerprint": digest}))
             continue
         if cmd[0] == "push":
@@ -99,11 +107,9 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
                     (n, torch.empty(t.shape, dtype=serve, device="meta"))
                     for n, t in model.state_dict().items()
                 ]
-                sender.push(
-                    _gathered(model, serve), version=version, timeout=seconds, layout=layout
-                )
+                sender.push(gathered(model, serve), version=version, timeout=seconds, layout=layout)
             else:
-                for _ in _gathered(model, serve):  # other ranks: their part of every gather
+                for _ in gathered(model, serve):  # other ranks: their part of every gather
                     pass
             conn.send(("ok", {"seconds": time.perf_counter() - t0}))
             continue
@@ -144,13 +150,3 @@ def _sharded(model: Any) -> Any:
         fully_shard(layer)
     fully_shard(model)
     return model
-
-
-def _gathered(model: Any, dtype: torch.dtype) -> Any:
-    """``(name, full tensor in dtype)`` of the model's state, one gather per tensor, in
-    order (a collective: every rank must iterate it alike)."""
-    from torch.distributed.tensor import DTensor
-
-    for name, t in model.state_dict().items():
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        yield name, full.to(dtype)

@@ -22,19 +22,12 @@ With ``max_staleness=0`` nothing generates while the trainer trains: synchronous
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import gc
 import importlib.util
-import multiprocessing as mp
-import os
 import random
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -46,8 +39,8 @@ import torch
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
 from rlferry.queue import Queue
 
+from ._processes import Processes, answer, call, free_port, start_engine, start_trainers
 from ._records import RunRecord, StepRecord
-from ._trainer import trainer_main
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -57,7 +50,6 @@ WARM = {"tiny": (60, 2e-3), "small": (60, 2e-3), "qwen3-0.6b": (120, 3e-4)}
 # GRPO's AdamW lr per preset: qwen3-0.6b at 3e-4 took the sampled reward from 0.3 to 0 in
 # 30 steps on 2x H200
 RL_LR = {"tiny": 3e-4, "small": 3e-4, "qwen3-0.6b": 3e-5}
-START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,133 +137,6 @@ class DemoConfig:
         return f"async (max_staleness={self.max_staleness}{where})"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Processes:
-    """The run's child processes; :meth:`stop` ends them all, also on Ctrl-C."""
-
-    def __init__(self) -> None:
-        self.trainers: list[tuple[Any, Connection]] = []
-        self.engines: list[subprocess.Popen[str]] = []
-        self._lock = threading.Lock()
-        self._stopped = False
-
-    def add_engine(self, proc: subprocess.Popen[str]) -> None:
-        """Keep ``proc`` to stop it; one that starts after :meth:`stop` is stopped at once
-        (engines start on threads while the run may already be failing)."""
-        with self._lock:
-            self.engines.append(proc)
-            if self._stopped:
-                proc.terminate()
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-        for _, conn in self.trainers:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(("stop",))
-        for proc in self.engines:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 2  # a trainer between steps stops at once; else:
-        for proc, _ in self.trainers:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for proc in self.engines:
-            try:
-                proc.wait(max(0.1, deadline + 5 - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
-def _call(conn: Connection, *cmd: Any) -> dict[str, Any]:
-    conn.send(cmd)
-    return _answer(conn)
-
-
-def _answer(conn: Connection) -> dict[str, Any]:
-    status, value = conn.recv()
-    if status != "ok":
-        raise RuntimeError(str(value))
-    return dict(value)
-
-
-def _start_trainers(procs: _Processes, settings: dict[str, Any]) -> str | None:
-    ctx = mp.get_context("spawn")
-    for rank in range(settings["dp"]):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=trainer_main, args=(rank, child, settings), name=f"rlferry-trainer-{rank}",
-            daemon=True,
-        )  # fmt: skip
-        proc.start()
-        child.close()
-        procs.trainers.append((proc, parent))
-    sender = None
-    for rank, (proc, conn) in enumerate(procs.trainers):
-        if not conn.poll(START_TIMEOUT):
-            raise RuntimeError(f"trainer rank {rank} did not start within {START_TIMEOUT:g} s")
-        try:
-            status, info = conn.recv()
-        except EOFError:
-            raise RuntimeError(
-                f"trainer rank {rank} died at start (exit code {proc.exitcode})"
-            ) from None
-        if status != "ready":
-            raise RuntimeError(str(info))
-        sender = sender or info["sender"]
-    return sender
-
-
-def _start_engine(
-    procs: _Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int
-) -> str:
-    """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
-    logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
-    chatty engine never blocks on a full pipe."""
-    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
-           "--engine", engine, "--name", f"engine{i}", "--device", device,
-           "--max-batch", str(max_batch)]  # fmt: skip
-    env = dict(os.environ)
-    if device == "cpu":  # the processes of a run share the cores: one thread each
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    log_path = os.path.join(model_dir, f"engine{i}.log")
-    log = open(log_path, "w")  # noqa: SIM115 - closed by the reader at the engine's end
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    procs.add_engine(proc)
-    url: concurrent.futures.Future[str] = concurrent.futures.Future()
-
-    def read(out: Any = proc.stdout) -> None:
-        with log:
-            for line in out:  # ends at the engine's exit
-                if line.startswith("engine ") and not url.done():
-                    url.set_result(line.split()[1])
-                else:
-                    log.write(line)
-                    log.flush()
-        if not url.done():
-            url.set_exception(EOFError())
-
-    threading.Thread(target=read, name=f"rlferry-engine{i}-output", daemon=True).start()
-    try:
-        return url.result(START_TIMEOUT)  # the engine prints its URL once it answers
-    except (EOFError, concurrent.futures.TimeoutError):
-        why = "exited" if proc.poll() is not None else f"did not answer in {START_TIMEOUT:g} s"
-        with open(log_path) as f:
-            tail = f.read()[-2000:]
-        raise RuntimeError(f"engine {i} {why}; the end of its log:\n{tail}") from None
-
-
 def _engine_device(config: DemoConfig, i: int) -> str:
     if config.device == "cpu":
         return "cpu"
@@ -286,7 +151,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     task = ReverseTask()
     tok = task.tokenizer
     record = RunRecord(config.name, dataclasses.asdict(config))
-    procs = _Processes()
+    procs = Processes()
     with (
         tempfile.TemporaryDirectory(prefix="rlferry-demo-") as tmp,
         contextlib.ExitStack() as stack,
@@ -312,7 +177,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         stack.callback(procs.stop)
         engine_gpus, dp = config.gpus()
         settings = {
-            "seed": config.seed, "device": config.device, "port": _free_port(),
+            "seed": config.seed, "device": config.device, "port": free_port(),
             "model_dir": tmp, "lr": RL_LR[config.model] if config.lr is None else config.lr,
             "clip": config.clip, "sync": config.sync,
             "engines": config.engines, "queue": queue.address,
@@ -325,11 +190,11 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         }  # fmt: skip
         per_engine = -(-config.groups_per_step * config.group_size // config.engines)
         starting = asyncio.gather(*(
-            asyncio.to_thread(_start_engine, procs, tmp, i, _engine_device(config, i),
+            asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
                               config.engine, max(64, per_engine))
             for i in range(config.engines)
         ))  # fmt: skip
-        sender = await asyncio.to_thread(_start_trainers, procs, settings)
+        sender = await asyncio.to_thread(start_trainers, procs, settings)
         urls = await starting
         engines = [RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(urls)]
         if sender is not None:
@@ -372,7 +237,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 await client.put(f"train_{step}", data, meta=meta, timeout=60)
                 t1 = time.monotonic()
                 results = await asyncio.gather(*(
-                    asyncio.to_thread(_call, conn, "train", step) for _, conn in procs.trainers
+                    asyncio.to_thread(call, conn, "train", step) for _, conn in procs.trainers
                 ))  # fmt: skip
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
@@ -432,7 +297,7 @@ def _pusher(ranks: list[Connection], version: int) -> Any:
     def push(seconds: float) -> dict[str, Any]:
         for conn in ranks:  # both ranks gather the shards; rank 0 sends
             conn.send(("push", version, seconds))
-        answers = [_answer(conn) for conn in ranks]  # rank 1's too: nothing left unread
+        answers = [answer(conn) for conn in ranks]  # rank 1's too: nothing left unread
         return answers[0]
 
     return push
@@ -463,7 +328,7 @@ async def _final_check(
         return out
     for conn in ranks:
         conn.send(("fingerprint",))
-    answers = await asyncio.gather(*(asyncio.to_thread(_answer, conn) for conn in ranks))
+    answers = await asyncio.gather(*(asyncio.to_thread(answer, conn) for conn in ranks))
     trainer = answers[0]["fingerprint"]
     digests = [await e.fingerprint() for e in engines]
     if any(v != coord.version for v in versions) or any(d != trainer for d in digests):

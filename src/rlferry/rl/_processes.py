@@ -1,0 +1,150 @@
+"""The demo's child processes: engines (``rlferry serve engine``) and trainer ranks, each
+started with a bound, all stopped together (also on Ctrl-C)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._trainer import trainer_main
+
+__all__ = ["START_TIMEOUT", "Processes", "answer", "call", "free_port", "start_engine",
+           "start_trainers"]  # fmt: skip
+
+START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Processes:
+    """The run's child processes; :meth:`stop` ends them all, also on Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.trainers: list[tuple[Any, Connection]] = []
+        self.engines: list[subprocess.Popen[str]] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def add_engine(self, proc: subprocess.Popen[str]) -> None:
+        """Keep ``proc`` to stop it; one that starts after :meth:`stop` is stopped at once
+        (engines start on threads while the run may already be failing)."""
+        with self._lock:
+            self.engines.append(proc)
+            if self._stopped:
+                proc.terminate()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        for _, conn in self.trainers:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
+        for proc in self.engines:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 2  # a trainer between steps stops at once; else:
+        for proc, _ in self.trainers:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for proc in self.engines:
+            try:
+                proc.wait(max(0.1, deadline + 5 - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def call(conn: Connection, *cmd: Any) -> dict[str, Any]:
+    conn.send(cmd)
+    return answer(conn)
+
+
+def answer(conn: Connection) -> dict[str, Any]:
+    status, value = conn.recv()
+    if status != "ok":
+        raise RuntimeError(str(value))
+    return dict(value)
+
+
+def start_trainers(procs: Processes, settings: dict[str, Any]) -> str | None:
+    ctx = mp.get_context("spawn")
+    for rank in range(settings["dp"]):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=trainer_main, args=(rank, child, settings), name=f"rlferry-trainer-{rank}",
+            daemon=True,
+        )  # fmt: skip
+        proc.start()
+        child.close()
+        procs.trainers.append((proc, parent))
+    sender = None
+    for rank, (proc, conn) in enumerate(procs.trainers):
+        if not conn.poll(START_TIMEOUT):
+            raise RuntimeError(f"trainer rank {rank} did not start within {START_TIMEOUT:g} s")
+        try:
+            status, info = conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"trainer rank {rank} died at start (exit code {proc.exitcode})"
+            ) from None
+        if status != "ready":
+            raise RuntimeError(str(info))
+        sender = sender or info["sender"]
+    return sender
+
+
+def start_engine(
+    procs: Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int
+) -> str:
+    """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
+    logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
+    chatty engine never blocks on a full pipe."""
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+           "--engine", engine, "--name", f"engine{i}", "--device", device,
+           "--max-batch", str(max_batch)]  # fmt: skip
+    env = dict(os.environ)
+    if device == "cpu":  # the processes of a run share the cores: one thread each
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    log_path = os.path.join(model_dir, f"engine{i}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed by the reader at the engine's end
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    procs.add_engine(proc)
+    url: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def read(out: Any = proc.stdout) -> None:
+        with log:
+            for line in out:  # ends at the engine's exit
+                if line.startswith("engine ") and not url.done():
+                    url.set_result(line.split()[1])
+                else:
+                    log.write(line)
+                    log.flush()
+        if not url.done():
+            url.set_exception(EOFError())
+
+    threading.Thread(target=read, name=f"rlferry-engine{i}-output", daemon=True).start()
+    try:
+        return url.result(START_TIMEOUT)  # the engine prints its URL once it answers
+    except (EOFError, concurrent.futures.TimeoutError):
+        why = "exited" if proc.poll() is not None else f"did not answer in {START_TIMEOUT:g} s"
+        with open(log_path) as f:
+            tail = f.read()[-2000:]
+        raise RuntimeError(f"engine {i} {why}; the end of its log:\n{tail}") from None
