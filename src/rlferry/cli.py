@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                 a.model, engine=a.engine, host=a.host, port=a.port, token=a.token, name=a.name,
                 device=a.device, max_batch=a.max_batch,
             )  # fmt: skip
-        except (SecurityError, ValueError, OSError) as e:
+        except (SecurityError, ValueError, OSError, ImportError) as e:
             print(f"rlferry serve engine: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(2)
     elif a.command == "serve":
