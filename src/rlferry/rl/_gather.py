@@ -4,7 +4,7 @@
 rows ``[r * c, (r + 1) * c)`` of ``n`` with ``c = ceil(n / world)`` (the last ranks fewer,
 or none). :func:`gathered` packs the local rows of a bucket's tensors, each padded to
 ``c`` rows and cast to the push's dtype, into one buffer, gathers it with one
-``all_gather_into_tensor`` and cuts the full tensors out of the result: one collective
+all-gather and cuts the full tensors out of the result: one collective
 per bucket instead of one per tensor (``DTensor.full_tensor``), and the full state dict
 never exists at once.
 """
@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["BUCKET_BYTES", "gathered"]
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 BUCKET_BYTES = 256 << 20
 """Bytes of full tensors (in the push's dtype) gathered by one collective."""
@@ -76,7 +79,7 @@ def _flush(bucket: list[tuple[str, Any]], dtype: torch.dtype) -> Iterator[tuple[
         mine = t.to_local().reshape(-1)
         send[at : at + mine.numel()].copy_(mine)  # the padding rows stay 0
     out = torch.empty(world * offset, dtype=dtype, device=local.device)
-    dist.all_gather_into_tensor(out, send, group=mesh.get_group())
+    _all_gather(out, send, group=mesh.get_group())
     ranks = out.view(world, offset)
     for (name, t), (rows, per_row, at) in zip(bucket, parts, strict=True):
         padded = ranks[:, at : at + rows * per_row].reshape(world * rows, *t.shape[1:])

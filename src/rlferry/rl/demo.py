@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import os
 import random
 import tempfile
 import time
@@ -353,6 +354,10 @@ def main(args: Any) -> Path:
     """``rlferry demo``: one run (or, with ``--compare``, synchronous then asynchronous),
     a progress bar per run, the report in ``--out``; returns the report's path."""
     from tqdm import tqdm
+
+    # the demo's bars only: transformers' loading and saving bars (read by huggingface_hub
+    # when first imported, here and in the processes the demo starts) would cut into them
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from .report import format_progress, summarize, write_report
 
