@@ -11,10 +11,11 @@ from typing import Any
 
 from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
 
+from ._vllm_common import completion, version_of
+
 __all__ = ["VLLMEngine"]
 
 _MODES = ("keep", "abort", "wait")
-_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _names = itertools.count()
 EXTENSION = "rlferry.engines.vllm.WorkerExtension"
 
@@ -158,43 +159,18 @@ class VLLMEngine:
         return self._completion(request, final.outputs[0])
 
     def _completion(self, request: GenerateRequest, out: Any) -> Completion:
-        rid = request.request_id
         tokens = list(out.token_ids)
-        reason = _REASONS.get(str(out.finish_reason))
-        if reason is None:
-            raise EngineError(
-                self.name, f"request `{rid}`: vLLM finished it with reason {out.finish_reason!r}"
-            )
         logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, out.logprobs or [], strict=False)]
-        if len(logprobs) != len(tokens):
-            raise EngineError(
-                self.name,
-                f"request `{rid}`: expected a log probability per token ({len(tokens)}), got "
-                f"{len(logprobs)}",
-            )
-        versions = [self._version_of(None)] * len(tokens)
-        for span in out.weight_versions or ():
-            v = self._version_of(span.version)
-            for i in range(max(0, span.start), min(len(tokens), span.end)):
-                versions[i] = v
-        self._counts["aborted" if reason == "abort" else "finished"] += 1
+        spans = [(s.version, s.start, s.end) for s in out.weight_versions or ()]
+        done = completion(self.name, request, tokens, logprobs, out.finish_reason, spans,
+                          self._label, self._initial)  # fmt: skip
+        self._counts["aborted" if done.finish_reason == "abort" else "finished"] += 1
         self._counts["tokens"] += len(tokens)
-        return Completion(
-            request_id=rid, prompt_ids=list(request.prompt_ids), token_ids=tokens,
-            logprobs=logprobs, versions=versions, finish_reason=reason,  # type: ignore[arg-type]
-            engine=self.name,
-        )  # fmt: skip
+        return done
 
     def _version_of(self, label: str | None) -> int:
         """rlferry's version of a vLLM label (the last served for None)."""
-        if label is None:
-            label = self._label
-        if label == "default":
-            return self._initial
-        try:
-            return int(label)
-        except ValueError:
-            return -1  # a label someone else set: not an rlferry version
+        return version_of(self._label if label is None else label, self._initial)
 
     async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
         """End these requests (every one with None) now, with their tokens so far (finish

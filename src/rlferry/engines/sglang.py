@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import aiohttp
 import torch
 
 from rlferry.control import (
@@ -40,6 +38,8 @@ from rlferry.control import (
     GenerateRequest,
     PauseMode,
 )
+
+from ._http import JsonClient
 
 __all__ = ["SGLangEngine", "SGLangWeights"]
 
@@ -59,8 +59,8 @@ class SGLangEngine:
             raise ValueError(f"url: expected http://HOST:PORT, got {url!r}")
         self.url = url.rstrip("/")
         self.name = name or self.url
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = JsonClient(self.name, self.url, headers)
         self._version = version
         self._paused = False
         self._open = asyncio.Event()  # set while new requests may go to the server
@@ -71,30 +71,8 @@ class SGLangEngine:
         self._counts = dict.fromkeys(("finished", "aborted", "tokens", "updates"), 0)
 
     # -- HTTP -------------------------------------------------------------------------
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
-            )
-        return self._session
-
     async def _post(self, path: str, body: dict[str, Any], timeout: float | None) -> Any:
-        limit = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
-        try:
-            async with self._client().post(self.url + path, json=body, timeout=limit) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise EngineError(self.name, f"{path}: HTTP {resp.status}: {raw[:300]!r}")
-                return json.loads(raw) if raw else None
-        except asyncio.TimeoutError:
-            raise EngineError(self.name, f"{path}: no answer within {timeout} s") from None
-        except aiohttp.ClientConnectorError as e:
-            raise EngineError(self.name, f"{path}: unreachable ({e.os_error or e})") from None
-        except aiohttp.ClientError as e:
-            raise EngineError(
-                self.name, f"{path}: the server went away ({type(e).__name__}: {e})"
-            ) from None
+        return await self._http.call("POST", path, body, timeout=timeout)
 
     # -- requests ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -228,9 +206,7 @@ class SGLangEngine:
         )  # fmt: skip
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._http.close()
 
 
 class SGLangWeights:

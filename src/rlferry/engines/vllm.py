@@ -38,6 +38,7 @@ from ._vllm_worker import (
     RlferryWeightTransferEngine,
     WorkerExtension,
 )
+from .vllm_server import VLLMServerEngine
 
 __all__ = [
     "BACKEND",
@@ -49,6 +50,7 @@ __all__ = [
     "RlferryUpdateInfo",
     "RlferryWeightTransferEngine",
     "VLLMEngine",
+    "VLLMServerEngine",
     "WorkerExtension",
     "register",
 ]

@@ -1,0 +1,61 @@
+"""The HTTP JSON client of the engine adapters that drive a server (SGLang, vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from rlferry.control import EngineError
+
+__all__ = ["JsonClient"]
+
+
+class JsonClient:
+    """JSON calls to an engine server at ``url``; every failure is an ``EngineError``
+    naming ``name`` (an answer other than 200, none in time, unreachable, gone).
+
+    No connection limit: a generate holds its connection until its completion, and a
+    control call (pause, weights) must never queue behind them (aiohttp's default pool
+    of 100 made a pause wait for hundreds of completions). No keep-alive: a server that
+    closes a connection after an error answer would fail the next request on it with a
+    reset."""
+
+    def __init__(self, name: str, url: str, headers: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self._headers = headers or {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def call(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None,
+        params: dict[str, str] | None = None,
+    ) -> Any:  # fmt: skip
+        """The decoded JSON answer (None for an empty one)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=self._headers
+            )
+        limit = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
+        try:
+            async with self._session.request(
+                method, self.url + path, json=body, params=params, timeout=limit
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise EngineError(self.name, f"{path}: HTTP {resp.status}: {raw[:500]!r}")
+                return json.loads(raw) if raw else None
+        except asyncio.TimeoutError:
+            raise EngineError(self.name, f"{path}: no answer within {timeout} s") from None
+        except aiohttp.ClientConnectorError as e:
+            raise EngineError(self.name, f"{path}: unreachable ({e.os_error or e})") from None
+        except aiohttp.ClientError as e:
+            raise EngineError(
+                self.name, f"{path}: the server went away ({type(e).__name__}: {e})"
+            ) from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
