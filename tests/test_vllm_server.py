@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -93,6 +94,7 @@ def server(tmp_path_factory):
     threading.Thread(target=read, daemon=True).start()
     try:
         assert ready.wait(START_TIMEOUT) and proc.poll() is None, "".join(log[-40:])
+        _await_listening(port, proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -116,6 +118,22 @@ async def driven(url: str, name: str):
         await coord.close()
         await engine.close()
         sender.close()
+
+
+def _await_listening(port: int, proc: subprocess.Popen) -> None:
+    """vLLM binds its port early but listens only after "Application startup complete"
+    (uvicorn's create_server on the socket it is handed, and no line is logged then); on
+    a busy machine the first connection can come in between and be refused. The kernel
+    offers no event for "now listening", so this test fixture (not rlferry) tries to
+    connect a few times, 0.1 s apart, for at most 30 s."""
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except ConnectionRefusedError:
+            assert proc.poll() is None, "the vLLM server exited"
+            time.sleep(0.1)
+    raise AssertionError(f"the vLLM server never listened on port {port}")
 
 
 def request(rid: str, max_tokens: int = 8) -> GenerateRequest:
