@@ -136,14 +136,15 @@ def _copy_held(items: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _rank() -> tuple[int, int]:
-    """This worker's rank and the number of workers (0, 1 when vLLM cannot say)."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group
+    """This worker's rank and the number of workers (0, 1 outside a vLLM worker, where
+    vLLM's world group is not initialized)."""
+    from vllm.distributed.parallel_state import get_world_group
 
+    try:
         g = get_world_group()
-        return int(g.rank_in_group), int(g.world_size)
-    except Exception:
+    except AssertionError:  # vLLM's "world group is not initialized"
         return 0, 1
+    return int(g.rank_in_group), int(g.world_size)
 
 
 class RlferryWeightTransferEngine(WeightTransferEngine):
