@@ -11,7 +11,7 @@ from typing import Any
 
 from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
 
-from ._vllm_common import completion, version_of
+from ._vllm_common import Requests
 
 __all__ = ["VLLMEngine"]
 
@@ -92,21 +92,17 @@ class VLLMEngine:
             args.update(engine_args)
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=os.fspath(model), **args))
         self.name = name or f"vllm-{os.getpid()}-{next(_names)}"
-        self._initial = version
-        self._label = "default"  # vLLM's label of the version served
+        self._requests = Requests(self.name, version)  # in flight, counts, vLLM's label
         self.update_timeout = float(update_timeout)
-        self._inflight: set[str] = set()
         self._update: asyncio.Task[Any] | None = None
         self._refusing: str | None = None  # why the engine stays paused (a mixed model)
         self._paused = False
         self._closed = False
         self._error: str | None = None
-        self._counts = {"finished": 0, "aborted": 0, "tokens": 0, "updates": 0}
+        self._updates = 0
         self._seconds = {"paused": 0.0, "update": 0.0}
         self._paused_since: float | None = None
         self._update_since: float | None = None
-        self._busy_since: float | None = None  # a request in flight since then
-        self._busy = 0.0  # seconds with a request in flight, before _busy_since
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -121,39 +117,24 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if not isinstance(request, GenerateRequest):
-            raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
         self._alive()
         rid, p = request.request_id, request.params
-        if rid in self._inflight:
-            raise ValueError(
-                f"request `{rid}`: expected a request_id not in flight on engine "
-                f"`{self.name}`, got one that is (request ids are unique per engine)"
-            )
         params = SamplingParams(
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
             stop_token_ids=list(p.stop_token_ids), seed=p.seed, logprobs=0,
             ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )  # fmt: skip
-        if not self._inflight:
-            self._busy_since = time.monotonic()
-        self._inflight.add(rid)
         final = None
-        try:
-            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-            async for out in self.llm.generate(prompt, params, rid):
-                final = out
-        except (ValueError, TypeError):
-            raise
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise EngineError(self.name, f"request `{rid}` failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._inflight.discard(rid)
-            if not self._inflight and self._busy_since is not None:
-                self._busy += time.monotonic() - self._busy_since
-                self._busy_since = None
+        with self._requests.running(request):
+            try:
+                prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+                async for out in self.llm.generate(prompt, params, rid):
+                    final = out
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:
+                why = f"request `{rid}` failed: {type(e).__name__}: {e}"
+                raise EngineError(self.name, why) from e
         if final is None or not final.outputs:
             raise EngineError(self.name, f"request `{rid}`: vLLM ended it without an output")
         return self._completion(request, final.outputs[0])
@@ -162,26 +143,13 @@ class VLLMEngine:
         tokens = list(out.token_ids)
         logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, out.logprobs or [], strict=False)]
         spans = [(s.version, s.start, s.end) for s in out.weight_versions or ()]
-        done = completion(self.name, request, tokens, logprobs, out.finish_reason, spans,
-                          self._label, self._initial)  # fmt: skip
-        self._counts["aborted" if done.finish_reason == "abort" else "finished"] += 1
-        self._counts["tokens"] += len(tokens)
-        return done
-
-    def _version_of(self, label: str | None) -> int:
-        """rlferry's version of a vLLM label (the last served for None)."""
-        return version_of(self._label if label is None else label, self._initial)
+        return self._requests.completion(request, tokens, logprobs, out.finish_reason, spans)
 
     async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
         """End these requests (every one with None) now, with their tokens so far (finish
         reason ``abort``); how many were in flight."""
-        if isinstance(ids, str) or not (ids is None or isinstance(ids, Sequence)):
-            raise TypeError(
-                f"abort_requests: expected a sequence of request ids or None, got "
-                f"{type(ids).__name__}"
-            )
+        targets = self._requests.in_flight(ids)
         self._alive()
-        targets = list(self._inflight) if ids is None else [i for i in ids if i in self._inflight]
         if targets:
             await self.llm.abort(targets)
         return len(targets)
@@ -273,11 +241,11 @@ class VLLMEngine:
                 f"version {got} (the trainer pushed another version)"
             )
             await self._call("finish_weight_update", self.llm.finish_weight_update(str(got)))
-            self._label, self._error = str(got), why
+            self._requests.label, self._error = str(got), why
             self._updated()
             raise EngineError(self.name, why)
         await self._call("finish_weight_update", self.llm.finish_weight_update(str(version)))
-        self._label, self._refusing = str(version), None
+        self._requests.label, self._refusing = str(version), None
         self._updated()
         if not self._paused:  # a refusing engine that the coordinator resumed already
             await self._call("resume", self.llm.resume_generation())
@@ -307,7 +275,7 @@ class VLLMEngine:
         return why
 
     def _updated(self) -> None:
-        self._counts["updates"] += 1
+        self._updates += 1
         if self._update_since is not None:
             self._seconds["update"] += time.monotonic() - self._update_since
             self._update_since = None
@@ -320,7 +288,7 @@ class VLLMEngine:
     async def get_weight_version(self) -> int | None:
         self._alive()
         label = await self._call("get_weight_version", self.llm.get_weight_version())
-        return self._version_of(str(label))
+        return self._requests.version_of(str(label))
 
     async def statistics(self) -> EngineStatistics:
         """``step_seconds``: seconds with a request in flight (vLLM does not say how long
@@ -328,13 +296,13 @@ class VLLMEngine:
         paused = self._paused or self._refusing is not None
         now = time.monotonic()
         extra = now - self._paused_since if self._paused_since is not None else 0.0
-        busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
+        r = self._requests
         return EngineStatistics(
-            name=self.name, version=self._version_of(None), paused=paused,
-            running=len(self._inflight), waiting=0, finished=self._counts["finished"],
-            aborted=self._counts["aborted"], tokens=self._counts["tokens"], steps=0,
-            step_seconds=busy, paused_seconds=self._seconds["paused"] + extra,
-            updates=self._counts["updates"], update_seconds=self._seconds["update"],
+            name=self.name, version=r.version_of(), paused=paused, running=len(r.inflight),
+            waiting=0, finished=r.counts["finished"], aborted=r.counts["aborted"],
+            tokens=r.counts["tokens"], steps=0, step_seconds=r.busy_seconds(),
+            paused_seconds=self._seconds["paused"] + extra, updates=self._updates,
+            update_seconds=self._seconds["update"],
             last_error=self._error,
         )  # fmt: skip
 

@@ -13,7 +13,7 @@ from typing import Any
 from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
 
 from ._http import JsonClient
-from ._vllm_common import completion, version_of
+from ._vllm_common import Requests
 
 __all__ = ["VLLMServerEngine"]
 
@@ -70,16 +70,12 @@ class VLLMServerEngine:
         self.update_timeout = float(update_timeout)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = JsonClient(self.name, self.url, headers)
-        self._initial = version
-        self._label = "default"
-        self._inflight: set[str] = set()
+        self._requests = Requests(self.name, version)  # in flight, counts, vLLM's label
         self._update: asyncio.Task[Any] | None = None
         self._refusing: str | None = None
         self._paused = False
         self._error: str | None = None
-        self._counts = {"finished": 0, "aborted": 0, "tokens": 0, "updates": 0}
-        self._busy = 0.0
-        self._busy_since: float | None = None
+        self._updates = 0
         self._update_seconds = 0.0
 
     # -- HTTP -------------------------------------------------------------------------------
@@ -92,54 +88,28 @@ class VLLMServerEngine:
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
         """Generate ``request`` on the server; its completion once it ends."""
-        if not isinstance(request, GenerateRequest):
-            raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
         rid, p = request.request_id, request.params
-        if rid in self._inflight:
-            raise ValueError(
-                f"request `{rid}`: expected a request_id not in flight on engine "
-                f"`{self.name}`, got one that is (request ids are unique per engine)"
-            )
         params = {
             "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
             "stop_token_ids": list(p.stop_token_ids), "seed": p.seed, "logprobs": 0,
             "ignore_eos": True, "detokenize": False,
         }  # fmt: skip
         body = {"request_id": rid, "token_ids": list(request.prompt_ids), "sampling_params": params}
-        if not self._inflight:
-            self._busy_since = time.monotonic()
-        self._inflight.add(rid)
-        try:
+        with self._requests.running(request):
             out = await self._call("POST", "/inference/v1/generate", body, timeout=None)
-        finally:
-            self._inflight.discard(rid)
-            if not self._inflight and self._busy_since is not None:
-                self._busy += time.monotonic() - self._busy_since
-                self._busy_since = None
         return self._completion(request, out["choices"][0])
 
     def _completion(self, request: GenerateRequest, choice: dict[str, Any]) -> Completion:
         tokens = choice.get("token_ids") or []
         logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
         spans = [(s["version"], s["start"], s["end"]) for s in choice.get("weight_versions") or ()]
-        done = completion(self.name, request, tokens, logprobs, choice.get("finish_reason"),
-                          spans, self._label, self._initial)  # fmt: skip
-        self._counts["aborted" if done.finish_reason == "abort" else "finished"] += 1
-        self._counts["tokens"] += len(tokens)
-        return done
-
-    def _version_of(self, label: str | None) -> int:
-        return version_of(self._label if label is None else label, self._initial)
+        reason = choice.get("finish_reason")
+        return self._requests.completion(request, tokens, logprobs, reason, spans)
 
     async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
         """End these requests (every one in flight with None) now, with their tokens so
         far; how many were in flight."""
-        if isinstance(ids, str) or not (ids is None or isinstance(ids, Sequence)):
-            raise TypeError(
-                f"abort_requests: expected a sequence of request ids or None, got "
-                f"{type(ids).__name__}"
-            )
-        targets = list(self._inflight) if ids is None else [i for i in ids if i in self._inflight]
+        targets = self._requests.in_flight(ids)
         if targets:
             await self._call("POST", "/abort_requests",
                              {"request_ids": [_PREFIX + i for i in targets]})  # fmt: skip
@@ -190,7 +160,7 @@ class VLLMServerEngine:
                              timeout=self.update_timeout + 30.0)  # fmt: skip
         finally:
             self._update_seconds += time.monotonic() - t0
-            self._counts["updates"] += 1
+            self._updates += 1
 
     async def finish_weight_update(self, version: int) -> None:
         """Serve ``version`` if the push committed it whole; else raise ``EngineError``
@@ -214,7 +184,7 @@ class VLLMServerEngine:
             why = f"expected version {version} committed, got version {got}"
             raise EngineError(self.name, await self._failed(what, why))
         await self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
-        self._label, self._refusing, self._error = str(version), None, None
+        self._requests.label, self._refusing, self._error = str(version), None, None
         if not self._paused:  # a refusing engine that the coordinator resumed already
             await self._call("POST", "/resume")
 
@@ -252,18 +222,17 @@ class VLLMServerEngine:
 
     async def get_weight_version(self) -> int | None:
         label = (await self._call("GET", "/weight_info"))["weight_version"]
-        return self._version_of(str(label))
+        return self._requests.version_of(str(label))
 
     async def statistics(self) -> EngineStatistics:
         """``step_seconds``: seconds with a request in flight; ``steps``: 0."""
-        now = time.monotonic()
-        busy = self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
+        r = self._requests
         return EngineStatistics(
-            name=self.name, version=self._version_of(None),
-            paused=self._paused or self._refusing is not None, running=len(self._inflight),
-            waiting=0, finished=self._counts["finished"], aborted=self._counts["aborted"],
-            tokens=self._counts["tokens"], steps=0, step_seconds=busy, paused_seconds=0.0,
-            updates=self._counts["updates"], update_seconds=self._update_seconds,
+            name=self.name, version=r.version_of(),
+            paused=self._paused or self._refusing is not None, running=len(r.inflight),
+            waiting=0, finished=r.counts["finished"], aborted=r.counts["aborted"],
+            tokens=r.counts["tokens"], steps=0, step_seconds=r.busy_seconds(),
+            paused_seconds=0.0, updates=self._updates, update_seconds=self._update_seconds,
             last_error=self._error,
         )  # fmt: skip
 
