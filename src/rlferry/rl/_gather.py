@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["BUCKET_BYTES", "gathered"]
 
@@ -51,8 +52,6 @@ def gathered(
 
 
 def _row_sharded(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor, Shard
-
     return (
         isinstance(t, DTensor)
         and t.device_mesh.ndim == 1
