@@ -25,6 +25,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from rlferry.wire import SecurityError
+
 from ._engine import (
     Completion,
     Engine,
@@ -197,7 +199,7 @@ class Coordinator:
             try:
                 await asyncio.wait_for(member.engine.abort_requests(list(calls)), timeout)
                 await asyncio.wait(calls.values(), timeout=timeout)
-            except (EngineError, asyncio.TimeoutError) as e:
+            except (EngineError, SecurityError, asyncio.TimeoutError) as e:
                 log.warning("remove_engine(%r): its requests did not come back (%s); they "
                             "restart elsewhere", name, e)  # fmt: skip
         for call in calls.values():
@@ -252,8 +254,9 @@ class Coordinator:
         """Admit ``n`` samples of ``prompt_ids`` (waiting, by event, while the staleness
         bound is full) and start them on the least-loaded engines; the future resolves
         with the :class:`Group` once all ``n`` finished, or fails with the first
-        sample's error (a :class:`RequestError`, or an :class:`EngineError` when no
-        engine served within ``engine_timeout``; logged once as well).
+        sample's error (a :class:`RequestError`, or a ``TimeoutError`` naming each engine
+        and why it does not serve when none served within ``engine_timeout``; logged
+        once as well).
 
         Raises:
             RequestError: a prompt no engine of the fleet can run (a token id outside the
@@ -378,8 +381,9 @@ class Coordinator:
             if self._closed or member.removed is None or not call.cancelled():
                 raise
             return None  # remove_engine took it back
-        except EngineError as e:  # the engine's fault: out of rotation, the sample goes on
-            self._fleet.mark(member, "broken", f"a request failed: {e.reason}")
+        except (EngineError, SecurityError) as e:  # the engine's: out of rotation, on elsewhere
+            why = e.reason if isinstance(e, EngineError) else str(e)
+            self._fleet.mark(member, "broken", f"a request failed: {why}")
             self._notify()
             return None
         finally:

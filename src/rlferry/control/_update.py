@@ -130,7 +130,7 @@ async def run_update(
             deadline, faults,
         )  # fmt: skip
         marks.append(time.monotonic())
-        await _push(push, members, deadline, timeout, faults)
+        await _push(push, faults.ok(members), deadline, timeout, faults)
         marks.append(time.monotonic())
         live = faults.ok(members)
         held = await _each(live, lambda m: m.engine.get_weight_version(), "push", deadline, faults)
@@ -206,6 +206,11 @@ async def _push(
         faults.add(PUSH, "push", f"did not return within {timeout} s")
     except Exception as e:
         named: dict[str, str] = getattr(e, "failures", None) or {}
+        owns = {m.own for m in members}
+        if named and owns <= set(named) and len(set(named.values())) == 1:
+            # every engine refused it for the same reason: the push's layout is wrong
+            faults.add(PUSH, "push", f"every engine refused it: {next(iter(named.values()))}")
+            return
         by_own = {m.own: m.name for m in members if m.own is not None}
         for own, why in named.items():
             faults.add(by_own.get(own, own), "push", why)
