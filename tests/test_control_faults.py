@@ -71,6 +71,14 @@ class Fleet:
             self.procs[name].kill()
             self.procs[name].wait(30)
 
+    async def update(self, coord: Coordinator, source, version: int):
+        """``coord.update_weights`` pushing ``source`` (a state dict, or a generator)."""
+        items = source.items() if isinstance(source, dict) else source
+        return await coord.update_weights(
+            lambda t: self.sender.push(items, version=version, timeout=t), version=version,
+            timeout=20,
+        )  # fmt: skip
+
     async def join(self, engines) -> None:
         for engine in engines:
             await engine.init_weight_transfer(self.group, self.sender.address)
@@ -119,10 +127,7 @@ def test_a_push_that_raises_before_reaching_the_engines_leaves_every_engine_serv
         async with fleet(kind, model_dir) as f:
             coord = Coordinator(f.engines, batch_size=8, max_staleness=1)
             with pytest.raises(WeightUpdateError) as e:
-                await coord.update_weights(
-                    lambda t: f.sender.push(source_that_raises(), version=1, timeout=t),
-                    version=1, timeout=20,
-                )  # fmt: skip
+                await f.update(coord, source_that_raises(), 1)
             assert str(e.value) == (
                 "engine `push`: weight update to version 1 failed at push: `push`: push: "
                 "RuntimeError: the trainer's gather failed; 2 engine(s) serve version 0: e0, "
@@ -137,10 +142,7 @@ def test_a_push_that_raises_before_reaching_the_engines_leaves_every_engine_serv
             assert await serves(coord, 2) == {"e0", "e1"}
             # the same version again: the retry works
             state = perturbed(tiny_model(0), 1)
-            report = await coord.update_weights(
-                lambda t: f.sender.push(state.items(), version=1, timeout=t), version=1,
-                timeout=20,
-            )  # fmt: skip
+            report = await f.update(coord, state, 1)
             assert report.version == 1 and coord.version == 1
             assert [await x.get_weight_version() for x in f.engines] == [1, 1]
             await coord.close()
@@ -156,10 +158,7 @@ def test_a_push_of_the_wrong_shape_is_the_pushs_fault_not_the_engines(kind, mode
             state = dict(tiny_model(0).state_dict())
             state["lm_head.weight"] = torch.zeros(33, 32)
             with pytest.raises(WeightUpdateError) as e:
-                await coord.update_weights(
-                    lambda t: f.sender.push(state.items(), version=1, timeout=t), version=1,
-                    timeout=20,
-                )  # fmt: skip
+                await f.update(coord, state, 1)
             assert list(e.value.failures) == ["push"]
             assert e.value.failures["push"] == (
                 "push: every engine refused it: rejected the plan: 1 of 12 tensors differ from "
@@ -181,10 +180,7 @@ def test_a_push_that_fails_midway_names_the_push_and_the_next_update_restores_th
         async with fleet(kind, model_dir) as f:
             coord = Coordinator(f.engines, batch_size=8, max_staleness=1)
             first = perturbed(tiny_model(0), 1)
-            await coord.update_weights(
-                lambda t: f.sender.push(first.items(), version=1, timeout=t), version=1,
-                timeout=20,
-            )  # fmt: skip
+            await f.update(coord, first, 1)
             second = perturbed(tiny_model(0), 2)
 
             def midway():  # streams against the first push's layout, then fails
@@ -193,10 +189,7 @@ def test_a_push_that_fails_midway_names_the_push_and_the_next_update_restores_th
                 raise RuntimeError("a trainer rank died")
 
             with pytest.raises(WeightUpdateError) as e:
-                await coord.update_weights(
-                    lambda t: f.sender.push(midway(), version=2, timeout=t), version=2,
-                    timeout=20,
-                )  # fmt: skip
+                await f.update(coord, midway(), 2)
             assert list(e.value.failures) == ["push"]
             assert e.value.failures["push"].startswith("push: RuntimeError: a trainer rank died")
             assert set(e.value.waiting) == {"e0", "e1"}  # they loaded part: not their fault
@@ -207,10 +200,7 @@ def test_a_push_that_fails_midway_names_the_push_and_the_next_update_restores_th
             assert "0 of 2 engines serving: `e0`: behind: it holds a mix after the failed push" in (
                 str(t.value)
             )
-            await coord.update_weights(
-                lambda t: f.sender.push(second.items(), version=2, timeout=t), version=2,
-                timeout=20,
-            )  # fmt: skip
+            await f.update(coord, second, 2)
             assert coord.statistics().engines_serving == 2
             assert await serves(coord, 2) == {"e0", "e1"}
             await coord.close()
@@ -406,10 +396,7 @@ def test_a_restarted_engine_is_re_added_and_brought_to_the_fleets_version_before
         async with fleet("remote", model_dir) as f:
             coord = Coordinator(f.engines, batch_size=8, max_staleness=0)
             state = perturbed(tiny_model(0), 1)
-            await coord.update_weights(
-                lambda t: f.sender.push(state.items(), version=1, timeout=t), version=1,
-                timeout=20,
-            )  # fmt: skip
+            await f.update(coord, state, 1)
             f.kill("e1")
             await serves(coord, 2)  # a request to e1 finds it gone: broken
             assert coord.statistics().not_serving["e1"].startswith("broken: a request failed")
@@ -423,10 +410,7 @@ def test_a_restarted_engine_is_re_added_and_brought_to_the_fleets_version_before
                 "an update_weights reaches it (join it to the trainer's sender)"
             }
             state = perturbed(tiny_model(0), 2)
-            report = await coord.update_weights(
-                lambda t: f.sender.push(state.items(), version=2, timeout=t), version=2,
-                timeout=20,
-            )  # fmt: skip
+            report = await f.update(coord, state, 2)
             assert report.engines == ("e0", "e1")
             assert coord.statistics().engines_serving == 2
             assert await serves(coord, 2) == {"e0", "e1"}
