@@ -38,6 +38,7 @@ from ._engine import (
     SamplingParams,
 )
 from ._fleet import Fleet, Member, Moved
+from ._records import CoordinatorStatistics, Group
 from ._staleness import Staleness
 from ._update import UpdateReport, run_update
 
@@ -48,49 +49,6 @@ T = TypeVar("T")
 _ids = itertools.count(1)
 ENGINE_TIMEOUT = 600.0
 """Seconds a sample waits for an engine that serves before its group fails."""
-
-
-class Group(msgspec.Struct, frozen=True, kw_only=True):
-    """The ``n`` completions of one submitted prompt (a GRPO group when ``n > 1``)."""
-
-    group: Any
-    prompt_ids: list[int]
-    completions: list[Completion]
-
-    @property
-    def version_start(self) -> int:
-        """The oldest weight version any of its tokens came from."""
-        return min(c.version_start for c in self.completions)
-
-    @property
-    def version_end(self) -> int:
-        return max(c.version_end for c in self.completions)
-
-
-class CoordinatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """The coordinator's state and counters (samples, not groups, unless named)."""
-
-    version: int
-    max_staleness: int
-    engines: int
-    engines_serving: int
-    running: int
-    ready_groups: int
-    accepted: int
-    consumed: int
-    dropped: int
-    regenerated: int
-    capacity: int
-    staleness_mean: float
-    staleness_max: int
-    updates: int
-    pause_seconds: float
-    push_seconds: float
-    update_seconds: float
-    waiting_submits: int
-    failed_groups: int = 0
-    not_serving: dict[str, str] = {}
-    """Each engine in the fleet that gets no rollouts, or that left it, and why."""
 
 
 @dataclass
