@@ -14,7 +14,15 @@ from rlferry.control import Engine, EngineError, GenerateRequest, SamplingParams
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 from rlferry.engines.hf import HFEngine  # noqa: E402
 
+# The engine calls no deprecated transformers API (its deprecations are FutureWarnings).
+pytestmark = pytest.mark.filterwarnings("error:.*deprecated.*:FutureWarning")
 VOCAB = 64
+
+
+@pytest.fixture(params=["dynamic", "slots"])
+def kv(request):
+    """Both KV caches: the dynamic one (the CPU's default) and the slots (CUDA's)."""
+    return {"kv_cache": request.param}
 
 
 def tiny_model(seed=0):
@@ -72,12 +80,12 @@ def test_the_engine_is_an_rlferry_engine(model):
         assert engine.name == "e" and engine.device == torch.device("cpu")
 
 
-def test_batched_greedy_tokens_equal_model_generate_for_each_prompt(model):
+def test_batched_greedy_tokens_equal_model_generate_for_each_prompt(model, kv):
     """Three prompts of three lengths decode in one batch (left padded, one prefill);
     each row's tokens and logprobs are model.generate's for that prompt alone."""
 
     async def main():
-        with HFEngine(model, name="e") as engine:
+        with HFEngine(model, name="e", **kv) as engine:
             done = await asyncio.gather(
                 *(engine.generate(req(k, p, max_tokens=24)) for k, p in PROMPTS.items())
             )
@@ -114,9 +122,9 @@ def test_a_sliding_window_model_decodes_as_model_generate():
         assert done.token_ids == reference(mistral, prompt, 16)[0]
 
 
-def test_a_request_that_joins_a_running_batch_decodes_as_it_would_alone(model):
+def test_a_request_that_joins_a_running_batch_decodes_as_it_would_alone(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             first = asyncio.ensure_future(engine.generate(req("a", PROMPTS["a"], max_tokens=30)))
             await engine.generate(req("clock", [3], max_tokens=3))  # "a" is mid-run now
             late = await engine.generate(req("c", PROMPTS["c"], max_tokens=20))
@@ -127,13 +135,13 @@ def test_a_request_that_joins_a_running_batch_decodes_as_it_would_alone(model):
     assert late.token_ids == reference(model, PROMPTS["c"], 20)[0]
 
 
-def test_a_stop_token_ends_the_request_and_is_kept(model):
+def test_a_stop_token_ends_the_request_and_is_kept(model, kv):
     tokens = reference(model, PROMPTS["b"], 24)[0]
     stop = tokens[5]
     k = tokens.index(stop)
 
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             return await engine.generate(
                 req("b", PROMPTS["b"], max_tokens=24, stop_token_ids=(stop,))
             )
@@ -142,11 +150,11 @@ def test_a_stop_token_ends_the_request_and_is_kept(model):
     assert (done.token_ids, done.finish_reason) == (tokens[: k + 1], "stop")
 
 
-def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(model):
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(model, kv):
     params = {"max_tokens": 20, "temperature": 0.8, "seed": 7}
 
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             alone = await engine.generate(req("s", PROMPTS["a"], **params))
             batched = await asyncio.gather(
                 engine.generate(req("s", PROMPTS["a"], **params)),
@@ -164,9 +172,9 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(model):
     assert alone.logprobs == pytest.approx(logp, abs=1e-4)
 
 
-def test_top_p_samples_only_from_the_nucleus(model):
+def test_top_p_samples_only_from_the_nucleus(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             return await asyncio.gather(*(
                 engine.generate(req(f"r{i}", PROMPTS["c"], max_tokens=30, temperature=1.5,
                                     top_p=0.3, seed=i))
@@ -192,9 +200,9 @@ async def long_and_clock(engine, long=40):
     return task
 
 
-def test_keep_mode_pauses_within_one_step_and_resumes_to_the_uninterrupted_tokens(model):
+def test_keep_mode_pauses_within_one_step_and_resumes_to_the_uninterrupted_tokens(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             uninterrupted = await (await long_and_clock(engine))
             task = await long_and_clock(engine)
             before = await steps(engine)
@@ -214,9 +222,9 @@ def test_keep_mode_pauses_within_one_step_and_resumes_to_the_uninterrupted_token
     assert resumed.finish_reason == "length"
 
 
-def test_abort_mode_returns_partial_tokens_that_a_continuation_completes(model):
+def test_abort_mode_returns_partial_tokens_that_a_continuation_completes(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             full = await engine.generate(req("full", PROMPTS["c"], max_tokens=40))
             task = await long_and_clock(engine)
             before = await steps(engine)
@@ -237,9 +245,9 @@ def test_abort_mode_returns_partial_tokens_that_a_continuation_completes(model):
     assert partial.token_ids + rest.token_ids == full.token_ids
 
 
-def test_wait_mode_finishes_in_flight_requests_and_holds_new_ones_until_resume(model):
+def test_wait_mode_finishes_in_flight_requests_and_holds_new_ones_until_resume(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             task = await long_and_clock(engine, long=12)
             await engine.pause("wait")
             assert task.done()  # the in-flight request finished before the pause returned
@@ -259,9 +267,9 @@ def test_wait_mode_finishes_in_flight_requests_and_holds_new_ones_until_resume(m
     assert done.token_ids == reference(model, PROMPTS["a"], 5)[0]
 
 
-def test_abort_requests_ends_the_named_requests_with_their_tokens_so_far(model):
+def test_abort_requests_ends_the_named_requests_with_their_tokens_so_far(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             other = asyncio.ensure_future(
                 engine.generate(req("other", PROMPTS["a"], max_tokens=30))
             )
@@ -282,9 +290,9 @@ def test_abort_requests_ends_the_named_requests_with_their_tokens_so_far(model):
     assert (stats.aborted, stats.finished, stats.running, stats.waiting) == (3, 1, 0, 0)
 
 
-def test_a_cancelled_generate_aborts_its_request(model):
+def test_a_cancelled_generate_aborts_its_request(model, kv):
     async def main():
-        with HFEngine(model) as engine:
+        with HFEngine(model, **kv) as engine:
             task = await long_and_clock(engine, long=200)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

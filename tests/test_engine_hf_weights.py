@@ -75,6 +75,33 @@ def test_an_update_during_generation_changes_the_version_of_the_tokens_after_it(
     assert stats.update_seconds > 0 and stats.paused_seconds >= stats.update_seconds
 
 
+def test_a_slot_cache_engine_decodes_with_the_weights_pushed_in_place():
+    """The slot cache (CUDA's default; its steps are CUDA graphs there) reads the weights
+    where they are: after an update, its tokens are those of an engine built with them."""
+    trainer = tiny_model(1)
+
+    async def main():
+        engine, sender = await joined(tiny_model(0), "slots", kv_cache="slots")
+        with engine, sender:
+            task = await long_and_clock(engine, 40)
+            await engine.pause("keep")
+            await engine.start_weight_update()
+            await push(sender, trainer.state_dict(), 1)
+            await engine.finish_weight_update(1)
+            await engine.resume()
+            done = await task
+            fresh = await engine.generate(req("fresh", 12))
+        with HFEngine(trainer, kv_cache="dynamic") as reference:
+            want = await reference.generate(req("fresh", 12))
+        return done, fresh, want
+
+    done, fresh, want = asyncio.run(main())
+    k = done.versions.index(1)
+    assert k >= 4 and done.versions == [0] * k + [1] * (40 - k)
+    assert fresh.token_ids == want.token_ids
+    assert fresh.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
 def test_a_bare_push_during_generation_never_steps_on_a_mix_of_versions():
     """No pause, no start_weight_update: the push's first bucket stops stepping and its
     commit serves the new version. Every token of version 0 is the uninterrupted run's,

@@ -13,6 +13,7 @@ float rounding of a different batch shape). Finished rows leave through
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from rlferry.control import Completion, FinishReason, GenerateRequest
 
-__all__ = ["Batch", "Row"]
+__all__ = ["Batch", "Row", "record"]
 
 
 class Row:
@@ -87,6 +88,7 @@ class Batch:
         self.model = model
         self.device = device
         self._new_cache = new_cache
+        self._kw = _cache_kw(model)
         self._logits_kw = logits_kw  # "logits_to_keep" where the model takes it
         self.rows: list[Row] = []
         self._dtype = next(model.parameters()).dtype
@@ -124,10 +126,11 @@ class Batch:
         padded = any(len(p) != width for p in prompts)
         out = self.model(
             input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
-            past_key_values=cache, use_cache=True, **kw,
+            use_cache=True, **kw, **{self._kw: cache},
         )  # fmt: skip
-        tokens, logprobs = _sample(out.logits[:, -1, :], _params(rows, self.device))
-        self._join(rows, out.past_key_values, mask, positions[:, -1] + 1, tokens)
+        how = _params(rows, self.device)
+        tokens, logprobs = _sample(out.logits[:, -1, :], how, _uniforms(how, self.device))
+        self._join(rows, cache, mask, positions[:, -1] + 1, tokens)
         return self._record(tokens, logprobs, version, first=len(self.rows) - len(rows))
 
     def decode(self, version: int) -> list[Row]:
@@ -140,37 +143,20 @@ class Batch:
             if self._additive:  # the 4D mask the attention takes as it is (no mask building)
                 mask = (1 - mask)[:, None, None, :].to(self._dtype) * torch.finfo(self._dtype).min
         out = self.model(
-            input_ids=self.next_ids[:, None],
-            attention_mask=mask,
-            position_ids=self.positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
+            input_ids=self.next_ids[:, None], attention_mask=mask,
+            position_ids=self.positions[:, None], use_cache=True, **{self._kw: self.cache},
+        )  # fmt: skip
+        self.positions = self.positions + 1  # the cache grew in place
+        tokens, logprobs = _sample(
+            out.logits[:, -1, :], self._params, _uniforms(self._params, self.device)
         )
-        self.cache = out.past_key_values
-        self.positions = self.positions + 1
-        tokens, logprobs = _sample(out.logits[:, -1, :], self._params)
         self.next_ids = tokens
         return self._record(tokens, logprobs, version, first=0)
 
     def _record(
         self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int, first: int
     ) -> list[Row]:
-        """Append each row's token from ``first`` on; remove and return the rows that ended."""
-        ended: list[Row] = []
-        # One copy to the host (one device sync): token ids are exact in float64.
-        both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
-        for row, t_, lp in zip(self.rows[first:], *both, strict=True):
-            t = int(t_)
-            row.tokens.append(t)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            if t in row.stop:
-                row.finish = "stop"
-            elif len(row.tokens) >= row.max_tokens:
-                row.finish = "length"
-            else:
-                continue
-            ended.append(row)
+        ended = record(self.rows[first:], tokens, logprobs, version)
         if ended:
             self.remove(ended)
         return ended
@@ -236,6 +222,34 @@ class Batch:
         self._params = _params(self.rows, self.device)
 
 
+def record(
+    rows: Sequence[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: int
+) -> list[Row]:
+    """Append each row's token; the rows that ended (a stop token, or ``max_tokens``)."""
+    ended: list[Row] = []
+    # One copy to the host (one device sync): token ids are exact in float64.
+    both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
+    for row, t_, lp in zip(rows, *both, strict=True):
+        t = int(t_)
+        row.tokens.append(t)
+        row.logprobs.append(lp)
+        row.versions.append(version)
+        if t in row.stop:
+            row.finish = "stop"
+        elif len(row.tokens) >= row.max_tokens:
+            row.finish = "length"
+        else:
+            continue
+        ended.append(row)
+    return ended
+
+
+def _cache_kw(model: torch.nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache by (``cache`` from transformers 5.24 on,
+    ``past_key_values`` before: deprecated since)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` (batch, heads, columns, dim) with ``n`` zero columns before its own."""
     return F.pad(t, (0, 0, n, 0)) if n else t
@@ -266,18 +280,27 @@ def _params(rows: Sequence[Row], device: torch.device) -> Sampling:
     return Sampling(temps.to(device), top_p, greedy, sampled == 0, rngs)
 
 
-def _sample(logits: torch.Tensor, how: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniforms(how: Sampling, device: torch.device) -> torch.Tensor | None:
+    """Each sampled row's uniform from its own generator (None when every row is greedy):
+    drawn before a step, so that its copy to the device waits for nothing."""
+    if how.all_greedy:
+        return None
+    u = torch.tensor([g.random() if g is not None else 0.0 for g in how.rngs])
+    return u.to(device, torch.float32, non_blocking=True)[:, None]
+
+
+def _sample(
+    logits: torch.Tensor, how: Sampling, u: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of every row and its log probability under ``softmax(logits / T)``
     (before top-p). Greedy rows take the argmax of the logits; sampled rows invert their
-    distribution's CDF at one uniform drawn from their own generator."""
+    distribution's CDF at their uniform ``u`` (from :func:`_uniforms`)."""
     logits = logits.float()
-    if how.all_greedy:  # log softmax at one token: no (rows, vocab) output to write
+    if how.all_greedy or u is None:  # log softmax at one token: no (rows, vocab) output
         tokens = logits.argmax(-1)
         return tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(-1)
     logp = torch.log_softmax(logits / how.temps, -1)
     probs = logp.exp()
-    u = torch.tensor([g.random() if g is not None else 0.0 for g in how.rngs])
-    u = u.to(logits.device, torch.float32)[:, None]
     last = logits.shape[-1] - 1
     if how.top_p is None:
         cdf = probs.cumsum(-1)

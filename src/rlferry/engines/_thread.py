@@ -23,6 +23,7 @@ from rlferry.control import EngineError
 
 from ._batch import Batch, Row
 from ._bridge import Waiter, settle
+from ._slots import SlotBatch
 
 __all__ = ["Abort", "DecodeThread"]
 
@@ -55,7 +56,13 @@ class DecodeThread:
     forward pass (a prefill of the admitted, else a decode step of the batch)."""
 
     def __init__(
-        self, name: str, batch: Batch, *, version: int, max_batch: int, max_prefill: int
+        self,
+        name: str,
+        batch: Batch | SlotBatch,
+        *,
+        version: int,
+        max_batch: int,
+        max_prefill: int,
     ) -> None:
         self.name = name
         self._batch = batch

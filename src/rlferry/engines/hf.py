@@ -48,6 +48,7 @@ from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 from ._batch import Batch, Row
 from ._bridge import Waiter
 from ._model import NonFinite, check_finite, load_model
+from ._slots import SlotBatch
 from ._thread import DecodeThread
 
 __all__ = ["HFEngine"]
@@ -57,6 +58,23 @@ _names = itertools.count()
 _MODES = ("keep", "abort", "wait")
 STEP_BOUND = 600.0
 """Seconds a weight load and ``close`` wait for the step in progress to end."""
+SLOT_LEN = 2048
+"""The default ``max_model_len`` of a slot cache (each slot holds that many tokens)."""
+
+
+def _check_room(model: Any, device: torch.device, max_batch: int, max_len: int) -> None:
+    """Refuse a slot cache that would not fit in the device's free memory, with the numbers
+    and the settings that shrink it, before anything is allocated."""
+    need = SlotBatch.nbytes(model, max_batch, max_len)
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if need > 0.9 * free:
+        raise ValueError(
+            f"HFEngine: the KV cache of {max_batch} slots x {max_len} tokens needs "
+            f"{need / 2**30:.2f} GiB, got {free / 2**30:.2f} GiB free of {total / 2**30:.2f} "
+            f"GiB on {device} (lower max_batch or max_model_len)"
+        )
 
 
 class HFEngine(DecodeThread):
@@ -103,6 +121,8 @@ class HFEngine(DecodeThread):
         max_model_len: int | None = None,
         version: int = 0,
         check_finite: bool = False,
+        kv_cache: str | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         for field, value, low in (
             ("max_batch", max_batch, 1), ("max_prefill_tokens", max_prefill_tokens, 1),
@@ -118,6 +138,10 @@ class HFEngine(DecodeThread):
             raise ValueError(f"HFEngine.name: expected a non-empty str, got {name!r}")
         if not isinstance(check_finite, bool):
             raise ValueError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
+        if kv_cache not in (None, "dynamic", "slots"):
+            raise ValueError(
+                f"HFEngine.kv_cache: expected None, 'dynamic' or 'slots', got {kv_cache!r}"
+            )
         loaded = load_model(model, device, dtype)
         self.model = loaded.model
         self.device: torch.device = loaded.device
@@ -129,7 +153,28 @@ class HFEngine(DecodeThread):
         self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict())
         params = inspect.signature(self.model.forward).parameters
         kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        batch = Batch(self.model, self.device, loaded.new_cache, kw, loaded.sliding)
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        slots_ok = impl in ("eager", "sdpa") and not loaded.sliding and kw == "logits_to_keep"
+        if kv_cache is None:
+            kv_cache = "slots" if self.device.type == "cuda" and slots_ok else "dynamic"
+        if kv_cache == "slots" and not slots_ok:
+            raise ValueError(
+                f"HFEngine.kv_cache: expected 'dynamic' for this model, got 'slots' (slots need "
+                f"eager or sdpa attention, no sliding-window layers and logits_to_keep; this "
+                f"model has attention {impl!r}, sliding={loaded.sliding})"
+            )
+        self.kv_cache = kv_cache
+        batch: Batch | SlotBatch
+        if kv_cache == "slots":
+            length = max_model_len or min(loaded.max_len or SLOT_LEN, SLOT_LEN)
+            self.max_model_len = length
+            _check_room(self.model, self.device, max_batch, length)
+            batch = SlotBatch(
+                self.model, self.device, max_batch=max_batch, max_len=length,
+                graphs=cuda_graphs and self.device.type == "cuda",
+            )  # fmt: skip
+        else:
+            batch = Batch(self.model, self.device, loaded.new_cache, kw, loaded.sliding)
         super().__init__(
             name or f"hf-{os.getpid()}-{next(_names)}", batch, version=version,
             max_batch=max_batch, max_prefill=max_prefill_tokens,

@@ -1,0 +1,241 @@
+"""The running batch of an :class:`~rlferry.engines.hf.HFEngine` on a preallocated KV cache.
+
+Every row owns a slot: its own columns of a cache allocated once (layers x slots x KV
+heads x ``max_len`` x head dim), from column 0, with no padding. A row joins by a
+prefill of its own (the prompts of the rows that join together, left padded, through
+``transformers``' dynamic cache), whose keys and values are then gathered into the
+rows' slots; it leaves by moving the last row into its slot, so the rows always hold
+slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
+bucket, a power of two, that holds the rows): each row writes its new key and value at
+its own column (``pos``), sees the columns before it through an additive mask, and
+its position id is its length.
+
+On CUDA each bucket's decode step is captured once as a CUDA graph and replayed: the
+inputs (ids, positions, mask), the cache and the weights keep their addresses, so a
+weight update (copied in place) needs no new capture. A step launches the graph, then
+samples on the device (the uniforms of sampled rows are drawn on the host and copied
+before the graph runs), and reads the tokens and their log probabilities back in one
+copy: one host sync per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._batch import Row, Sampling, _cache_kw, _params, _sample, _uniforms, record
+
+__all__ = ["SlotBatch", "SlotCache"]
+
+
+def _cache_class() -> Any:
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+class SlotCache(_cache_class()):  # type: ignore[misc]
+    """The cache the model sees in a decode step over slots ``[0, B)``: row ``i`` writes
+    its new key and value at column ``pos[i]`` of its slot and attends over every
+    column (the mask hides those it does not use)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor):
+        super().__init__(layers=[])
+        self.k, self.v, self.pos = keys, values, pos
+        self.slots = torch.arange(keys[0].shape[0], device=keys[0].device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k[self.slots, :, self.pos] = key_states[:, :, 0]
+        v[self.slots, :, self.pos] = value_states[:, :, 0]
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and the mask are given: nothing is derived from it
+
+    def get_mask_sizes(self, *a: Any, **kw: Any) -> tuple[int, int]:
+        return self.k[0].shape[2], 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
+class SlotBatch:
+    """The rows being generated, in slots ``[0, len(rows))`` of a cache of ``max_batch``
+    slots of ``max_len`` columns; ``graphs``: replay decode steps as CUDA graphs."""
+
+    def __init__(
+        self, model: Any, device: torch.device, *, max_batch: int, max_len: int, graphs: bool,
+    ) -> None:  # fmt: skip
+        self.model, self.device = model, device
+        self.rows: list[Row] = []
+        self.max_len = max_len
+        self._kw = _cache_kw(model)
+        from transformers import DynamicCache
+
+        self._dynamic: Any = DynamicCache
+        # The cache's shapes, read from a one-token forward (a model's own head layout).
+        with torch.inference_mode():
+            probe: Any = DynamicCache(config=model.config)
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                  use_cache=True, **{self._kw: probe})  # fmt: skip
+        shapes = [(lay.keys.shape, lay.keys.dtype) for lay in probe.layers]
+        self.k = [torch.zeros((max_batch, s[1], max_len, s[3]), dtype=d, device=device)
+                  for s, d in shapes]  # fmt: skip
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self._min = torch.finfo(self.k[0].dtype).min
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)  # next column
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # next input
+        self.mask = torch.full((max_batch, 1, 1, max_len), self._min, dtype=self.k[0].dtype,
+                               device=device)  # fmt: skip
+        self.mask[:, :, :, 0] = 0  # an empty slot sees column 0: no row of only -inf
+        self._columns = torch.arange(max_len, device=device)
+        self._caches: dict[int, SlotCache] = {}  # by bucket: the cache over slots [0, B)
+        self._logits: dict[int, torch.Tensor] = {}  # by bucket: the graph's output
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._use_graphs = graphs
+        self._pool: Any = None
+        self._how: Sampling = _params([], device)
+
+    @staticmethod
+    def nbytes(model: Any, max_batch: int, max_len: int) -> int:
+        """The cache's bytes, from the model's configuration (before anything is allocated)."""
+        cfg = model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        size = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * max_batch * heads * max_len * dim * size
+
+    # -- the two kinds of step -------------------------------------------------------------
+    def prefill(self, rows: Sequence[Row], version: int) -> list[Row]:
+        """One forward pass over the prompts of ``rows``, whose keys and values then fill
+        their slots; the rows that ended at their first token."""
+        prompts = [r.request.prompt_ids for r in rows]
+        width = max(len(p) for p in prompts)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        cols = torch.arange(width)
+        mask = (cols[None, :] >= width - lengths[:, None]).long()
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        ids, mask, lengths = ids.to(self.device), mask.to(self.device), lengths.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp_(min=0)
+        cache: Any = self._dynamic(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=mask if bool((lengths != width).any()) else None,
+            position_ids=positions, use_cache=True, logits_to_keep=1, **{self._kw: cache},
+        )  # fmt: skip
+        first = len(self.rows)
+        slots = torch.arange(first, first + len(rows), device=self.device)
+        # Column c of a slot takes column c + (width - length) of its padded row.
+        src = (self._columns[None, :width] + (width - lengths)[:, None]).clamp_(max=width - 1)
+        for layer, k, v in zip(cache.layers, self.k, self.v, strict=True):
+            gather = src[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            k[slots, :, :width] = layer.keys.gather(2, gather)
+            v[slots, :, :width] = layer.values.gather(2, gather)
+        self.mask[slots] = torch.where(self._columns < lengths[:, None], 0.0, self._min).to(
+            self.mask.dtype
+        )[:, None, None, :]
+        self.pos[slots] = lengths
+        self.rows.extend(rows)
+        self._how = _params(self.rows, self.device)
+        joined = _params(rows, self.device)
+        tokens, logprobs = _sample(out.logits[:, -1, :], joined, _uniforms(joined, self.device))
+        self.ids[slots] = tokens
+        return self._record(tokens, logprobs, version, first)
+
+    def decode(self, version: int) -> list[Row]:
+        """One forward pass feeding every row its last token; the rows that ended."""
+        n = len(self.rows)
+        bucket = 1 << (n - 1).bit_length()
+        u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
+        if self._use_graphs:
+            if bucket not in self._graphs:
+                self._capture(bucket)
+            self._graphs[bucket].replay()
+            logits = self._logits[bucket][:n]
+        else:
+            logits = self._step(bucket)[:n]
+        tokens, logprobs = _sample(logits, self._how, u)
+        self.ids[:n] = tokens
+        return self._record(tokens, logprobs, version, 0)
+
+    def _step(self, b: int) -> torch.Tensor:
+        """The decode step over slots ``[0, b)`` (what a graph captures): the logits."""
+        pos, mask = self.pos[:b], self.mask[:b]
+        mask.scatter_(3, pos[:, None, None, None], 0.0)  # each row sees its new column
+        if b not in self._caches:
+            self._caches[b] = SlotCache([k[:b] for k in self.k], [v[:b] for v in self.v], pos)
+        out = self.model(
+            input_ids=self.ids[:b, None], position_ids=pos[:, None], attention_mask=mask,
+            use_cache=True, **{self._kw: self._caches[b]},
+        )  # fmt: skip
+        pos.add_(1).clamp_(max=self.max_len - 1)  # an empty slot never runs off the end
+        return out.logits[:, -1, :]
+
+    def _capture(self, b: int) -> None:
+        """Capture bucket ``b``'s step (after one warm-up run on a side stream, as CUDA
+        graphs need); the buffers it uses stay where they are for good."""
+        saved = (self.pos[:b].clone(), self.mask[:b].clone())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.pos[:b], self.mask[:b] = saved  # the warm-up and the capture do not count
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._logits[b] = self._step(b)
+        self._pool = graph.pool()
+        self._graphs[b] = graph
+        self.pos[:b], self.mask[:b] = saved
+
+    def _record(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int, first: int
+    ) -> list[Row]:
+        ended = record(self.rows[first:], tokens, logprobs, version)
+        if ended:
+            self.remove(ended)
+        return ended
+
+    # -- membership ------------------------------------------------------------------------
+    def remove(self, rows: Sequence[Row]) -> None:
+        """Take ``rows`` out: the last rows move into the slots they free."""
+        gone = {id(r) for r in rows}
+        if not any(id(r) in gone for r in self.rows):
+            return
+        keep = [r for r in self.rows if id(r) not in gone]
+        n = len(keep)
+        holes = [i for i, r in enumerate(self.rows[:n]) if id(r) in gone]
+        movers = [i for i in range(n, len(self.rows)) if id(self.rows[i]) not in gone]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            for t in (*self.k, *self.v, self.mask, self.pos, self.ids):
+                t[dst] = t[src]
+            for h, m in zip(holes, movers, strict=True):
+                self.rows[h] = self.rows[m]
+        self.rows = self.rows[:n]
+        self._free(n)
+        self._how = _params(self.rows, self.device)
+
+    def _free(self, start: int) -> None:
+        """Slots from ``start`` on are empty: they see column 0 only, at position 0."""
+        self.mask[start:] = self._min
+        self.mask[start:, :, :, 0] = 0
+        self.pos[start:] = 0
+
+    def clear(self) -> None:
+        """Drop every row (after a failed step, whatever state it left)."""
+        self.rows = []
+        self._free(0)
+        self._how = _params([], self.device)
