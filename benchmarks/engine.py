@@ -47,6 +47,15 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
+    if args.model == "qwen3-0.6b":  # its shapes, random init
+        args.vocab = 151936
+        config = transformers.Qwen3Config(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            tie_word_embeddings=True, max_position_embeddings=4096,
+        )  # fmt: skip
+        model = transformers.Qwen3ForCausalLM(config)
+        return model.to(args.device, getattr(torch, args.dtype)).eval()
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
@@ -126,7 +135,9 @@ async def main(args: argparse.Namespace) -> str:
     runs = iter(range(1 << 30))
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
     loop = asyncio.get_running_loop()
-    with pool, HFEngine(model, name="bench", max_batch=args.batch) as engine:
+    length = args.prompt_len + args.new_tokens
+    engine = HFEngine(model, name="bench", max_batch=args.batch, max_model_len=length)
+    with pool, engine:
         for case, sample, stops in cases:
             params = SamplingParams(
                 max_tokens=args.new_tokens, temperature=1.0 if sample else 0.0,
@@ -144,13 +155,57 @@ async def main(args: argparse.Namespace) -> str:
             base, mine = await timed([hf, ours], args.repeat)
             ratio = statistics.median(mine) / statistics.median(base)
             rows.append([f"model.generate, {case}", *cells(base), "1.00"])
-            rows.append([f"HFEngine, {case}", *cells(mine), f"{ratio:.2f}"])
-    return table(rows, ["run", "tokens/s p50", "p90", "max", "vs generate (p50)"])
+            rows.append([f"HFEngine ({engine.kv_cache}), {case}", *cells(mine), f"{ratio:.2f}"])
+    out = table(rows, ["run", "tokens/s p50", "p90", "max", "vs generate (p50)"])
+    if engine.kv_cache == "slots":
+        out += "\n\n" + decode_steps(model, prompts, args)
+    return out
+
+
+def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> str:
+    """One decode step of the slot batch (``--batch`` rows, their prompts prefilled): its
+    wall time (graph replay, sampling, the one host sync), p50/p90/max over 50 steps,
+    and the share of it the GPU spends in the replayed forward (timed back to back)."""
+    from rlferry.engines._batch import Row
+    from rlferry.engines._slots import SlotBatch
+
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    steps = 50
+    batch = SlotBatch(model, device, max_batch=args.batch, graphs=cuda,
+                      max_len=args.prompt_len + steps + 8)  # fmt: skip
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0)
+    rows = [Row(GenerateRequest(request_id=str(i), prompt_ids=p, params=params), None, None)  # type: ignore[arg-type]
+            for i, p in enumerate(prompts)]  # fmt: skip
+    with torch.inference_mode():
+        batch.prefill(rows, 0)
+        batch.decode(0)  # captures the bucket's graph
+        times = []
+        for _ in range(steps - 2):
+            t0 = time.perf_counter()
+            batch.decode(0)
+            times.append(time.perf_counter() - t0)
+        busy = ""
+        if cuda:
+            graph = batch._graphs[1 << (args.batch - 1).bit_length()]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize()
+            forward = (time.perf_counter() - t0) / 20
+            busy = f"{forward * 1e3:.2f} ms ({forward / statistics.median(times):.0%})"
+    q = statistics.quantiles(times, n=10, method="inclusive")
+    ms = [f"{x * 1e3:.2f}" for x in (statistics.median(times), q[8], max(times))]
+    header = ["decode step, rows", "p50 ms", "p90", "max", "forward alone (GPU share)"]
+    return table([[str(args.batch), *ms, busy or "-"]], header)
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", choices=("llama", "qwen3-0.6b"), default="llama",
+                   help="llama: the shapes of the flags below; qwen3-0.6b: Qwen3-0.6B's")  # fmt: skip
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch", type=int, default=16, help="prompts per run")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest: half)")

@@ -49,12 +49,13 @@ PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [10, 11, 12, 13, 14, 15, 1
 
 def reference(model, prompt, n):
     """``model.generate`` greedy, alone (no padding): tokens and their log-softmax."""
+    device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        torch.tensor([prompt], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
         pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
     )  # fmt: skip
     tokens = out.sequences[0, len(prompt) :].tolist()
-    scores = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+    scores = [torch.log_softmax(s[0].float().cpu(), -1) for s in out.scores]
     logp = [s[t].item() for s, t in zip(scores, tokens, strict=True)]
     return tokens, logp
 
