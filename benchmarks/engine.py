@@ -204,8 +204,10 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", choices=("llama", "qwen3-0.6b"), default="llama",
-                   help="llama: the shapes of the flags below; qwen3-0.6b: Qwen3-0.6B's")  # fmt: skip
+    p.add_argument(
+        "--model", choices=("llama", "qwen3-0.6b"), default="llama",
+        help="llama: the shapes of the flags below; qwen3-0.6b: Qwen3-0.6B's",
+    )  # fmt: skip
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batch", type=int, default=16, help="prompts per run")
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest: half)")
