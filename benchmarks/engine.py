@@ -186,6 +186,8 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
             batch.decode(0)
             times.append(time.perf_counter() - t0)
         busy = ""
+        if cuda and args.profile:
+            print(profile(batch, args.batch))
         if cuda:
             graph = batch._graphs[1 << (args.batch - 1).bit_length()]
             torch.cuda.synchronize()
@@ -199,6 +201,18 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     ms = [f"{x * 1e3:.2f}" for x in (statistics.median(times), q[8], max(times))]
     header = ["decode step, rows", "p50 ms", "p90", "max", "forward alone (GPU share)"]
     return table([[str(args.batch), *ms, busy or "-"]], header)
+
+
+def profile(batch: object, rows: int) -> str:
+    """The GPU kernels of one decode step run eagerly (no graph), by CUDA time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    bucket = 1 << (rows - 1).bit_length()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        batch._step(bucket)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 
 
 def parse() -> argparse.Namespace:
@@ -218,6 +232,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="print one eager decode step's kernels")
     return p.parse_args()
 
 
@@ -230,7 +245,12 @@ if __name__ == "__main__":
         f"transformers {transformers.__version__}, {args.device} ({args.dtype}), "
         f"{torch.get_num_threads()} threads; batch {args.batch}, prompts "
         f"{args.prompt_len // 2}-{args.prompt_len} tokens, up to {args.new_tokens} new "
-        f"tokens ({args.stop} stop ids in the stop case); Llama {args.layers} layers x "
-        f"{args.hidden}, vocab {args.vocab}; {args.repeat} runs\n"
+        f"tokens ({args.stop} stop ids in the stop case); "
+        + (
+            "Qwen3-0.6B shapes"
+            if args.model == "qwen3-0.6b"
+            else f"Llama {args.layers} layers x {args.hidden}, vocab {args.vocab}"
+        )
+        + f"; {args.repeat} runs\n"
     )
     print(asyncio.run(main(args)))

@@ -52,11 +52,12 @@ def test_graph_replayed_greedy_tokens_equal_model_generate_and_rows_join_and_lea
 def test_graphs_read_weights_loaded_in_place():
     from rlferry.weights import WeightSender
 
-    model, trainer = tiny_model(0).cuda(), tiny_model(1).cuda()
+    model, trainer = tiny_model(0).cuda(), tiny_model(1)  # the trainer pushes from the CPU
+    want_before = reference(model, PROMPTS["a"], 16)[0]  # the engine loads into ``model``
 
     async def main():
         with HFEngine(model, name="g", max_batch=4) as engine:
-            sender = WeightSender(group="gpu-graphs", transport="cuda_ipc")
+            sender = WeightSender(group="gpu-graphs", transport="shm")
             await engine.init_weight_transfer("gpu-graphs", sender.address)
             before = await engine.generate(greedy("a", PROMPTS["a"], 16))
             await engine.pause("keep")
@@ -69,6 +70,6 @@ def test_graphs_read_weights_loaded_in_place():
             return before, after
 
     before, after = asyncio.run(main())
-    assert before.token_ids == reference(model, PROMPTS["a"], 16)[0]
-    assert after.token_ids == reference(trainer, PROMPTS["a"], 16)[0]
+    assert before.token_ids == want_before
+    assert after.token_ids == reference(trainer.cuda(), PROMPTS["a"], 16)[0]
     assert after.versions == [1] * 16

@@ -97,7 +97,7 @@ class Batch:
         # dozen (other attentions, flash say, get the 2D mask).
         # Not for sliding-window layers: their masks are built by transformers.
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        self._additive = impl in ("eager", "sdpa") and not sliding
+        self._additive = impl in ("eager", "sdpa", "rlferry_gqa_sdpa") and not sliding
         self._reset()
 
     def _reset(self) -> None:

@@ -27,7 +27,44 @@ import torch
 
 from ._batch import Row, Sampling, _cache_kw, _params, _sample, _uniforms, record
 
-__all__ = ["SlotBatch", "SlotCache"]
+__all__ = ["GQA_SDPA", "SlotBatch", "SlotCache", "use_gqa_sdpa"]
+
+GQA_SDPA = "rlferry_gqa_sdpa"
+"""transformers' SDPA attention, but a one-token step of a grouped-query model reads the
+cache as it is: its query heads are viewed as groups of the KV heads (measured on an
+H100, Qwen3-0.6B shapes at 64 rows: transformers' SDPA copied the whole cache to repeat
+each KV head, 3.2 of a decode step's 9.3 ms of GPU time)."""
+
+
+def _gqa_sdpa(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, length, dim = query.shape
+    groups = heads // key.shape[1]
+    if length != 1 or groups == 1 or attention_mask is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # Query head h reads KV head h // groups (transformers' repeat_kv): (b, kv, groups, dim).
+    q = query.reshape(b, key.shape[1], groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(b, 1, heads, dim), None
+
+
+def use_gqa_sdpa(model: Any) -> None:
+    """Have ``model`` attend through :data:`GQA_SDPA` (registered with transformers once)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+    model.set_attn_implementation(GQA_SDPA)
 
 
 def _cache_class() -> Any:

@@ -48,7 +48,7 @@ from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 from ._batch import Batch, Row
 from ._bridge import Waiter
 from ._model import NonFinite, check_finite, load_model
-from ._slots import SlotBatch
+from ._slots import GQA_SDPA, SlotBatch, use_gqa_sdpa
 from ._thread import DecodeThread
 
 __all__ = ["HFEngine"]
@@ -154,7 +154,8 @@ class HFEngine(DecodeThread):
         params = inspect.signature(self.model.forward).parameters
         kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         impl = getattr(self.model.config, "_attn_implementation", None)
-        slots_ok = impl in ("eager", "sdpa") and not loaded.sliding and kw == "logits_to_keep"
+        sdpa = impl in ("sdpa", GQA_SDPA)
+        slots_ok = (impl == "eager" or sdpa) and not loaded.sliding and kw == "logits_to_keep"
         if kv_cache is None:
             kv_cache = "slots" if self.device.type == "cuda" and slots_ok else "dynamic"
         if kv_cache == "slots" and not slots_ok:
@@ -169,6 +170,8 @@ class HFEngine(DecodeThread):
             length = max_model_len or min(loaded.max_len or SLOT_LEN, SLOT_LEN)
             self.max_model_len = length
             _check_room(self.model, self.device, max_batch, length)
+            if impl == "sdpa":  # the same attention, without copying the cache per step
+                use_gqa_sdpa(self.model)
             batch = SlotBatch(
                 self.model, self.device, max_batch=max_batch, max_len=length,
                 graphs=cuda_graphs and self.device.type == "cuda",
