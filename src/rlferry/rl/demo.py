@@ -106,11 +106,12 @@ class DemoConfig:
             raise ValueError(
                 "layout: 'split' places engines and trainers on GPUs: use --device cuda"
             )
-        if self.device == "cuda" and torch.cuda.device_count() < 2:
+        if self.device == "cuda" and torch.cuda.device_count() < 1:
+            raise ValueError("device: 'cuda' needs a GPU, this machine has none (use --device cpu)")
+        if self.layout == "split" and torch.cuda.device_count() < 2:
             raise ValueError(
-                "device: 'cuda' needs 2 GPUs (colocated: a trainer rank on each, the engines "
-                f"on GPU 0; split: engines on the first half), this machine has "
-                f"{torch.cuda.device_count()}"
+                "layout: 'split' needs 2 GPUs (engines on the first half, a trainer rank on each "
+                f"other), this machine has {torch.cuda.device_count()} (use --layout colocated)"
             )
         if self.layout == "split" and self.engines > self.gpus()[0]:
             raise ValueError(
@@ -122,9 +123,10 @@ class DemoConfig:
     def gpus(self) -> tuple[int, int]:
         """(engine GPUs, trainer ranks): split gives the first half of the GPUs to the
         engines, one trainer rank to each of the others; else the engines share GPU 0 and
-        two ranks train (on GPUs 0 and 1 with CUDA)."""
+        two ranks train (on GPUs 0 and 1 with CUDA; one rank, beside the engines, on a
+        machine of one GPU)."""
         if self.layout != "split":
-            return 1, 2
+            return 1, 1 if self.device == "cuda" and torch.cuda.device_count() == 1 else 2
         n = torch.cuda.device_count()
         return n // 2, n - n // 2
 
@@ -136,6 +138,51 @@ class DemoConfig:
         if self.max_staleness == 0:
             return f"sync (max_staleness=0{where})"
         return f"async (max_staleness={self.max_staleness}{where})"
+
+
+CONTEXT_BYTES = 600 << 20
+"""A CUDA context and allocator slack per process, about."""
+
+
+def check_memory(config: DemoConfig, vocab_size: int) -> None:
+    """Refuse a CUDA run whose processes on GPU 0 would not fit in its free memory, with the
+    numbers and the flags that shrink it, before anything starts: each engine holds the
+    weights in the serving dtype and a slot KV cache; the trainer ranks there hold float32
+    weights, gradients and AdamW's two moments (16 bytes a parameter, over the ranks)."""
+    if config.device != "cuda":
+        return
+    from rlferry.engines._slots import SlotBatch
+    from rlferry.engines.hf import SLOT_LEN
+
+    from .model import _transformers, model_config
+
+    cfg = model_config(config.model, vocab_size)
+    tf = _transformers()
+    cls = tf.Qwen3ForCausalLM if config.model == "qwen3-0.6b" else tf.LlamaForCausalLM
+    with torch.device("meta"):
+        meta = cls(cfg)
+    params = sum(p.numel() for p in meta.parameters())
+    serve = 2 if config.model == "qwen3-0.6b" else 4  # bfloat16 or float32 on CUDA
+    max_batch = max(64, -(-config.groups_per_step * config.group_size // config.engines))
+    length = min(cfg.max_position_embeddings, SLOT_LEN)
+    cache = SlotBatch.nbytes(meta.to(dtype=torch.bfloat16 if serve == 2 else None), max_batch,
+                             length)  # fmt: skip
+    colocated = config.layout == "colocated"
+    engines_there = config.engines if colocated else 1  # split: one engine a GPU, no rank
+    engine = serve * params + cache + CONTEXT_BYTES
+    dp = config.gpus()[1]
+    trainer = 16 * params // dp + CONTEXT_BYTES if colocated else 0
+    need = engines_there * engine + trainer
+    free, total = torch.cuda.mem_get_info(0)
+    if need > 0.9 * free:
+        gib = 2**30
+        raise ValueError(
+            f"device: the run needs about {need / gib:.1f} GiB on GPU 0 ({engines_there} "
+            f"engine(s) x ({serve * params / gib:.2f} GiB of weights + {cache / gib:.2f} GiB "
+            f"of KV cache) + a trainer rank's {16 * params // dp / gib:.2f} GiB), got "
+            f"{free / gib:.1f} GiB free of {total / gib:.1f} (use fewer --engines, a smaller "
+            "--model, or --layout split on 2 GPUs or more)"
+        )
 
 
 def _engine_device(config: DemoConfig, i: int) -> str:
@@ -157,6 +204,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         tempfile.TemporaryDirectory(prefix="rlferry-demo-") as tmp,
         contextlib.ExitStack() as stack,
     ):
+        check_memory(config, tok.vocab_size)
         # on CUDA the warm start runs on GPU 0 (bfloat16 for qwen3-0.6b), then leaves it
         where = "cuda:0" if config.device == "cuda" else "cpu"
         model = make_model(config.model, tok.vocab_size, seed=config.seed, device=where)
