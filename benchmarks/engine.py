@@ -179,7 +179,7 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
             for i, p in enumerate(prompts)]  # fmt: skip
     with torch.inference_mode():
         batch.prefill(rows, 0)
-        batch.decode(0)  # captures the bucket's graph
+        batch.decode(0)
         times = []
         for _ in range(steps - 2):
             t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
         if cuda and args.profile:
             print(profile(batch, args.batch))
         if cuda:
-            graph = batch._graphs[1 << (args.batch - 1).bit_length()]
+            graph = batch._graphs[batch._bucket(args.batch)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(20):
@@ -208,7 +208,7 @@ def profile(batch: object, rows: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    bucket = 1 << (rows - 1).bit_length()
+    bucket = batch._bucket(rows)  # type: ignore[attr-defined]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         batch._step(bucket)  # type: ignore[attr-defined]
         torch.cuda.synchronize()

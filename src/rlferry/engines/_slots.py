@@ -6,11 +6,12 @@ prefill of its own (the prompts of the rows that join together, left padded, thr
 ``transformers``' dynamic cache), whose keys and values are then gathered into the
 rows' slots; it leaves by moving the last row into its slot, so the rows always hold
 slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
-bucket, a power of two, that holds the rows): each row writes its new key and value at
+bucket, a power of two or every slot, that holds the rows): each row writes its new key and value at
 its own column (``pos``), sees the columns before it through an additive mask, and
 its position id is its length.
 
-On CUDA each bucket's decode step is captured once as a CUDA graph and replayed: the
+On CUDA each bucket's decode step is captured as a CUDA graph when the batch is made
+(so no step waits for a capture: 8 buckets up to 128 slots) and replayed: the
 inputs (ids, positions, mask), the cache and the weights keep their addresses, so a
 weight update (copied in place) needs no new capture. A step launches the graph, then
 samples on the device (the uniforms of sampled rows are drawn on the host and copied
@@ -142,6 +143,15 @@ class SlotBatch:
         self._use_graphs = graphs
         self._pool: Any = None
         self._how: Sampling = _params([], device)
+        self.max_batch = max_batch
+        if self._use_graphs:  # every bucket now: a step never waits for a capture
+            with torch.inference_mode():
+                for b in sorted({self._bucket(n) for n in range(1, max_batch + 1)}):
+                    self._capture(b)
+
+    def _bucket(self, n: int) -> int:
+        """The slots a step over ``n`` rows runs on: a power of two, at most every slot."""
+        return min(1 << (n - 1).bit_length(), self.max_batch)
 
     @staticmethod
     def nbytes(model: Any, max_batch: int, max_len: int) -> int:
@@ -193,11 +203,9 @@ class SlotBatch:
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
         n = len(self.rows)
-        bucket = 1 << (n - 1).bit_length()
+        bucket = self._bucket(n)
         u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
         if self._use_graphs:
-            if bucket not in self._graphs:
-                self._capture(bucket)
             self._graphs[bucket].replay()
             logits = self._logits[bucket][:n]
         else:
