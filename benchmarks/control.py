@@ -79,7 +79,7 @@ def one_token(i: int) -> GenerateRequest:
 async def delivered_in_process(engine: HFEngine, n: int) -> list[float]:
     """From the engine's thread handing a completion over (it calls ``settle``, timed
     here) to the awaiting task holding it."""
-    from rlferry.engines import _thread
+    from rlferry.engines.hf import _thread
 
     handed: dict[int, float] = {}
     settle = _thread.settle

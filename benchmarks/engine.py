@@ -166,8 +166,8 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     """One decode step of the slot batch (``--batch`` rows, their prompts prefilled): its
     wall time (graph replay, sampling, the one host sync), p50/p90/max over 50 steps,
     and the share of it the GPU spends in the replayed forward (timed back to back)."""
-    from rlferry.engines._batch import Row
-    from rlferry.engines._slots import SlotBatch
+    from rlferry.engines.hf._batch import Row
+    from rlferry.engines.hf._slots import SlotBatch
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"

@@ -455,7 +455,7 @@ def test_close_fails_the_requests_in_flight_and_every_later_call(model):
 
 
 def test_waiting_rows_join_a_decoding_batch_together_not_one_by_one():
-    from rlferry.engines._thread import JOIN_AFTER, joining
+    from rlferry.engines.hf._thread import JOIN_AFTER, joining
 
     assert joining(running=0, joinable=1, deferred=0)  # nothing decodes: at once
     assert not joining(running=128, joinable=8, deferred=0)  # a prefill for 8 of 136: later

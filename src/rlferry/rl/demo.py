@@ -151,8 +151,8 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
     weights, gradients and AdamW's two moments (16 bytes a parameter, over the ranks)."""
     if config.device != "cuda":
         return
-    from rlferry.engines._slots import SlotBatch
     from rlferry.engines.hf import SLOT_LEN
+    from rlferry.engines.hf._slots import SlotBatch
 
     from .model import _transformers, model_config
 
@@ -271,9 +271,14 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         client = queue.async_client()
         ranks = [conn for _, conn in procs.trainers]
         t_start = time.monotonic()
+
+        async def engine_stats() -> list[Any]:  # one round trip to every engine at once
+            return list(await asyncio.gather(*(e.statistics() for e in engines)))
+
         try:
+            busy1 = await engine_stats()
             for step in range(1, config.steps + 1):
-                busy0 = [await e.statistics() for e in engines]
+                busy0 = busy1  # the last step's end is this one's start
                 t0 = time.monotonic()
                 groups = await coord.batch(config.groups_per_step, timeout=600)
                 t_wait = time.monotonic() - t0
@@ -293,7 +298,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 if config.sync:
                     await coord.update_weights(_pusher(ranks, step), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
-                busy1 = [await e.statistics() for e in engines]
+                busy1 = await engine_stats()
                 gen = sum(
                     b.step_seconds - a.step_seconds for a, b in zip(busy0, busy1, strict=True)
                 )

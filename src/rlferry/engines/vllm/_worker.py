@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlferry.weights import TensorSpec, WeightReceiver
 
-from ._vllm_gate import Gate, GateError
+from ._gate import Gate, GateError
 
 __all__ = ["RlferryInitInfo", "RlferryUpdateInfo", "RlferryWeightTransferEngine", "WorkerExtension"]
 

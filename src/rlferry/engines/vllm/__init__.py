@@ -29,16 +29,16 @@ except ImportError as e:  # the extra is missing
         f"without a GPU) ({e})"
     ) from None
 
-from ._vllm_engine import VLLMEngine
-from ._vllm_gate import GateError
-from ._vllm_trainer import LLMClient, RlferryTrainerEngine, RlferryTrainerInitInfo
-from ._vllm_worker import (
+from ..vllm_server import VLLMServerEngine
+from ._engine import VLLMEngine
+from ._gate import GateError
+from ._trainer import LLMClient, RlferryTrainerEngine, RlferryTrainerInitInfo
+from ._worker import (
     RlferryInitInfo,
     RlferryUpdateInfo,
     RlferryWeightTransferEngine,
     WorkerExtension,
 )
-from .vllm_server import VLLMServerEngine
 
 __all__ = [
     "BACKEND",

@@ -39,7 +39,7 @@ from rlferry.control import (
     PauseMode,
 )
 
-from ._http import JsonClient
+from .._http import JsonClient
 
 __all__ = ["SGLangEngine", "SGLangWeights"]
 

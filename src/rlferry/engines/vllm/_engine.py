@@ -18,7 +18,7 @@ from rlferry.control import (
     RequestError,
 )
 
-from ._vllm_common import Requests
+from ..vllm_server import Requests
 
 __all__ = ["VLLMEngine"]
 
