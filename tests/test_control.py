@@ -90,8 +90,9 @@ def test_no_consumed_sample_lags_more_than_max_staleness(eta, stale):
         assert lags and max(lags) <= eta
         stats = coord.statistics()
         assert stats.staleness_max <= eta and stats.consumed == 5 * 4
-        if eta > 0:  # some rollout ran across an update (trained, or dropped as too stale)
-            assert spanned or stats.dropped
+        # Whether a rollout spans an update here depends on the machine's speed (the bound
+        # may be full of finished samples when the trainer updates); tokens of two versions
+        # in one rollout are tested step by step in test_engine_hf_weights.py and below.
         if eta == 0:  # synchronous: nothing generates during an update, no token is stale
             assert set(lags) == {0} and not spanned
 
