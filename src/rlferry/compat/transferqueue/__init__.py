@@ -36,7 +36,8 @@ from ._interface import (
     save_checkpoint,
     use_launcher,
 )
-from ._meta import BatchMeta, KVBatchMeta
+from ._kvmeta import KVBatchMeta
+from ._meta import BatchMeta
 from ._samplers import (
     BaseSampler,
     GRPOGroupNSampler,

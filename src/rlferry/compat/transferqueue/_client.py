@@ -188,7 +188,7 @@ class AsyncTransferQueueClient:
                 "(put one row per sample of the metadata)"
             )
         parts = _by_partition(metadata)
-        columns = {name: _column(data, name, n) for name in data.keys()}
+        columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
         if data_parser is not None:
             columns = _parsed(columns, data_parser)
         for pid, indexes, rows in parts:
@@ -439,7 +439,7 @@ def _parsed(columns: dict[str, Any], parser: Callable[[Any], Any]) -> dict[str, 
 
 
 def _rows(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for name, v in columns.items():
         if isinstance(v, torch.Tensor) and not v.is_nested:
             out[name] = v[torch.from_numpy(rows)]

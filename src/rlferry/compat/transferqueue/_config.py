@@ -87,8 +87,7 @@ def merged_config(conf: Any) -> Any:
         from omegaconf import OmegaConf
     except ImportError:
         raise ImportError(
-            "rlferry.compat.transferqueue needs omegaconf and tensordict: "
-            "pip install 'rlferry[tq]'"
+            "rlferry.compat.transferqueue needs omegaconf and tensordict: pip install 'rlferry[tq]'"
         ) from None
     user = conf if conf is not None else {}
     if OmegaConf.is_config(user):

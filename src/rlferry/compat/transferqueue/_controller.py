@@ -63,8 +63,10 @@ class _Field:
             log.warning(
                 "field `%s`: expected dtype %s (as earlier puts of the partition), got %s: "
                 "stored, but batches mixing both are not one tensor (cast the column)",
-                name, self.dtype, new,
-            )  # fmt: skip
+                name,
+                self.dtype,
+                new,
+            )
         elif new is not None:
             self.dtype = new
         if incoming.get("is_non_tensor"):
@@ -78,15 +80,15 @@ class _Field:
             self.is_nested, self.shape = True, None
             self.shapes.update(zip(indexes.tolist(), shapes or (), strict=True))
             return
-        shape = incoming.get("shape")
+        shape = tuple(incoming.get("shape") or ())
         if self.is_nested:
-            self.shapes.update(dict.fromkeys(indexes.tolist(), tuple(shape)))
-        elif self.shape is not None and tuple(self.shape) != tuple(shape) and len(had):
+            self.shapes.update(dict.fromkeys(indexes.tolist(), shape))
+        elif self.shape is not None and tuple(self.shape) != shape and len(had):
             self.shapes.update(dict.fromkeys(had.tolist(), tuple(self.shape)))
-            self.shapes.update(dict.fromkeys(indexes.tolist(), tuple(shape)))
+            self.shapes.update(dict.fromkeys(indexes.tolist(), shape))
             self.is_nested, self.shape = True, None
         else:
-            self.is_nested, self.shape = False, shape
+            self.is_nested, self.shape = False, incoming.get("shape")
 
     def schema(self, indexes: np.ndarray) -> dict[str, Any]:
         out = {
@@ -225,8 +227,9 @@ class Controller:
                     return got
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise GetMetaTimeout(what())
+                    break
                 self._changed.wait(left)
+        raise GetMetaTimeout(what())
 
     def version(self) -> int:
         with self._lock:
@@ -476,14 +479,17 @@ class Controller:
             part = self._parts.get(pid)
             if part is None:
                 return []
-            keys = [part.key_of.get(i) for i in indexes]
-            return [] if any(k is None for k in keys) else keys  # type: ignore[misc]
+            keys = [part.key_of[i] for i in indexes if i in part.key_of]
+            return keys if len(keys) == len(indexes) else []
 
     def kv_list(self, pid: str | None) -> dict[str, dict[str, dict[str, Any]]]:
         with self._lock:
             pids = list(self._parts) if pid is None else [pid]
             return {
-                p: {k: dict(self._parts[p].custom.get(i, {})) for k, i in self._parts[p].keys.items()}
+                p: {
+                    k: dict(self._parts[p].custom.get(i, {}))
+                    for k, i in self._parts[p].keys.items()
+                }
                 for p in pids
                 if p in self._parts
             }

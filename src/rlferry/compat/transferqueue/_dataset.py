@@ -35,9 +35,12 @@ def default_fetch_batch_fn(
     """One batch: ``(TensorDict, BatchMeta)``, or ``(None, empty BatchMeta)`` when none is ready."""
     config = {**sampling_config, "batch_index": batch_index, "partition_id": partition_id}
     meta = tq_client.get_meta(
-        data_fields=data_fields, batch_size=batch_size, partition_id=partition_id,
-        task_name=task_name, sampling_config=config,
-    )  # fmt: skip
+        data_fields=data_fields,
+        batch_size=batch_size,
+        partition_id=partition_id,
+        task_name=task_name,
+        sampling_config=config,
+    )
     if meta.size == 0:
         return None, meta
     return tq_client.get_data(meta), meta
@@ -60,7 +63,10 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
         )
     splits = (total + micro_batch_size - 1) // micro_batch_size
     metas = batch_meta.chunk(splits)
-    nested = {k: (v.unbind(0), v.layout) for k, v in td.items() if _is_nested(v)}
+    nested: dict[str, tuple[list[Any], Any]] = {}
+    for k, v in td.items():
+        if isinstance(v, torch.Tensor) and v.is_nested:
+            nested[k] = (list(v.unbind(0)), v.layout)
     dense = {k: v for k, v in td.items() if k not in nested}
     dense_td = TensorDict(dense, batch_size=td.batch_size) if dense else None
     out = []
@@ -73,11 +79,7 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
     return out
 
 
-def _is_nested(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.is_nested
-
-
-class StreamingDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class StreamingDataset(torch.utils.data.IterableDataset):
     """Batches of ``batch_size`` samples of a partition for one task and DP rank, yielded as
     micro-batches. With ``should_check_consumption_status`` the stream ends once the task has
     consumed the whole partition; otherwise it runs until the caller stops (an empty fetch
@@ -142,10 +144,14 @@ class StreamingDataset(torch.utils.data.IterableDataset):  # type: ignore[type-a
                 continue
             seen = client._live.controller.version()
             batch, meta = self.fetch_batch_fn(
-                tq_client=client, data_fields=self.data_fields, batch_size=self.batch_size,
-                partition_id=self.partition_id, task_name=self.task_name,
-                sampling_config=self.sampling_config, batch_index=self.batch_index,
-            )  # fmt: skip
+                tq_client=client,
+                data_fields=self.data_fields,
+                batch_size=self.batch_size,
+                partition_id=self.partition_id,
+                task_name=self.task_name,
+                sampling_config=self.sampling_config,
+                batch_index=self.batch_index,
+            )
             if batch is not None:
                 self.buffer.append((batch, meta))
             else:
@@ -164,7 +170,7 @@ def _identity(data: Any) -> Any:
     return data
 
 
-class StreamingDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+class StreamingDataLoader(torch.utils.data.DataLoader):
     """A DataLoader over a ``StreamingDataset`` (it batches; this passes its batches through).
 
     The embedded backend lives in the process that called ``tq.init()``: use
@@ -184,12 +190,17 @@ class StreamingDataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg
     ) -> None:
         self.dataset: StreamingDataset = dataset
         super().__init__(
-            dataset=dataset, batch_size=None, num_workers=num_workers,
-            collate_fn=collate_fn or _identity, pin_memory=pin_memory,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            dataset=dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=collate_fn or _identity,
+            pin_memory=pin_memory,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
-        )  # fmt: skip
+        )
 
     def reset(self) -> None:
         self.dataset.reset()

@@ -12,16 +12,23 @@ __all__ = ["install", "uninstall"]
 _MARK = "__rlferry_shim__"
 
 
-def _submodules() -> dict[str, tuple[Any, list[str]]]:
-    """Module name -> (source module, the names it exposes)."""
-    from . import _client, _dataset, _errors, _interface, _meta, _samplers
+def _names(module: Any, names: list[str]) -> dict[str, Any]:
+    return {n: getattr(module, n) for n in names}
 
-    samplers = (_samplers, _samplers.__all__)
-    dataset = (_dataset, _dataset.__all__)
+
+def _submodules() -> dict[str, dict[str, Any]]:
+    """Module name (under ``transfer_queue.``) -> the names it exposes."""
+    from . import _client, _dataset, _errors, _interface, _kvmeta, _meta, _samplers
+
+    samplers = _names(_samplers, _samplers.__all__)
+    dataset = _names(_dataset, _dataset.__all__)
     return {
-        "metadata": (_meta, _meta.__all__),
-        "client": (_client, _client.__all__),
-        "interface": (_interface, _interface.__all__),
+        "metadata": {
+            **_names(_meta, ["BatchMeta", "extract_field_schema"]),
+            "KVBatchMeta": _kvmeta.KVBatchMeta,
+        },
+        "client": _names(_client, _client.__all__),
+        "interface": _names(_interface, _interface.__all__),
         "sampler": samplers,
         "sampler.base": samplers,
         "sampler.sequential_sampler": samplers,
@@ -31,7 +38,7 @@ def _submodules() -> dict[str, tuple[Any, list[str]]]:
         "dataloader": dataset,
         "dataloader.streaming_dataset": dataset,
         "dataloader.streaming_dataloader": dataset,
-        "storage": (_errors, ["StorageKeyNotFoundError"]),
+        "storage": _names(_errors, ["StorageKeyNotFoundError"]),
     }
 
 
@@ -61,10 +68,10 @@ def install() -> None:
     top.__dict__.update({n: getattr(source, n) for n in names})
     top.__dict__.update(__version__=__version__, __path__=[], **{_MARK: True})
     made = {"transfer_queue": top}
-    for dotted, (module, exposed) in _submodules().items():
+    for dotted, exposed in _submodules().items():
         name = f"transfer_queue.{dotted}"
-        mod = types.ModuleType(name, module.__doc__)
-        mod.__dict__.update({n: getattr(module, n) for n in exposed})
+        mod = types.ModuleType(name, f"TransferQueue's `{name}` on rlferry (installed shim)")
+        mod.__dict__.update(exposed)
         mod.__dict__.update(__path__=[], **{_MARK: True})
         made[name] = mod
     for name, mod in made.items():
@@ -76,6 +83,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo ``install()``: ``transfer_queue`` imports TransferQueue again (if installed)."""
-    for name in [n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")]:
+    for name in [
+        n for n in sys.modules if n == "transfer_queue" or n.startswith("transfer_queue.")
+    ]:
         if getattr(sys.modules[name], _MARK, False):
             del sys.modules[name]

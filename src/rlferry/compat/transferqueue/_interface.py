@@ -19,7 +19,7 @@ from ._backend import Backend, Factory, embedded
 from ._client import TransferQueueClient
 from ._config import merged_config
 from ._errors import NotInitialized
-from ._meta import KVBatchMeta
+from ._kvmeta import KVBatchMeta
 
 __all__ = [
     "async_kv_batch_get",
@@ -82,7 +82,8 @@ def _sampler(spec: Any) -> _samplers.BaseSampler:
         return spec()
     names = [n for n in _samplers.__all__ if n.endswith("Sampler") and n != "BaseSampler"]
     if isinstance(spec, str) and spec in names:
-        return getattr(_samplers, spec)()  # type: ignore[no-any-return]
+        made: _samplers.BaseSampler = getattr(_samplers, spec)()
+        return made
     raise ValueError(
         f"Could not find sampler {spec!r}: expected one of {names}, a BaseSampler subclass or "
         "an instance (config `controller.sampler`)"
@@ -257,11 +258,19 @@ def kv_batch_get(
         )
     if select_fields is not None:
         wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        lacking = [f for f in wanted if f not in meta.field_schema]
+        if lacking:
+            raise ValueError(
+                f"Some fields are not ready in all the requested keys! expected fields {lacking} "
+                f"in each of {meta.size} keys of `{partition_id}`, got keys without them "
+                f"(fields all these keys hold: {meta.field_names})"
+            )
         meta = meta.select_fields(wanted)
     if not meta.is_ready:
         raise ValueError(
             f"Some fields are not ready in all the requested keys! expected fields "
-            f"{meta.field_names or select_fields} for each of {meta.size} keys of `{partition_id}`, "
+            f"{meta.field_names or select_fields} for each of {meta.size} keys of "
+            f"`{partition_id}`, "
             "got some keys without them (kv_batch_get keys that have the same fields)"
         )
     return client.get_data(meta)

@@ -11,7 +11,6 @@ of ints, ``partition_ids`` a list of strings, ``custom_meta`` a list of dicts).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from types import MappingProxyType
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["BatchMeta", "KVBatchMeta", "extract_field_schema"]
+__all__ = ["BatchMeta", "extract_field_schema", "merge_extra"]
 
 log = logging.getLogger("rlferry.compat.transferqueue")
 
@@ -39,7 +38,7 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _merge_extra(infos: list[dict[str, Any]], what: str) -> dict[str, Any]:
+def merge_extra(infos: list[dict[str, Any]], what: str) -> dict[str, Any]:
     """Union of the chunks' ``extra_info``; a key with two values is refused."""
     merged: dict[str, Any] = {}
     if any(set(i) != set(infos[0]) for i in infos[1:]):
@@ -74,15 +73,20 @@ def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
                 )
             shapes = [tuple(r.shape) for r in rows]
             schema[name] = {
-                "dtype": value.dtype, "shape": None, "is_nested": True, "is_non_tensor": False,
+                "dtype": value.dtype,
+                "shape": None,
+                "is_nested": True,
+                "is_non_tensor": False,
                 "per_sample_shapes": shapes,
-            }  # fmt: skip
+            }
         elif tensor:
             shape = tuple(value.shape[1:]) if value.dim() > 1 else (1,)
             schema[name] = {
-                "dtype": value.dtype, "shape": torch.Size(shape), "is_nested": False,
+                "dtype": value.dtype,
+                "shape": torch.Size(shape),
+                "is_nested": False,
                 "is_non_tensor": False,
-            }  # fmt: skip
+            }
         else:
             schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     return schema
@@ -163,13 +167,13 @@ class BatchMeta:
     """
 
     __slots__ = (
+        "_backend",
+        "_custom",
         "_gi",
         "_pids",
+        "extra_info",
         "field_schema",
         "production_status",
-        "extra_info",
-        "_custom",
-        "_backend",
     )
 
     def __init__(
@@ -247,7 +251,7 @@ class BatchMeta:
     # ---- the attributes TransferQueue users read ----
     @property
     def global_indexes(self) -> list[int]:
-        return self._gi.tolist()  # type: ignore[no-any-return]
+        return list(self._gi.tolist())
 
     @global_indexes.setter
     def global_indexes(self, value: Sequence[int]) -> None:
@@ -387,9 +391,12 @@ class BatchMeta:
                 meta["per_sample_shapes"] = [shapes[i] for i in rows.tolist()]
         pids = self._pids if isinstance(self._pids, str) else [self._pids[i] for i in rows]
         b = BatchMeta._of(
-            self._gi[rows], pids, schema, self.production_status[rows],
+            self._gi[rows],
+            pids,
+            schema,
+            self.production_status[rows],
             extra_info=dict(self.extra_info),
-        )  # fmt: skip
+        )
         if self._custom is not None:
             b._custom = [copy.deepcopy(self._custom[i]) for i in rows.tolist()]
         if self._backend is not None:
@@ -408,11 +415,16 @@ class BatchMeta:
 
     def select_fields(self, field_names: Sequence[str]) -> BatchMeta:
         wanted = set(field_names)
-        schema = {f: copy.deepcopy(self.field_schema[f]) for f in field_names if f in self.field_schema}
+        schema = {
+            f: copy.deepcopy(self.field_schema[f]) for f in field_names if f in self.field_schema
+        }
         b = BatchMeta._of(
-            self._gi.copy(), self._pids if isinstance(self._pids, str) else list(self._pids),
-            schema, self.production_status.copy(), extra_info=copy.deepcopy(self.extra_info),
-        )  # fmt: skip
+            self._gi.copy(),
+            self._pids if isinstance(self._pids, str) else list(self._pids),
+            schema,
+            self.production_status.copy(),
+            extra_info=copy.deepcopy(self.extra_info),
+        )
         if self._custom is not None:
             b._custom = copy.deepcopy(self._custom)
         if self._backend is not None:
@@ -478,7 +490,8 @@ class BatchMeta:
         if self.partition_ids != other.partition_ids:
             raise ValueError(
                 "BatchMeta.union: partition_ids do not match: "
-                f"self.partition_ids={self.partition_ids}, other.partition_ids={other.partition_ids}"
+                f"self.partition_ids={self.partition_ids}, "
+                f"other.partition_ids={other.partition_ids}"
             )
         out = self.copy()
         out.field_schema.update(copy.deepcopy(other.field_schema))
@@ -537,10 +550,12 @@ class BatchMeta:
         else:
             pids = [p for c in data for p in c.partition_ids]
         b = cls._of(
-            np.concatenate([c._gi for c in data]), pids, schema,
+            np.concatenate([c._gi for c in data]),
+            pids,
+            schema,
             np.concatenate([c.production_status for c in data]),
-            extra_info=_merge_extra([c.extra_info for c in data], "BatchMeta"),
-        )  # fmt: skip
+            extra_info=merge_extra([c.extra_info for c in data], "BatchMeta"),
+        )
         if any(c._custom is not None for c in data):
             b._custom = [m for c in data for m in c.custom_meta]
         if any(c._backend is not None for c in data):
@@ -575,9 +590,12 @@ class BatchMeta:
     @classmethod
     def empty(cls, extra_info: dict[str, Any] | None = None) -> BatchMeta:
         return cls._of(
-            np.zeros(0, dtype=np.int64), [], {}, np.zeros(0, dtype=np.int8),
+            np.zeros(0, dtype=np.int64),
+            [],
+            {},
+            np.zeros(0, dtype=np.int8),
             extra_info=dict(extra_info or {}),
-        )  # fmt: skip
+        )
 
     def __str__(self) -> str:
         return (
@@ -587,105 +605,3 @@ class BatchMeta:
         )
 
     __repr__ = __str__
-
-
-@dataclasses.dataclass
-class KVBatchMeta:
-    """The metadata of a KV batch: keys, one tag dict per key, partition, fields."""
-
-    keys: list[str] = dataclasses.field(default_factory=list)
-    tags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    partition_id: str | None = None
-    fields: list[str] | None = None
-    extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.tags):
-            raise ValueError(
-                f"keys and tags must have same length, but got {len(self.keys)} and "
-                f"{len(self.tags)} (give one tag dict per key, {{}} for none)"
-            )
-        if len(self.keys) != len(set(self.keys)):
-            dup = sorted({k for k in self.keys if self.keys.count(k) > 1})
-            raise ValueError(f"keys: Got duplicated keys {dup} (each key names one sample)")
-        if self.fields is not None and len(self.fields) != len(set(self.fields)):
-            raise ValueError(f"fields: Got duplicated fields in {self.fields}")
-        self.tags = copy.deepcopy(self.tags)
-        self.extra_info = copy.deepcopy(self.extra_info)
-
-    @property
-    def size(self) -> int:
-        return len(self.keys)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __str__(self) -> str:
-        return (
-            f"KVBatchMeta(size={self.size}, field_names={self.fields}, extra_info={self.extra_info})"
-        )
-
-    def select_keys(self, keys_to_select: list[str]) -> KVBatchMeta:
-        if len(set(keys_to_select)) != len(keys_to_select):
-            raise ValueError("keys_to_select: Contain duplicate keys (name each key once)")
-        where = {k: i for i, k in enumerate(self.keys)}
-        missing = [k for k in keys_to_select if k not in where]
-        if missing:
-            raise RuntimeError(f"Keys {missing} not found in current batch (it holds {self.keys})")
-        return KVBatchMeta(
-            keys=list(keys_to_select),
-            tags=[self.tags[where[k]] for k in keys_to_select],
-            partition_id=self.partition_id,
-            fields=self.fields,
-            extra_info=self.extra_info,
-        )
-
-    def reorder(self, indexes: list[int]) -> None:
-        if len(indexes) != self.size:
-            raise ValueError(
-                f"reorder: indexes length {len(indexes)} does not match the batch size {self.size}"
-            )
-        if len(set(indexes)) != len(indexes):
-            raise ValueError("reorder: Contain duplicate indexes (name each position once)")
-        self.keys = [self.keys[i] for i in indexes]
-        self.tags = [self.tags[i] for i in indexes]
-
-    def chunk(self, chunks: int) -> list[KVBatchMeta]:
-        base, extra = divmod(self.size, chunks)
-        out, start = [], 0
-        for i in range(chunks):
-            stop = start + base + (1 if i < extra else 0)
-            out.append(
-                KVBatchMeta(
-                    keys=self.keys[start:stop], tags=self.tags[start:stop],
-                    partition_id=self.partition_id, fields=self.fields, extra_info=self.extra_info,
-                )  # fmt: skip
-            )
-            start = stop
-        return out
-
-    @classmethod
-    def concat(cls, data: list[KVBatchMeta]) -> KVBatchMeta:
-        data = [c for c in data if c and c.size > 0]
-        if not data:
-            return cls()
-        fields, partition = data[0].fields, data[0].partition_id
-        for i, c in enumerate(data):
-            if c.fields is not None and set(c.fields) != set(fields or ()):
-                raise ValueError(
-                    f"KVBatchMeta.concat: Field names do not match for concatenation: expected "
-                    f"{fields} (as chunk[0]), got {c.fields} in chunk[{i}]"
-                )
-            if c.partition_id != partition:
-                raise ValueError(
-                    f"KVBatchMeta.concat: Partition do not match for concatenation: expected "
-                    f"{partition!r} (as chunk[0]), got {c.partition_id!r} in chunk[{i}]"
-                )
-        extra = _merge_extra([c.extra_info or {} for c in data], "KVBatchMeta")
-        return cls(
-            keys=[k for c in data for k in c.keys],
-            tags=[t for c in data for t in c.tags],
-            partition_id=partition,
-            fields=fields,
-            extra_info=extra or None,
-        )

@@ -95,7 +95,8 @@ class GRPOGroupNSampler(BaseSampler):
         dp_rank = kwargs.get("dp_rank")
         batch_index = kwargs.get("batch_index")
         if dp_rank in states and batch_index in states[dp_rank]:
-            return states[dp_rank][batch_index]  # type: ignore[no-any-return]
+            cached: tuple[list[int], list[int]] = states[dp_rank][batch_index]
+            return cached
         n = self.n_samples_per_prompt
         if batch_size % n != 0:
             raise ValueError(
@@ -175,9 +176,11 @@ class SeqlenBalancedSampler(GRPOGroupNSampler):
         key = (partition_id, task_name, batch_index)
         if key not in self._balanced_cache:
             picked, _ = super().sample(
-                ready_indexes, batch_size * self.dp_size, task_name=task_name,
+                ready_indexes,
+                batch_size * self.dp_size,
+                task_name=task_name,
                 partition_id=partition_id,
-            )  # fmt: skip
+            )
             if not picked:
                 return [], []
             self._balanced_cache[key] = self._spread(picked, kwargs.get("partition"))

@@ -204,13 +204,16 @@ class Store:
             return {
                 pid: {
                     name: {
-                        "chunks": c.chunks, "kinds": c.kinds, "live": c.live,
-                        "where": c.where, "rows": c.rows,
+                        "chunks": c.chunks,
+                        "kinds": c.kinds,
+                        "live": c.live,
+                        "where": c.where,
+                        "rows": c.rows,
                     }
                     for name, c in cols.items()
                 }
                 for pid, cols in self._parts.items()
-            }  # fmt: skip
+            }
 
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:
