@@ -123,10 +123,11 @@ class _Partition:
 
     def indexes(self) -> np.ndarray:
         """Every index of the partition, pre-allocated ones included, sorted."""
-        held = np.flatnonzero(self.members)
         if not self.pre:
-            return held
-        return np.union1d(held, np.array(self.pre, dtype=np.int64))
+            return np.flatnonzero(self.members)
+        mask = self.members.copy()
+        mask[self.pre] = True
+        return np.flatnonzero(mask)
 
     def consumed_of(self, task: str) -> np.ndarray:
         if task not in self.consumed:
@@ -425,8 +426,9 @@ class Controller:
             part = self._parts.get(pid)
             if part is None:
                 return
-            indexes = indexes[indexes < len(part.members)]
-            indexes = np.unique(indexes[part.members[indexes]])
+            mask = np.zeros(len(part.members), dtype=bool)  # (np.unique hashes: far slower)
+            mask[indexes[indexes < len(mask)]] = True
+            indexes = np.flatnonzero(mask & part.members)
             if not len(indexes):
                 return
             part.members[indexes] = False

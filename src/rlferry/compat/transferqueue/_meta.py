@@ -570,10 +570,10 @@ class BatchMeta:
                 f"reorder: expected {self.size} positions (Indices length {len(rows)} mismatch "
                 f"batch size {self.size})"
             )
-        if len(np.unique(rows)) != self.size:
-            raise ValueError("reorder: expected each position once (Indices contain duplicates)")
         if rows.size and (rows.min() < 0 or rows.max() >= self.size):
             raise ValueError(f"Reorder indices must be in range [0, {self.size})")
+        if (np.bincount(rows, minlength=self.size) != 1).any():
+            raise ValueError("reorder: expected each position once (Indices contain duplicates)")
         self._gi = self._gi[rows]
         if not isinstance(self._pids, str):
             self._pids = [self._pids[i] for i in rows]

@@ -17,10 +17,13 @@ import numpy as np
 import torch
 
 from ._errors import StorageKeyNotFoundError
+from ._memory import Pool
 
 __all__ = ["Store"]
 
 _DENSE, _ROWS, _OBJECTS = 0, 1, 2  # a chunk: a tensor of rows, a list of tensors, a list
+_POOL = Pool()  # large buffers, used again once their tensors are gone (see _memory.py)
+_empty = _POOL.empty
 
 
 def _grow(a: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -37,7 +40,7 @@ def _chunk_of(value: Any) -> tuple[int, Any]:
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             return _ROWS, [r.detach().to("cpu", copy=True) for r in value.unbind()]
-        return _DENSE, value.detach().to("cpu", copy=True)
+        return _DENSE, _empty(value.shape, value.dtype).copy_(value.detach())
     if value and all(isinstance(v, torch.Tensor) for v in value):
         return _ROWS, [v.detach().to("cpu", copy=True) for v in value]
     return _OBJECTS, list(value)
@@ -82,8 +85,9 @@ class _Column:
         self.rows[indexes] = np.arange(len(indexes))
 
     def _drop(self, chunks: np.ndarray) -> None:
-        for c, n in zip(*np.unique(chunks, return_counts=True), strict=True):
-            self.live[c] -= int(n)
+        counts = np.bincount(chunks, minlength=len(self.live))
+        for c in np.flatnonzero(counts).tolist():
+            self.live[c] -= int(counts[c])
             if self.live[c] == 0:
                 self.chunks[c] = None  # its memory goes now
 
@@ -112,14 +116,13 @@ class _Column:
         first = int(where[0])
         if (where == first).all():
             return self._one(first, rows)
-        chunks, inverse = np.unique(where, return_inverse=True)
-        kinds = {self.kinds[c] for c in chunks}
-        if kinds == {_DENSE}:
+        chunks = np.flatnonzero(np.bincount(where)).tolist()
+        if all(self.kinds[c] == _DENSE for c in chunks):
             parts = [self.chunks[c] for c in chunks]
             if len({(p.dtype, p.shape[1:]) for p in parts}) == 1:
-                out = torch.empty((len(indexes), *parts[0].shape[1:]), dtype=parts[0].dtype)
-                for k, c in enumerate(chunks):
-                    at = np.flatnonzero(inverse == k)
+                out = _empty((len(indexes), *parts[0].shape[1:]), parts[0].dtype)
+                for c in chunks:
+                    at = np.flatnonzero(where == c)
                     out[torch.from_numpy(at)] = self.chunks[c][torch.from_numpy(rows[at])]
                 return _nested(out)
         return _pack([self._row(int(c), int(r)) for c, r in zip(where, rows, strict=True)])
@@ -129,9 +132,12 @@ class _Column:
         n = len(rows)
         contiguous = n == 1 or (rows[-1] - rows[0] == n - 1 and bool((np.diff(rows) == 1).all()))
         if kind == _DENSE:
+            out = _empty((n, *chunk.shape[1:]), chunk.dtype)
             if contiguous:
-                return _nested(chunk[int(rows[0]) : int(rows[0]) + n].clone())
-            return _nested(chunk[torch.from_numpy(rows)])
+                out.copy_(chunk[int(rows[0]) : int(rows[0]) + n])
+            else:
+                torch.index_select(chunk, 0, torch.from_numpy(rows), out=out)
+            return _nested(out)
         pick = chunk[int(rows[0]) : int(rows[0]) + n] if contiguous else [chunk[r] for r in rows]
         if kind == _ROWS:
             return _pack([r.clone() for r in pick])
