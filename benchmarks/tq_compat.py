@@ -62,9 +62,7 @@ def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]
 
     tq.init()
     out: dict[str, Any] = {"perftest": {"put": [], "get": []}, "meta": {}}
-    data = TensorDict(
-        {f"field_{i}": torch.randn(B, SEQ) for i in range(FIELDS)}, batch_size=B
-    )
+    data = TensorDict({f"field_{i}": torch.randn(B, SEQ) for i in range(FIELDS)}, batch_size=B)
     keys = [f"key_{i}" for i in range(B)]
     for it in range(iters + 1):  # the first iteration warms up
         pid = f"perftest_{it}"

@@ -115,16 +115,12 @@ class AsyncTransferQueueClient:
         """
         ctl = self._live.controller
         self._check_get(data_fields, batch_size, mode, task_name)
-        fields = list(data_fields)
         if mode == "insert":
-            return ctl.insert(partition_id, fields, batch_size)
+            return ctl.insert(partition_id, list(data_fields), batch_size)
         if mode == "force_fetch":
-            return ctl.force_fetch(partition_id, fields)
-        config, task = dict(sampling_config or {}), str(task_name)
-        return ctl.wait_for(
-            lambda: ctl.fetch_attempt(partition_id, fields, batch_size, task, config),
-            lambda: ctl.fetch_timeout(partition_id, fields, batch_size, task),
-        )
+            return ctl.force_fetch(partition_id, list(data_fields))
+        return ctl.wait_for(*self._fetch(data_fields, batch_size, partition_id, task_name,
+                                         sampling_config))  # fmt: skip
 
     async def async_get_meta(
         self,
@@ -135,12 +131,25 @@ class AsyncTransferQueueClient:
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
     ) -> BatchMeta:
-        ctl = self._live.controller
         if mode != "fetch":
             return self.get_meta(data_fields, batch_size, partition_id, mode, task_name)
         self._check_get(data_fields, batch_size, mode, task_name)
+        return await self._live.controller.async_wait_for(
+            *self._fetch(data_fields, batch_size, partition_id, task_name, sampling_config)
+        )
+
+    def _fetch(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str | None,
+        sampling_config: dict[str, Any] | None,
+    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
+        """A fetch's attempt and its timeout message, for the controller's wait."""
+        ctl = self._live.controller
         fields, config, task = list(data_fields), dict(sampling_config or {}), str(task_name)
-        return await ctl.async_wait_for(
+        return (
             lambda: ctl.fetch_attempt(partition_id, fields, batch_size, task, config),
             lambda: ctl.fetch_timeout(partition_id, fields, batch_size, task),
         )

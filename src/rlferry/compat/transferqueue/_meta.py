@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from ._views import SampleViews
 
 __all__ = ["BatchMeta", "extract_field_schema", "merge_extra"]
 
@@ -90,68 +91,6 @@ def extract_field_schema(data: Any) -> dict[str, dict[str, Any]]:
         else:
             schema[name] = {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     return schema
-
-
-class _SampleView:
-    """A read-only view of one sample of a ``BatchMeta`` (made on demand)."""
-
-    __slots__ = ("_batch", "_i")
-
-    def __init__(self, batch: BatchMeta, i: int) -> None:
-        self._batch = batch
-        self._i = i
-
-    @property
-    def global_index(self) -> int:
-        return int(self._batch._gi[self._i])
-
-    @property
-    def partition_id(self) -> str:
-        return self._batch._pid_at(self._i)
-
-    @property
-    def production_status(self) -> int:
-        return int(self._batch.production_status[self._i])
-
-    @property
-    def custom_meta(self) -> MappingProxyType[str, Any]:
-        return MappingProxyType(self._batch.custom_meta[self._i])
-
-    @property
-    def fields(self) -> MappingProxyType[str, MappingProxyType[str, Any]]:
-        out: dict[str, MappingProxyType[str, Any]] = {}
-        for name, meta in self._batch.field_schema.items():
-            one = {k: v for k, v in meta.items() if k != "per_sample_shapes"}
-            shapes = meta.get("per_sample_shapes")
-            if shapes is not None:
-                one["shape"] = shapes[self._i]
-            out[name] = MappingProxyType(one)
-        return MappingProxyType(out)
-
-    def __repr__(self) -> str:
-        return (
-            f"_SampleView(global_index={self.global_index}, partition_id={self.partition_id!r}, "
-            f"production_status={self.production_status}, "
-            f"fields={list(self._batch.field_schema)})"
-        )
-
-
-class _SampleViews(Sequence[_SampleView]):
-    __slots__ = ("_batch",)
-
-    def __init__(self, batch: BatchMeta) -> None:
-        self._batch = batch
-
-    def __len__(self) -> int:
-        return self._batch.size
-
-    def __getitem__(self, i: Any) -> Any:
-        if not -self._batch.size <= i < self._batch.size:
-            raise IndexError(f"sample {i}: expected an index in [0, {self._batch.size})")
-        return _SampleView(self._batch, i % self._batch.size)
-
-    def __iter__(self) -> Iterator[_SampleView]:
-        return (_SampleView(self._batch, i) for i in range(self._batch.size))
 
 
 def _check_len(what: str, got: int, n: int) -> None:
@@ -300,8 +239,8 @@ class BatchMeta:
         return sorted(self.field_schema)
 
     @property
-    def samples(self) -> _SampleViews:
-        return _SampleViews(self)
+    def samples(self) -> SampleViews:
+        return SampleViews(self)
 
     @property
     def is_ready(self) -> bool:

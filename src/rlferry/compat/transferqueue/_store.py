@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlferry.wire._copy import bytes_copy, copy_many
+
 from ._errors import StorageKeyNotFoundError
 from ._memory import Pool
 
@@ -34,13 +36,24 @@ def _grow(a: np.ndarray, size: int, fill: int) -> np.ndarray:
     return out
 
 
-def _chunk_of(value: Any) -> tuple[int, Any]:
+def _copy(dst: torch.Tensor, src: torch.Tensor, jobs: list[tuple[int, int, int]]) -> None:
+    """Copy ``src`` into ``dst``: now, or as a job of bytes for one parallel copy later."""
+    if bytes_copy(dst, src):
+        jobs.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+    else:
+        dst.copy_(src)
+
+
+def _chunk_of(value: Any, jobs: list[tuple[int, int, int]]) -> tuple[int, Any]:
     """``(kind, chunk)`` of one put's column: a tensor, or a list of one value per sample
     (copied: later writes by the caller do not reach the queue)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             return _ROWS, [r.detach().to("cpu", copy=True) for r in value.unbind()]
-        return _DENSE, _empty(value.shape, value.dtype).copy_(value.detach())
+        src = value.detach().cpu()
+        dst = _empty(src.shape, src.dtype)
+        _copy(dst, src, jobs)
+        return _DENSE, dst
     if value and all(isinstance(v, torch.Tensor) for v in value):
         return _ROWS, [v.detach().to("cpu", copy=True) for v in value]
     return _OBJECTS, list(value)
@@ -69,8 +82,8 @@ class _Column:
         self.where = np.full(0, -1, dtype=np.int32)
         self.rows = np.zeros(0, dtype=np.int64)
 
-    def put(self, indexes: np.ndarray, value: Any) -> None:
-        kind, chunk = _chunk_of(value)
+    def put(self, indexes: np.ndarray, value: Any, jobs: list[tuple[int, int, int]]) -> None:
+        kind, chunk = _chunk_of(value, jobs)
         top = int(indexes.max()) + 1
         self.where = _grow(self.where, top, -1)
         self.rows = _grow(self.rows, top, 0)
@@ -103,7 +116,7 @@ class _Column:
         out[inside] = self.where[indexes[inside]] >= 0
         return out
 
-    def get(self, field: str, indexes: np.ndarray) -> Any:
+    def get(self, field: str, indexes: np.ndarray, jobs: list[tuple[int, int, int]]) -> Any:
         held = self.holds(indexes)
         if not held.all():
             missing = indexes[~held][:8].tolist()
@@ -115,7 +128,7 @@ class _Column:
         where, rows = self.where[indexes], self.rows[indexes]
         first = int(where[0])
         if (where == first).all():
-            return self._one(first, rows)
+            return self._one(first, rows, jobs)
         chunks = np.flatnonzero(np.bincount(where)).tolist()
         if all(self.kinds[c] == _DENSE for c in chunks):
             parts = [self.chunks[c] for c in chunks]
@@ -127,14 +140,14 @@ class _Column:
                 return _nested(out)
         return _pack([self._row(int(c), int(r)) for c, r in zip(where, rows, strict=True)])
 
-    def _one(self, c: int, rows: np.ndarray) -> Any:
+    def _one(self, c: int, rows: np.ndarray, jobs: list[tuple[int, int, int]]) -> Any:
         chunk, kind = self.chunks[c], self.kinds[c]
         n = len(rows)
         contiguous = n == 1 or (rows[-1] - rows[0] == n - 1 and bool((np.diff(rows) == 1).all()))
         if kind == _DENSE:
             out = _empty((n, *chunk.shape[1:]), chunk.dtype)
             if contiguous:
-                out.copy_(chunk[int(rows[0]) : int(rows[0]) + n])
+                _copy(out, chunk[int(rows[0]) : int(rows[0]) + n], jobs)
             else:
                 torch.index_select(chunk, 0, torch.from_numpy(rows), out=out)
             return _nested(out)
@@ -176,15 +189,18 @@ class Store:
         self._parts: dict[str, dict[str, _Column]] = {}
 
     def put(self, partition: str, indexes: np.ndarray, data: dict[str, Any]) -> None:
+        jobs: list[tuple[int, int, int]] = []
         with self._lock:
             columns = self._parts.setdefault(partition, {})
             for name, value in data.items():
-                columns.setdefault(name, _Column()).put(indexes, value)
+                columns.setdefault(name, _Column()).put(indexes, value, jobs)
+            copy_many(jobs)  # the put's large columns in one copy, on every core
 
     def get(self, partition: str, indexes: np.ndarray, fields: list[str]) -> dict[str, Any]:
         with self._lock:
             columns = self._parts.get(partition, {})
-            out = {}
+            out: dict[str, Any] = {}
+            jobs: list[tuple[int, int, int]] = []
             for name in fields:
                 column = columns.get(name)
                 if column is None:
@@ -192,7 +208,8 @@ class Store:
                         f"field `{name}`: expected it in partition `{partition}`, got a "
                         f"partition without it (it holds {sorted(columns)})"
                     )
-                out[name] = column.get(name, indexes)
+                out[name] = column.get(name, indexes, jobs)
+            copy_many(jobs)  # fills the results made above (views of their buffers)
             return out
 
     def clear(self, partition: str, indexes: np.ndarray) -> None:
