@@ -260,3 +260,9 @@ def test_works_with_ray_absent_or_never_started(ray):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2.0"
+
+
+def test_a_put_after_an_async_get_meta_timed_out_on_a_closed_loop_succeeds(client):
+    with pytest.raises(GetMetaTimeout):
+        asyncio.run(client.async_get_meta(["x"], 1, "p", task_name="t"))
+    assert client.put(rows(1), partition_id="p").size == 1

@@ -215,7 +215,8 @@ class Controller:
         self._version += 1
         self._changed.notify_all()
         for loop, fut in self._futures:
-            loop.call_soon_threadsafe(_wake, fut)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_wake, fut)
         self._futures.clear()
 
     def wait_for(self, attempt: Callable[[], T | None], what: Callable[[], str]) -> T:
@@ -253,9 +254,15 @@ class Controller:
                 fut: asyncio.Future[None] = loop.create_future()
                 self._futures.append((loop, fut))
             left = deadline - time.monotonic()
+            try:
+                if left > 0:
+                    await asyncio.wait([fut], timeout=left)
+            finally:  # timed out or cancelled: no put should wake a loop that may be gone
+                with self._lock:
+                    if (loop, fut) in self._futures:
+                        self._futures.remove((loop, fut))
             if left <= 0:
                 raise GetMetaTimeout(what())
-            await asyncio.wait([fut], timeout=left)
 
     # ---- partitions ----
     def _partition(self, pid: str, create: bool = False) -> _Partition | None:
