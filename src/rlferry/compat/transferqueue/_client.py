@@ -197,6 +197,13 @@ class AsyncTransferQueueClient:
                 "(put one row per sample of the metadata)"
             )
         parts = _by_partition(metadata)
+        gone = [pid for pid, _, _ in parts if not backend.controller.has(pid)]
+        if gone:
+            raise ValueError(
+                f"metadata: expected samples of existing partitions, got samples of {gone}, "
+                f"which do not exist (cleared since the BatchMeta was made? partitions: "
+                f"{backend.controller.partitions()})"
+            )
         columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
         if data_parser is not None:
             columns = _parsed(columns, data_parser)

@@ -108,15 +108,29 @@ def init(conf: Any = None) -> Any:
     if _LAUNCHER is not None:
         _BACKEND = _LAUNCHER(final)
     else:
-        ray = sys.modules.get("ray")
-        if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-            log.info(
-                "tq.init(): Ray is running, and the queue runs embedded in this process: "
-                "other processes do not see it (register a launcher with use_launcher)"
-            )
+        _embedded_here()
         _BACKEND = embedded(final, sampler)
     _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
     return final
+
+
+def _embedded_here() -> None:
+    """An embedded queue in a Ray worker would be a second, separate queue that the driver
+    and the other workers never see: refuse it. In the driver, say where the queue lives."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    if ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        raise RuntimeError(
+            "tq.init() in a Ray worker: expected the queue as a service that every process "
+            "reaches, got the embedded one, which lives in one process only (register a "
+            "launcher with rlferry.compat.transferqueue.use_launcher, or keep the queue's "
+            "calls in the process that called tq.init())"
+        )
+    log.info(
+        "tq.init(): Ray is running, and the queue runs embedded in this process: Ray workers "
+        "do not see it (register a launcher with use_launcher)"
+    )
 
 
 def close() -> None:
