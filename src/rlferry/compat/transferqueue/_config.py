@@ -109,7 +109,7 @@ def merged_config(conf: Any) -> Any:
     if final.metrics.enabled:
         raise ValueError(
             "config `metrics.enabled`: expected false, got true (the shim has no Prometheus "
-            "exporter; read rlferry's statistics instead)"
+            "exporter: leave metrics off)"
         )
     timeout = final.controller.get_meta_timeout
     if not isinstance(timeout, (int, float)) or timeout < 0:

@@ -59,8 +59,3 @@ class Pool:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._free_bytes += buf.nbytes
         self._lent = still
-
-    def statistics(self) -> dict[str, int]:
-        with self._lock:
-            self._reclaim()
-            return {"lent": len(self._lent), "free_bytes": self._free_bytes}

@@ -302,9 +302,6 @@ class BatchMeta:
     def clear_custom_meta(self) -> None:
         self._custom = None
 
-    def _has_custom(self) -> bool:
-        return self._custom is not None and any(self._custom)
-
     # ---- operations ----
     def add_fields(self, tensor_dict: Any, set_all_ready: bool = True) -> BatchMeta:
         """Add the fields of ``tensor_dict`` (in place); every sample becomes ready by default."""
