@@ -114,6 +114,21 @@ def test_get_meta_of_a_wrong_partition_names_the_partitions(client):
     )
 
 
+def test_a_sampler_that_raises_is_reported_as_a_runtime_error():
+    tq.init({"controller": {"sampler": tq.GRPOGroupNSampler(n_samples_per_prompt=4)}})
+    try:
+        client = tq.get_client()
+        client.put(rows(6), partition_id="p")
+        with pytest.raises(RuntimeError) as e:
+            client.get_meta(["x"], 6, "p", task_name="t")
+        assert str(e.value) == (
+            "get_meta `p` for task `t`: the sampler GRPOGroupNSampler raised ValueError: "
+            "batch_size (6) must be a multiple of n_samples_per_prompt (4)"
+        )
+    finally:
+        tq.close()
+
+
 def test_polling_mode_returns_an_empty_batch_at_once(polling):
     assert polling.get_meta(["x"], 1, "p", task_name="t").size == 0
 

@@ -78,17 +78,19 @@ class AsyncTransferQueueClient:
 
     # ---- get_meta ----
     def _check_get(self, data_fields: Any, batch_size: Any, mode: str, task_name: Any) -> None:
+        """Arguments TransferQueue's controller refuses: a ``RuntimeError``, as its client
+        reports every controller error."""
         if mode not in ("fetch", "force_fetch", "insert"):
             raise RuntimeError(
                 f"mode: expected 'fetch', 'force_fetch' or 'insert', got {mode!r} (Invalid mode)"
             )
         if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
-            raise TypeError(
+            raise RuntimeError(
                 f"data_fields: expected a list of field names, got {type(data_fields).__name__} "
                 f"(e.g. data_fields=[{data_fields!r}])"
             )
         if mode != "force_fetch" and (type(batch_size) is not int or batch_size < 1):
-            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+            raise RuntimeError(f"batch_size: expected a positive int, got {batch_size!r}")
         if mode == "fetch" and task_name is None:
             raise RuntimeError(
                 "task_name: expected the consumer task's name in fetch mode, got None "

@@ -163,7 +163,13 @@ class Controller:
         if type(self.sampler) is SequentialSampler:
             sampled = consumed = ready[:n]
         else:
-            s, c = self.sampler(ready.tolist(), n, partition=part, **config)
+            try:
+                s, c = self.sampler(ready.tolist(), n, partition=part, **config)
+            except Exception as e:  # TransferQueue's client reports it as a RuntimeError
+                raise RuntimeError(
+                    f"get_meta `{pid}` for task `{task}`: the sampler "
+                    f"{type(self.sampler).__name__} raised {type(e).__name__}: {e}"
+                ) from e
             sampled = np.asarray(s, dtype=np.int64)
             consumed = np.asarray(c, dtype=np.int64)
         if len(sampled) == 0:
