@@ -11,7 +11,12 @@
 # local Ray; the shim runs embedded all the same). TQ_UPSTREAM_DIR picks the work directory.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-work="${TQ_UPSTREAM_DIR:-$(mktemp -d -t tq-upstream-XXXXXX)}"
+if [ -n "${TQ_UPSTREAM_DIR:-}" ]; then
+  work="$TQ_UPSTREAM_DIR"
+else
+  work="$(mktemp -d -t tq-upstream-XXXXXX)"
+  trap 'rm -rf "$work"' EXIT
+fi
 case "$work" in "$(cd "$here/../.." && pwd)"/*)
   echo "TQ_UPSTREAM_DIR: expected a directory outside the source tree, got $work" >&2; exit 2;;
 esac
