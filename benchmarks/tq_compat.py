@@ -56,7 +56,7 @@ def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]
     else:
         import ray
 
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     import transfer_queue as tq
     from tensordict import TensorDict
 

@@ -296,7 +296,7 @@ def test_a_put_after_an_async_get_meta_timed_out_on_a_closed_loop_succeeds(clien
 
 RAY_WORKER = """
 import ray, rlferry.compat.transferqueue as t
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 t.install()
 import transfer_queue as tq
 tq.init()  # the driver: embedded here
