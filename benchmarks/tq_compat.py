@@ -1,0 +1,182 @@
+"""TransferQueue's API, two implementations in one run: rlferry's shim and TransferQueue 0.1.11.
+
+The same worker code runs twice, each time through ``import transfer_queue``: once with
+rlferry's shim installed (this interpreter; embedded, in this process) and once with the
+real package (``--tq-python``: an interpreter with ``transferqueue==0.1.11``; default
+``tq.init()`` on a local Ray started by the worker, ``ray.init(num_cpus=16)``: its
+controller and storage units are Ray actors).
+
+1. TransferQueue's perftest workload (its ``scripts/performance_test/perftest.py`` "simple"
+   case: 1024 samples x 9 float32 fields x 8192, 288 MiB) through its KV API:
+   ``kv_batch_put`` then ``kv_batch_get`` of every key, a fresh partition per iteration.
+2. Metadata cost: tiny samples (one int64 each) through the client, 1k to 131k samples per
+   call: ``put`` (new samples), ``get_meta`` (fetch, one task), ``get_data``,
+   ``clear_samples``; microseconds per sample.
+
+    python benchmarks/tq_compat.py --tq-python .venv-tq/bin/python
+
+Note what differs: the shim's embedded backend keeps the data in the caller's process (a
+put is one copy in memory); TransferQueue's moves it to storage-unit processes over ZMQ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+B, FIELDS, SEQ = 1024, 9, 8192
+SIZES = (1024, 4096, 16384, 65536, 131072)
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {
+        "p50": statistics.median(s),
+        "p90": s[min(len(s) - 1, round(0.9 * (len(s) - 1)))],
+        "max": s[-1],
+    }
+
+
+def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]:
+    """Runs in the interpreter under test; ``impl`` is 'shim' or 'tq'."""
+    import torch
+
+    if impl == "shim":
+        import rlferry.compat.transferqueue as shim
+
+        shim.install()
+    else:
+        import ray
+
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    tq.init()
+    out: dict[str, Any] = {"perftest": {"put": [], "get": []}, "meta": {}}
+    data = TensorDict({f"field_{i}": torch.randn(B, SEQ) for i in range(FIELDS)}, batch_size=B)
+    keys = [f"key_{i}" for i in range(B)]
+    for it in range(iters + 1):  # the first iteration warms up
+        pid = f"perftest_{it}"
+        t0 = time.perf_counter()
+        tq.kv_batch_put(keys=keys, partition_id=pid, fields=data)
+        t1 = time.perf_counter()
+        got = tq.kv_batch_get(keys=keys, partition_id=pid)
+        t2 = time.perf_counter()
+        assert got.batch_size[0] == B
+        del got
+        tq.kv_clear(keys=keys, partition_id=pid)
+        if it:
+            out["perftest"]["put"].append(t1 - t0)
+            out["perftest"]["get"].append(t2 - t1)
+    client = tq.get_client()
+    for n in sizes:
+        times: dict[str, list[float]] = {"put": [], "get_meta": [], "get_data": [], "clear": []}
+        tiny = TensorDict({"x": torch.arange(n)}, batch_size=n)
+        for r in range(reps + 1):
+            pid = f"meta_{n}_{r}"
+            t0 = time.perf_counter()
+            client.put(data=tiny, partition_id=pid)
+            t1 = time.perf_counter()
+            meta = client.get_meta(data_fields=["x"], batch_size=n, partition_id=pid,
+                                   task_name="train")  # fmt: skip
+            t2 = time.perf_counter()
+            got = client.get_data(meta)
+            t3 = time.perf_counter()
+            client.clear_samples(meta)
+            t4 = time.perf_counter()
+            assert got["x"].reshape(-1).sum().item() == n * (n - 1) // 2
+            client.clear_partition(pid)
+            if r:
+                for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    times[k].append(dt / n * 1e6)
+        out["meta"][n] = times
+    tq.close()
+    return out
+
+
+def _run(python: str, impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        args = [python, os.path.abspath(__file__), "--worker", impl, "--json", f.name,
+                "--iterations", str(iters), "--reps", str(reps),
+                "--sizes", ",".join(map(str, sizes))]  # fmt: skip
+        done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{impl} worker failed:\n{done.stderr[-4000:]}")
+        with open(f.name) as fh:
+            result: dict[str, Any] = json.load(fh)
+            return result
+
+
+def report(shim: dict[str, Any], tq: dict[str, Any] | None, reps: int) -> str:
+    from _common import table
+
+    nbytes = B * FIELDS * SEQ * 4
+    lines = [
+        f"machine: {platform.node()} ({os.cpu_count()} CPUs), python {platform.python_version()}",
+        f"perftest simple case: {B} samples x {FIELDS} fields x {SEQ} float32 "
+        f"= {nbytes / 2**20:.0f} MiB; GB/s from p50 (p90/max seconds)",
+        "",
+    ]
+    rows = []
+    for op in ("put", "get"):
+        s = _stats(shim["perftest"][op])
+        row = [f"kv_batch_{op}", f"{nbytes / s['p50'] / 1e9:.2f}", f"{B / s['p50']:,.0f}",
+               f"{s['p50']:.3f}/{s['p90']:.3f}/{s['max']:.3f}"]  # fmt: skip
+        if tq:
+            t = _stats(tq["perftest"][op])
+            row += [f"{nbytes / t['p50'] / 1e9:.2f}", f"{B / t['p50']:,.0f}",
+                    f"{t['p50']:.3f}/{t['p90']:.3f}/{t['max']:.3f}",
+                    f"{t['p50'] / s['p50']:.1f}x"]  # fmt: skip
+        rows.append(row)
+    header = ["op", "shim GB/s", "shim samples/s", "shim s p50/p90/max"]
+    if tq:
+        header += ["TQ GB/s", "TQ samples/s", "TQ s p50/p90/max", "shim/TQ speed"]
+    lines += [table(rows, header), ""]
+    lines.append(f"metadata cost, us per sample (tiny int64 samples, {reps} reps: p50 [p90, max])")
+    rows = []
+    for n in shim["meta"]:
+        for op in ("put", "get_meta", "get_data", "clear"):
+            s = _stats(shim["meta"][n][op])
+            row = [n, op, f"{s['p50']:.3f} [{s['p90']:.3f}, {s['max']:.3f}]"]
+            if tq:
+                t = _stats(tq["meta"][n][op])
+                row += [f"{t['p50']:.2f} [{t['p90']:.2f}, {t['max']:.2f}]",
+                        f"{t['p50'] / s['p50']:.0f}x"]  # fmt: skip
+            rows.append([str(c) for c in row])
+    header = ["samples", "op", "shim us/sample"]
+    if tq:
+        header += ["TQ us/sample", "shim/TQ speed"]
+    lines.append(table(rows, header))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--tq-python", help="an interpreter with transferqueue==0.1.11 installed")
+    p.add_argument("--iterations", type=int, default=4, help="perftest iterations (after one)")
+    p.add_argument("--reps", type=int, default=5, help="metadata-cost repetitions per size")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--worker", choices=["shim", "tq"], help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if a.worker:
+        with open(a.json, "w") as f:
+            json.dump(worker(a.worker, a.iterations, a.reps, sizes), f)
+        return
+    shim = _run(sys.executable, "shim", a.iterations, a.reps, sizes)
+    tq = _run(a.tq_python, "tq", a.iterations, a.reps, sizes) if a.tq_python else None
+    print(report(shim, tq, a.reps), flush=True)
+
+
+if __name__ == "__main__":
+    main()

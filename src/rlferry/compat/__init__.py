@@ -1,0 +1,1 @@
+"""Compatibility layers: other projects' APIs on rlferry (``rlferry.compat.transferqueue``)."""

@@ -1,0 +1,89 @@
+"""TransferQueue 0.1.11's public API (import name ``transfer_queue``) on rlferry.
+
+Switch an existing verl or slime integration with one line at start-up::
+
+    import rlferry.compat.transferqueue as tqc; tqc.install()
+    import transfer_queue as tq  # now rlferry's
+    tq.init()
+
+Needs the ``[tq]`` extra (tensordict, omegaconf). Embedded by default: no Ray,
+no cluster. ``use_launcher(factory)`` is the seam for a launcher that runs the
+controller and store as services.
+"""
+
+from ._client import AsyncTransferQueueClient, TransferQueueClient
+from ._dataset import StreamingDataLoader, StreamingDataset
+from ._errors import ClientClosed, GetMetaTimeout, NotInitialized, StorageKeyNotFoundError
+from ._install import install, uninstall
+from ._interface import (
+    async_kv_batch_get,
+    async_kv_batch_get_by_meta,
+    async_kv_batch_put,
+    async_kv_clear,
+    async_kv_list,
+    async_kv_put,
+    close,
+    get_client,
+    get_metrics_endpoint,
+    init,
+    kv_batch_get,
+    kv_batch_get_by_meta,
+    kv_batch_put,
+    kv_clear,
+    kv_list,
+    kv_put,
+    load_checkpoint,
+    save_checkpoint,
+    use_launcher,
+)
+from ._kvmeta import KVBatchMeta
+from ._meta import BatchMeta
+from ._samplers import (
+    BaseSampler,
+    GRPOGroupNSampler,
+    RankAwareSampler,
+    SeqlenBalancedSampler,
+    SequentialSampler,
+)
+
+__version__ = "0.1.11"
+"""The TransferQueue version whose API this is."""
+
+__all__ = [
+    "AsyncTransferQueueClient",
+    "BaseSampler",
+    "BatchMeta",
+    "ClientClosed",
+    "GRPOGroupNSampler",
+    "GetMetaTimeout",
+    "KVBatchMeta",
+    "NotInitialized",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
+    "StorageKeyNotFoundError",
+    "StreamingDataLoader",
+    "StreamingDataset",
+    "TransferQueueClient",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "close",
+    "get_client",
+    "get_metrics_endpoint",
+    "init",
+    "install",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
+    "uninstall",
+    "use_launcher",
+]

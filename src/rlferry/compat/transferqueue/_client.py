@@ -1,0 +1,479 @@
+"""``TransferQueueClient``: TransferQueue's low-level client on the embedded backend.
+
+Every method of TransferQueue 0.1.11's client, sync and ``async_`` twin, with its
+arguments and return types. The controller and the store live in this process
+(see ``_backend.py`` for the seam where another backend plugs in); a get_meta
+that must wait waits on an event, on a thread or on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from ._backend import Backend
+from ._errors import ClientClosed
+from ._meta import BatchMeta, extract_field_schema
+
+__all__ = ["AsyncTransferQueueClient", "TransferQueueClient"]
+
+log = logging.getLogger("rlferry.compat.transferqueue")
+T = TypeVar("T")
+
+
+def _tensordict(data: Any) -> Any:
+    from tensordict import TensorDict
+
+    if not isinstance(data, TensorDict):
+        raise TypeError(
+            f"data: expected a TensorDict with batch_size=[n], got {type(data).__name__} "
+            "(wrap columns as TensorDict({...}, batch_size=n))"
+        )
+    return data
+
+
+def _empty_tensordict() -> Any:
+    from tensordict import TensorDict
+
+    return TensorDict({}, batch_size=0)
+
+
+def _by_partition(meta: BatchMeta) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """``(partition, global indexes, positions in the batch or None for all)``."""
+    if isinstance(meta._pids, str):
+        return [(meta._pids, meta._gi, None)]
+    groups: dict[str, list[int]] = {}
+    for pos, pid in enumerate(meta._pids):
+        groups.setdefault(pid, []).append(pos)
+    return [(pid, meta._gi[np.array(p)], np.array(p)) for pid, p in groups.items()]
+
+
+class AsyncTransferQueueClient:
+    """TransferQueue's client. Raises ``RuntimeError`` subclasses for controller errors (as
+    TransferQueue's client does), ``ValueError``/``TypeError`` for bad arguments,
+    ``StorageKeyNotFoundError`` for a sample without the value asked for, ``ClientClosed``
+    (a ``RuntimeError``) after ``close()``."""
+
+    def __init__(self, client_id: str, controller_info: Any = None, **_: Any) -> None:
+        from ._interface import current_backend
+
+        self.client_id = client_id
+        self._backend: Backend | None = current_backend(controller_info)
+
+    def initialize_storage_manager(self, manager_type: str, config: Any) -> None:
+        """Kept for signature compatibility: the embedded backend's storage is ready at init."""
+
+    @property
+    def _live(self) -> Backend:
+        if self._backend is None:
+            raise ClientClosed(
+                f"client `{self.client_id}`: expected an open client, got one that was closed "
+                "(call tq.init() again and use tq.get_client())"
+            )
+        return self._backend
+
+    # ---- get_meta ----
+    def _check_get(self, data_fields: Any, batch_size: Any, mode: str, task_name: Any) -> None:
+        """Arguments TransferQueue's controller refuses: a ``RuntimeError``, as its client
+        reports every controller error."""
+        if mode not in ("fetch", "force_fetch", "insert"):
+            raise RuntimeError(
+                f"mode: expected 'fetch', 'force_fetch' or 'insert', got {mode!r} (Invalid mode)"
+            )
+        if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
+            raise RuntimeError(
+                f"data_fields: expected a list of field names, got {type(data_fields).__name__} "
+                f"(e.g. data_fields=[{data_fields!r}])"
+            )
+        if mode != "force_fetch" and (type(batch_size) is not int or batch_size < 1):
+            raise RuntimeError(f"batch_size: expected a positive int, got {batch_size!r}")
+        if mode == "fetch" and task_name is None:
+            raise RuntimeError(
+                "task_name: expected the consumer task's name in fetch mode, got None "
+                "(each task reads every sample once: e.g. task_name='actor_train')"
+            )
+
+    def get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Metadata of ``batch_size`` samples of ``partition_id``: ``fetch`` waits (on an event,
+        at most ``controller.get_meta_timeout`` s; in polling mode not at all) for samples with
+        every field in ``data_fields`` not yet consumed by ``task_name`` and marks the chosen
+        ones consumed; ``force_fetch`` returns every sample of the partition, consuming
+        nothing; ``insert`` allocates new samples.
+
+        Raises:
+            GetMetaTimeout (a RuntimeError): too few ready samples within the timeout.
+        """
+        ctl = self._live.controller
+        self._check_get(data_fields, batch_size, mode, task_name)
+        if mode == "insert":
+            return ctl.insert(partition_id, list(data_fields), batch_size)
+        if mode == "force_fetch":
+            return ctl.force_fetch(partition_id, list(data_fields))
+        return ctl.wait_for(*self._fetch(data_fields, batch_size, partition_id, task_name,
+                                         sampling_config))  # fmt: skip
+
+    async def async_get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+    ) -> BatchMeta:
+        if mode != "fetch":
+            return self.get_meta(data_fields, batch_size, partition_id, mode, task_name)
+        self._check_get(data_fields, batch_size, mode, task_name)
+        return await self._live.controller.async_wait_for(
+            *self._fetch(data_fields, batch_size, partition_id, task_name, sampling_config)
+        )
+
+    def _fetch(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        task_name: str | None,
+        sampling_config: dict[str, Any] | None,
+    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
+        """A fetch's attempt and its timeout message, for the controller's wait."""
+        ctl = self._live.controller
+        fields, config, task = list(data_fields), dict(sampling_config or {}), str(task_name)
+        return (
+            lambda: ctl.fetch_attempt(partition_id, fields, batch_size, task, config),
+            lambda: ctl.fetch_timeout(partition_id, fields, batch_size, task),
+        )
+
+    # ---- put / get ----
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store the batch's ``custom_meta`` at the controller."""
+        backend = self._live
+        if metadata.size == 0 or metadata._custom is None:
+            return
+        for pid, indexes, rows in _by_partition(metadata):
+            custom = metadata._custom if rows is None else [metadata._custom[i] for i in rows]
+            backend.controller.set_custom(pid, indexes, custom)
+
+    def put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        """Store ``data`` (a TensorDict, one row per sample) for the samples of ``metadata``,
+        or for new samples of ``partition_id``; returns the metadata with the new fields.
+
+        Raises:
+            ValueError: no partition, or rows that do not match the metadata (nothing is
+                stored then).
+        """
+        backend = self._live
+        data = _tensordict(data)
+        n = data.batch_size[0] if len(data.batch_size) else 0
+        schema = extract_field_schema(data)  # checks every column's rows first
+        if metadata is None:
+            if partition_id is None:
+                raise ValueError(
+                    "partition_id must be provided if metadata is not given: expected "
+                    "put(data, partition_id='train_0') or put(data, metadata=meta)"
+                )
+            metadata = backend.controller.insert(partition_id, list(data.keys()), n)
+        if not metadata or metadata.size == 0:
+            raise ValueError("metadata cannot be none or empty: expected a BatchMeta of samples")
+        if n != metadata.size:
+            raise ValueError(
+                f"data: expected {metadata.size} rows (the BatchMeta's size), got {n} "
+                "(put one row per sample of the metadata)"
+            )
+        parts = _by_partition(metadata)
+        gone = [pid for pid, _, _ in parts if not backend.controller.has(pid)]
+        if gone:
+            raise ValueError(
+                f"metadata: expected samples of existing partitions, got samples of {gone}, "
+                f"which do not exist (cleared since the BatchMeta was made? partitions: "
+                f"{backend.controller.partitions()})"
+            )
+        columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
+        if data_parser is not None:
+            columns = _parsed(columns, data_parser)
+        for pid, indexes, rows in parts:
+            mine = columns if rows is None else _rows(columns, rows)
+            backend.store.put(pid, indexes, mine)
+            sub = schema if rows is None else extract_field_schema(data[torch.from_numpy(rows)])
+            backend.controller.produced(pid, indexes, sub)
+        self.set_custom_meta(metadata)
+        return metadata.add_fields(data)
+
+    def get_data(self, metadata: BatchMeta) -> Any:
+        """The values of the batch's fields, a TensorDict in the batch's order.
+
+        Raises:
+            StorageKeyNotFoundError: a sample without a value for a field.
+        """
+        backend = self._live
+        if not metadata or metadata.size == 0 or not metadata.field_names:
+            log.warning("get_data: empty BatchMeta: returning an empty TensorDict")
+            return _empty_tensordict()
+        from tensordict import TensorDict
+
+        fields = metadata.field_names
+        parts = _by_partition(metadata)
+        if len(parts) == 1:
+            pid, indexes, _ = parts[0]
+            out = backend.store.get(pid, indexes, fields)
+        else:
+            pieces = [(rows, backend.store.get(pid, idx, fields)) for pid, idx, rows in parts]
+            out = {f: _scatter([(r, p[f]) for r, p in pieces], metadata.size) for f in fields}
+        return TensorDict(out, batch_size=metadata.size)
+
+    # ---- clearing ----
+    def clear_partition(self, partition_id: str) -> None:
+        """Drop a partition: its samples, data, keys and consumption. A partition that does not
+        exist is logged and left alone (as in TransferQueue)."""
+        backend = self._live
+        if not backend.controller.drop(partition_id):
+            log.warning("clear_partition: no partition `%s`: nothing to clear", partition_id)
+            return
+        backend.store.drop(partition_id)
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        backend = self._live
+        if metadata.size == 0:
+            log.warning("clear_samples: empty BatchMeta: nothing to clear")
+            return
+        for pid, indexes, _ in _by_partition(metadata):
+            backend.store.clear(pid, indexes)
+            backend.controller.clear_samples(pid, indexes)
+
+    # ---- status ----
+    def get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._live.controller.consumption(partition_id, task_name)
+
+    def get_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._live.controller.production(partition_id, list(data_fields))
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        _, status = self.get_consumption_status(task_name, partition_id)
+        return status is not None and status.numel() > 0 and bool(torch.all(status == 1))
+
+    def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        _, status = self.get_production_status(data_fields, partition_id)
+        return status is not None and bool(torch.all(status == 1))
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        self._live.controller.reset_consumption(partition_id, task_name)
+        return True
+
+    def get_partition_list(self) -> list[str]:
+        return self._live.controller.partitions()
+
+    # ---- keys ----
+    def kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        ctl = self._live.controller
+        if isinstance(keys, str):
+            keys = [keys]
+        elif isinstance(keys, list):
+            if not keys:
+                raise ValueError("keys: expected at least one key, got an empty list")
+            bad = [k for k in keys if not isinstance(k, str)]
+            if bad:
+                raise TypeError(
+                    f"keys: expected strings, got {bad[:4]!r} (Not all elements in `keys` are "
+                    "strings: convert them with str())"
+                )
+        else:
+            raise TypeError(
+                f"keys: expected a string or a list of strings, got {type(keys).__name__}"
+            )
+        return ctl.kv_meta(keys, partition_id, create)
+
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        ctl = self._live.controller
+        if isinstance(global_indexes, int):
+            global_indexes = [global_indexes]
+        elif isinstance(global_indexes, list):
+            if not global_indexes:
+                raise ValueError("global_indexes: expected at least one index, got an empty list")
+            if not all(isinstance(i, int) for i in global_indexes):
+                raise TypeError("global_indexes: expected ints (Not all elements are int)")
+        else:
+            raise TypeError(
+                f"global_indexes: expected an int or a list of ints, got "
+                f"{type(global_indexes).__name__}"
+            )
+        keys = ctl.kv_keys(global_indexes, partition_id)
+        if len(keys) != len(global_indexes):
+            raise RuntimeError(
+                f"kv_retrieve_keys: expected a key for each of {global_indexes[:8]} in partition "
+                f"`{partition_id}`, got some without (Some global_indexes have no corresponding "
+                "keys: they were put without a key, or cleared)"
+            )
+        return keys
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return self._live.controller.kv_list(partition_id)
+
+    # ---- checkpoints ----
+    def save_controller_checkpoint(self, path: str) -> None:
+        torch.save(self._live.controller.state(), path)
+
+    def load_controller_checkpoint(self, path: str) -> None:
+        self._live.controller.load(torch.load(path, weights_only=False))
+
+    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        torch.save(self._live.store.state(), f"{checkpoint_dir}/storage.pt")
+
+    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        self._live.store.load(torch.load(f"{checkpoint_dir}/storage.pt", weights_only=False))
+
+    def close(self) -> None:
+        self._backend = None
+
+    # ---- async twins ----
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        self.set_custom_meta(metadata)
+
+    async def async_put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        return self.put(data, metadata, partition_id, data_parser)
+
+    async def async_get_data(self, metadata: BatchMeta) -> Any:
+        return self.get_data(metadata)
+
+    async def async_clear_partition(self, partition_id: str) -> None:
+        self.clear_partition(partition_id)
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        self.clear_samples(metadata)
+
+    async def async_get_consumption_status(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.get_consumption_status(task_name, partition_id)
+
+    async def async_get_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.get_production_status(data_fields, partition_id)
+
+    async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        return self.check_consumption_status(task_name, partition_id)
+
+    async def async_check_production_status(
+        self, data_fields: list[str], partition_id: str
+    ) -> bool:
+        return self.check_production_status(data_fields, partition_id)
+
+    async def async_reset_consumption(
+        self, partition_id: str, task_name: str | None = None
+    ) -> bool:
+        return self.reset_consumption(partition_id, task_name)
+
+    async def async_get_partition_list(self) -> list[str]:
+        return self.get_partition_list()
+
+    async def async_kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool = False
+    ) -> BatchMeta:
+        return self.kv_retrieve_meta(keys, partition_id, create)
+
+    async def async_kv_retrieve_keys(
+        self, global_indexes: list[int] | int, partition_id: str
+    ) -> list[str]:
+        return self.kv_retrieve_keys(global_indexes, partition_id)
+
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return self.kv_list(partition_id)
+
+    async def async_save_controller_checkpoint(self, path: str) -> None:
+        self.save_controller_checkpoint(path)
+
+    async def async_load_controller_checkpoint(self, path: str) -> None:
+        self.load_controller_checkpoint(path)
+
+    async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        self.save_storage_checkpoint(checkpoint_dir)
+
+    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        self.load_storage_checkpoint(checkpoint_dir)
+
+
+class TransferQueueClient(AsyncTransferQueueClient):
+    """The sync client (TransferQueue's class name); it has the ``async_`` twins too."""
+
+    def _run_coroutine(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine to its end from sync code (TransferQueue's helper, used by its
+        module functions): on a private event loop, never on the caller's."""
+        import asyncio
+
+        return asyncio.run(coro)
+
+
+def _column(data: Any, name: str, n: int) -> Any:
+    """One field of a TensorDict: a tensor (dense or nested), or a list of ``n`` values (a
+    NonTensorData of one value stands for that value in every row)."""
+    value = data.get(name)
+    if isinstance(value, torch.Tensor):
+        return value
+    items = data[name]
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__len__") or len(items) != n:
+        return [items] * n
+    return list(items)
+
+
+def _parsed(columns: dict[str, Any], parser: Callable[[Any], Any]) -> dict[str, Any]:
+    """TransferQueue's ``data_parser``: it edits a dict of batched values in place (tensors as
+    they are, nested tensors and non-tensor columns as lists)."""
+    plain = {
+        k: (list(v.unbind()) if isinstance(v, torch.Tensor) and v.is_nested else v)
+        for k, v in columns.items()
+    }
+    parser(plain)
+    return plain
+
+
+def _rows(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, v in columns.items():
+        if isinstance(v, torch.Tensor) and not v.is_nested:
+            out[name] = v[torch.from_numpy(rows)]
+        else:
+            items = list(v.unbind()) if isinstance(v, torch.Tensor) else v
+            out[name] = [items[i] for i in rows.tolist()]
+    return out
+
+
+def _scatter(pieces: list[tuple[np.ndarray | None, Any]], n: int) -> Any:
+    """One column of a batch that spans partitions, from each partition's rows."""
+    from ._store import _pack
+
+    values: list[Any] = [None] * n
+    for rows, p in pieces:
+        items = list(p.unbind()) if isinstance(p, torch.Tensor) else list(p.tolist())
+        for r, v in zip(rows.tolist() if rows is not None else range(n), items, strict=True):
+            values[r] = v
+    return _pack(values)

@@ -1,0 +1,31 @@
+"""The exceptions of the TransferQueue API, of the types TransferQueue raises.
+
+TransferQueue's client wraps a controller error into ``RuntimeError``; its storage
+raises ``StorageKeyNotFoundError`` (a ``KeyError``); its module functions assert
+that ``init()`` ran. Each class here is a subclass of that type, so ``except``
+clauses written for TransferQueue catch them, with a message naming what was
+expected, what came and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ClientClosed", "GetMetaTimeout", "NotInitialized", "StorageKeyNotFoundError"]
+
+
+class StorageKeyNotFoundError(KeyError):
+    """A requested sample has no value for a field (cleared, or never put)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; this one is a sentence
+        return str(self.args[0]) if self.args else ""
+
+
+class GetMetaTimeout(RuntimeError):
+    """``get_meta`` waited its whole timeout and too few samples were ready."""
+
+
+class ClientClosed(RuntimeError):
+    """A call on a client after ``close()``."""
+
+
+class NotInitialized(AssertionError):
+    """A module function called before ``init()`` or after ``close()``."""

@@ -1,0 +1,429 @@
+"""TransferQueue's module functions: ``init``/``close``/``get_client``, the KV API and its
+``async_`` twins, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _samplers
+from ._backend import Backend, Factory, embedded
+from ._client import TransferQueueClient
+from ._config import merged_config
+from ._errors import NotInitialized
+from ._kvmeta import KVBatchMeta
+
+__all__ = [
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "close",
+    "current_backend",
+    "get_client",
+    "get_metrics_endpoint",
+    "init",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
+    "use_launcher",
+]
+
+log = logging.getLogger("rlferry.compat.transferqueue")
+
+_BACKEND: Backend | None = None
+_CLIENT: TransferQueueClient | None = None
+_LAUNCHER: Factory | None = None
+_NOT_INIT = (
+    "TransferQueue is not initialized: expected tq.init() first, got a call before it or "
+    "after tq.close() (Please call init() first)"
+)
+
+
+def use_launcher(factory: Factory | None) -> None:
+    """Make ``init()`` build its controller and store with ``factory(conf)`` (a launcher that
+    runs them as services, e.g. on Ray); ``None`` goes back to the embedded backend."""
+    global _LAUNCHER
+    _LAUNCHER = factory
+
+
+def current_backend(_controller_info: Any = None) -> Backend:
+    """The backend ``init()`` made (clients built directly, e.g. by StreamingDataset, use it)."""
+    if _BACKEND is None:
+        raise NotInitialized(_NOT_INIT)
+    if _BACKEND.pid != os.getpid():
+        raise RuntimeError(
+            f"process {os.getpid()}: expected the process that called tq.init() "
+            f"({_BACKEND.pid}), got a forked child: the embedded backend lives in that "
+            "process's memory (use num_workers=0, or run the queue as a service)"
+        )
+    return _BACKEND
+
+
+def _sampler(spec: Any) -> _samplers.BaseSampler:
+    if isinstance(spec, _samplers.BaseSampler):
+        return spec
+    if isinstance(spec, type) and issubclass(spec, _samplers.BaseSampler):
+        return spec()
+    names = [n for n in _samplers.__all__ if n.endswith("Sampler") and n != "BaseSampler"]
+    if isinstance(spec, str) and spec in names:
+        made: _samplers.BaseSampler = getattr(_samplers, spec)()
+        return made
+    raise ValueError(
+        f"Could not find sampler {spec!r}: expected one of {names}, a BaseSampler subclass or "
+        "an instance (config `controller.sampler`)"
+    )
+
+
+def init(conf: Any = None) -> Any:
+    """Start the TransferQueue system in this process (embedded), or through the launcher
+    registered with ``use_launcher``. A second call reuses it and returns ``conf`` as given.
+
+    Returns:
+        The merged configuration (an OmegaConf ``DictConfig``).
+
+    Raises:
+        ValueError: an unknown configuration key or an unsupported setting.
+    """
+    global _BACKEND, _CLIENT
+    if _BACKEND is not None and _BACKEND.pid == os.getpid():
+        return conf
+    final = merged_config(conf)
+    sampler = _sampler(final.controller.sampler)
+    if _LAUNCHER is not None:
+        _BACKEND = _LAUNCHER(final)
+    else:
+        _embedded_here()
+        _BACKEND = embedded(final, sampler)
+    _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
+    return final
+
+
+def _embedded_here() -> None:
+    """An embedded queue in a Ray worker would be a second, separate queue that the driver
+    and the other workers never see: refuse it. In the driver, say where the queue lives."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    if ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        raise RuntimeError(
+            "tq.init() in a Ray worker: expected the queue as a service that every process "
+            "reaches, got the embedded one, which lives in one process only (register a "
+            "launcher with rlferry.compat.transferqueue.use_launcher, or keep the queue's "
+            "calls in the process that called tq.init())"
+        )
+    log.info(
+        "tq.init(): Ray is running, and the queue runs embedded in this process: Ray workers "
+        "do not see it (register a launcher with use_launcher)"
+    )
+
+
+def close() -> None:
+    """Drop the system: the client, and with the embedded backend every sample it held."""
+    global _BACKEND, _CLIENT
+    if _CLIENT is not None:
+        _CLIENT.close()
+    _CLIENT = _BACKEND = None
+
+
+def get_client() -> TransferQueueClient:
+    """The client ``init()`` made, for TransferQueue's low-level API."""
+    if _CLIENT is None:
+        raise NotInitialized(
+            "Please initialize the TransferQueue first by calling `tq.init()`: expected an "
+            "initialized system, got none"
+        )
+    return _CLIENT
+
+
+def get_metrics_endpoint() -> str | None:
+    """Always None: the shim has no Prometheus exporter (``metrics.enabled`` is refused)."""
+    return None
+
+
+def _client() -> TransferQueueClient:
+    if _CLIENT is None:
+        raise NotInitialized(_NOT_INIT)
+    return _CLIENT
+
+
+# ---- KV API ----
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """Put one sample under ``key``: its fields (a dict of per-sample values or a TensorDict
+    of one row) and/or its tag. Returns the key's KVBatchMeta with every field it holds."""
+    if fields is None and tag is None:
+        raise ValueError("Please provide at least one parameter of fields or tag.")
+    if fields is not None:
+        fields = _one_row(fields)
+    return _kv_put([key], partition_id, fields, None if tag is None else [tag], data_parser)
+
+
+def _one_row(fields: Any) -> Any:
+    from tensordict import NonTensorStack, TensorDict
+
+    if isinstance(fields, TensorDict):
+        return fields
+    if not isinstance(fields, dict):
+        raise ValueError(
+            f"fields: expected a dict or a TensorDict, got {type(fields).__name__} "
+            "(`fields` can only be dict or TensorDict)"
+        )
+    row: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                raise ValueError(
+                    f"field `{name}`: expected one sample's value, got a nested tensor (a batch: "
+                    "Please use (async)kv_batch_put for batch operation)"
+                )
+            row[name] = value.unsqueeze(0)
+        else:
+            row[name] = NonTensorStack(value)
+    return TensorDict(row, batch_size=[1])
+
+
+def _kv_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any,
+    tags: list[dict[str, Any]] | None,
+    data_parser: Callable[[Any], Any] | None,
+) -> KVBatchMeta:
+    client = _client()
+    if fields is not None and fields.batch_size[0] != len(keys):
+        raise ValueError(
+            f"`keys` with length {len(keys)} does not match the `fields` TensorDict with "
+            f"batch_size {fields.batch_size[0]}: expected one row per key"
+        )
+    if tags is not None and len(tags) != len(keys):
+        raise ValueError(
+            f"keys with length {len(keys)} does not match length of tags {len(tags)}: "
+            "expected one tag dict per key"
+        )
+    meta = client.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=True)
+    if meta.size != len(keys):
+        raise RuntimeError(
+            f"Retrieved BatchMeta size {meta.size} does not match with input `keys` size "
+            f"{len(keys)}: expected one sample per key (duplicated keys?)"
+        )
+    if tags is not None:
+        meta.update_custom_meta(tags)
+    if fields is not None:
+        meta = client.put(fields, meta, data_parser=data_parser)
+    else:
+        client.set_custom_meta(meta)
+    return KVBatchMeta(
+        keys=list(keys),
+        tags=meta.custom_meta,
+        partition_id=partition_id,
+        fields=meta.field_names,
+        extra_info=meta.extra_info,
+    )
+
+
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    """Put many samples, one row of ``fields`` (a TensorDict) and one tag per key."""
+    if fields is None and tags is None:
+        raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
+    return _kv_put(list(keys), partition_id, fields, tags, data_parser)
+
+
+def kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> Any:
+    """The values of ``keys`` (all their common fields, or ``select_fields``), a TensorDict.
+
+    Raises:
+        ValueError: no such keys or partition, or a field some of the keys lack.
+    """
+    client = _client()
+    meta = client.kv_retrieve_meta(keys=keys, partition_id=partition_id, create=False)
+    if meta.size == 0:
+        raise ValueError(
+            f"keys or partition were not found! expected keys {keys!r} in partition "
+            f"`{partition_id}` (partitions: {client.get_partition_list()})"
+        )
+    if select_fields is not None:
+        wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        lacking = [f for f in wanted if f not in meta.field_schema]
+        if lacking:
+            raise ValueError(
+                f"Some fields are not ready in all the requested keys! expected fields {lacking} "
+                f"in each of {meta.size} keys of `{partition_id}`, got keys without them "
+                f"(fields all these keys hold: {meta.field_names})"
+            )
+        meta = meta.select_fields(wanted)
+    if not meta.is_ready:
+        raise ValueError(
+            f"Some fields are not ready in all the requested keys! expected fields "
+            f"{meta.field_names or select_fields} for each of {meta.size} keys of "
+            f"`{partition_id}`, "
+            "got some keys without them (kv_batch_get keys that have the same fields)"
+        )
+    return client.get_data(meta)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | None = None) -> Any:
+    """``kv_batch_get`` for the keys, partition and fields of a ``KVBatchMeta``."""
+    if meta.partition_id is None:
+        raise ValueError("Must provide partition_id in the input KVBatchMeta.")
+    fields = meta.fields
+    if select_fields is not None:
+        fields = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        if meta.fields is None or any(f not in meta.fields for f in fields):
+            raise ValueError(
+                f"Some fields assigned in select_fields not found in the metadata. "
+                f"Assigned: {fields}; Fields in KVBatchMeta: {meta.fields}."
+            )
+    return kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{partition: {key: tags}}`` of one partition or all."""
+    return _client().kv_list(partition_id)
+
+
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Drop the samples of ``keys`` (keys that do not exist are ignored)."""
+    client = _client()
+    meta = client.kv_retrieve_meta(
+        keys=[keys] if isinstance(keys, str) else keys, partition_id=partition_id, create=False
+    )
+    if meta.size > 0:
+        client.clear_samples(meta)
+
+
+async def async_kv_put(
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    return kv_put(key, partition_id, fields, tag, data_parser)
+
+
+async def async_kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
+    return kv_batch_put(keys, partition_id, fields, tags, data_parser)
+
+
+async def async_kv_batch_get(
+    keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
+) -> Any:
+    return kv_batch_get(keys, partition_id, select_fields)
+
+
+async def async_kv_batch_get_by_meta(
+    meta: KVBatchMeta, select_fields: list[str] | str | None = None
+) -> Any:
+    return kv_batch_get_by_meta(meta, select_fields)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+    return kv_list(partition_id)
+
+
+async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    kv_clear(keys, partition_id)
+
+
+# ---- checkpoints ----
+_METADATA_FILE = "metadata.json"
+_CONTROLLER_FILE = "controller_state.pt"
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    *,
+    include_storage: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Write the whole state (controller, and the data: it lives in memory, so always) to
+    ``checkpoint_dir``, replacing an earlier checkpoint there only once the new one is whole.
+
+    Raises:
+        RuntimeError: not initialized.
+    """
+    if _CLIENT is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    target = Path(checkpoint_dir)
+    tmp = target.parent / f"{target.name}.tmp"
+    old = target.parent / f"{target.name}.old"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        _CLIENT.save_controller_checkpoint(str(tmp / _CONTROLLER_FILE))
+        _CLIENT.save_storage_checkpoint(str(tmp))
+        with open(tmp / _METADATA_FILE, "w") as f:
+            json.dump({"storage_saved": True, "user_metadata": metadata or {}}, f, indent=2)
+        if target.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            target.rename(old)
+        tmp.rename(target)
+        if old.exists():
+            shutil.rmtree(old)
+    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if old.exists() and not target.exists():
+            old.rename(target)
+        raise
+
+
+def load_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Restore the state ``save_checkpoint`` wrote (a checkpoint is trusted: it is unpickled).
+
+    Raises:
+        FileNotFoundError: no checkpoint there. RuntimeError: not initialized.
+    """
+    if _CLIENT is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    target = Path(checkpoint_dir)
+    old = target.parent / f"{target.name}.old"
+    if not target.exists() and old.exists():
+        old.rename(target)  # a save died between its two renames: the old one is whole
+    if not target.exists():
+        raise FileNotFoundError(f"Checkpoint directory not found: {target}")
+    for name in (_METADATA_FILE, _CONTROLLER_FILE):
+        if not (target / name).exists():
+            raise FileNotFoundError(f"{name} not found in {target}")
+    with open(target / _METADATA_FILE) as f:
+        saved = json.load(f)
+    if saved.get("storage_saved"):
+        _CLIENT.load_storage_checkpoint(str(target))
+    _CLIENT.load_controller_checkpoint(str(target / _CONTROLLER_FILE))
