@@ -26,7 +26,9 @@ GOLDEN = json.loads(GOLDEN_PATH.read_text())["scenarios"]
 def tq() -> Any:
     shim = pytest.importorskip(
         "rlferry.compat.transferqueue",
-        reason="rlferry.compat.transferqueue (issue 21: TransferQueue-compatible API) is not here",
+        # ImportError too: a shim whose [tq] extra (tensordict, omegaconf) is missing says so.
+        exc_type=ImportError,
+        reason="rlferry.compat.transferqueue (issue 21) or its [tq] extra is not importable here",
     )
     shim.install()
     import transfer_queue

@@ -9,7 +9,10 @@ Run in a venv of its own (TransferQueue pins Ray and tensordict versions of its 
 It starts a local Ray (`num_cpus=16`: TransferQueue's controller and each storage unit ask for
 one CPU, and would not be scheduled on a 2-core machine otherwise), runs every scenario of
 `scenarios.py` on `transfer_queue`, and writes `tests/tq_diff/golden.json`. About two minutes
-on a 2-core machine. `--only NAME` runs the named scenarios and prints their records instead.
+on a 2-core machine. `--only NAME` runs the named scenarios and prints their records instead;
+`--check` runs them all and compares with `golden.json` the way the differential test does (a
+second run of the real package must match the first: that shows the records leave out what
+TransferQueue does not fix, such as the order of concurrent puts).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", metavar="NAME", help="run these scenarios and print them"
     )
+    parser.add_argument("--check", action="store_true", help="compare with the golden file")
     parser.add_argument(
         "--out", type=Path, default=GOLDEN, help="where to write (default: %(default)s)"
     )
@@ -66,6 +70,13 @@ def main() -> None:
     if args.only:
         print(json.dumps(results, indent=1, sort_keys=True))
         return
+    if args.check:
+        from tq_diff.compare import mismatches
+
+        golden = json.loads(args.out.read_text())["scenarios"]
+        found = [line for name in names for line in mismatches(golden[name], results[name], name)]
+        print("\n".join(found) or f"{len(names)} scenarios match {args.out}")
+        sys.exit(1 if found else 0)
     golden = {
         "recorded_with": {dist: metadata.version(dist) for dist in RECORDED_WITH},
         "scenarios": results,
