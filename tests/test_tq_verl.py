@@ -12,9 +12,12 @@ local Ray instead, in a venv of its own, which shows the tests themselves are ri
 
 The paths driven: `ReplayBuffer.sample` (sync trainer), `ReplayBufferAsync.sample`,
 `get_sampleable_count` and `wait_for_sampleable` (async trainer: staleness drop, failed groups,
-DAPO filtering through `kv_batch_get(select_fields=["rm_scores"])`), and
+DAPO filtering through `kv_batch_get(select_fields=["rm_scores"])` or the non-tensor
+`extra_fields`; sampling in one thread while rollouts are written from another), and
 `verl.utils.transferqueue_utils.tqbridge` (KVBatchMeta and BatchMeta in, sync and async
-functions, from several threads at once).
+functions, from several threads at once). The data is written as verl's agent loop writes it:
+prompts as tag-only keys, `async_kv_put` status updates, `async_kv_batch_put` trajectories.
+While a sample waits for data, verl's replay buffer polls every `poll_interval` (its design).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ tq_utils = pytest.importorskip("verl.utils.transferqueue_utils", reason=_VERL_MI
 import ray  # noqa: E402  (verl imports it; after the shim's install() on purpose)
 import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from tensordict import NonTensorData, TensorDict  # noqa: E402
+from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 # How long a test waits for work it started in another thread.
 WAIT_S = 60
@@ -110,6 +113,9 @@ async def _rollout(
                 "prompts": torch.tensor([[base, base + 1]]),
                 "responses": torch.tensor([[base + 2, base + 3, base + 4]]),
                 "rm_scores": torch.tensor([[0.0, 0.0, scores[session]]]),
+                "extra_fields": NonTensorStack.from_list(
+                    [{"reward_extra_info": {"acc": scores[session]}}]
+                ),
             },
             batch_size=1,
         )
@@ -222,6 +228,26 @@ def test_async_replay_buffer_filters_groups_whose_rewards_are_all_equal(queue):
     assert refills == [1]
     assert metrics["training/filter_groups/evicted_samples"] == 1
     assert metrics[replay_buffer.DAPO_FILTERED_REWARD_COUNTS_KEY] == {1.0: 1}
+
+
+def test_async_replay_buffer_filters_groups_by_a_reward_extra_info_metric(queue):
+    """The DAPO metric read from each trajectory's `extra_fields` (a non-tensor field)."""
+    _submit_prompts(["u1", "u2", "u3"], global_steps=1)
+    _produce(
+        _rollout("u1", 2, 1, [0.0, 0.0]),
+        _rollout("u2", 2, 1, [0.0, 1.0]),
+        _rollout("u3", 3, 1, [1.0, 0.0, 1.0]),
+    )
+    refills: list[int] = []
+    buffer = _buffer(
+        replay_buffer.ReplayBufferAsync, filter_groups_metric="acc", refill_fn=refills.append
+    )
+
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+
+    assert sorted(batch.keys) == ["u2_0_0", "u2_1_0", "u3_0_0", "u3_1_0", "u3_2_0"]
+    assert refills == [1]
+    assert metrics[replay_buffer.DAPO_FILTERED_REWARD_COUNTS_KEY] == {0.0: 1}
 
 
 def test_async_replay_buffer_sample_waits_for_groups_produced_by_another_thread(queue):

@@ -3,7 +3,9 @@
 Each entry names a place in a scenario's record (the scenario, then the keys down to the
 value), the value rlferry gives there, and why. The differential test compares that place with
 this value instead of the golden file's. Every entry is a TransferQueue behaviour that is a bug
-no framework depends on; each is also listed in the README's list of differences.
+(against issue 21, against its own documentation, or against rlferry's rule that bad input is
+refused before anything is stored) and that no framework depends on; each belongs in the
+README's list of differences.
 """
 
 from __future__ import annotations
@@ -26,9 +28,33 @@ _CLEAR_PARTITION = (
     "in such a partition, does nothing, and keeps listing it)"
 )
 
+_DOCUMENTED_VALUE_ERROR = (
+    "TransferQueue 0.1.11 documents a ValueError for kv_batch_get when a key is not found or a "
+    "field is empty in a sample, but returns the other samples or fields (or an empty "
+    "TensorDict) without a word; rlferry raises the ValueError, naming the key or field"
+)
+_CHECK_BEFORE_STORE = (
+    "rlferry checks a put before it stores or reserves anything; TransferQueue 0.1.11 registers "
+    "the keys of a kv_batch_put whose tags do not match its keys, then raises"
+)
+
 DIFFERENCES: tuple[Difference, ...] = (
     Difference(("partitions", "partitions_after_clear_b"), ["c"], _CLEAR_PARTITION),
     Difference(("partitions", "kv_list_after_clear_b"), {"c": {}}, _CLEAR_PARTITION),
+    Difference(
+        ("bad_inputs", "field_missing_from_some_keys"),
+        {"raised": "ValueError"},
+        _DOCUMENTED_VALUE_ERROR,
+    ),
+    Difference(("bad_inputs", "unknown_field"), {"raised": "ValueError"}, _DOCUMENTED_VALUE_ERROR),
+    Difference(
+        ("bad_inputs", "some_keys_unknown"), {"raised": "ValueError"}, _DOCUMENTED_VALUE_ERROR
+    ),
+    Difference(
+        ("bad_inputs", "list_after_mistakes"),
+        {"train": {"full": {}, "half": {}}},
+        _CHECK_BEFORE_STORE,
+    ),
 )
 
 

@@ -33,9 +33,9 @@ def _conf(**controller: Any) -> Any:
     return OmegaConf.create({"controller": controller}, flags={"allow_objects": True})
 
 
-def _prompts(n: int, start: int = 0) -> TensorDict:
+def _prompts(n: int) -> TensorDict:
     """`n` samples: an int64 [n, 3] `prompt`, a float32 [n, 2] `score` and a string `text`."""
-    ids = torch.arange(start, start + n, dtype=torch.int64)
+    ids = torch.arange(n, dtype=torch.int64)
     return TensorDict(
         {
             "prompt": torch.stack([ids * 10, ids * 10 + 1, ids * 10 + 2], dim=1),
@@ -46,10 +46,9 @@ def _prompts(n: int, start: int = 0) -> TensorDict:
     )
 
 
-def _column(name: str, values: list[int], dtype: torch.dtype = torch.int64) -> TensorDict:
-    return TensorDict(
-        {name: torch.tensor(values, dtype=dtype).unsqueeze(1)}, batch_size=len(values)
-    )
+def _column(name: str, values: list[int]) -> TensorDict:
+    """One int64 field of shape [len(values), 1]."""
+    return TensorDict({name: torch.tensor(values).unsqueeze(1)}, batch_size=len(values))
 
 
 def kv_roundtrip(tq: Any) -> dict:
@@ -663,6 +662,69 @@ def closed(tq: Any) -> dict:
     return out
 
 
+def streaming_dataloader(tq: Any) -> dict:
+    """StreamingDataset + StreamingDataLoader over a finite partition, as a data-parallel rank."""
+    out: dict[str, Any] = {}
+    conf = tq.init(_conf(sampler=tq.RankAwareSampler(), polling_mode=True))
+    try:
+        tq.get_client().put(data=_prompts(6), partition_id="train")
+        dataset = tq.StreamingDataset(
+            config=conf,
+            batch_size=2,
+            micro_batch_size=1,
+            data_fields=["prompt", "text"],
+            partition_id="train",
+            task_name="actor",
+            dp_rank=0,
+            should_check_consumption_status=True,
+        )
+        out["micro_batches"] = [
+            {"data": rec.tensordict(data), "meta": rec.batch_meta(meta)}
+            for data, meta in tq.StreamingDataLoader(dataset)
+        ]
+        out["bad_micro_batch_size"] = outcome(
+            lambda: tq.StreamingDataset(
+                config=conf,
+                batch_size=2,
+                micro_batch_size=0,
+                data_fields=["prompt"],
+                partition_id="train",
+                task_name="actor",
+                dp_rank=0,
+            ),
+            lambda dataset: "created",
+        )
+    finally:
+        tq.close()
+    return out
+
+
+def seqlen_balanced(tq: Any) -> dict:
+    """SeqlenBalancedSampler: whole GRPO groups, spread over DP ranks by `total_lengths`."""
+    out: dict[str, Any] = {}
+    sampler = tq.SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2)
+    with running(tq, _conf(sampler=sampler)) as client:
+        meta = client.put(data=_prompts(8), partition_id="train")
+        lengths = [10, 1, 9, 2, 8, 3, 7, 4]
+        meta.update_custom_meta([{"total_lengths": n} for n in lengths])
+        client.set_custom_meta(meta)
+        for dp_rank in (0, 1):
+            fetched = client.get_meta(
+                data_fields=["prompt"],
+                batch_size=4,
+                partition_id="train",
+                task_name="actor",
+                sampling_config={
+                    "dp_rank": dp_rank,
+                    "batch_index": 0,
+                    "task_name": "actor",
+                    "partition_id": "train",
+                },
+            )
+            out[f"rank{dp_rank}"] = rec.batch_meta(fetched)
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Any], dict]] = {
     fn.__name__: fn
     for fn in (
@@ -673,6 +735,7 @@ SCENARIOS: dict[str, Callable[[Any], dict]] = {
         native_put_with_meta,
         grpo_groups,
         rank_aware_dp,
+        seqlen_balanced,
         custom_meta,
         partitions,
         checkpoints,
@@ -682,6 +745,7 @@ SCENARIOS: dict[str, Callable[[Any], dict]] = {
         bad_inputs,
         fetch_shortfall,
         polling_mode,
+        streaming_dataloader,
         closed,
     )
 }
