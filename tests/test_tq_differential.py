@@ -51,8 +51,17 @@ def test_scenario_matches_transferqueue(tq, name):
 
     got = json.loads(json.dumps(SCENARIOS[name](tq)))
     want = differences.expected(GOLDEN)[name]
-    found = list(mismatches(want, got, name))
+    found = [_mark_declared(line) for line in mismatches(want, got, name)]
     assert not found, f"{len(found)} difference(s) from transferqueue 0.1.11:\n" + "\n".join(found)
+
+
+def _mark_declared(line: str) -> str:
+    """Say so where the expected value is one of differences.py's, not TransferQueue's."""
+    for difference in differences.DIFFERENCES:
+        path = ".".join(difference.path)
+        if line.startswith((f"{path}:", f"{path}.", f"{path}[")):
+            return f"{line} (expected: declared in tq_diff/differences.py: {difference.reason})"
+    return line
 
 
 def test_every_declared_difference_differs_from_a_recorded_value():
