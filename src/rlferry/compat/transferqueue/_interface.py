@@ -270,6 +270,19 @@ def kv_batch_get(
             f"keys or partition were not found! expected keys {keys!r} in partition "
             f"`{partition_id}` (partitions: {client.get_partition_list()})"
         )
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    if meta.size < len(set(wanted)):  # TransferQueue returns the others without a word
+        found = set(client.kv_retrieve_keys(list(map(int, meta.global_indexes)), partition_id))
+        missing = [k for k in wanted if k not in found]
+        raise ValueError(
+            f"keys were not found! expected keys of partition `{partition_id}`, got "
+            f"{missing[:8]!r} that it does not hold (kv_put them first, or leave them out)"
+        )
+    if not meta.field_names:
+        raise ValueError(
+            f"no fields to read! expected keys {wanted[:8]!r} of `{partition_id}` with fields, "
+            "got keys that hold only tags (kv_put their fields first)"
+        )
     if select_fields is not None:
         wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
         lacking = [f for f in wanted if f not in meta.field_schema]
