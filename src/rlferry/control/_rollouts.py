@@ -27,18 +27,15 @@ def rollout_columns(
     """
     if not groups:
         raise ValueError("groups: expected at least one finished group, got none")
-    prompts, responses, logprobs, versions = [], [], [], []
     meta: dict[str, list[Any]] = {
         k: [] for k in ("group", "version_start", "version_end", "finish_reason", "engine",
                         "response_len")
     }  # fmt: skip
+    done = []
     for g, group in enumerate(groups):
         name = g if group.group is None else group.group
         for c in group.completions:
-            prompts.append(torch.tensor(c.prompt_ids, dtype=torch.int64))
-            responses.append(torch.tensor(c.token_ids, dtype=torch.int64))
-            logprobs.append(torch.tensor(c.logprobs, dtype=torch.float32))
-            versions.append(torch.tensor(c.versions, dtype=torch.int64))
+            done.append(c)
             meta["group"].append(name)
             meta["version_start"].append(c.version_start)
             meta["version_end"].append(c.version_end)
@@ -46,12 +43,19 @@ def rollout_columns(
             meta["engine"].append(c.engine)
             meta["response_len"].append(len(c.token_ids))
     data = {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "logprobs": logprobs,
-        "versions": versions,
+        "prompt_ids": _ragged([c.prompt_ids for c in done], torch.int64),
+        "response_ids": _ragged([c.token_ids for c in done], torch.int64),
+        "logprobs": _ragged([c.logprobs for c in done], torch.float32),
+        "versions": _ragged([c.versions for c in done], torch.int64),
     }
     return data, meta
+
+
+def _ragged(rows: list[list[Any]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One 1-d tensor per row, views of one tensor made at once (a tensor per row cost
+    ~10 us each: 5 ms a step of the demo's 128 samples)."""
+    flat = torch.tensor([x for row in rows for x in row], dtype=dtype)
+    return list(flat.split([len(row) for row in rows]))
 
 
 async def put_groups(
