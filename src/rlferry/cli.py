@@ -74,6 +74,11 @@ def _serve_engine_parser(sub: Any) -> None:
     )
     se.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: the model's)")
     se.add_argument("--max-batch", type=int, default=64, help="rows decoded together at most")
+    se.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="prompt + max_tokens at most (default: the model's; on CUDA the slot cache holds "
+        "max-batch x this many tokens, 2048 at most by default, and a step attends over them)",
+    )  # fmt: skip
 
 
 def _demo_parser(sub: Any) -> None:
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             serve_engine(
                 a.model, engine=a.engine, host=a.host, port=a.port, token=a.token, name=a.name,
-                device=a.device, max_batch=a.max_batch,
+                device=a.device, max_batch=a.max_batch, max_model_len=a.max_model_len,
             )  # fmt: skip
         except (SecurityError, ValueError, OSError, ImportError) as e:
             print(f"rlferry serve engine: {type(e).__name__}: {e}", file=sys.stderr)

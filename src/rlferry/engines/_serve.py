@@ -14,7 +14,9 @@ __all__ = ["ENGINES", "serve_engine"]
 ENGINES = ("hf", "vllm")
 
 
-def _vllm_engine(model: str, name: str | None, device: Any, max_batch: int) -> Any:
+def _vllm_engine(
+    model: str, name: str | None, device: Any, max_batch: int, max_model_len: int | None
+) -> Any:
     """A ``VLLMEngine`` of ``model`` as the demo and ``serve engine`` run it: token ids in
     and out (no tokenizer), eager, the checkpoint's dtype (float32 on the CPU)."""
     if device is not None and str(device) != "cpu" and not str(device).startswith("cuda"):
@@ -25,7 +27,8 @@ def _vllm_engine(model: str, name: str | None, device: Any, max_batch: int) -> A
     from .vllm import VLLMEngine
 
     args: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True,
-                            "max_num_seqs": max_batch, "max_model_len": 512}  # fmt: skip
+                            "max_num_seqs": max_batch,
+                            "max_model_len": max_model_len or 512}  # fmt: skip
     return VLLMEngine(model, name=name, **args)
 
 
@@ -39,6 +42,7 @@ def serve_engine(
     name: str | None = None,
     device: Any = None,
     max_batch: int = 64,
+    max_model_len: int | None = None,
 ) -> None:
     """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
     ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
@@ -50,11 +54,13 @@ def serve_engine(
 
     async def main() -> None:
         if engine == "vllm":
-            e = _vllm_engine(model, name, device, max_batch)
+            e = _vllm_engine(model, name, device, max_batch, max_model_len)
         else:
             from .hf import HFEngine
 
-            e = HFEngine(model, name=name, device=device, max_batch=max_batch)
+            e = HFEngine(
+                model, name=name, device=device, max_batch=max_batch, max_model_len=max_model_len
+            )
         try:
             server = EngineServer(e, host, port, token=token)
             url = await server.start()

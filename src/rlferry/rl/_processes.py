@@ -112,14 +112,15 @@ def start_trainers(procs: Processes, settings: dict[str, Any]) -> str | None:
 
 
 def start_engine(
-    procs: Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int
-) -> str:
+    procs: Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int,
+    max_model_len: int,
+) -> str:  # fmt: skip
     """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
     logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
     chatty engine never blocks on a full pipe."""
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
            "--engine", engine, "--name", f"engine{i}", "--device", device,
-           "--max-batch", str(max_batch)]  # fmt: skip
+           "--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]  # fmt: skip
     env = dict(os.environ)
     if device == "cpu":  # the processes of a run share the cores: one thread each
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -140,6 +140,10 @@ class DemoConfig:
         return f"async (max_staleness={self.max_staleness}{where})"
 
 
+ENGINE_LEN = 64
+"""The engines' max_model_len: the task's prompt and answer fit in 16 tokens (a slot
+cache's decode step attends over every column it has: 2048 by default made the demo's
+forward passes on an H100 27 ms, where the engine benchmark's 192 take 6)."""
 CONTEXT_BYTES = 600 << 20
 """A CUDA context and allocator slack per process, about."""
 
@@ -151,7 +155,6 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
     weights, gradients and AdamW's two moments (16 bytes a parameter, over the ranks)."""
     if config.device != "cuda":
         return
-    from rlferry.engines.hf import SLOT_LEN
     from rlferry.engines.hf._slots import SlotBatch
 
     from .model import _transformers, model_config
@@ -164,7 +167,7 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
     params = sum(p.numel() for p in meta.parameters())
     serve = 2 if config.model == "qwen3-0.6b" else 4  # bfloat16 or float32 on CUDA
     max_batch = max(64, -(-config.groups_per_step * config.group_size // config.engines))
-    length = min(cfg.max_position_embeddings, SLOT_LEN)
+    length = ENGINE_LEN
     cache = SlotBatch.nbytes(meta.to(dtype=torch.bfloat16 if serve == 2 else None), max_batch,
                              length)  # fmt: skip
     colocated = config.layout == "colocated"
@@ -240,7 +243,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         per_engine = -(-config.groups_per_step * config.group_size // config.engines)
         starting = asyncio.gather(*(
             asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
-                              config.engine, max(64, per_engine))
+                              config.engine, max(64, per_engine), ENGINE_LEN)
             for i in range(config.engines)
         ))  # fmt: skip
         sender = await asyncio.to_thread(start_trainers, procs, settings)
