@@ -1,0 +1,83 @@
+"""Placement groups that fail fast: Ray alone waits forever for one that cannot fit, with
+only an autoscaler log line to say why. Here a group not ready within ``ready_timeout``
+is removed and raises :class:`LaunchError` naming the bundles asked and each node's free
+resources."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import LaunchError, ray
+
+__all__ = ["READY_TIMEOUT", "free_resources", "place", "remove"]
+
+READY_TIMEOUT = 60.0
+"""Seconds a placement group may take to be ready (the default ``ready_timeout``)."""
+
+_SHOWN = ("CPU", "GPU", "memory")
+
+
+def free_resources() -> dict[str, dict[str, float]]:
+    """Free resources per alive node, by node address (``CPU``, ``GPU``, memory in GiB,
+    and any custom resource; Ray's internal ``node:`` markers left out)."""
+    r = ray()
+    try:  # per node, free now (Ray has no public call for it without its dashboard)
+        free = r._private.state.available_resources_per_node()
+    except AttributeError:
+        free = {}
+    out: dict[str, dict[str, float]] = {}
+    for node in r.nodes():
+        if not node.get("Alive"):
+            continue
+        have = free.get(node["NodeID"], node.get("Resources", {}))
+        shown = {}
+        for key, value in sorted(have.items()):
+            if key.startswith("node:") or key == "object_store_memory":
+                continue
+            shown[key] = round(value / 2**30, 1) if key == "memory" else value
+        out[node["NodeManagerAddress"]] = shown
+    return out
+
+
+def _bundles_text(bundles: list[dict[str, float]]) -> str:
+    return "[" + ", ".join("{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}"
+                           for b in bundles) + "]"  # fmt: skip
+
+
+def place(
+    bundles: list[dict[str, float]], strategy: str, *, what: str, ready_timeout: float
+) -> Any:
+    """A ready placement group of ``bundles`` (``strategy``: ``PACK``, ``SPREAD``,
+    ``STRICT_PACK``, ``STRICT_SPREAD``); ``what`` names it in errors.
+
+    Raises:
+        LaunchError: not ready within ``ready_timeout`` seconds (it is removed): the
+            message names the bundles and each node's free resources.
+    """
+    if type(ready_timeout) not in (int, float) or not ready_timeout > 0:
+        raise ValueError(f"ready_timeout: expected seconds > 0, got {ready_timeout!r}")
+    r = ray()
+    pg = r.util.placement_group(bundles, strategy=strategy)
+    try:
+        r.get(pg.ready(), timeout=ready_timeout)
+    except r.exceptions.GetTimeoutError:
+        r.util.remove_placement_group(pg)
+        nodes = "; ".join(
+            f"{addr}: " + ", ".join(f"{k} {v:g}" for k, v in res.items() if k in _SHOWN or
+                                   not k.startswith("accelerator_type"))
+            for addr, res in free_resources().items()
+        )  # fmt: skip
+        raise LaunchError(
+            f"{what}: Ray could not place {len(bundles)} bundles "
+            f"{_bundles_text(bundles)} ({strategy}) within {ready_timeout:g} s; free per "
+            f"node: {nodes} (ask for fewer or smaller bundles, or add nodes)"
+        ) from None
+    except BaseException:
+        r.util.remove_placement_group(pg)
+        raise
+    return pg
+
+
+def remove(pg: Any) -> None:
+    """Remove ``pg`` (its actors die with it)."""
+    ray().util.remove_placement_group(pg)
