@@ -14,12 +14,10 @@ __all__ = ["READY_TIMEOUT", "free_resources", "place", "remove"]
 READY_TIMEOUT = 60.0
 """Seconds a placement group may take to be ready (the default ``ready_timeout``)."""
 
-_SHOWN = ("CPU", "GPU", "memory")
-
 
 def free_resources() -> dict[str, dict[str, float]]:
-    """Free resources per alive node, by node address (``CPU``, ``GPU``, memory in GiB,
-    and any custom resource; Ray's internal ``node:`` markers left out)."""
+    """Free resources per alive node, by ``ADDRESS/NODE_ID[:8]`` (``CPU``, ``GPU``, memory
+    in GiB, any custom resource; Ray's ``node:`` markers and object store left out)."""
     r = ray()
     try:  # per node, free now (Ray has no public call for it without its dashboard)
         free = r._private.state.available_resources_per_node()
@@ -35,7 +33,7 @@ def free_resources() -> dict[str, dict[str, float]]:
             if key.startswith("node:") or key == "object_store_memory":
                 continue
             shown[key] = round(value / 2**30, 1) if key == "memory" else value
-        out[node["NodeManagerAddress"]] = shown
+        out[f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}"] = shown
     return out
 
 
@@ -45,9 +43,10 @@ def _bundles_text(bundles: list[dict[str, float]]) -> str:
 
 
 def place(
-    bundles: list[dict[str, float]], strategy: str, *, what: str, ready_timeout: float
-) -> Any:
-    """A ready placement group of ``bundles`` (``strategy``: ``PACK``, ``SPREAD``,
+    bundles: list[dict[str, float]], strategy: str, *, name: str, what: str,
+    ready_timeout: float,
+) -> Any:  # fmt: skip
+    """A ready placement group ``name`` of ``bundles`` (``strategy``: ``PACK``, ``SPREAD``,
     ``STRICT_PACK``, ``STRICT_SPREAD``); ``what`` names it in errors.
 
     Raises:
@@ -57,16 +56,15 @@ def place(
     if type(ready_timeout) not in (int, float) or not ready_timeout > 0:
         raise ValueError(f"ready_timeout: expected seconds > 0, got {ready_timeout!r}")
     r = ray()
-    pg = r.util.placement_group(bundles, strategy=strategy)
+    pg = r.util.placement_group(bundles, strategy=strategy, name=name)
     try:
         r.get(pg.ready(), timeout=ready_timeout)
     except r.exceptions.GetTimeoutError:
         r.util.remove_placement_group(pg)
         nodes = "; ".join(
-            f"{addr}: " + ", ".join(f"{k} {v:g}" for k, v in res.items() if k in _SHOWN or
-                                   not k.startswith("accelerator_type"))
-            for addr, res in free_resources().items()
-        )  # fmt: skip
+            f"{node}: " + ", ".join(f"{k} {v:g}" for k, v in free.items())
+            for node, free in free_resources().items()
+        )
         raise LaunchError(
             f"{what}: Ray could not place {len(bundles)} bundles "
             f"{_bundles_text(bundles)} ({strategy}) within {ready_timeout:g} s; free per "

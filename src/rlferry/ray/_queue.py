@@ -96,10 +96,11 @@ class RayQueue:
     """
 
     def __init__(self, job: str, namespace: str, actors: list[Any], names: list[str],
-                 pg: Any) -> None:  # fmt: skip
+                 pg: Any, services: dict[str, dict[str, str]]) -> None:  # fmt: skip
         self.job = job
         self.namespace = namespace
         self.names = names  # the controller's first, then unit 0, 1, ...
+        self.services = services  # by tcp:// address: the actor's name, node and ipc:// path
         self._actors = actors
         self._pg = pg
         self._clients: list[QueueClient] = []
@@ -151,9 +152,8 @@ class RayQueue:
                 f"job `{job}`: its queue is already running in Ray namespace `{ns}` (actor "
                 f"`{ctrl_name}`): close it, or start this one under another job name"
             )
-        pg = place(
-            bundles, "SPREAD", what=f"job `{job}`: storage units", ready_timeout=ready_timeout
-        )
+        pg = place(bundles, "SPREAD", name=actor_name(job, "storage"),
+                   what=f"job `{job}`: storage units", ready_timeout=ready_timeout)  # fmt: skip
         names = [ctrl_name] + [actor_name(job, f"storage{i}") for i in range(len(bundles))]
         actors: list[Any] = []
         try:
@@ -181,13 +181,11 @@ class RayQueue:
             _gather([ctrl.remember.remote({"address": ctrl_addrs[0], "services": services})],
                     f"job `{job}`: controller")  # fmt: skip
         except BaseException as e:
-            for a in actors:
-                r.kill(a)
-            remove(pg)
+            stop_all(actors, pg)
             if isinstance(e, r.exceptions.ActorDiedError) or "already taken" in str(e):
                 raise LaunchError(f"job `{job}`: {e}") from None
             raise
-        return cls(job, ns, actors, names, pg)
+        return cls(job, ns, actors, names, pg, services)
 
     def client(self) -> QueueClient:
         """A sync client (closed with the queue)."""
@@ -214,16 +212,25 @@ class RayQueue:
             return
         stops = [a.close.remote() for a in self._actors]
         r.wait(stops, num_returns=len(stops), timeout=_STOP_TIMEOUT)  # dead ones: killed as is
-        for a in self._actors:
-            r.kill(a)
+        stop_all(self._actors, self._pg)
         self._actors.clear()
-        remove(self._pg)
 
     def __enter__(self) -> RayQueue:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_all(actors: list[Any], pg: Any) -> None:
+    """Kill ``actors`` and remove ``pg``; returns once Ray reports each actor dead (their
+    names are free again), at most ``_STOP_TIMEOUT`` seconds."""
+    r = ray()
+    for a in actors:
+        r.kill(a)
+    ends = [a.until_closed.remote() for a in actors]  # fails at once for a dead actor
+    r.wait(ends, num_returns=len(ends), timeout=_STOP_TIMEOUT)
+    remove(pg)
 
 
 def _gather(refs: list[Any], what: str) -> list[Any]:
