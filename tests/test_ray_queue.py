@@ -42,7 +42,8 @@ def test_storage_units_spread_one_per_node(ray_cluster):
 class _Producer:
     def put(self, job, n):
         client = queue(job)  # by name: no address, no secret
-        return client.put("p0", {"x": torch.arange(n, dtype=torch.float32)}, meta={"k": list(range(n))})
+        data = {"x": torch.arange(n, dtype=torch.float32)}
+        return client.put("p0", data, meta={"k": list(range(n))})
 
 
 @ray.remote(num_cpus=0)
@@ -133,9 +134,11 @@ def test_an_infeasible_group_fails_within_ready_timeout_naming_bundles_and_nodes
 
 def test_a_job_name_taken_twice_fails_with_a_message(ray_cluster):
     ns = ray.get_runtime_context().namespace
-    with RayQueue.start("twice", storage_units=1, cpus_per_unit=0.5):
-        with pytest.raises(LaunchError) as e:
-            RayQueue.start("twice", storage_units=1, cpus_per_unit=0.5)
+    with (
+        RayQueue.start("twice", storage_units=1, cpus_per_unit=0.5),
+        pytest.raises(LaunchError) as e,
+    ):
+        RayQueue.start("twice", storage_units=1, cpus_per_unit=0.5)
     assert str(e.value) == (
         f"job `twice`: its queue is already running in Ray namespace `{ns}` (actor "
         "`rlferry/twice/controller`): close it, or start this one under another job name"
