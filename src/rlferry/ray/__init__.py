@@ -7,7 +7,9 @@ payload never goes through Ray: rollouts and weights move over rlferry's own wir
 """
 
 from ._common import LaunchError
+from ._engines import RayEngine, RayEngines
 from ._placement import READY_TIMEOUT, free_resources
 from ._queue import RayQueue, queue
 
-__all__ = ["READY_TIMEOUT", "LaunchError", "RayQueue", "free_resources", "queue"]
+__all__ = ["READY_TIMEOUT", "LaunchError", "RayEngine", "RayEngines", "RayQueue", "free_resources",
+           "queue"]  # fmt: skip

@@ -14,7 +14,8 @@ import secrets
 import threading
 from typing import Any
 
-__all__ = ["DEATH_GRACE", "Deaths", "LaunchError", "actor_name", "node_address", "ray", "secret"]
+__all__ = ["DEATH_GRACE", "Deaths", "LaunchError", "Watched", "actor_name", "deaths",
+           "node_address", "ray", "secret", "where"]  # fmt: skip
 
 DEATH_GRACE = 1.0
 """Seconds a failed call waits for Ray to report its actor's death (it comes in
@@ -71,6 +72,29 @@ def node_address() -> str:
     return str(ray().util.get_node_ip_address())
 
 
+class Watched:
+    """The base of the launcher's actors: ``until_closed`` (see the module's docstring) and
+    ``where`` (the node and GPUs the actor runs on)."""
+
+    def __init__(self) -> None:
+        self._closed = asyncio.Event()
+
+    async def until_closed(self) -> None:
+        """Returns when this actor is closed on purpose; Ray fails it when the actor dies."""
+        await self._closed.wait()
+
+    def where(self) -> dict[str, Any]:
+        return where()
+
+
+def where() -> dict[str, Any]:
+    """Where the calling actor or task runs: node address, node id, Ray's GPU ids."""
+    r = ray()
+    ctx = r.get_runtime_context()
+    gpus = sorted(int(g) for g in r.get_gpu_ids())
+    return {"ip": node_address(), "node": ctx.get_node_id(), "gpus": gpus}
+
+
 def reason(error: BaseException) -> str:
     """Ray's reason of an actor's death: the last line of its error
     (``The actor is dead because it was killed by `ray.kill`.``)."""
@@ -86,11 +110,13 @@ class Deaths:
         self._ends: dict[str, concurrent.futures.Future[str]] = {}
         self._refs: list[Any] = []
 
-    def watch(self, name: str, handle: Any) -> None:
-        """Learn when the actor ``name`` (``handle``, which has ``until_closed``) ends."""
+    def watch(self, name: str, handle: Any) -> concurrent.futures.Future[str]:
+        """Learn when the actor ``name`` (``handle``, which has ``until_closed``) ends: the
+        future's result is why. ``name`` keys one life of the actor (a restarted actor is
+        watched under a new key)."""
         with self._lock:
             if name in self._ends:
-                return
+                return self._ends[name]
             end: concurrent.futures.Future[str] = concurrent.futures.Future()
             self._ends[name] = end
         ref = handle.until_closed.remote()
@@ -101,14 +127,7 @@ class Deaths:
             end.set_result("it was closed by its job" if exc is None else reason(exc))
 
         ref.future().add_done_callback(done)
-
-    def ended(self, name: str) -> str | None:
-        """Why ``name`` ended, if Ray said so yet."""
-        end = self._ends.get(name)
-        return end.result() if end is not None and end.done() else None
-
-    def future(self, name: str) -> concurrent.futures.Future[str]:
-        return self._ends[name]
+        return end
 
     async def why(self, name: str, grace: float = DEATH_GRACE) -> str | None:
         """Why ``name`` ended, waiting up to ``grace`` seconds for Ray to say (None: alive)."""
@@ -119,3 +138,7 @@ class Deaths:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(end)), grace)
         except asyncio.TimeoutError:
             return None
+
+
+deaths = Deaths()
+"""This process's watches."""

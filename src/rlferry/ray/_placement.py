@@ -9,10 +9,12 @@ from typing import Any
 
 from ._common import LaunchError, ray
 
-__all__ = ["READY_TIMEOUT", "free_resources", "place", "remove"]
+__all__ = ["READY_TIMEOUT", "STOP_TIMEOUT", "free_resources", "place", "stop_all"]
 
 READY_TIMEOUT = 60.0
 """Seconds a placement group may take to be ready (the default ``ready_timeout``)."""
+STOP_TIMEOUT = 10.0
+"""Seconds a job's actors may take to close their services, and then to die."""
 
 
 def free_resources() -> dict[str, dict[str, float]]:
@@ -76,6 +78,12 @@ def place(
     return pg
 
 
-def remove(pg: Any) -> None:
-    """Remove ``pg`` (its actors die with it)."""
-    ray().util.remove_placement_group(pg)
+def stop_all(actors: list[Any], pg: Any) -> None:
+    """Kill ``actors`` and remove ``pg``; returns once Ray reports each actor dead (their
+    names are free again), at most ``STOP_TIMEOUT`` seconds."""
+    r = ray()
+    for a in actors:
+        r.kill(a)
+    ends = [a.until_closed.remote() for a in actors]  # fails at once for a dead actor
+    r.wait(ends, num_returns=len(ends), timeout=STOP_TIMEOUT)
+    r.util.remove_placement_group(pg)

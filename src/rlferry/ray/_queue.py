@@ -8,45 +8,36 @@ ipc:// path (for processes of its node, through shared memory, as an embedded qu
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from rlferry.queue import ControllerService, QueueClient, QueueConfig, StorageService
 
 from ._common import (
     DEATH_GRACE,
-    Deaths,
     LaunchError,
+    Watched,
     actor_name,
     check_job,
+    deaths,
     namespace_of,
     node_address,
     ray,
     secret,
     taken,
 )
-from ._placement import READY_TIMEOUT, place, remove
+from ._placement import READY_TIMEOUT, STOP_TIMEOUT, place, stop_all
 
 __all__ = ["RayQueue", "queue"]
 
 _CALL_TIMEOUT = 60.0  # a launcher's call to an actor (start, connection) answers within this
-_STOP_TIMEOUT = 5.0  # an actor closes its services within this, else it is killed as is
 
 
-class _Service:
-    """What the queue's actors share: their services' addresses and ``until_closed``."""
+class _Service(Watched):
+    """What the queue's actors share: a service to close."""
 
     def __init__(self) -> None:
-        self._closed = asyncio.Event()
+        super().__init__()
         self._service: Any = None
-
-    async def until_closed(self) -> None:
-        """Returns when this actor is closed; Ray fails it when the actor dies."""
-        await self._closed.wait()
-
-    def where(self) -> dict[str, str]:
-        ctx = ray().get_runtime_context()
-        return {"node": ctx.get_node_id(), "ip": node_address()}
 
     async def close(self) -> None:
         if self._service is not None:
@@ -136,8 +127,10 @@ class RayQueue:
         r = ray()
         check_job(job)
         ns = namespace_of(namespace)
-        settings = {"tasks": tuple(tasks), "capacity": capacity, "lease_timeout": lease_timeout,
-                    "max_partitions": max_partitions, "secret": secret()}  # fmt: skip
+        settings: dict[str, Any] = {
+            "tasks": tuple(tasks), "capacity": capacity, "lease_timeout": lease_timeout,
+            "max_partitions": max_partitions, "secret": secret(),
+        }  # fmt: skip
         QueueConfig(storage_units=1, **settings)  # checked before anything starts
         if bundles is None:
             n = storage_units or sum(1 for node in r.nodes() if node.get("Alive"))
@@ -211,7 +204,7 @@ class RayQueue:
         if not self._actors:
             return
         stops = [a.close.remote() for a in self._actors]
-        r.wait(stops, num_returns=len(stops), timeout=_STOP_TIMEOUT)  # dead ones: killed as is
+        r.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT)  # dead ones: killed as is
         stop_all(self._actors, self._pg)
         self._actors.clear()
 
@@ -222,26 +215,12 @@ class RayQueue:
         self.close()
 
 
-def stop_all(actors: list[Any], pg: Any) -> None:
-    """Kill ``actors`` and remove ``pg``; returns once Ray reports each actor dead (their
-    names are free again), at most ``_STOP_TIMEOUT`` seconds."""
-    r = ray()
-    for a in actors:
-        r.kill(a)
-    ends = [a.until_closed.remote() for a in actors]  # fails at once for a dead actor
-    r.wait(ends, num_returns=len(ends), timeout=_STOP_TIMEOUT)
-    remove(pg)
-
-
 def _gather(refs: list[Any], what: str) -> list[Any]:
     r = ray()
     try:
         return list(r.get(refs, timeout=_CALL_TIMEOUT))
     except r.exceptions.GetTimeoutError:
         raise LaunchError(f"{what}: no answer within {_CALL_TIMEOUT:g} s") from None
-
-
-_deaths = Deaths()
 
 
 def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIMEOUT) -> QueueClient:
@@ -272,7 +251,7 @@ def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIME
     services: dict[str, dict[str, str]] = info["services"]
     here = r.get_runtime_context().get_node_id()
     for service in services.values():
-        _deaths.watch(service["name"], r.get_actor(service["name"], namespace=ns))
+        deaths.watch(service["name"], r.get_actor(service["name"], namespace=ns))
 
     def dial(address: str) -> str:
         service = services.get(address)
@@ -282,7 +261,7 @@ def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIME
         service = services.get(address)
         if service is None:
             return message
-        why = await _deaths.why(service["name"])
+        why = await deaths.why(service["name"])
         if why is None:
             return (
                 f"{message} (actor `{service['name']}`: Ray reported no death within "
