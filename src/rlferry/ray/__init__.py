@@ -8,8 +8,8 @@ payload never goes through Ray: rollouts and weights move over rlferry's own wir
 
 from ._common import LaunchError
 from ._engines import RayEngine, RayEngines
-from ._placement import READY_TIMEOUT, free_resources
-from ._queue import RayQueue, queue
+from ._placement import READY_TIMEOUT, free_resources, place, stop_all
+from ._queue import RayQueue, async_queue, queue
 
-__all__ = ["READY_TIMEOUT", "LaunchError", "RayEngine", "RayEngines", "RayQueue", "free_resources",
-           "queue"]  # fmt: skip
+__all__ = ["READY_TIMEOUT", "LaunchError", "RayEngine", "RayEngines", "RayQueue", "async_queue",
+           "free_resources", "place", "queue", "stop_all"]  # fmt: skip

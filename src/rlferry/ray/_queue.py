@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlferry.queue import ControllerService, QueueClient, QueueConfig, StorageService
+from rlferry.queue import (
+    AsyncQueueClient,
+    ControllerService,
+    QueueClient,
+    QueueConfig,
+    StorageService,
+)
 
 from ._common import (
     DEATH_GRACE,
@@ -27,7 +33,7 @@ from ._common import (
 )
 from ._placement import READY_TIMEOUT, STOP_TIMEOUT, place, stop_all
 
-__all__ = ["RayQueue", "queue"]
+__all__ = ["RayQueue", "async_queue", "queue"]
 
 _CALL_TIMEOUT = 60.0  # a launcher's call to an actor (start, connection) answers within this
 
@@ -186,6 +192,10 @@ class RayQueue:
         self._clients.append(c)
         return c
 
+    def async_client(self) -> AsyncQueueClient:
+        """An asyncio client; close it with ``await client.close()``."""
+        return async_queue(self.job, namespace=self.namespace)
+
     @property
     def actors(self) -> dict[str, Any]:
         """The job's queue actors by name (the controller first)."""
@@ -234,6 +244,19 @@ def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIME
     Raises:
         LaunchError: no queue of that job in the namespace, or it did not answer.
     """
+    return QueueClient(**_connection(job, namespace, timeout))
+
+
+def async_queue(
+    job: str, *, namespace: str | None = None, timeout: float = _CALL_TIMEOUT
+) -> AsyncQueueClient:
+    """:func:`queue`'s asyncio client; close it with ``await client.close()``."""
+    return AsyncQueueClient(**_connection(job, namespace, timeout))
+
+
+def _connection(job: str, namespace: str | None, timeout: float) -> dict[str, Any]:
+    """A client's arguments: the controller's address, the secret, and the hooks that
+    dial same-node services over ipc:// and name a lost service's actor and cause."""
     r = ray()
     check_job(job)
     ns = namespace_of(namespace)
@@ -269,4 +292,5 @@ def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIME
             )
         return f"actor `{service['name']}` ({address}) died: {why}"
 
-    return QueueClient(info["address"], secret=info["secret"], dial=dial, why_gone=why_gone)
+    return {"address": info["address"], "secret": info["secret"], "dial": dial,
+            "why_gone": why_gone}  # fmt: skip
