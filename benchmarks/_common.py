@@ -1,4 +1,4 @@
-"""Helpers the benchmarks share: the memcpy baseline, timing, the result table."""
+"""Helpers the benchmarks share: the memcpy baseline, timing, the result table, a tiny model."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()

@@ -45,20 +45,9 @@ from rlferry.control import (
 from rlferry.engines.hf import HFEngine
 from rlferry.weights import WeightSender
 
-from _common import table
+from _common import table, tiny
 
 _POLL = 0.05  # the baseline's poll interval (AReaL: wait(timeout=0.05))
-
-
-def tiny(seed: int = 0) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def qwen3_06b(device: str) -> torch.nn.Module:

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from rlferry.control import Coordinator, EngineError, SamplingParams
+from rlferry.control import Coordinator, EngineError, SamplingParams, WeightUpdateError
 from rlferry.weights import WeightSender
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
@@ -115,9 +115,14 @@ def test_an_engine_whose_load_raises_is_named_and_the_others_serve_the_new_versi
                     lambda t: sender.push(state.items(), version=1, timeout=t), version=1,
                     timeout=10,
                 )  # fmt: skip
-            assert e.value.engine == "picky"
-            assert str(e.value).startswith("engine `picky`: weight update to version 1 failed: ")
-            assert "NaN" in str(e.value) or "finite" in str(e.value)
+            assert e.value.engine == "picky" and isinstance(e.value, WeightUpdateError)
+            assert e.value.stage == "push" and list(e.value.failures) == ["picky"]
+            assert str(e.value).startswith(
+                "engine `picky`: weight update to version 1 failed at push: `picky`: push: "
+                "load raised NonFinite: tensor `lm_head.weight`: expected finite values, got "
+                "NaN or Inf"
+            )
+            assert str(e.value).endswith("; 1 engine(s) serve version 1: good")
             assert await good.get_weight_version() == 1 and coord.version == 1
             assert await picky.get_weight_version() == 0
             stats = coord.statistics()
@@ -162,15 +167,18 @@ def test_a_restored_coordinator_keeps_staleness_bounded():
     run(main())
 
 
+NOWHERE = "http://127.0.0.1:9"  # an engine never asked anything in these tests
+
+
 def test_bad_coordinator_arguments_are_refused():
     with pytest.raises(ValueError) as e:
-        Coordinator([], batch_size=0)
+        Coordinator([NOWHERE], batch_size=0)
     assert str(e.value) == "batch_size: expected an int >= 1, got 0"
     with pytest.raises(ValueError) as e:
-        Coordinator([], batch_size=2, max_staleness=-1)
+        Coordinator([NOWHERE], batch_size=2, max_staleness=-1)
     assert str(e.value) == "max_staleness: expected an int >= 0 (0 = synchronous), got -1"
     with pytest.raises(ValueError) as e:
-        Coordinator([], batch_size=2, stale="keep")
+        Coordinator([NOWHERE], batch_size=2, stale="keep")
     assert str(e.value) == "stale: expected 'drop' or 'regenerate', got 'keep'"
     with pytest.raises(TypeError) as e:
         Coordinator([object()], batch_size=2)  # type: ignore[list-item]
@@ -248,7 +256,7 @@ def test_prometheus_metrics_read_the_coordinators_statistics():
     prometheus_client = pytest.importorskip("prometheus_client", reason="needs [prometheus]")
     from rlferry.control import register_metrics
 
-    coord = Coordinator([], batch_size=4, max_staleness=2, version=3)
+    coord = Coordinator([NOWHERE], batch_size=4, max_staleness=2, version=3)
     registry = prometheus_client.CollectorRegistry()
     register_metrics(coord, registry)
     text = prometheus_client.generate_latest(registry).decode()

@@ -194,11 +194,20 @@ def test_a_server_with_a_token_refuses_requests_without_it():
         url = await server.start()
         try:
             stranger = RemoteEngine(url, name="guarded")
-            with pytest.raises(EngineError) as e:
+            with pytest.raises(SecurityError) as e:
                 await stranger.is_paused()
             await stranger.close()
             assert str(e.value) == (
-                "engine `guarded`: /is_paused: SecurityError: a request without this server's token"
+                "engine `guarded`: /is_paused: the server needs a token and this client has "
+                "none (pass token= the server's --token)"
+            )
+            wrong = RemoteEngine(url, name="guarded", token="another token of 32 bytes......")
+            with pytest.raises(SecurityError) as e:
+                await wrong.generate(GenerateRequest(request_id="a", prompt_ids=[1]))
+            await wrong.close()
+            assert str(e.value) == (
+                "engine `guarded`: /generate: the server refused this client's token (pass "
+                "token= the one the server was started with, its --token)"
             )
             good = RemoteEngine(url, token=TOKEN)
             assert await good.is_paused() is False

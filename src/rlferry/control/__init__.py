@@ -15,7 +15,9 @@ from ._engine import (
     FinishReason,
     GenerateRequest,
     PauseMode,
+    RequestError,
     SamplingParams,
+    WeightUpdateError,
 )
 from ._http import EngineServer, RemoteEngine
 from ._metrics import register_metrics
@@ -34,8 +36,10 @@ __all__ = [
     "Group",
     "PauseMode",
     "RemoteEngine",
+    "RequestError",
     "SamplingParams",
     "UpdateReport",
+    "WeightUpdateError",
     "put_groups",
     "register_metrics",
     "rollout_columns",

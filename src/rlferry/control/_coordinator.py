@@ -7,16 +7,16 @@ completion), a ``batch`` waits for finished groups. Nothing polls.
 
 A weight update is one call: pause every engine (``keep``, ``abort`` or ``wait``), push
 through the trainer's ``WeightSender``, have every engine serve the new version, resume
-every engine in ``finally``. An engine that fails any step is named in the
-:class:`EngineError` raised at the end, after the others resumed on the new version;
-it gets no rollouts until it serves a later version whole.
+every engine in ``finally`` (``_update.py`` says whose fault a failure is). Membership is
+explicit (``_fleet.py``): engines join with ``add_engine``, leave with ``remove_engine``,
+and a request an engine refuses fails that request, never the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -25,6 +25,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from rlferry.wire import SecurityError
+
 from ._engine import (
     Completion,
     Engine,
@@ -32,16 +34,20 @@ from ._engine import (
     FinishReason,
     GenerateRequest,
     PauseMode,
+    RequestError,
     SamplingParams,
 )
-from ._http import RemoteEngine
+from ._fleet import Fleet, Member, Moved
 from ._staleness import Staleness
+from ._update import UpdateReport, run_update
 
 __all__ = ["Coordinator", "CoordinatorStatistics", "Group", "UpdateReport"]
 
+log = logging.getLogger("rlferry.control")
 T = TypeVar("T")
 _ids = itertools.count(1)
-_PUSH = " push"  # the key of a push's own failure (no engine has a name with a space first)
+ENGINE_TIMEOUT = 600.0
+"""Seconds a sample waits for an engine that serves before its group fails."""
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,18 +65,6 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def version_end(self) -> int:
         return max(c.version_end for c in self.completions)
-
-
-class UpdateReport(msgspec.Struct, frozen=True, kw_only=True):
-    """One weight update: its version and how long each phase took."""
-
-    version: int
-    engines: tuple[str, ...]
-    pause_seconds: float
-    push_seconds: float
-    finish_seconds: float
-    resume_seconds: float
-    seconds: float
 
 
 class CoordinatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,14 +88,9 @@ class CoordinatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     push_seconds: float
     update_seconds: float
     waiting_submits: int
-
-
-@dataclass
-class _Member:
-    engine: Engine
-    running: int = 0
-    broken: str | None = None  # why it gets no rollouts (a failed update), until it recovers
-    own: str | None = None  # the name the engine gives itself (its weight receiver's name)
+    failed_groups: int = 0
+    not_serving: dict[str, str] = {}
+    """Each engine in the fleet that gets no rollouts, or that left it, and why."""
 
 
 @dataclass
@@ -120,13 +109,22 @@ class Coordinator:
     """Drives :class:`Engine` s (objects, or URLs of engines served by ``rlferry serve
     engine``) for a trainer.
 
-    ``batch_size``: samples per training step; ``max_staleness`` (eta): how many
-    versions a trained sample may lag (0 = synchronous); admission follows AReaL's
-    rule, at most ``(eta + v + 1) * batch_size`` samples accepted or running at
-    trainer version ``v``. ``stale``: what :meth:`batch` does with a group that lags
-    more when the trainer takes it, ``"drop"`` it or ``"regenerate"`` it.
+    ``engines``: the fleet to start with (at least one; more join with
+    :meth:`add_engine`). ``batch_size``: samples per training step; ``max_staleness``
+    (eta): how many versions a trained sample may lag (0 = synchronous); admission
+    follows AReaL's rule, at most ``(eta + v + 1) * batch_size`` samples accepted or
+    running at trainer version ``v``. ``stale``: what :meth:`batch` does with a group that
+    lags more when the trainer takes it, ``"drop"`` it or ``"regenerate"`` it.
     ``max_running``: samples generating at once, at most. ``version``: the trainer's
-    version the engines start at.
+    version the engines start at. ``engine_timeout``: seconds a sample waits for an
+    engine that serves before its group fails (naming each engine and why it does not
+    serve).
+
+    Faults: a request an engine refuses (:class:`RequestError`) fails that request's
+    group, once, and the engine keeps serving; :meth:`submit` checks prompts against the
+    limits the engines announce before anything is queued. An engine fault (gone, a
+    failed step) takes that engine out of rotation, its samples continue on the others
+    with their tokens so far; ``remove_engine`` and ``add_engine`` change the fleet.
     """
 
     def __init__(
@@ -138,56 +136,97 @@ class Coordinator:
         stale: Literal["drop", "regenerate"] = "drop",
         max_running: int | None = None,
         version: int = 0,
+        engine_timeout: float = ENGINE_TIMEOUT,
     ) -> None:
         if stale not in ("drop", "regenerate"):
             raise ValueError(f"stale: expected 'drop' or 'regenerate', got {stale!r}")
+        if not isinstance(engine_timeout, (int, float)) or not engine_timeout > 0:
+            raise ValueError(f"engine_timeout: expected seconds > 0, got {engine_timeout!r}")
         self._bound = Staleness(batch_size, max_staleness, max_running, version)
         self.stale = stale
-        self._members: dict[str, _Member] = {}
+        self.engine_timeout = float(engine_timeout)
+        self._fleet = Fleet()
         self._changed = asyncio.Event()  # set and replaced on every change waiters care about
         for engine in engines:
-            self.add_engine(engine)
+            self._fleet.add(engine)
+        if not self._fleet.members:
+            raise ValueError(
+                "engines: expected at least one engine, got none (pass HFEngine objects, "
+                "RemoteEngine objects or URLs of `rlferry serve engine`; more can join later "
+                "with add_engine)"
+            )
         self._ready: deque[_Unit] = deque()
         self._running = asyncio.Event()  # set while no update holds rollouts back
         self._running.set()
         self._abort_epoch = 0  # bumped by an update in abort mode: its aborts are continued
         self._tasks: set[asyncio.Task[Any]] = set()
         self._waiting_submits = 0
+        self._failed_groups = 0
         self._updates = 0
         self._seconds = {"pause": 0.0, "push": 0.0, "update": 0.0}
         self._closed = False
 
     # -- engines ------------------------------------------------------------------------
     def add_engine(self, engine: Engine | str) -> None:
-        """Route rollouts to ``engine`` from now on (its name must be unique); a URL is an
-        engine served by ``rlferry serve engine`` (a :class:`RemoteEngine`)."""
-        if isinstance(engine, str):
-            engine = RemoteEngine(engine)
-        if not isinstance(engine, Engine):
-            raise TypeError(
-                f"engine: expected an rlferry.control.Engine (HFEngine, RemoteEngine, ...), "
-                f"got {type(engine).__name__}"
-            )
-        if engine.name in self._members:
-            raise ValueError(f"engine `{engine.name}`: a coordinator's engines need unique names")
-        self._members[engine.name] = _Member(engine)
+        """Add ``engine`` to the fleet (a URL is an engine served by ``rlferry serve
+        engine``, a :class:`RemoteEngine`). Its name must be new, or that of a broken
+        engine, which it replaces (a server that restarted). It gets rollouts once it
+        answers ``statistics()`` with a version the fleet's staleness bound allows; else
+        once an ``update_weights`` reached it (join it to the trainer's sender first)."""
+        self._fleet.add(engine)
         self._notify()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # asked on the first submit or update
+        self._spawn(self._settle())
+
+    async def remove_engine(
+        self, name: str, *, requests: Moved = "continue", timeout: float = 10.0
+    ) -> None:
+        """Take the engine ``name`` out of the fleet: no rollouts go to it from now on and
+        updates no longer name it; the engine itself is not closed. Its requests in flight
+        end there and go on elsewhere: with their tokens and per-token versions so far
+        (``"continue"``: aborted on the engine first, within ``timeout``) or from their
+        prompts again (``"restart"``). A request the engine does not give back in time
+        restarts from the tokens it had before it went there."""
+        if requests not in ("continue", "restart"):
+            raise ValueError(f"requests: expected 'continue' or 'restart', got {requests!r}")
+        member = self._fleet.remove(name, requests)
+        self._notify()
+        calls = dict(member.calls)
+        if requests == "continue" and calls and member.state != "broken":
+            try:
+                await asyncio.wait_for(member.engine.abort_requests(list(calls)), timeout)
+                await asyncio.wait(calls.values(), timeout=timeout)
+            except (EngineError, SecurityError, asyncio.TimeoutError) as e:
+                log.warning("remove_engine(%r): its requests did not come back (%s); they "
+                            "restart elsewhere", name, e)  # fmt: skip
+        for call in calls.values():
+            call.cancel()  # what did not come back goes on elsewhere
+
+    async def _settle(self) -> None:
+        """Ask every engine added since the last time for its name, version and limits."""
+        await self._fleet.settle(self.version, self._bound.max_staleness)
+        self._notify()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @property
     def version(self) -> int:
-        """The trainer's version: the last update's."""
+        """The trainer's version: that of the last update any engine committed."""
         return self._bound.version
-
-    def _pick(self) -> _Member | None:
-        serving = [m for m in self._members.values() if m.broken is None]
-        return min(serving, key=lambda m: m.running) if serving else None
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def _until(self, ready: Callable[[], T | None], timeout: float | None, what: str) -> T:
-        """Wait on the coordinator's events until ``ready()`` gives something."""
+        """Wait on the coordinator's events until ``ready()`` gives something; a timeout
+        says how many engines serve, and why the others do not."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (result := ready()) is None:
             if self._closed:
@@ -195,7 +234,7 @@ class Coordinator:
             event = self._changed
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"{what}: not within {timeout} s")
+                raise TimeoutError(f"{what}: not within {timeout} s ({self._fleet.describe()})")
             try:
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:
@@ -214,9 +253,15 @@ class Coordinator:
     ) -> asyncio.Future[Group]:
         """Admit ``n`` samples of ``prompt_ids`` (waiting, by event, while the staleness
         bound is full) and start them on the least-loaded engines; the future resolves
-        with the :class:`Group` once all ``n`` finished.
+        with the :class:`Group` once all ``n`` finished, or fails with the first
+        sample's error (a :class:`RequestError`, or a ``TimeoutError`` naming each engine
+        and why it does not serve when none served within ``engine_timeout``; logged
+        once as well).
 
         Raises:
+            RequestError: a prompt no engine of the fleet can run (a token id outside the
+                smallest vocabulary, prompt + ``max_tokens`` beyond the smallest context
+                the engines announce): nothing was queued.
             TimeoutError: the bound stayed full for ``timeout`` seconds (the trainer
                 must take batches and update its version for room to come).
             ValueError: bad arguments.
@@ -228,6 +273,8 @@ class Coordinator:
             raise ValueError(
                 f"n: expected an int in [1, {most}] (batch_size x (max_staleness + 1)), got {n!r}"
             )
+        await self._settle()
+        self._check_prompt(request)
         self._waiting_submits += 1
         try:
             await self._until(
@@ -245,19 +292,38 @@ class Coordinator:
         self._start(unit)
         return unit.future
 
+    def _check_prompt(self, request: GenerateRequest) -> None:
+        """Refuse a prompt that an engine of the fleet would refuse, before it is queued."""
+        vocab, length = self._fleet.limits()
+        prompt = request.prompt_ids
+        if vocab is not None:
+            bad = next((i for i, t in enumerate(prompt) if t >= vocab[0]), None)
+            if bad is not None:
+                raise RequestError(
+                    f"prompt_ids[{bad}]: expected a token id below {vocab[0]} (the vocab_size "
+                    f"of engine `{vocab[1]}`), got {prompt[bad]} (nothing was submitted)"
+                )
+        total = len(prompt) + request.params.max_tokens
+        if length is not None and total > length[0]:
+            raise RequestError(
+                f"prompt_ids, max_tokens: expected len(prompt_ids) + max_tokens <= {length[0]} "
+                f"(the max_model_len of engine `{length[1]}`), got {len(prompt)} + "
+                f"{request.params.max_tokens} = {total} (shorten the prompt or lower "
+                "max_tokens; nothing was submitted)"
+            )
+
     def _start(self, unit: _Unit) -> None:
         self._bound.admit(unit.n)
         unit.completions = [None] * unit.n
         unit.ended = 0
         for i in range(unit.n):
-            task = asyncio.ensure_future(self._rollout(unit, i))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._rollout(unit, i))
         self._notify()
 
     async def _rollout(self, unit: _Unit, i: int) -> None:
-        """One sample: generated on an engine; continued on one after an abort of an
-        update in ``abort`` mode, or after its engine failed (prompt + the tokens so far)."""
+        """One sample: generated on an engine; continued on another after an abort of an
+        update in ``abort`` mode, after its engine failed (from the tokens it had before
+        it went there) or left the fleet (``remove_engine``'s ``requests``)."""
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -267,33 +333,27 @@ class Coordinator:
             while len(tokens) < unit.params.max_tokens:
                 await self._running.wait()
                 epoch = self._abort_epoch
-                member = await self._until(self._pick, None, "an engine that serves")
-                params = msgspec.structs.replace(
-                    unit.params, max_tokens=unit.params.max_tokens - len(tokens)
+                member = await self._until(
+                    self._fleet.pick, self.engine_timeout, "an engine that serves"
                 )
-                request = GenerateRequest(
-                    request_id=f"r{unit.id}-{i}-{len(tokens)}",
-                    prompt_ids=unit.prompt_ids + tokens,
-                    params=params,
-                )
-                member.running += 1
-                try:
-                    done = await member.engine.generate(request)
-                except EngineError as e:
-                    member.broken = member.broken or e.reason
-                    self._notify()
-                    continue  # its tokens so far go on elsewhere
-                finally:
-                    member.running -= 1
+                done = await self._generate(member, unit, i, tokens)
+                if done is None or (done.finish_reason == "abort" and member.removed):
+                    if member.removed == "restart":
+                        tokens, logprobs, versions = [], [], []
+                    if done is None or member.removed == "restart":
+                        continue  # its tokens there are lost: on from before it went there
                 tokens += done.token_ids
                 logprobs += done.logprobs
                 versions += done.versions
-                reason, engine_name = done.finish_reason, done.engine or member.engine.name
-                if reason != "abort" or self._abort_epoch == epoch:
-                    break  # an abort by an update in abort mode goes on; others end here
-        except BaseException as e:
-            self._ended(unit, None, e)
+                reason, engine_name = done.finish_reason, done.engine or member.name
+                if reason != "abort" or (self._abort_epoch == epoch and not member.removed):
+                    break  # an abort by an update in abort mode or a removal goes on
+        except asyncio.CancelledError:
+            self._ended(unit, None, None)
             raise
+        except Exception as e:  # the request's fault, or no engine served: the group's error
+            self._ended(unit, None, e)
+            return
         done_ = Completion(
             request_id=f"r{unit.id}-{i}", prompt_ids=unit.prompt_ids, token_ids=tokens,
             logprobs=logprobs, versions=versions, finish_reason=reason, engine=engine_name,
@@ -301,15 +361,49 @@ class Coordinator:
         unit.completions[i] = done_
         self._ended(unit, done_, None)
 
+    async def _generate(
+        self, member: Member, unit: _Unit, i: int, tokens: list[int]
+    ) -> Completion | None:
+        """One request of a sample on ``member``; None if the engine failed it or left."""
+        params = msgspec.structs.replace(
+            unit.params, max_tokens=unit.params.max_tokens - len(tokens)
+        )
+        request = GenerateRequest(
+            request_id=f"r{unit.id}-{i}-{len(tokens)}", prompt_ids=unit.prompt_ids + tokens,
+            params=params,
+        )  # fmt: skip
+        call: asyncio.Future[Completion] = asyncio.ensure_future(member.engine.generate(request))
+        member.calls[request.request_id] = call  # type: ignore[assignment]
+        member.running += 1
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if self._closed or member.removed is None or not call.cancelled():
+                raise
+            return None  # remove_engine took it back
+        except (EngineError, SecurityError) as e:  # the engine's: out of rotation, on elsewhere
+            why = e.reason if isinstance(e, EngineError) else str(e)
+            self._fleet.mark(member, "broken", f"a request failed: {why}")
+            self._notify()
+            return None
+        finally:
+            member.running -= 1
+            member.calls.pop(request.request_id, None)
+
     def _ended(self, unit: _Unit, done: Completion | None, error: BaseException | None) -> None:
-        """A sample of ``unit`` finished or failed; the group resolves once all ended."""
+        """A sample of ``unit`` finished, failed (``error``) or was cancelled (neither);
+        the group resolves once all ended. A group's error is logged once and reaches
+        whoever awaits its future (and nobody else)."""
         unit.ended += 1
         self._bound.finish(accepted=done is not None)
-        if error is not None and not unit.future.done():
-            if isinstance(error, asyncio.CancelledError):
+        if done is None and not unit.future.done():
+            if error is None:
                 unit.future.cancel()  # closed: nobody needs to hear of it
             else:
+                self._failed_groups += 1
+                log.warning("group %r failed: %s", unit.group, error)
                 unit.future.set_exception(error)
+                unit.future.exception()  # logged above: asyncio need not log it again
         if unit.ended == unit.n:
             if unit.future.done():  # it failed: its finished samples will not be trained
                 self._bound.discard(sum(c is not None for c in unit.completions))
@@ -376,16 +470,18 @@ class Coordinator:
         mode: PauseMode = "keep",
         timeout: float = 60.0,
     ) -> UpdateReport:
-        """Pause every engine, run ``push(seconds_left)`` (a function, run in a thread: e.g.
-        ``lambda t: sender.push(model.state_dict().items(), version=v, timeout=t)``; or a
-        coroutine function, awaited), have every engine serve ``version``, and resume
-        every engine whatever happened.
+        """Pause every engine that serves or lags, run ``push(seconds_left)`` (a function,
+        run in a thread: e.g. ``lambda t: sender.push(model.state_dict().items(),
+        version=v, timeout=t)``; or a coroutine function, awaited), have each engine serve
+        what it committed, and resume every engine whatever happened.
 
         Raises:
-            EngineError: an engine failed a step (pause, load, commit, resume) or did not
-                finish it in time; the message names each such engine and its reason.
-                The others serve ``version``; the trainer's version is ``version`` either
-                way.
+            WeightUpdateError: (an :class:`EngineError`) a step failed; its ``stage``
+                and ``failures`` name where and only the parties at fault (engines, or
+                ``push``); every other engine serves its last whole version. The
+                trainer's version is ``version`` if any engine committed it, else
+                unchanged (push the same version again).
+            EngineError: no engine in the fleet can be updated (each is broken).
         """
         if type(version) is not int or version <= self.version:
             raise ValueError(
@@ -393,117 +489,47 @@ class Coordinator:
             )
         if mode not in ("keep", "abort", "wait"):
             raise ValueError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        members = list(self._members.values())
-        failed: dict[str, str] = {}
+        await self._settle()
+        if not any(m.state in ("serving", "behind") for m in self._fleet):
+            raise EngineError(
+                "coordinator", f"update to version {version}: no engine to update "
+                f"({self._fleet.describe()}; add_engine one that is back)",
+            )  # fmt: skip
         if mode == "abort":
             self._abort_epoch += 1
         self._running.clear()
-        marks = [t0]
         try:
-            await self._each(
-                [m for m in members if m.own is None], self._learn_name, "statistics",
-                deadline, failed,
+            after, outcome = await run_update(
+                self._fleet, push, version=version, current=self.version,
+                max_staleness=self._bound.max_staleness, mode=mode, timeout=timeout,
             )  # fmt: skip
-            await self._each(members, lambda m: m.engine.pause(mode), "pause", deadline, failed)
-            await self._each(
-                members, lambda m: m.engine.start_weight_update(), "start_weight_update",
-                deadline, failed,
-            )  # fmt: skip
-            marks.append(time.monotonic())
-            try:
-                left = max(0.001, deadline - time.monotonic())
-                pushing = push(left) if inspect.iscoroutinefunction(push) else (
-                    asyncio.to_thread(push, left))  # fmt: skip
-                await asyncio.wait_for(pushing, left + 1.0)
-            except asyncio.TimeoutError:
-                failed.setdefault(_PUSH, f"did not return within {timeout} s")
-            except Exception as e:
-                by_own = {m.own: m.engine.name for m in members if m.own is not None}
-                for name, why in getattr(e, "failures", {}).items():
-                    failed.setdefault(by_own.get(name, name), why)
-                if not getattr(e, "failures", None):
-                    failed.setdefault(_PUSH, f"{type(e).__name__}: {e}")
-            marks.append(time.monotonic())
-            live = [m for m in members if m.engine.name not in failed]
-            await self._each(
-                live, lambda m: m.engine.finish_weight_update(version), "finish_weight_update",
-                deadline, failed,
-            )  # fmt: skip
-            marks.append(time.monotonic())
+            self._bound.version = after
         finally:
-            self._bound.version = max(self._bound.version, version)
-            resume_deadline = max(deadline, time.monotonic() + 10.0)
-            await self._each(members, lambda m: m.engine.resume(), "resume", resume_deadline,
-                             failed)  # fmt: skip
-            for m in members:
-                m.broken = failed.get(m.engine.name)
             self._running.set()
             self._notify()
-        end = time.monotonic()
-        marks += [end] * (5 - len(marks))
         self._updates += 1
-        self._seconds["pause"] += marks[1] - marks[0]
-        self._seconds["push"] += marks[2] - marks[1]
-        self._seconds["update"] += end - t0
-        if failed:
-            pushed = failed.pop(_PUSH, None)
-            text = "; ".join(f"`{name}`: {why}" for name, why in failed.items())
-            if pushed is not None:
-                text = f"the push: {pushed}" + (f"; {text}" if text else "")
-            raise EngineError(
-                ", ".join(failed) or "(all)",
-                f"weight update to version {version} failed: {text}",
-                failed,
-            )
-        return UpdateReport(
-            version=version, engines=tuple(m.engine.name for m in members),
-            pause_seconds=marks[1] - marks[0], push_seconds=marks[2] - marks[1],
-            finish_seconds=marks[3] - marks[2], resume_seconds=end - marks[3],
-            seconds=end - t0,
-        )  # fmt: skip
-
-    @staticmethod
-    async def _learn_name(m: _Member) -> None:
-        """The name the engine gives itself: a push names failed receivers by it."""
-        m.own = (await m.engine.statistics()).name
-
-    async def _each(
-        self,
-        members: list[_Member],
-        call: Callable[[_Member], Awaitable[Any]],
-        step: str,
-        deadline: float,
-        failed: dict[str, str],
-    ) -> None:
-        """``call`` every member not failed yet, at once, until ``deadline``; a failure or
-        a member late is recorded in ``failed`` with the step's name."""
-        members = [m for m in members if m.engine.name not in failed]
-
-        async def one(m: _Member) -> None:
-            try:
-                await asyncio.wait_for(call(m), max(0.001, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                failed.setdefault(m.engine.name, f"{step} did not finish in time")
-            except Exception as e:
-                why = e.reason if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
-                failed.setdefault(m.engine.name, f"{step} failed: {why}")
-
-        await asyncio.gather(*(one(m) for m in members))
+        if isinstance(outcome, EngineError):
+            raise outcome
+        self._seconds["pause"] += outcome.pause_seconds
+        self._seconds["push"] += outcome.push_seconds
+        self._seconds["update"] += outcome.seconds
+        return outcome
 
     # -- the rest -------------------------------------------------------------------------
     def statistics(self) -> CoordinatorStatistics:
         b = self._bound
         return CoordinatorStatistics(
-            version=b.version, max_staleness=b.max_staleness, engines=len(self._members),
-            engines_serving=sum(m.broken is None for m in self._members.values()),
+            version=b.version, max_staleness=b.max_staleness, engines=len(self._fleet.members),
+            engines_serving=self._fleet.serving(),
             running=b.running, ready_groups=len(self._ready), accepted=b.accepted,
             consumed=b.consumed, dropped=b.dropped, regenerated=b.regenerated,
             capacity=b.capacity(), staleness_mean=b.lag_sum / b.consumed if b.consumed else 0.0,
             staleness_max=b.lag_max, updates=self._updates,
             pause_seconds=self._seconds["pause"], push_seconds=self._seconds["push"],
             update_seconds=self._seconds["update"], waiting_submits=self._waiting_submits,
+            failed_groups=self._failed_groups,
+            not_serving={m.name: f"{m.state}: {m.why}" for m in self._fleet if m.state != "serving"}
+            | self._fleet.left,
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:

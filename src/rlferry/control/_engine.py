@@ -29,7 +29,9 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "PauseMode",
+    "RequestError",
     "SamplingParams",
+    "WeightUpdateError",
 ]
 
 PauseMode = Literal["keep", "abort", "wait"]
@@ -43,13 +45,77 @@ FinishReason = Literal["stop", "length", "abort"]
 class EngineError(Exception):
     """An engine failed a request or a step of a weight update; ``engine`` names it (the
     engines, comma-separated, for an update that several failed: ``failures`` maps each
-    name to its reason)."""
+    name to its reason). ``gone``: the engine is unreachable, closed or dead (a lost
+    connection, an answer that never came, a process that exited), so it serves nothing
+    until it is added again; otherwise it answered and refused or failed this one step."""
 
-    def __init__(self, engine: str, message: str, failures: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: str,
+        message: str,
+        failures: dict[str, str] | None = None,
+        *,
+        gone: bool = False,
+    ) -> None:
         super().__init__(f"engine `{engine}`: {message}")
         self.engine = engine
         self.reason = message
         self.failures = dict(failures or {engine: message})
+        self.gone = gone
+
+
+class RequestError(ValueError):
+    """A request that an engine refuses (a token id outside its vocabulary, prompt +
+    ``max_tokens`` beyond its context, a bad sampling value): the request's fault, never
+    the engine's. It fails that request only; the engine keeps serving. The message is the
+    engine's (field, expected, got, fix), the same in process and over HTTP; ``engine``
+    names the engine that refused it (empty when the coordinator refused it at submit)."""
+
+    def __init__(self, message: str, engine: str = "") -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+class WeightUpdateError(EngineError):
+    """A weight update that failed somewhere. ``stage`` is where the first failure happened
+    (``pause``, ``start_weight_update``, ``push``, ``finish_weight_update``, ``resume``);
+    ``failures`` maps each party at fault (an engine's name, or ``push`` for the trainer's
+    push itself) to its stage and reason, and names no one else; ``serving`` maps every
+    engine that serves after the update to the version it serves; ``waiting`` maps the
+    engines that are not at fault but serve nothing until a later update reaches them (a
+    push that failed after they loaded part of it) to why. ``version`` is the trainer's
+    version after the update: the new one if any engine committed it, else unchanged (retry
+    the same version)."""
+
+    def __init__(
+        self,
+        target: int,
+        stage: str,
+        failures: dict[str, str],
+        serving: dict[str, int | None],
+        waiting: dict[str, str],
+        version: int,
+    ) -> None:
+        parts = [f"`{name}`: {why}" for name, why in failures.items()]
+        if serving:
+            at = sorted({v for v in serving.values() if v is not None})
+            parts.append(
+                f"{len(serving)} engine(s) serve version {', '.join(map(str, at)) or '?'}: "
+                + ", ".join(serving)
+            )
+        parts += [f"`{name}` waits for the next update: {why}" for name, why in waiting.items()]
+        if version < target:
+            parts.append(f"the trainer's version stays {version} (retry version {target})")
+        names = ", ".join(failures) or "(none)"
+        super().__init__(
+            names, f"weight update to version {target} failed at {stage}: " + "; ".join(parts),
+            failures,
+        )  # fmt: skip
+        self.stage = stage
+        self.target = target
+        self.serving = dict(serving)
+        self.waiting = dict(waiting)
+        self.version = version
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -138,6 +204,10 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     updates: int
     update_seconds: float
     last_error: str | None
+    vocab_size: int | None = None
+    """Token ids must be below it (None: the engine does not say; it checks itself)."""
+    max_model_len: int | None = None
+    """Prompt + ``max_tokens`` must fit in it (None: the engine does not say)."""
 
 
 @runtime_checkable

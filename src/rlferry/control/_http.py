@@ -31,6 +31,7 @@ from ._engine import (
     EngineStatistics,
     GenerateRequest,
     PauseMode,
+    RequestError,
 )
 
 __all__ = ["EngineServer", "RemoteEngine"]
@@ -141,7 +142,9 @@ class EngineServer:
         try:
             return await handler(request)
         except EngineError as err:
-            return _error(409, "EngineError", err.reason)
+            return _error(409, "EngineError", err.reason, gone=err.gone)
+        except RequestError as err:  # the engine's own message: the same as in process
+            return _error(400, "RequestError", str(err))
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
             return _error(400, "ValueError", f"{request.path}: {err}")
 
@@ -174,8 +177,8 @@ def _ok(value: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(value), content_type="application/json")
 
 
-def _error(status: int, kind: str, message: str) -> web.Response:
-    body = json.dumps({"error": kind, "message": message})
+def _error(status: int, kind: str, message: str, *, gone: bool = False) -> web.Response:
+    body = json.dumps({"error": kind, "message": message, "gone": gone})
     return web.Response(status=status, text=body, content_type="application/json")
 
 
@@ -221,21 +224,41 @@ class RemoteEngine:
             ) as resp:  # fmt: skip
                 raw = await resp.read()
                 if resp.status != 200:
-                    try:
-                        err = json.loads(raw)
-                        message = f"{err['error']}: {err['message']}"
-                    except (ValueError, KeyError, TypeError):
-                        message = f"HTTP {resp.status}: {raw[:200]!r}"
-                    raise EngineError(self.name, f"{path}: {message}")
+                    raise self._refused(path, resp.status, raw)
                 return msgspec.json.decode(raw, type=kind) if kind else msgspec.json.decode(raw)
         except asyncio.TimeoutError:
-            raise EngineError(self.name, f"{path}: no answer within {timeout} s") from None
+            raise EngineError(
+                self.name, f"{path}: no answer within {timeout} s", gone=True
+            ) from None
         except aiohttp.ClientConnectorError as e:
-            raise EngineError(self.name, f"{path}: unreachable ({e.os_error or e})") from None
+            raise EngineError(
+                self.name, f"{path}: unreachable ({e.os_error or e})", gone=True
+            ) from None
         except aiohttp.ClientError as e:
             raise EngineError(
-                self.name, f"{path}: the engine went away ({type(e).__name__}: {e})"
+                self.name, f"{path}: the engine went away ({type(e).__name__}: {e})", gone=True
             ) from None
+
+    def _refused(self, path: str, status: int, raw: bytes) -> Exception:
+        """The error of an answer other than 200: the request's fault (400: ``RequestError``
+        with the engine's message), a refused token (``SecurityError``), or the engine's
+        (``EngineError``)."""
+        try:
+            err = json.loads(raw)
+            kind, message, gone = err["error"], err["message"], bool(err.get("gone"))
+        except (ValueError, KeyError, TypeError):
+            kind, message, gone = "", f"HTTP {status}: {raw[:200]!r}", False
+        if status == 401:
+            what = (
+                "refused this client's token (pass token= the one the server was started "
+                "with, its --token)"
+                if self._headers
+                else "needs a token and this client has none (pass token= the server's --token)"
+            )
+            return SecurityError(f"engine `{self.name}`: {path}: the server {what}")
+        if status == 400:
+            return RequestError(message, self.name)
+        return EngineError(self.name, f"{path}: {kind + ': ' if kind else ''}{message}", gone=gone)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         out: Completion = await self._request("POST", "/generate", request, Completion, None)

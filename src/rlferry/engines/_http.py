@@ -8,14 +8,17 @@ from typing import Any
 
 import aiohttp
 
-from rlferry.control import EngineError
+from rlferry.control import EngineError, RequestError
+from rlferry.wire import SecurityError
 
 __all__ = ["JsonClient"]
 
 
 class JsonClient:
-    """JSON calls to an engine server at ``url``; every failure is an ``EngineError``
-    naming ``name`` (an answer other than 200, none in time, unreachable, gone).
+    """JSON calls to an engine server at ``url``. A 400 or 422 answer is the request's
+    fault (``RequestError`` with the server's text; the engine keeps serving), 401 or 403
+    a refused token (``SecurityError``); every other failure is an ``EngineError`` naming
+    ``name`` (``gone`` when no answer came: none in time, unreachable, connection lost).
 
     No connection limit: a generate holds its connection until its completion, and a
     control call (pause, weights) must never queue behind them (aiohttp's default pool
@@ -44,16 +47,28 @@ class JsonClient:
                 method, self.url + path, json=body, params=params, timeout=limit
             ) as resp:
                 raw = await resp.read()
+                if resp.status in (400, 422):
+                    text = raw[:500].decode(errors="replace")
+                    raise RequestError(f"{path}: the server refused the request: {text}", self.name)
+                if resp.status in (401, 403):
+                    raise SecurityError(
+                        f"engine `{self.name}`: {path}: the server refused this client's token "
+                        f"(HTTP {resp.status}; pass the server's API key as token=)"
+                    )
                 if resp.status != 200:
                     raise EngineError(self.name, f"{path}: HTTP {resp.status}: {raw[:500]!r}")
                 return json.loads(raw) if raw else None
         except asyncio.TimeoutError:
-            raise EngineError(self.name, f"{path}: no answer within {timeout} s") from None
+            raise EngineError(
+                self.name, f"{path}: no answer within {timeout} s", gone=True
+            ) from None
         except aiohttp.ClientConnectorError as e:
-            raise EngineError(self.name, f"{path}: unreachable ({e.os_error or e})") from None
+            raise EngineError(
+                self.name, f"{path}: unreachable ({e.os_error or e})", gone=True
+            ) from None
         except aiohttp.ClientError as e:
             raise EngineError(
-                self.name, f"{path}: the server went away ({type(e).__name__}: {e})"
+                self.name, f"{path}: the server went away ({type(e).__name__}: {e})", gone=True
             ) from None
 
     async def close(self) -> None:

@@ -112,7 +112,7 @@ class DecodeThread:
 
     def _alive(self) -> None:
         if self._dead is not None:
-            raise EngineError(self.name, self._dead)
+            raise EngineError(self.name, self._dead, gone=True)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -233,8 +233,9 @@ class DecodeThread:
             if waiter is not None:
                 waiter.resolve(sum(ids is None or r.request_id in ids for r in ended))
 
-    def _end(self, rows: list[Row], error: str | None = None) -> None:
-        """Tell the callers of ``rows`` that they ended (with ``error``: that they failed)."""
+    def _end(self, rows: list[Row], error: str | None = None, *, gone: bool = False) -> None:
+        """Tell the callers of ``rows`` that they ended (with ``error``: that they failed;
+        ``gone``: because the engine ended)."""
         if not rows:
             return
         with self._cond:
@@ -244,7 +245,7 @@ class DecodeThread:
                     self._counts["aborted" if r.finish == "abort" else "finished"] += 1
         for r in rows:
             if error is not None:
-                settle(r.loop, r.future, error=EngineError(self.name, error))
+                settle(r.loop, r.future, error=EngineError(self.name, error, gone=gone))
             else:
                 assert r.finish is not None
                 settle(r.loop, r.future, r.completion(self.name, r.finish))
@@ -267,9 +268,10 @@ class DecodeThread:
             waiters = self._waiters + [w for _, w in self._aborts if w is not None]
             self._waiters, self._aborts = [], []
             self._cond.notify_all()
-        self._end(rows, error=f"{self._dead}: the request ended unfinished (resubmit it)")
+        unfinished = f"{self._dead}: the request ended unfinished (resubmit it)"
+        self._end(rows, error=unfinished, gone=True)
         for w in waiters:
-            w.fail(EngineError(self.name, self._dead))
+            w.fail(EngineError(self.name, self._dead, gone=True))
 
 
 def _aborted_by(aborts: list[Abort]) -> Callable[[Row], bool]:

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
-from rlferry.control import Completion, EngineError, GenerateRequest
+from rlferry.control import Completion, EngineError, GenerateRequest, RequestError
 
 __all__ = ["Requests", "completion", "version_of"]
 
@@ -81,9 +81,10 @@ class Requests:
             raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
         rid = request.request_id
         if rid in self.inflight:
-            raise ValueError(
+            raise RequestError(
                 f"request `{rid}`: expected a request_id not in flight on engine "
-                f"`{self.engine}`, got one that is (request ids are unique per engine)"
+                f"`{self.engine}`, got one that is (request ids are unique per engine)",
+                self.engine,
             )
         if not self.inflight:
             self._since = time.monotonic()

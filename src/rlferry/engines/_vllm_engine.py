@@ -9,7 +9,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
+from rlferry.control import (
+    Completion,
+    EngineError,
+    EngineStatistics,
+    GenerateRequest,
+    PauseMode,
+    RequestError,
+)
 
 from ._vllm_common import Requests
 
@@ -130,8 +137,8 @@ class VLLMEngine:
                 prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
                 async for out in self.llm.generate(prompt, params, rid):
                     final = out
-            except (ValueError, TypeError):
-                raise
+            except (ValueError, TypeError) as e:  # vLLM's input checks: the request's fault
+                raise RequestError(f"request `{rid}`: vLLM refused it: {e}", self.name) from e
             except Exception as e:
                 why = f"request `{rid}` failed: {type(e).__name__}: {e}"
                 raise EngineError(self.name, why) from e
@@ -297,19 +304,21 @@ class VLLMEngine:
         now = time.monotonic()
         extra = now - self._paused_since if self._paused_since is not None else 0.0
         r = self._requests
+        cfg = getattr(self.llm, "model_config", None)  # vLLM's limits, where it says them
         return EngineStatistics(
             name=self.name, version=r.version_of(), paused=paused, running=len(r.inflight),
             waiting=0, finished=r.counts["finished"], aborted=r.counts["aborted"],
             tokens=r.counts["tokens"], steps=0, step_seconds=r.busy_seconds(),
             paused_seconds=self._seconds["paused"] + extra, updates=self._updates,
             update_seconds=self._seconds["update"],
-            last_error=self._error,
+            last_error=self._error, vocab_size=cfg.get_vocab_size() if cfg else None,
+            max_model_len=cfg.max_model_len if cfg else None,
         )  # fmt: skip
 
     # -- life -------------------------------------------------------------------------------
     def _alive(self) -> None:
         if self._closed:
-            raise EngineError(self.name, "closed (make a new VLLMEngine)")
+            raise EngineError(self.name, "closed (make a new VLLMEngine)", gone=True)
 
     async def _call(self, what: str, call: Any) -> Any:
         try:

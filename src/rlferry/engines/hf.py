@@ -35,7 +35,14 @@ from typing import Any
 
 import torch
 
-from rlferry.control import Completion, EngineError, EngineStatistics, GenerateRequest, PauseMode
+from rlferry.control import (
+    Completion,
+    EngineError,
+    EngineStatistics,
+    GenerateRequest,
+    PauseMode,
+    RequestError,
+)
 from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 
 from ._batch import Batch, Row
@@ -139,8 +146,11 @@ class HFEngine(DecodeThread):
         or an abort: then with the tokens so far and finish reason ``abort``).
 
         Raises:
-            TypeError, ValueError: a request this engine cannot run (named).
-            EngineError: the engine closed, or the step it was in failed.
+            RequestError: (a ``ValueError``) a request this engine cannot run (a token id
+                outside the vocabulary, prompt + ``max_tokens`` beyond ``max_model_len``, a
+                request id in flight already); the engine goes on serving the others.
+            TypeError: not a ``GenerateRequest``.
+            EngineError: the engine closed (``gone``), or the step it was in failed.
         """
         self._check_request(request)
         loop = asyncio.get_running_loop()
@@ -149,9 +159,10 @@ class HFEngine(DecodeThread):
         with self._cond:
             self._alive()
             if rid in self._ids:
-                raise ValueError(
+                raise RequestError(
                     f"request `{rid}`: expected a request_id not in flight on engine "
-                    f"`{self.name}`, got one that is (request ids are unique per engine)"
+                    f"`{self.name}`, got one that is (request ids are unique per engine)",
+                    self.name,
                 )
             self._ids[rid] = row
             staged = self._staged.setdefault(loop, [])
@@ -178,7 +189,7 @@ class HFEngine(DecodeThread):
                 self._ids.pop(r.request_id, None)
         for r in rows:
             if not r.future.done():
-                r.future.set_exception(EngineError(self.name, self._dead))
+                r.future.set_exception(EngineError(self.name, self._dead, gone=True))
 
     def _check_request(self, request: Any) -> None:
         if not isinstance(request, GenerateRequest):
@@ -186,16 +197,18 @@ class HFEngine(DecodeThread):
         rid, prompt = request.request_id, request.prompt_ids
         bad = next((i for i, t in enumerate(prompt) if t >= self.vocab_size), None)
         if bad is not None:
-            raise ValueError(
+            raise RequestError(
                 f"request `{rid}`: prompt_ids[{bad}]: expected a token id below "
-                f"{self.vocab_size} (the model's vocab_size), got {prompt[bad]}"
+                f"{self.vocab_size} (the model's vocab_size), got {prompt[bad]}",
+                self.name,
             )
         n = len(prompt) + request.params.max_tokens
         if self.max_model_len is not None and n > self.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"request `{rid}`: expected prompt + max_tokens <= {self.max_model_len} (the "
                 f"engine's max_model_len), got {len(prompt)} + {request.params.max_tokens} "
-                f"= {n} (shorten the prompt or lower max_tokens)"
+                f"= {n} (shorten the prompt or lower max_tokens)",
+                self.name,
             )
 
     async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
@@ -388,7 +401,8 @@ class HFEngine(DecodeThread):
                 tokens=self._counts["tokens"], steps=self._counts["steps"],
                 step_seconds=self._seconds["step"], paused_seconds=paused,
                 updates=self._counts["updates"], update_seconds=self._seconds["update"],
-                last_error=self._error,
+                last_error=self._error, vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
             )  # fmt: skip
 
     # -- life ---------------------------------------------------------------------------
