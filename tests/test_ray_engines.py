@@ -54,6 +54,8 @@ def test_the_coordinator_drives_ray_engines_over_http(engines):
             (group,) = await coord.batch(1, timeout=60)
         finally:
             await coord.close()
+            for e in engines.engines:
+                await e.close()
         return group
 
     group = asyncio.run(main())
@@ -107,3 +109,44 @@ def test_an_engine_killed_with_a_generate_waiting_and_mid_update_fails_calls_nam
         f"engine `engine0`: actor `rlferry/kills/engine0` died: {KILLED}",
         f"engine `engine1`: actor `rlferry/kills/engine1` died: {KILLED}",
     ]
+
+
+def test_a_restarted_engine_actor_rejoins_and_is_updated_before_it_serves(ray_cluster, model_dir):
+    from rlferry.weights import WeightSender
+
+    async def main(started):
+        sender = WeightSender(group="g", transport="shm", receivers=1)
+        trained = tiny_model(1).state_dict()  # "trained" weights: another seed
+        (engine,) = started.engines
+        await engine.init_weight_transfer("g", sender.address)
+        coord = Coordinator(started.engines, batch_size=2, max_staleness=1)
+
+        def push(version):
+            return lambda t: sender.push(trained.items(), version=version, timeout=t)
+
+        try:
+            await coord.update_weights(push(1), version=1)
+            actor = started.actors["rlferry/restart/engine0"]
+            ray.kill(actor, no_restart=False)  # Ray restarts it: the checkpoint's weights
+            await engine.ended(30)
+            with pytest.raises(EngineError) as e:
+                await asyncio.wait_for(engine.get_weight_version(), 30)
+            new = await started.rejoin(0, coord, weights=("g", sender.address))
+            assert new.url != engine.url and await new.get_weight_version() == 0
+            await coord.update_weights(push(2), version=2)  # brings it to the version
+            await coord.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), n=2)
+            (group,) = await coord.batch(1, timeout=60)
+            return e.value, await new.get_weight_version(), group
+        finally:
+            await coord.close()
+            sender.close()
+            for e in started.engines:
+                await e.close()
+
+    with RayEngines.start("restart", model_dir, engines=1, cpus_per_engine=0.5, max_restarts=1,
+                          options={"device": "cpu"}) as started:  # fmt: skip
+        error, version, group = asyncio.run(main(started))
+    assert error.gone
+    assert str(error).startswith("engine `engine0`: actor `rlferry/restart/engine0` died: ")
+    assert version == 2
+    assert all(c.versions == [2, 2, 2] for c in group.completions)

@@ -36,6 +36,7 @@ from ._common import (
     namespace_of,
     node_address,
     ray,
+    reason,
     secret,
     taken,
     where,
@@ -108,14 +109,26 @@ class RayEngine:
             raise
         if not task.done():
             task.cancel()
-            raise EngineError(self.name, f"actor `{self.actor_name}` died: {end.result()}")
+            raise EngineError(
+                self.name, f"actor `{self.actor_name}` died: {end.result()}", gone=True
+            )
         try:
             return task.result()
         except EngineError:
             why = await deaths.why(self._key, DEATH_GRACE)
             if why is None:
                 raise
-            raise EngineError(self.name, f"actor `{self.actor_name}` died: {why}") from None
+            raise EngineError(
+                self.name, f"actor `{self.actor_name}` died: {why}", gone=True
+            ) from None
+
+    async def ended(self, timeout: float) -> str:
+        """Why the actor ended (Ray's reason), once it did; at most ``timeout`` seconds.
+
+        Raises:
+            TimeoutError: it still serves after ``timeout`` seconds.
+        """
+        return await asyncio.wait_for(asyncio.wrap_future(self._end), timeout)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         return await self._guard(self._remote.generate(request))
@@ -245,35 +258,49 @@ class RayEngines:
         ]
         return cls(job, names, actors, [found[b] for b in order], handles, pg, token)
 
-    async def rejoin(self, i: int, coordinator: Any, *, timeout: float = ENGINE_START_TIMEOUT,
-                     weights: tuple[str, str] | None = None) -> RayEngine:  # fmt: skip
-        """Engine ``i`` after Ray restarted its actor (``max_restarts``): wait for it to
-        serve again, replace the old one in ``coordinator`` (``remove_engine`` then
-        ``add_engine``), and join the trainer's weights (``weights``: the group and the
-        sender's address). The coordinator's next ``update_weights`` brings it to the
-        current version before it serves.
+    async def restarted(self, i: int, *, timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:
+        """Engine ``i`` once Ray restarted its actor (``max_restarts``) and it serves again
+        (a new port, the checkpoint's weights); it replaces the old one in :attr:`engines`.
 
         Raises:
-            EngineError: the actor did not serve again within ``timeout`` seconds, or
+            EngineError: it did not serve again within ``timeout`` seconds, or its actor
                 is dead for good (its restarts used up).
         """
         r = ray()
         old = self.engines[i]
         try:
-            url = await asyncio.wait_for(_ref(self._actors[i].url.remote()), timeout)
+            # retried by Ray while the actor restarts; fails once it is dead for good
+            ask = self._actors[i].url.options(max_task_retries=-1).remote()
+            url = await asyncio.wait_for(_ref(ask), timeout)
         except asyncio.TimeoutError:
-            raise EngineError(old.name, f"actor `{old.actor_name}` did not serve again within "
-                                        f"{timeout:g} s of its restart") from None  # fmt: skip
+            raise EngineError(
+                old.name, f"actor `{old.actor_name}` did not serve again within {timeout:g} s "
+                "of its restart", gone=True,
+            ) from None  # fmt: skip
         except r.exceptions.RayActorError as e:
             raise EngineError(old.name, f"actor `{old.actor_name}` is dead for good: "
-                                        f"{str(e).strip().splitlines()[-1]}") from None  # fmt: skip
+                                        f"{reason(e)}", gone=True) from None  # fmt: skip
         new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token)
-        if weights is not None:
-            await new.init_weight_transfer(*weights)
-        coordinator.remove_engine(old.name)
-        coordinator.add_engine(new)
         self.engines[i] = new
         await old.close()
+        return new
+
+    async def rejoin(self, i: int, coordinator: Any, *, weights: tuple[str, str] | None = None,
+                     timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:  # fmt: skip
+        """:meth:`restarted`, then the new engine replaces the old one in ``coordinator``
+        (``remove_engine``, then ``add_engine``) after joining the trainer's weights
+        (``weights``: the group and the sender's address); the coordinator's next
+        ``update_weights`` brings it to the current version before it serves.
+
+        Raises:
+            EngineError: as :meth:`restarted`, or it could not join the weights.
+        """
+        name = self.engines[i].name
+        new = await self.restarted(i, timeout=timeout)
+        if weights is not None:
+            await new.init_weight_transfer(*weights)
+        await coordinator.remove_engine(name)
+        coordinator.add_engine(new)
         return new
 
     @property
