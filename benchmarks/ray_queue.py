@@ -79,7 +79,7 @@ def run(iterations: int, rows: int, fields: int, seq_len: int) -> str:
                 RayQueue.start("bench", storage_units=2, cpus_per_unit=1) as rq:  # fmt: skip
             clients = {"embedded": emb.client(), "processes": served.client(),
                        "ray": rq.client()}  # fmt: skip
-            for name, c in clients.items():  # warm: pools filled, connections made
+            for c in clients.values():  # warm: pools filled, connections made
                 for it in range(3):
                     _round(c, data, names, -1 - it, rows)
             for it in range(iterations):
