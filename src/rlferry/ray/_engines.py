@@ -114,8 +114,12 @@ class RayEngine:
             )
         try:
             return task.result()
-        except EngineError:
+        except EngineError as e:
             why = await deaths.why(self._key, DEATH_GRACE)
+            if why is None and e.gone:  # Ray reports a restarting actor's calls ~1 s later
+                raise EngineError(self.name, f"actor `{self.actor_name}`: {e.reason} (Ray "
+                                  f"reported no death within {DEATH_GRACE:g} s)", gone=True
+                                  ) from None  # fmt: skip
             if why is None:
                 raise
             raise EngineError(
