@@ -150,3 +150,30 @@ def test_a_restarted_engine_actor_rejoins_and_is_updated_before_it_serves(ray_cl
     assert str(error).startswith("engine `engine0`: actor `rlferry/restart/engine0` died: ")
     assert version == 2
     assert all(c.versions == [2, 2, 2] for c in group.completions)
+
+
+def test_weights_reach_engine_actors_by_broadcast_through_the_launchers_rendezvous(engines):
+    from rlferry.ray import weight_sender
+    from rlferry.weights import fingerprint
+
+    trained = tiny_model(2).state_dict()
+
+    async def main():
+        sender = weight_sender("eng", group="bcast", receivers=2)  # gloo: CPU tensors
+        coord = Coordinator(engines.engines, batch_size=2, max_staleness=1)
+        try:
+            for e in engines.engines:
+                await e.init_weight_transfer("bcast", sender.address)
+            push = lambda t: sender.push(trained.items(), version=1, timeout=t)  # noqa: E731
+            await coord.update_weights(push, version=1)
+            return sender.address, [(await e.get_weight_version(), await e.fingerprint())
+                                    for e in engines.engines]  # fmt: skip
+        finally:
+            await coord.close()
+            sender.close()
+            for e in engines.engines:
+                await e.close()
+
+    address, served = asyncio.run(main())
+    assert address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")  # off loopback
+    assert served == [(1, fingerprint(trained.items()))] * 2

@@ -10,6 +10,8 @@ from ._common import LaunchError
 from ._engines import RayEngine, RayEngines
 from ._placement import READY_TIMEOUT, free_resources, place, stop_all
 from ._queue import RayQueue, async_queue, queue
+from ._weights import weight_sender
 
 __all__ = ["READY_TIMEOUT", "LaunchError", "RayEngine", "RayEngines", "RayQueue", "async_queue",
-           "free_resources", "place", "queue", "stop_all"]  # fmt: skip
+           "free_resources", "place", "queue", "stop_all",
+           "weight_sender"]  # fmt: skip

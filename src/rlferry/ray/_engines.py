@@ -24,7 +24,7 @@ from rlferry.control import (
     PauseMode,
     RemoteEngine,
 )
-from rlferry.wire import wire_loop
+from rlferry.wire import is_local, wire_loop
 
 from ._common import (
     DEATH_GRACE,
@@ -65,12 +65,17 @@ class EngineActor(Watched):
             from rlferry.engines.hf import HFEngine
 
             self._engine = HFEngine(model, name=name, **options)
-        self._server = EngineServer(self._engine, node_address(), 0, token=token)
+        self._token = token
+        self._server = EngineServer(_Joining(self._engine, token), node_address(), 0, token=token)
         self._url = wire_loop().run(self._server.start())
         gc.freeze()  # the model and the libraries: kept for good, not scanned by the GC
 
     def url(self) -> str:
         return str(self._url)
+
+    def weights_secret(self) -> str:
+        """The secret of the job's weight senders (see :func:`weight_sender`)."""
+        return str(self._token)
 
     async def close(self) -> None:
         await asyncio.wrap_future(wire_loop().submit(self._server.close()))
@@ -79,6 +84,22 @@ class EngineActor(Watched):
         else:
             self._engine.close()
         self._closed.set()
+
+
+class _Joining:
+    """The engine as its server serves it: it joins a trainer's sender off this host (a
+    tcp:// address that is not loopback) with the job's secret, others without."""
+
+    def __init__(self, engine: Any, secret: str) -> None:
+        self._engine = engine
+        self._secret = secret
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def init_weight_transfer(self, group: str, address: str) -> None:
+        key = None if is_local(address) else self._secret
+        await self._engine.init_weight_transfer(group, address, secret=key)
 
 
 def _probe() -> dict[str, Any]:
