@@ -101,21 +101,27 @@ def _row(what: str, xs: list[float], kills: int) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/ray_deaths.py", description=__doc__)
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--cases", default="queue,engine,restartable", help="which to run")
     a = p.parse_args()
+    cases = {
+        "queue": ("queue: parked get, controller killed", lambda: queue_deaths(a.kills)),
+        "engine": ("engine: waiting generate, engine actor killed",
+                   lambda: engine_deaths(a.kills, restart=False)),
+        "restartable": ("engine: the same, restartable (max_restarts)",
+                        lambda: engine_deaths(a.kills, restart=True)),
+    }  # fmt: skip
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    results = {}
     try:
-        queue, queue_message = queue_deaths(a.kills)
-        engine, engine_message = engine_deaths(a.kills, restart=False)
-        restarted, restarted_message = engine_deaths(a.kills, restart=True)
+        for case in a.cases.split(","):
+            results[case] = cases[case][1]()
     finally:
         ray.shutdown()
     print(f"{platform.node()}, ray {ray.__version__}, {a.kills} kills each\n")
-    rows = [_row("queue: parked get, controller killed", queue, a.kills),
-            _row("engine: waiting generate, engine actor killed", engine, a.kills),
-            _row("engine: the same, restartable (max_restarts)", restarted, a.kills)]  # fmt: skip
-    print(table(rows, ["caller", "named errors", "p50 ms", "max ms"]))
-    print(f"\nqueue: {queue_message}\nengine: {engine_message}")
-    print(f"restartable: {restarted_message}")
+    rows = [_row(cases[c][0], xs, a.kills) for c, (xs, _) in results.items()]
+    print(table(rows, ["caller", "named errors", "p50 ms", "max ms"]) + "\n")
+    for case, (_, message) in results.items():
+        print(f"{case}: {message}")
 
 
 if __name__ == "__main__":

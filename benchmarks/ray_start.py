@@ -11,7 +11,8 @@ gets it back whole, and exits (Ray removes its job's actors). The two take turns
 - TransferQueue: ``tq.init()`` (its default: a controller and 2 SimpleStorage units as
   Ray actors) then ``kv_batch_put`` and ``kv_batch_get`` (``--tq-python``: an interpreter
   with ``transferqueue==0.1.11``, e.g. ``python -m venv .venv-tq && .venv-tq/bin/pip
-  install torch==2.13.0 transferqueue==0.1.11``).
+  install torch==2.13.0 transferqueue==0.1.11``; its job's workers run that interpreter,
+  through Ray's ``runtime_env={"py_executable": ...}``).
 
     python benchmarks/ray_start.py [--runs 5] [--tq-python .venv-tq/bin/python]
 """
@@ -53,7 +54,8 @@ print(json.dumps({"start": t1 - t0, "first": t2 - t0}))
 _TQ = """
 import json, sys, time
 import ray, torch
-ray.init(address=sys.argv[1], log_to_driver=False)
+# this job's workers run this interpreter (the cluster's default lacks transferqueue)
+ray.init(address=sys.argv[1], log_to_driver=False, runtime_env={"py_executable": sys.executable})
 t0 = time.perf_counter()
 import transfer_queue as tq
 from tensordict import TensorDict
@@ -67,7 +69,10 @@ data = TensorDict({"input_ids": torch.randint(0, 1000, (rows, 512)),
 tq.kv_batch_put(keys=keys, partition_id="train", fields=data)
 got = tq.kv_batch_get(keys=keys, partition_id="train")
 t2 = time.perf_counter()
-assert torch.equal(got["responses"], data["responses"])
+responses = got["responses"]  # a fixed-shape field may come back jagged
+if responses.is_nested:
+    responses = torch.stack(list(responses.unbind()))
+assert torch.equal(responses, data["responses"])
 print(json.dumps({"start": t1 - t0, "first": t2 - t0}))
 tq.close()
 """

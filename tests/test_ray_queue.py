@@ -70,8 +70,8 @@ def test_queue_of_an_unknown_job_names_it(ray_cluster):
     with pytest.raises(LaunchError) as e:
         queue("nobody")
     assert str(e.value) == (
-        f"job `nobody`: no queue in Ray namespace `{ns}` (no actor `rlferry/nobody/controller`:"
-        " start it with rlferry.ray.RayQueue.start, or pass the job's namespace=)"
+        f"job `nobody`: no actor `rlferry/nobody/controller` in Ray namespace `{ns}` (start it "
+        "with rlferry.ray.RayQueue.start, or pass the job's namespace=)"
     )
 
 
@@ -106,7 +106,9 @@ def test_storage_unit_killed_names_it_and_puts_go_to_the_other(ray_cluster):
         assert [u["alive"] for u in client.statistics()["storage_units"]] == [True, False]
         client.put("c", {"x": torch.arange(4.0)})  # the controller avoids the dead unit
         got = client.get("c", task="train", batch_size=4, fields=["x"], timeout=30)
+        sockets = [s["ipc"].removeprefix("ipc://") for s in q.services.values()]
     assert got.data["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert not any(os.path.exists(path) for path in sockets)  # the dead unit's too
     assert re.fullmatch(
         r"actor `rlferry/unit-kill/storage1` \(tcp://[0-9.]+:\d+\) died: " + re.escape(KILLED),
         str(e.value),

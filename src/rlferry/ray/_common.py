@@ -14,7 +14,7 @@ import secrets
 import threading
 from typing import Any
 
-__all__ = ["DEATH_GRACE", "Deaths", "LaunchError", "Watched", "actor_name", "deaths",
+__all__ = ["DEATH_GRACE", "Deaths", "LaunchError", "Watched", "actor_name", "ask", "deaths",
            "node_address", "ray", "secret", "where"]  # fmt: skip
 
 DEATH_GRACE = 1.0
@@ -60,6 +60,31 @@ def taken(name: str, namespace: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def ask(job: str, role: str, method: str, namespace: str | None, *, start_with: str,
+        timeout: float = 60.0) -> Any:  # fmt: skip
+    """The answer of ``method`` of the job's actor ``role``, found by name.
+
+    Raises:
+        LaunchError: no such actor in the namespace (``start_with`` says what starts it),
+            or no answer within ``timeout`` seconds.
+    """
+    r = ray()
+    check_job(job)
+    ns = namespace_of(namespace)
+    name = actor_name(job, role)
+    try:
+        handle = r.get_actor(name, namespace=ns)
+    except ValueError:
+        raise LaunchError(
+            f"job `{job}`: no actor `{name}` in Ray namespace `{ns}` (start it with "
+            f"{start_with}, or pass the job's namespace=)"
+        ) from None
+    try:
+        return r.get(getattr(handle, method).remote(), timeout=timeout)
+    except r.exceptions.GetTimeoutError:
+        raise LaunchError(f"job `{job}`: actor `{name}` did not answer in {timeout:g} s") from None
 
 
 def secret() -> str:

@@ -41,7 +41,7 @@ from ._common import (
     taken,
     where,
 )
-from ._placement import READY_TIMEOUT, STOP_TIMEOUT, place, stop_all
+from ._placement import READY_TIMEOUT, Placed, place, stop_all
 
 __all__ = ["ENGINE_START_TIMEOUT", "RayEngine", "RayEngines"]
 
@@ -110,11 +110,15 @@ class RayEngine:
     """An :class:`~rlferry.control.Engine` served by an engine actor: every call goes over
     HTTP to the actor's server and fails with :class:`~rlferry.control.EngineError` naming
     the actor and Ray's reason as soon as Ray reports the actor dead (a call whose
-    connection broke first waits up to ``DEATH_GRACE`` seconds for Ray's reason)."""
+    connection broke first waits up to ``DEATH_GRACE`` seconds for Ray's reason; for a
+    restartable actor, which Ray reports only about 1 s later, it fails at once naming the
+    actor as lost)."""
 
-    def __init__(self, name: str, actor_name: str, handle: Any, url: str, token: str) -> None:
+    def __init__(self, name: str, actor_name: str, handle: Any, url: str, token: str,
+                 restartable: bool = False) -> None:  # fmt: skip
         self.name = name
         self.actor_name = actor_name
+        self.restartable = restartable
         self.url = url
         self._remote = RemoteEngine(url, token=token, name=name)
         self._key = f"{actor_name}@{url}"  # one life of the actor
@@ -136,8 +140,13 @@ class RayEngine:
         try:
             return task.result()
         except EngineError as e:
-            why = await deaths.why(self._key, DEATH_GRACE)
-            if why is None and e.gone:  # Ray reports a restarting actor's calls ~1 s later
+            # Ray fails a restartable actor's calls ~1 s after its death: not waited for
+            why = await deaths.why(self._key, 0.0 if self.restartable else DEATH_GRACE)
+            if why is None and e.gone and self.restartable:
+                raise EngineError(self.name, f"actor `{self.actor_name}` lost: {e.reason} (Ray "
+                                  "restarts it: await RayEngines.restarted or rejoin)",
+                                  gone=True) from None  # fmt: skip
+            if why is None and e.gone:
                 raise EngineError(self.name, f"actor `{self.actor_name}`: {e.reason} (Ray "
                                   f"reported no death within {DEATH_GRACE:g} s)", gone=True
                                   ) from None  # fmt: skip
@@ -192,7 +201,7 @@ class RayEngine:
         await self._remote.close()
 
 
-class RayEngines:
+class RayEngines(Placed):
     """A job's engines as Ray actors (see the module's docstring). :meth:`close` (also on
     ``with``'s exit) removes the actors and their placement group; a dead driver takes
     them with it. Keep this object while the engines serve: Ray removes an actor whose
@@ -200,12 +209,10 @@ class RayEngines:
 
     def __init__(self, job: str, names: list[str], actors: list[Any], places: list[dict[str, Any]],
                  engines: list[RayEngine], pg: Any, token: str) -> None:  # fmt: skip
+        super().__init__(names, actors, pg)
         self.job = job
-        self.names = names
         self.places = places  # per engine: node address, node id, GPU ids
         self.engines = engines
-        self._actors = actors
-        self._pg = pg
         self._token = token
 
     @classmethod
@@ -278,7 +285,7 @@ class RayEngines:
                 raise LaunchError(f"job `{job}`: an engine failed to start: {e}") from None
             raise
         handles = [
-            RayEngine(f"engine{i}", names[i], a, url, token)
+            RayEngine(f"engine{i}", names[i], a, url, token, max_restarts != 0)
             for i, (a, url) in enumerate(zip(actors, urls, strict=True))
         ]
         return cls(job, names, actors, [found[b] for b in order], handles, pg, token)
@@ -305,7 +312,7 @@ class RayEngines:
         except r.exceptions.RayActorError as e:
             raise EngineError(old.name, f"actor `{old.actor_name}` is dead for good: "
                                         f"{reason(e)}", gone=True) from None  # fmt: skip
-        new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token)
+        new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token, True)
         self.engines[i] = new
         await old.close()
         return new
@@ -328,23 +335,9 @@ class RayEngines:
         coordinator.add_engine(new)
         return new
 
-    @property
-    def actors(self) -> dict[str, Any]:
-        return dict(zip(self.names, self._actors, strict=True))
-
-    @property
-    def placement_group(self) -> Any:
-        return self._pg
-
     def close(self) -> None:
         """Stop every engine and remove the actors and their placement group."""
-        r = ray()
-        if not self._actors:
-            return
-        stops = [a.close.remote() for a in self._actors]
-        r.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT)
-        stop_all(self._actors, self._pg)
-        self._actors.clear()
+        self._stop()
 
     def __enter__(self) -> RayEngines:
         return self

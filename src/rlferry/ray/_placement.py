@@ -9,7 +9,7 @@ from typing import Any
 
 from ._common import LaunchError, ray
 
-__all__ = ["READY_TIMEOUT", "STOP_TIMEOUT", "free_resources", "place", "stop_all"]
+__all__ = ["READY_TIMEOUT", "STOP_TIMEOUT", "Placed", "free_resources", "place", "stop_all"]
 
 READY_TIMEOUT = 60.0
 """Seconds a placement group may take to be ready (the default ``ready_timeout``)."""
@@ -87,3 +87,30 @@ def stop_all(actors: list[Any], pg: Any) -> None:
     ends = [a.until_closed.remote() for a in actors]  # fails at once for a dead actor
     r.wait(ends, num_returns=len(ends), timeout=STOP_TIMEOUT)
     r.util.remove_placement_group(pg)
+
+
+class Placed:
+    """A job's actors in one placement group (``names`` and ``actors`` in the same order);
+    :meth:`_stop` has each close its services, then removes them all."""
+
+    def __init__(self, names: list[str], actors: list[Any], pg: Any) -> None:
+        self.names = names
+        self._actors = actors
+        self._pg = pg
+
+    @property
+    def actors(self) -> dict[str, Any]:
+        """The actors by name."""
+        return dict(zip(self.names, self._actors, strict=True))
+
+    @property
+    def placement_group(self) -> Any:
+        return self._pg
+
+    def _stop(self) -> None:
+        if not self._actors:
+            return
+        stops = [a.close.remote() for a in self._actors]
+        ray().wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT)  # dead ones: as is
+        stop_all(self._actors, self._pg)
+        self._actors.clear()

@@ -8,6 +8,8 @@ ipc:// path (for processes of its node, through shared memory, as an embedded qu
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 from rlferry.queue import (
@@ -23,6 +25,7 @@ from ._common import (
     LaunchError,
     Watched,
     actor_name,
+    ask,
     check_job,
     deaths,
     namespace_of,
@@ -31,7 +34,7 @@ from ._common import (
     secret,
     taken,
 )
-from ._placement import READY_TIMEOUT, STOP_TIMEOUT, place, stop_all
+from ._placement import READY_TIMEOUT, Placed, place, stop_all
 
 __all__ = ["RayQueue", "async_queue", "queue"]
 
@@ -83,7 +86,7 @@ def _remote(cls: type, **options: Any) -> Any:
     return ray().remote(cls).options(**options)
 
 
-class RayQueue:
+class RayQueue(Placed):
     """A queue whose controller and storage units run as Ray actors of the job ``job``.
 
     Start it once (:meth:`start`, from the driver); any task or actor of the job then
@@ -94,12 +97,10 @@ class RayQueue:
 
     def __init__(self, job: str, namespace: str, actors: list[Any], names: list[str],
                  pg: Any, services: dict[str, dict[str, str]]) -> None:  # fmt: skip
+        super().__init__(names, actors, pg)  # the controller first, then unit 0, 1, ...
         self.job = job
         self.namespace = namespace
-        self.names = names  # the controller's first, then unit 0, 1, ...
         self.services = services  # by tcp:// address: the actor's name, node and ipc:// path
-        self._actors = actors
-        self._pg = pg
         self._clients: list[QueueClient] = []
 
     @classmethod
@@ -196,27 +197,18 @@ class RayQueue:
         """An asyncio client; close it with ``await client.close()``."""
         return async_queue(self.job, namespace=self.namespace)
 
-    @property
-    def actors(self) -> dict[str, Any]:
-        """The job's queue actors by name (the controller first)."""
-        return dict(zip(self.names, self._actors, strict=True))
-
-    @property
-    def placement_group(self) -> Any:
-        return self._pg
-
     def close(self) -> None:
         """Close the clients made here, stop every service, remove the actors and the group."""
         r = ray()
         for c in self._clients:
             c.close()
         self._clients.clear()
-        if not self._actors:
-            return
-        stops = [a.close.remote() for a in self._actors]
-        r.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT)  # dead ones: killed as is
-        stop_all(self._actors, self._pg)
-        self._actors.clear()
+        self._stop()
+        here = r.get_runtime_context().get_node_id()
+        for service in self.services.values():  # what a killed actor left on this node
+            if service["node"] == here:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(service["ipc"].removeprefix("ipc://"))
 
     def __enter__(self) -> RayQueue:
         return self
@@ -258,19 +250,9 @@ def _connection(job: str, namespace: str | None, timeout: float) -> dict[str, An
     """A client's arguments: the controller's address, the secret, and the hooks that
     dial same-node services over ipc:// and name a lost service's actor and cause."""
     r = ray()
-    check_job(job)
+    info = ask(job, "controller", "connection", namespace, timeout=timeout,
+               start_with="rlferry.ray.RayQueue.start")  # fmt: skip
     ns = namespace_of(namespace)
-    name = actor_name(job, "controller")
-    try:
-        ctrl = r.get_actor(name, namespace=ns)
-        info = r.get(ctrl.connection.remote(), timeout=timeout)
-    except ValueError:
-        raise LaunchError(
-            f"job `{job}`: no queue in Ray namespace `{ns}` (no actor `{name}`: start it with "
-            "rlferry.ray.RayQueue.start, or pass the job's namespace=)"
-        ) from None
-    except r.exceptions.GetTimeoutError:
-        raise LaunchError(f"job `{job}`: its controller did not answer in {timeout:g} s") from None
     services: dict[str, dict[str, str]] = info["services"]
     here = r.get_runtime_context().get_node_id()
     for service in services.values():

@@ -14,11 +14,9 @@ from typing import Any
 
 from rlferry.weights import WeightSender
 
-from ._common import LaunchError, actor_name, check_job, namespace_of, node_address, ray
+from ._common import ask, check_job, node_address
 
 __all__ = ["weight_sender"]
-
-_CALL_TIMEOUT = 60.0
 
 
 def weight_sender(
@@ -36,21 +34,12 @@ def weight_sender(
     sender.address)``.
 
     Raises:
-        LaunchError: the job has no engines in the namespace.
+        LaunchError: the job has no engines in the namespace, or they did not answer.
     """
-    r = ray()
     check_job(job)
     if transport != "broadcast":
         return WeightSender(group=group, transport=transport, receivers=receivers, **options)
-    ns = namespace_of(namespace)
-    name = actor_name(job, "engine0")
-    try:
-        engine = r.get_actor(name, namespace=ns)
-        key = r.get(engine.weights_secret.remote(), timeout=_CALL_TIMEOUT)
-    except ValueError:
-        raise LaunchError(
-            f"job `{job}`: no engines in Ray namespace `{ns}` (no actor `{name}`: start them "
-            "with rlferry.ray.RayEngines.start, or pass the job's namespace=)"
-        ) from None
+    key = ask(job, "engine0", "weights_secret", namespace,
+              start_with="rlferry.ray.RayEngines.start")  # fmt: skip
     return WeightSender(group=group, transport="broadcast", receivers=receivers,
                         bind=f"tcp://{node_address()}:0", secret=key, **options)  # fmt: skip
