@@ -43,6 +43,7 @@ def test_engine_i_gets_the_ith_bundle_in_node_and_gpu_order(engines):
     for name, place in zip(engines.names, places, strict=True):  # Ray's GPU, as the engine sees
         seen = ray.get(engines.actors[name].where.remote(), timeout=30)
         assert seen == place
+        assert seen["visible"] == str(seen["gpus"][0])  # the actor sees its GPU alone
     assert engines.names == ["rlferry/eng/engine0", "rlferry/eng/engine1"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import secrets
 import threading
 from typing import Any
@@ -113,11 +114,13 @@ class Watched:
 
 
 def where() -> dict[str, Any]:
-    """Where the calling actor or task runs: node address, node id, Ray's GPU ids."""
+    """Where the calling actor or task runs: node address, node id, Ray's GPU ids and the
+    ``CUDA_VISIBLE_DEVICES`` Ray set for them."""
     r = ray()
     ctx = r.get_runtime_context()
     gpus = sorted(int(g) for g in r.get_gpu_ids())
-    return {"ip": node_address(), "node": ctx.get_node_id(), "gpus": gpus}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"ip": node_address(), "node": ctx.get_node_id(), "gpus": gpus, "visible": visible}
 
 
 def reason(error: BaseException) -> str:

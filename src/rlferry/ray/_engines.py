@@ -234,8 +234,8 @@ class RayEngines(Placed):
 
         ``engine``: ``"hf"`` (:class:`~rlferry.engines.hf.HFEngine`) or ``"vllm"``
         (``VLLMEngine``, the ``[vllm]`` extra); ``options``: its keyword arguments
-        (``device``, ``max_batch``, ...; with GPUs the engine sees its own as ``cuda:0``
-        on). ``max_restarts``: how often Ray restarts a dead engine actor (see
+        (``device``, ``max_batch``, ...; an actor sees only its own GPUs, from
+        ``cuda:0``). ``max_restarts``: how often Ray restarts a dead engine actor (see
         :meth:`rejoin`).
 
         Raises:

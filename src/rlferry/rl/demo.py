@@ -198,11 +198,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)
-        stack.callback(procs.stop)
         if on_ray:  # the queue's services as actors of the job, found by name
+            stack.callback(procs.stop)
             queue = await asyncio.to_thread(procs.start_queue)
-        else:
+        else:  # the processes stop before the queue closes
             queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
+            stack.callback(procs.stop)
         engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": free_port(),
