@@ -100,7 +100,7 @@ class RayQueue(Placed):
         super().__init__(names, actors, pg)  # the controller first, then unit 0, 1, ...
         self.job = job
         self.namespace = namespace
-        self.services = services  # by tcp:// address: the actor's name, node and ipc:// path
+        self.services = services  # by tcp:// address: the actor's name, node, ip, ipc:// path
         self._clients: list[QueueClient] = []
 
     @classmethod
@@ -175,7 +175,7 @@ class RayQueue(Placed):
             _gather([a.link.remote(ctrl_addrs[0]) for a in actors[1:]], f"job `{job}`: link")
             places = _gather([a.where.remote() for a in actors], f"job `{job}`: placement")
             services = {
-                addrs[0]: {"name": name, "node": at["node"], "ipc": addrs[1]}
+                addrs[0]: {"name": name, "node": at["node"], "ip": at["ip"], "ipc": addrs[1]}
                 for name, addrs, at in zip(names, [ctrl_addrs, *units], places, strict=True)
             }
             _gather([ctrl.remember.remote({"address": ctrl_addrs[0], "services": services})],
@@ -199,14 +199,13 @@ class RayQueue(Placed):
 
     def close(self) -> None:
         """Close the clients made here, stop every service, remove the actors and the group."""
-        r = ray()
         for c in self._clients:
             c.close()
         self._clients.clear()
         self._stop()
-        here = r.get_runtime_context().get_node_id()
-        for service in self.services.values():  # what a killed actor left on this node
-            if service["node"] == here:
+        here = node_address()
+        for service in self.services.values():  # what a killed actor left on this host
+            if service["ip"] == here:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(service["ipc"].removeprefix("ipc://"))
 
@@ -254,13 +253,13 @@ def _connection(job: str, namespace: str | None, timeout: float) -> dict[str, An
                start_with="rlferry.ray.RayQueue.start")  # fmt: skip
     ns = namespace_of(namespace)
     services: dict[str, dict[str, str]] = info["services"]
-    here = r.get_runtime_context().get_node_id()
+    here = node_address()  # services of this host: over ipc:// (Ray nodes of one host too)
     for service in services.values():
         deaths.watch(service["name"], r.get_actor(service["name"], namespace=ns))
 
     def dial(address: str) -> str:
         service = services.get(address)
-        return service["ipc"] if service is not None and service["node"] == here else address
+        return service["ipc"] if service is not None and service["ip"] == here else address
 
     async def why_gone(address: str, message: str) -> str:
         service = services.get(address)
