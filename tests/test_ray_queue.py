@@ -4,6 +4,7 @@ from actors, deaths named with Ray's reason, fast placement failures, clean shut
 import concurrent.futures
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -21,8 +22,15 @@ KILLED = "The actor is dead because it was killed by `ray.kill`."
 
 
 def kill(actor):
-    """``ray.kill``, returning once Ray reports the actor dead (the kill itself is async)."""
-    ray.kill(actor)
+    """``ray.kill``, returning once the actor's process is gone and Ray reports it dead (the
+    kill is asynchronous: under load the process outlived Ray's report)."""
+    pid = ray.get(actor.where.remote(), timeout=30)["pid"]
+    exited = os.pidfd_open(pid)
+    try:
+        ray.kill(actor)
+        assert select.select([exited], [], [], 30)[0], f"actor process {pid} still runs"
+    finally:
+        os.close(exited)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.until_closed.remote(), timeout=30)
 

@@ -114,13 +114,14 @@ class Watched:
 
 
 def where() -> dict[str, Any]:
-    """Where the calling actor or task runs: node address, node id, Ray's GPU ids and the
-    ``CUDA_VISIBLE_DEVICES`` Ray set for them."""
+    """Where the calling actor or task runs: node address, node id, process id, Ray's GPU
+    ids and the ``CUDA_VISIBLE_DEVICES`` Ray set for them."""
     r = ray()
     ctx = r.get_runtime_context()
     gpus = sorted(int(g) for g in r.get_gpu_ids())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return {"ip": node_address(), "node": ctx.get_node_id(), "gpus": gpus, "visible": visible}
+    return {"ip": node_address(), "node": ctx.get_node_id(), "pid": os.getpid(), "gpus": gpus,
+            "visible": visible}  # fmt: skip
 
 
 def reason(error: BaseException) -> str:

@@ -211,7 +211,7 @@ class RayEngines(Placed):
                  engines: list[RayEngine], pg: Any, token: str) -> None:  # fmt: skip
         super().__init__(names, actors, pg)
         self.job = job
-        self.places = places  # per engine: node address, node id, GPU ids
+        self.places = places  # per engine: node address, node id, pid, GPU ids, visible GPUs
         self.engines = engines
         self._token = token
 
@@ -279,6 +279,7 @@ class RayEngines(Placed):
                     scheduling_strategy=strategy(pg, placement_group_bundle_index=b),
                 ).remote(engine, model, f"engine{i}", token, dict(options or {})))  # fmt: skip
             urls = r.get([a.url.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
+            places = r.get([a.where.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
         except BaseException as e:
             stop_all(actors, pg)
             if isinstance(e, r.exceptions.RayError):
@@ -288,7 +289,7 @@ class RayEngines(Placed):
             RayEngine(f"engine{i}", names[i], a, url, token, max_restarts != 0)
             for i, (a, url) in enumerate(zip(actors, urls, strict=True))
         ]
-        return cls(job, names, actors, [found[b] for b in order], handles, pg, token)
+        return cls(job, names, actors, places, handles, pg, token)
 
     async def restarted(self, i: int, *, timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:
         """Engine ``i`` once Ray restarted its actor (``max_restarts``) and it serves again
