@@ -4,3 +4,23 @@ import torch
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
 )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every Ray test: a head and a second node, 4 CPUs and 2
+    fake GPUs each (placement and CUDA_VISIBLE_DEVICES without a GPU); shut down at the
+    end of the session."""
+    ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=4, num_gpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -116,6 +116,15 @@ def _demo_parser(sub: Any) -> None:
         "--no-sync", action="store_true",
         help="engines never receive weights (the control run: the reward stays flat)",
     )  # fmt: skip
+    d.add_argument(
+        "--launcher", choices=("local", "ray"), default="local",
+        help="local: child processes; ray: every process a Ray actor (the [ray] extra)",
+    )  # fmt: skip
+    d.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="with --launcher ray: the cluster to join (default: a local Ray, started and "
+        "stopped by the run)",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,11 +23,13 @@ from ._errors import (
 )
 from ._queue import Queue
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential
+from ._serve import ControllerService, StorageService
 
 __all__ = [
     "WARN_AFTER",
     "AsyncQueueClient",
     "Batch",
+    "ControllerService",
     "GetTimeout",
     "GrpoGroups",
     "PutTimeout",
@@ -41,6 +43,7 @@ __all__ = [
     "SeqlenBalanced",
     "Sequential",
     "ServiceGone",
+    "StorageService",
     "UnknownPartition",
     "UnknownTask",
     "get_broadcast",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -70,6 +70,12 @@ class AsyncQueueClient:
 
     A queue that does not answer is noticed within ``connect_timeout`` seconds
     (``ServiceGone: ... never answered``), whatever a call's own ``timeout``.
+
+    For launchers (``rlferry.ray``): ``dial(address)`` gives the address this process
+    should connect to for a service known by ``address`` (a same-host ipc:// path for a
+    tcp:// one, say); ``why_gone(address, message)`` gives the text of the
+    :class:`ServiceGone` raised when the service known by ``address`` disconnects (the
+    launcher names the service and the cause its cluster manager reported).
     """
 
     def __init__(
@@ -78,18 +84,25 @@ class AsyncQueueClient:
         *,
         secret: str | bytes | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        dial: Callable[[str], str] | None = None,
+        why_gone: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
         self.address = checked_address(address)
         self._secret = secret
         self._connect_timeout = connect_timeout
+        self._dial = dial
+        self._why_gone = why_gone
+        self._known: dict[str, str] = {}  # dialed address -> the address the service is known by
         self._controller = self._client_of(address)
         self._units: list[AsyncClient] = []
         self._batches: dict[tuple[str, str, int, int], int] = {}
         self._warned: set[tuple[str, str]] = set()
-        self._local = SHARED_MEMORY and address.startswith("ipc://")
+        self._local = SHARED_MEMORY and self._controller.address.startswith("ipc://")
 
     def _client_of(self, address: str) -> AsyncClient:
-        return AsyncClient(address, secret=self._secret, connect_timeout=self._connect_timeout)
+        dialed = self._dial(address) if self._dial is not None else address
+        self._known[dialed] = address
+        return AsyncClient(dialed, secret=self._secret, connect_timeout=self._connect_timeout)
 
     async def _call(self, client: AsyncClient, msg: Any, timeout: float | None) -> Any:
         try:
@@ -102,7 +115,10 @@ class AsyncQueueClient:
         except SecurityError:
             raise
         except PeerGone as e:
-            raise ServiceGone(str(e)) from None
+            message = str(e)
+            if self._why_gone is not None:
+                message = await self._why_gone(self._known[client.address], message)
+            raise ServiceGone(message) from None
         except RequestTimeout:
             raise ServiceGone(
                 f"{client.address} did not answer within {timeout} s (is it running?)"
@@ -348,9 +364,13 @@ class QueueClient:
         *,
         secret: str | bytes | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        dial: Callable[[str], str] | None = None,
+        why_gone: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
         self._loop = wire_loop()
-        self._client = AsyncQueueClient(address, secret=secret, connect_timeout=connect_timeout)
+        self._client = AsyncQueueClient(
+            address, secret=secret, connect_timeout=connect_timeout, dial=dial, why_gone=why_gone
+        )
         self.address = address
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:

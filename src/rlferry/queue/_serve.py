@@ -23,37 +23,99 @@ from ._errors import ServiceGone
 from ._messages import Produced, to_wire
 from ._storage import StorageUnit
 
-__all__ = ["UNIT_START_TIMEOUT", "serve_queue"]
+__all__ = ["UNIT_START_TIMEOUT", "ControllerService", "StorageService", "serve_queue"]
 
 _PUBLISH_TIMEOUT = 30.0
 UNIT_START_TIMEOUT = 120.0
 """Seconds a storage unit process may take to start (it imports torch)."""
 
 
+class StorageService:
+    """A storage unit served on its own (a process, or an actor of a launcher): it binds at
+    :meth:`start`, then, once :meth:`link` names the controller, tells it what it stored.
+
+    ``binds``: where it listens (None: a fresh ipc:// path); the first bound address is
+    the one the controller knows it by. Off loopback it needs ``secret``.
+    """
+
+    def __init__(self, binds: list[str | None], secret: str | bytes | None) -> None:
+        self._link: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
+        self._secret = secret
+        unit = StorageUnit(self._published)
+        self._servers = [
+            Server(unit.handle, b or default_address("ipc"), secret=secret, forward=True)
+            for b in binds
+        ]
+
+    async def _published(self, partition: str, indexes: list[int], fields: list[str]) -> None:
+        msg = to_wire(Produced(partition, indexes, fields))
+        await (await self._link).request(msg, timeout=_PUBLISH_TIMEOUT)
+
+    async def start(self) -> list[str]:
+        """Bind; the addresses bound, in the order of ``binds``."""
+        try:
+            return [await srv.start() for srv in self._servers]
+        except BaseException:
+            await self.close()
+            raise
+
+    def link(self, controller: str) -> None:
+        """From now on, tell the controller at ``controller`` what this unit stored."""
+        self._link.set_result(AsyncClient(controller, secret=self._secret))
+
+    async def close(self) -> None:
+        for srv in self._servers:
+            await srv.close()
+        if self._link.done():
+            await self._link.result().close()
+        else:
+            self._link.cancel()
+
+
+class ControllerService:
+    """The controller served at ``binds`` (None: a fresh ipc:// path; the first address is
+    the one to hand to clients), over storage units already bound at ``units``."""
+
+    def __init__(self, config: QueueConfig, units: list[str], binds: list[str | None]) -> None:
+        self.controller = Controller(config, units)
+        self._servers = [
+            Server(
+                self.controller.handle,
+                b or default_address("ipc"),
+                secret=config.secret,
+                on_disconnect=self.controller.disconnected,
+                tensors=False,
+            )
+            for b in binds
+        ]
+
+    async def start(self) -> list[str]:
+        """Watch the units and bind; the addresses bound, in the order of ``binds``."""
+        try:
+            await self.controller.start()
+            return [await srv.start() for srv in self._servers]
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        await self.controller.close()
+        for srv in self._servers:
+            await srv.close()
+
+
 def _run_unit(bind: str | None, secret: str | bytes | None, conn: Connection) -> None:
     async def main() -> None:
-        link: asyncio.Future[AsyncClient] = asyncio.get_running_loop().create_future()
-
-        async def published(partition: str, indexes: list[int], fields: list[str]) -> None:
-            msg = to_wire(Produced(partition, indexes, fields))
-            await (await link).request(msg, timeout=_PUBLISH_TIMEOUT)
-
-        srv = Server(
-            StorageUnit(published).handle,
-            bind or default_address("ipc"),
-            secret=secret,
-            forward=True,
-        )
-        conn.send(["ok", await srv.start()])
-        link.set_result(AsyncClient(await asyncio.to_thread(conn.recv), secret=secret))
+        service = StorageService([bind], secret)
+        conn.send(["ok", (await service.start())[0]])
+        service.link(await asyncio.to_thread(conn.recv))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_reader(conn.fileno(), stop.set)  # the pipe ends with the server: so does this unit
         await stop.wait()
-        await srv.close()
-        await (await link).close()
+        await service.close()
 
     try:
         asyncio.run(main())
@@ -111,16 +173,8 @@ def serve_queue(config: QueueConfig) -> None:
             conns.append(parent)
 
         async def main() -> None:
-            ctrl = Controller(config, units)
-            await ctrl.start()
-            srv = Server(
-                ctrl.handle,
-                config.bind or default_address("ipc"),
-                secret=config.secret,
-                on_disconnect=ctrl.disconnected,
-                tensors=False,
-            )
-            address = await srv.start()
+            service = ControllerService(config, units, [config.bind])
+            (address,) = await service.start()
             for conn in conns:  # each unit tells the controller what it stored
                 conn.send(address)
             print(f"controller {address}", flush=True)
@@ -131,8 +185,7 @@ def serve_queue(config: QueueConfig) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-            await ctrl.close()
-            await srv.close()
+            await service.close()
 
         asyncio.run(main())
     finally:

@@ -1,5 +1,6 @@
 """The demo's child processes: engines (``rlferry serve engine``) and trainer ranks, each
-started with a bound, all stopped together (also on Ctrl-C)."""
+started with a bound, all stopped together (also on Ctrl-C); or, with ``--launcher ray``,
+the same as Ray actors (:class:`RayProcesses`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Any
 
 from ._trainer import trainer_main
 
-__all__ = ["START_TIMEOUT", "Processes", "answer", "call", "free_port", "start_engine",
-           "start_trainers"]  # fmt: skip
+__all__ = ["START_TIMEOUT", "Processes", "RayProcesses", "answer", "call", "free_port",
+           "start_engine", "start_trainers"]  # fmt: skip
 
 START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
 
@@ -149,3 +150,138 @@ def start_engine(
         with open(log_path) as f:
             tail = f.read()[-2000:]
         raise RuntimeError(f"engine {i} {why}; the end of its log:\n{tail}") from None
+
+
+# -- on Ray (``rlferry demo --launcher ray``) ---------------------------------------------
+REPLY_TIMEOUT = 600.0  # seconds a trainer actor may take to answer a command (a step, a push)
+
+
+class TrainerActor:
+    """A trainer rank as a Ray actor: :func:`trainer_main` on a thread, fed through a pipe
+    inside the actor; the driver sends commands and reads answers by actor calls (each in
+    its own concurrency group, so they keep their order and a pending read never blocks
+    a send). The pipe carries commands only: rollouts come from the queue, weights go
+    through the trainer's ``WeightSender``."""
+
+    def __init__(self, rank: int, settings: dict[str, Any]) -> None:
+        self._conn, child = mp.Pipe()
+        self._ended = threading.Event()
+
+        def main() -> None:
+            try:
+                trainer_main(rank, child, settings)
+            finally:
+                self._ended.set()
+
+        threading.Thread(target=main, name=f"rlferry-trainer-{rank}", daemon=True).start()
+
+    def send(self, cmd: tuple[Any, ...]) -> None:
+        self._conn.send(cmd)
+
+    def recv(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"the trainer did not answer within {timeout:g} s")
+        return self._conn.recv()
+
+    def until_closed(self) -> None:
+        """Returns when the trainer's thread ended; Ray fails it when the actor dies."""
+        self._ended.wait()
+
+
+class ActorConn:
+    """The driver's end of a :class:`TrainerActor`, with a pipe's ``send`` and ``recv``."""
+
+    def __init__(self, actor: Any) -> None:
+        import ray
+
+        self._ray = ray
+        self.actor = actor
+
+    def send(self, cmd: tuple[Any, ...]) -> None:
+        ref = self.actor.send.options(concurrency_group="send").remote(cmd)
+        self._ray.get(ref, timeout=START_TIMEOUT)
+
+    def recv(self, timeout: float = REPLY_TIMEOUT) -> Any:
+        ref = self.actor.recv.options(concurrency_group="recv").remote(timeout)
+        return self._ray.get(ref, timeout=timeout + START_TIMEOUT)
+
+
+class RayProcesses:
+    """The run's actors on Ray: the queue's services, the engines, the trainer ranks (one
+    STRICT_PACK group: one node, as the ranks' gloo group and the shm weights need).
+    Joins the Ray cluster at ``address`` (None: the one this process is connected to, else
+    a local Ray it starts and stops). :meth:`stop` removes everything, also on Ctrl-C."""
+
+    def __init__(self, address: str | None, job: str) -> None:
+        import ray
+
+        self._ray = ray
+        self.job = job
+        self.started = not ray.is_initialized()
+        if self.started:  # a local Ray: logical CPUs for every actor, whatever the cores
+            opts = {"address": address} if address else {"num_cpus": 16}
+            ray.init(include_dashboard=False, log_to_driver=False, **opts)
+        self.trainers: list[tuple[Any, ActorConn]] = []
+        self._closing: list[Any] = []
+        self._pg: Any = None
+
+    def start_queue(self) -> Any:
+        from rlferry.ray import RayQueue
+
+        q = RayQueue.start(self.job, storage_units=1, cpus_per_unit=0.25)
+        self._closing.append(q)
+        return q
+
+    def start_engines(self, model_dir: str, n: int, device: str, engine: str,
+                      max_batch: int, max_model_len: int) -> list[Any]:  # fmt: skip
+        from rlferry.ray import RayEngines
+
+        options: dict[str, Any] = {"max_batch": max_batch, "max_model_len": max_model_len}
+        if engine == "hf":
+            options["device"] = device
+        else:  # VLLMEngine as serve engine makes it: token ids in and out, eager
+            options.update(skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=max_batch)
+            del options["max_batch"]
+        engines = RayEngines.start(self.job, model_dir, engines=n, engine=engine,
+                                   cpus_per_engine=0.25, options=options)  # fmt: skip
+        self._closing.append(engines)
+        return list(engines.engines)
+
+    def start_trainers(self, settings: dict[str, Any]) -> str | None:
+        from rlferry.ray import place
+
+        r = self._ray
+        dp = settings["dp"]
+        self._pg = place([{"CPU": 0.25}] * dp, "STRICT_PACK", name=f"rlferry/{self.job}/trainers",
+                         what=f"job `{self.job}`: trainers", ready_timeout=60.0)  # fmt: skip
+        strategy = r.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        cls = r.remote(concurrency_groups={"send": 1, "recv": 1, "watch": 1})(TrainerActor)
+        for rank in range(dp):
+            actor = cls.options(
+                name=f"rlferry/{self.job}/trainer{rank}", num_cpus=0.25,
+                scheduling_strategy=strategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(rank, settings)  # fmt: skip
+            self.trainers.append((actor, ActorConn(actor)))
+        sender = None
+        for _, conn in self.trainers:
+            status, info = conn.recv(START_TIMEOUT)
+            if status != "ready":
+                raise RuntimeError(str(info))
+            sender = sender or info["sender"]
+        return sender
+
+    def stop(self) -> None:
+        r = self._ray
+        try:
+            for _, conn in self.trainers:
+                with contextlib.suppress(r.exceptions.RayError):
+                    conn.send(("stop",))
+            for closing in reversed(self._closing):
+                closing.close()
+            if self.trainers:
+                from rlferry.ray import stop_all
+
+                stop_all([a for a, _ in self.trainers], self._pg)
+        finally:
+            if self.started:
+                r.shutdown()

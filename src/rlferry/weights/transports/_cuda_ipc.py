@@ -8,8 +8,9 @@ receiver's load stream waits on it; each receiver records its own event after
 issuing its load, and the sender's stream waits on those before packing that
 buffer again. Neither CPU waits for the GPU until the receiver's commit.
 
-Handle fields travel as plain bytes and ints (torch's own IPC rebuild, fed
-from our message), never pickled.
+GPUs are matched by UUID, not index: the two processes may see different
+``CUDA_VISIBLE_DEVICES`` (Ray gives each actor its own). Handle fields travel as plain
+bytes and ints (torch's own IPC rebuild, fed from our message), never pickled.
 """
 
 from __future__ import annotations
@@ -31,8 +32,26 @@ def _share(buf: torch.Tensor | torch.UntypedStorage) -> list[Any]:
             bytes(ev_handle) if ev_handle else b"", bool(ev_sync)]  # fmt: skip
 
 
-def _open(fields: list[Any]) -> torch.Tensor:
-    device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = fields
+def _uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(uuid: object, index: int) -> int:
+    """This process's index of the sender's GPU: found by its UUID, since both sides may
+    see different ``CUDA_VISIBLE_DEVICES`` (a Ray actor sees only its own GPUs)."""
+    if uuid is None:  # a sender without UUIDs: its index, as this process numbers GPUs
+        return index
+    for i in range(torch.cuda.device_count()):
+        if _uuid(i) == uuid:
+            return i
+    raise WeightSyncError(
+        f"transport 'cuda_ipc': the sender's GPU (UUID {uuid}) is not visible to this "
+        "receiver (cuda_ipc shares one GPU: give both processes that GPU, or use 'broadcast')"
+    )
+
+
+def _open(fields: list[Any], device: int) -> torch.Tensor:
+    _, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = fields
     storage = torch.UntypedStorage._new_shared_cuda(
         int(device), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
         bytes(ev_handle) if ev_handle else None, bool(ev_sync),
@@ -129,6 +148,7 @@ class CudaIpcSender(MailboxSender):
         events = {
             "events": [bytes(ev.ipc_handle()) for ev in self._packed],
             "device": self._device.index,
+            "uuid": _uuid(self._device.index),
         }
         if self.direct:
             return {**self._direct_desc, **events}
@@ -187,6 +207,7 @@ class CudaIpcReceiver(MailboxReceiver):
             index = int(desc["device"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError("malformed setup: bad cuda_ipc buffers") from None
+        index = _local_index(desc.get("uuid"), index)
         dev = torch.device("cuda", index)
         if device is not None and device != dev:
             raise WeightSyncError(
@@ -197,7 +218,7 @@ class CudaIpcReceiver(MailboxReceiver):
         if key != self._key:
             try:
                 with torch.cuda.device(dev):
-                    self._bufs = [_open(s) for s in shared]
+                    self._bufs = [_open(s, index) for s in shared]
                     self._packed = [torch.cuda.Event.from_ipc_handle(dev, h) for h in events]
             except RuntimeError as e:
                 raise WeightSyncError(

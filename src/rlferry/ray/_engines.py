@@ -1,0 +1,351 @@
+"""Engines on Ray: each engine an actor with its bundle (``gpus_per_engine`` GPUs) in a
+PACK placement group, served over rlferry's HTTP :class:`~rlferry.control.EngineServer`
+on the node's address with a token the launcher makes. The coordinator drives each as a
+:class:`RayEngine`: a :class:`~rlferry.control.RemoteEngine` whose calls also fail the
+moment Ray reports the actor dead, naming it and Ray's reason.
+
+Engine ``i`` gets the ``i``-th bundle in (node address, first GPU id, node id) order, so
+which GPUs serve which engine does not depend on the order Ray happened to place them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from rlferry.control import (
+    Completion,
+    EngineError,
+    EngineServer,
+    EngineStatistics,
+    GenerateRequest,
+    PauseMode,
+    RemoteEngine,
+)
+from rlferry.wire import is_local, wire_loop
+
+from ._common import (
+    DEATH_GRACE,
+    LaunchError,
+    Watched,
+    actor_name,
+    check_job,
+    deaths,
+    namespace_of,
+    node_address,
+    ray,
+    reason,
+    secret,
+    taken,
+    where,
+)
+from ._placement import READY_TIMEOUT, Placed, place, stop_all
+
+__all__ = ["ENGINE_START_TIMEOUT", "RayEngine", "RayEngines"]
+
+T = TypeVar("T")
+ENGINE_START_TIMEOUT = 300.0
+"""Seconds an engine actor may take to load its model and answer."""
+
+
+class EngineActor(Watched):
+    """An engine served over HTTP from a Ray actor. Everything starts in the constructor,
+    so an actor that Ray restarts (``max_restarts``) serves again by itself, at a new
+    port, at the checkpoint's weights (version 0)."""
+
+    def __init__(self, kind: str, model: str, name: str, token: str, options: dict[str, Any]):
+        super().__init__()
+        if kind == "vllm":
+            from rlferry.engines.vllm import VLLMEngine
+
+            self._engine: Any = VLLMEngine(model, name=name, **options)
+        else:
+            from rlferry.engines.hf import HFEngine
+
+            self._engine = HFEngine(model, name=name, **options)
+        self._token = token
+        self._server = EngineServer(_Joining(self._engine, token), node_address(), 0, token=token)
+        self._url = wire_loop().run(self._server.start())
+        gc.freeze()  # the model and the libraries: kept for good, not scanned by the GC
+
+    def url(self) -> str:
+        return str(self._url)
+
+    def weights_secret(self) -> str:
+        """The secret of the job's weight senders (see :func:`weight_sender`)."""
+        return str(self._token)
+
+    async def close(self) -> None:
+        await asyncio.wrap_future(wire_loop().submit(self._server.close()))
+        if hasattr(self._engine, "aclose"):
+            await asyncio.wrap_future(wire_loop().submit(self._engine.aclose()))
+        else:
+            self._engine.close()
+        self._closed.set()
+
+
+class _Joining:
+    """The engine as its server serves it: it joins a trainer's sender off this host (a
+    tcp:// address that is not loopback) with the job's secret, others without."""
+
+    def __init__(self, engine: Any, secret: str) -> None:
+        self._engine = engine
+        self._secret = secret
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def init_weight_transfer(self, group: str, address: str) -> None:
+        key = None if is_local(address) else self._secret
+        await self._engine.init_weight_transfer(group, address, secret=key)
+
+
+def _probe() -> dict[str, Any]:
+    return where()
+
+
+class RayEngine:
+    """An :class:`~rlferry.control.Engine` served by an engine actor: every call goes over
+    HTTP to the actor's server and fails with :class:`~rlferry.control.EngineError` naming
+    the actor and Ray's reason as soon as Ray reports the actor dead (a call whose
+    connection broke first waits up to ``DEATH_GRACE`` seconds for Ray's reason; for a
+    restartable actor, which Ray reports only about 1 s later, it fails at once naming the
+    actor as lost)."""
+
+    def __init__(self, name: str, actor_name: str, handle: Any, url: str, token: str,
+                 restartable: bool = False) -> None:  # fmt: skip
+        self.name = name
+        self.actor_name = actor_name
+        self.restartable = restartable
+        self.url = url
+        self._remote = RemoteEngine(url, token=token, name=name)
+        self._key = f"{actor_name}@{url}"  # one life of the actor
+        self._end = deaths.watch(self._key, handle)
+
+    async def _guard(self, call: Awaitable[T]) -> T:
+        task: asyncio.Future[Any] = asyncio.ensure_future(call)
+        end: asyncio.Future[Any] = asyncio.wrap_future(self._end)
+        try:
+            await asyncio.wait([task, end], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            raise EngineError(
+                self.name, f"actor `{self.actor_name}` died: {end.result()}", gone=True
+            )
+        try:
+            return task.result()
+        except EngineError as e:
+            # Ray fails a restartable actor's calls ~1 s after its death: not waited for
+            why = await deaths.why(self._key, 0.0 if self.restartable else DEATH_GRACE)
+            if why is None and e.gone and self.restartable:
+                raise EngineError(self.name, f"actor `{self.actor_name}` lost: {e.reason} (Ray "
+                                  "restarts it: await RayEngines.restarted or rejoin)",
+                                  gone=True) from None  # fmt: skip
+            if why is None and e.gone:
+                raise EngineError(self.name, f"actor `{self.actor_name}`: {e.reason} (Ray "
+                                  f"reported no death within {DEATH_GRACE:g} s)", gone=True
+                                  ) from None  # fmt: skip
+            if why is None:
+                raise
+            raise EngineError(
+                self.name, f"actor `{self.actor_name}` died: {why}", gone=True
+            ) from None
+
+    async def ended(self, timeout: float) -> str:
+        """Why the actor ended (Ray's reason), once it did; at most ``timeout`` seconds.
+
+        Raises:
+            TimeoutError: it still serves after ``timeout`` seconds.
+        """
+        return await asyncio.wait_for(asyncio.wrap_future(self._end), timeout)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        return await self._guard(self._remote.generate(request))
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self._guard(self._remote.pause(mode))
+
+    async def resume(self) -> None:
+        await self._guard(self._remote.resume())
+
+    async def is_paused(self) -> bool:
+        return await self._guard(self._remote.is_paused())
+
+    async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
+        return await self._guard(self._remote.abort_requests(ids))
+
+    async def init_weight_transfer(self, group: str, address: str) -> None:
+        await self._guard(self._remote.init_weight_transfer(group, address))
+
+    async def start_weight_update(self) -> None:
+        await self._guard(self._remote.start_weight_update())
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self._guard(self._remote.finish_weight_update(version))
+
+    async def get_weight_version(self) -> int | None:
+        return await self._guard(self._remote.get_weight_version())
+
+    async def fingerprint(self) -> str:
+        return await self._guard(self._remote.fingerprint())
+
+    async def statistics(self) -> EngineStatistics:
+        return await self._guard(self._remote.statistics())
+
+    async def close(self) -> None:
+        await self._remote.close()
+
+
+class RayEngines(Placed):
+    """A job's engines as Ray actors (see the module's docstring). :meth:`close` (also on
+    ``with``'s exit) removes the actors and their placement group; a dead driver takes
+    them with it. Keep this object while the engines serve: Ray removes an actor whose
+    last handle is gone."""
+
+    def __init__(self, job: str, names: list[str], actors: list[Any], places: list[dict[str, Any]],
+                 engines: list[RayEngine], pg: Any, token: str) -> None:  # fmt: skip
+        super().__init__(names, actors, pg)
+        self.job = job
+        self.places = places  # per engine: node address, node id, pid, GPU ids, visible GPUs
+        self.engines = engines
+        self._token = token
+
+    @classmethod
+    def start(
+        cls,
+        job: str,
+        model: str,
+        *,
+        engines: int = 1,
+        gpus_per_engine: int = 0,
+        cpus_per_engine: float = 1.0,
+        engine: str = "hf",
+        options: dict[str, Any] | None = None,
+        max_restarts: int = 0,
+        ready_timeout: float = READY_TIMEOUT,
+        namespace: str | None = None,
+    ) -> RayEngines:
+        """Start ``engines`` engine actors of ``model`` (a directory every node can read).
+
+        ``engine``: ``"hf"`` (:class:`~rlferry.engines.hf.HFEngine`) or ``"vllm"``
+        (``VLLMEngine``, the ``[vllm]`` extra); ``options``: its keyword arguments
+        (``device``, ``max_batch``, ...; an actor sees only its own GPUs, from
+        ``cuda:0``). ``max_restarts``: how often Ray restarts a dead engine actor (see
+        :meth:`rejoin`).
+
+        Raises:
+            LaunchError: the job's engines are running already, the bundles cannot be
+                placed within ``ready_timeout`` seconds, or an engine failed to start.
+        """
+        r = ray()
+        check_job(job)
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"engine: expected 'hf' or 'vllm', got {engine!r}")
+        for field, value in (("engines", engines), ("gpus_per_engine", gpus_per_engine)):
+            if type(value) is not int or value < (field == "engines"):
+                low = 1 if field == "engines" else 0
+                raise ValueError(f"{field}: expected an int >= {low}, got {value!r}")
+        ns = namespace_of(namespace)
+        names = [actor_name(job, f"engine{i}") for i in range(engines)]
+        if taken(names[0], ns):
+            raise LaunchError(
+                f"job `{job}`: its engines are already running in Ray namespace `{ns}` (actor "
+                f"`{names[0]}`): close them, or start these under another job name"
+            )
+        bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_engine} if gpus_per_engine else {})}
+        pg = place([dict(bundle) for _ in range(engines)], "PACK", name=actor_name(job, "engines"),
+                   what=f"job `{job}`: engines", ready_timeout=ready_timeout)  # fmt: skip
+        strategy = r.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        token = secret()
+        actors: list[Any] = []
+        try:
+            probe = r.remote(_probe)
+            found = r.get([probe.options(
+                num_cpus=0, num_gpus=gpus_per_engine,
+                scheduling_strategy=strategy(pg, placement_group_bundle_index=b),
+            ).remote() for b in range(engines)], timeout=ENGINE_START_TIMEOUT)  # fmt: skip
+            order = sorted(range(engines), key=lambda b: (
+                found[b]["ip"], found[b]["gpus"][:1], found[b]["node"], b))  # fmt: skip
+            cls_remote = r.remote(EngineActor)
+            for i, b in enumerate(order):
+                actors.append(cls_remote.options(
+                    name=names[i], namespace=ns, num_cpus=cpus_per_engine,
+                    num_gpus=gpus_per_engine, max_restarts=max_restarts, max_concurrency=1000,
+                    scheduling_strategy=strategy(pg, placement_group_bundle_index=b),
+                ).remote(engine, model, f"engine{i}", token, dict(options or {})))  # fmt: skip
+            urls = r.get([a.url.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
+            places = r.get([a.where.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
+        except BaseException as e:
+            stop_all(actors, pg)
+            if isinstance(e, r.exceptions.RayError):
+                raise LaunchError(f"job `{job}`: an engine failed to start: {e}") from None
+            raise
+        handles = [
+            RayEngine(f"engine{i}", names[i], a, url, token, max_restarts != 0)
+            for i, (a, url) in enumerate(zip(actors, urls, strict=True))
+        ]
+        return cls(job, names, actors, places, handles, pg, token)
+
+    async def restarted(self, i: int, *, timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:
+        """Engine ``i`` once Ray restarted its actor (``max_restarts``) and it serves again
+        (a new port, the checkpoint's weights); it replaces the old one in :attr:`engines`.
+
+        Raises:
+            EngineError: it did not serve again within ``timeout`` seconds, or its actor
+                is dead for good (its restarts used up).
+        """
+        r = ray()
+        old = self.engines[i]
+        try:
+            # retried by Ray while the actor restarts; fails once it is dead for good
+            ask = self._actors[i].url.options(max_task_retries=-1).remote()
+            url = await asyncio.wait_for(_ref(ask), timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(
+                old.name, f"actor `{old.actor_name}` did not serve again within {timeout:g} s "
+                "of its restart", gone=True,
+            ) from None  # fmt: skip
+        except r.exceptions.RayActorError as e:
+            raise EngineError(old.name, f"actor `{old.actor_name}` is dead for good: "
+                                        f"{reason(e)}", gone=True) from None  # fmt: skip
+        new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token, True)
+        self.engines[i] = new
+        await old.close()
+        return new
+
+    async def rejoin(self, i: int, coordinator: Any, *, weights: tuple[str, str] | None = None,
+                     timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:  # fmt: skip
+        """:meth:`restarted`, then the new engine replaces the old one in ``coordinator``
+        (``remove_engine``, then ``add_engine``) after joining the trainer's weights
+        (``weights``: the group and the sender's address); the coordinator's next
+        ``update_weights`` brings it to the current version before it serves.
+
+        Raises:
+            EngineError: as :meth:`restarted`, or it could not join the weights.
+        """
+        name = self.engines[i].name
+        new = await self.restarted(i, timeout=timeout)
+        if weights is not None:
+            await new.init_weight_transfer(*weights)
+        await coordinator.remove_engine(name)
+        coordinator.add_engine(new)
+        return new
+
+    def close(self) -> None:
+        """Stop every engine and remove the actors and their placement group."""
+        self._stop()
+
+    def __enter__(self) -> RayEngines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _ref(ref: Any) -> Any:
+    return await asyncio.wrap_future(ref.future())
