@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -28,7 +30,7 @@ import ray
 import torch
 import transformers
 
-from rlferry.control import Coordinator, GenerateRequest, SamplingParams
+from rlferry.control import Coordinator, GenerateRequest, RemoteEngine, SamplingParams
 from rlferry.engines.hf import HFEngine
 from rlferry.ray import RayEngines
 from rlferry.weights import WeightSender
@@ -71,6 +73,35 @@ async def _measure(engine: Any, trainer: dict[str, torch.Tensor], transport: str
     return rate, updates[1:]  # the first update sends the plan and opens the buffers
 
 
+BASELINE = {False: "in this process", True: "a process of its own (rlferry serve engine)"}
+"""The baseline: in this process on the CPU; on CUDA a process of its own, since cuda_ipc
+moves weights between processes (a sender and a receiver in one process cannot open
+each other's IPC handles)."""
+
+
+async def _baseline(
+    model_dir: str, cuda: bool, trainer: dict[str, torch.Tensor], transport: str,
+    a: argparse.Namespace,
+) -> tuple[float, list[float]]:  # fmt: skip
+    if not cuda:
+        local = HFEngine(model_dir, name="local", device="cpu")
+        try:
+            return await _measure(local, trainer, transport, a)
+        finally:
+            local.close()
+    cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+           "--name", "local", "--device", "cuda"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    remote = RemoteEngine(proc.stdout.readline().split()[1], name="local")
+    try:
+        return await _measure(remote, trainer, transport, a)
+    finally:
+        await remote.close()
+        proc.terminate()
+        proc.wait(30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/ray_engines.py", description=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -88,11 +119,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
         _model(a.hidden, a.layers, 0).save_pretrained(model_dir)
-        local = HFEngine(model_dir, name="local", device=device)
-        try:
-            results = {"in this process": asyncio.run(_measure(local, trainer, transport, a))}
-        finally:
-            local.close()
+        results = {BASELINE[cuda]: asyncio.run(_baseline(model_dir, cuda, trainer, transport, a))}
         ray.init(num_cpus=4, num_gpus=1 if cuda else 0, include_dashboard=False,
                  log_to_driver=False)  # fmt: skip
         try:
@@ -109,7 +136,7 @@ def main() -> None:
                 results["Ray actor (HTTP)"] = asyncio.run(on_ray())
         finally:
             ray.shutdown()
-    base_rate = results["in this process"][0]
+    base_rate = results[BASELINE[cuda]][0]
     for name, (rate, updates) in results.items():
         updates.sort()
         rows.append([name, f"{rate:.0f}", f"{rate / base_rate:.3f}x",
@@ -121,7 +148,7 @@ def main() -> None:
         f"{platform.node()}, {gpu}, ray {ray.__version__}: Llama {a.layers} x {a.hidden}, "
         f"{a.prompts} prompts x {a.tokens} tokens, {a.updates} updates by {transport}\n"
     )
-    print(table(rows, ["engine", "tokens/s", "vs in process", "update p50 ms", "p90 ms",
+    print(table(rows, ["engine", "tokens/s", "vs the baseline", "update p50 ms", "p90 ms",
                        "max ms"]))  # fmt: skip
 
 
