@@ -16,12 +16,15 @@ import asyncio
 import inspect
 import random
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from rlferry.control import Completion, FinishReason, GenerateRequest
+
+if TYPE_CHECKING:
+    from ._slots import SlotBatch
 
 __all__ = ["Batch", "Row", "record"]
 
@@ -131,7 +134,7 @@ class Batch:
         how = _params(rows, self.device)
         tokens, logprobs = _sample(out.logits[:, -1, :], how, _uniforms(how, self.device))
         self._join(rows, cache, mask, positions[:, -1] + 1, tokens)
-        return self._record(tokens, logprobs, version, first=len(self.rows) - len(rows))
+        return record(self, tokens, logprobs, version, first=len(self.rows) - len(rows))
 
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
@@ -151,15 +154,7 @@ class Batch:
             out.logits[:, -1, :], self._params, _uniforms(self._params, self.device)
         )
         self.next_ids = tokens
-        return self._record(tokens, logprobs, version, first=0)
-
-    def _record(
-        self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int, first: int
-    ) -> list[Row]:
-        ended = record(self.rows[first:], tokens, logprobs, version)
-        if ended:
-            self.remove(ended)
-        return ended
+        return record(self, tokens, logprobs, version, first=0)
 
     # -- membership ------------------------------------------------------------------------
     def _join(
@@ -223,9 +218,15 @@ class Batch:
 
 
 def record(
-    rows: Sequence[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: int
+    batch: Batch | SlotBatch,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    version: int,
+    first: int,
 ) -> list[Row]:
-    """Append each row's token; the rows that ended (a stop token, or ``max_tokens``)."""
+    """Append each of ``batch``'s rows from ``first`` on its token; take the rows that
+    ended (a stop token, or ``max_tokens``) out of the batch and return them."""
+    rows = batch.rows[first:]
     ended: list[Row] = []
     # One copy to the host (one device sync): token ids are exact in float64.
     both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
@@ -241,6 +242,8 @@ def record(
         else:
             continue
         ended.append(row)
+    if ended:
+        batch.remove(ended)
     return ended
 
 

@@ -198,7 +198,7 @@ class SlotBatch:
         joined = _params(rows, self.device)
         tokens, logprobs = _sample(out.logits[:, -1, :], joined, _uniforms(joined, self.device))
         self.ids[slots] = tokens
-        return self._record(tokens, logprobs, version, first)
+        return record(self, tokens, logprobs, version, first)
 
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
@@ -212,7 +212,7 @@ class SlotBatch:
             logits = self._step(bucket)[:n]
         tokens, logprobs = _sample(logits, self._how, u)
         self.ids[:n] = tokens
-        return self._record(tokens, logprobs, version, 0)
+        return record(self, tokens, logprobs, version, 0)
 
     def _step(self, b: int) -> torch.Tensor:
         """The decode step over slots ``[0, b)`` (what a graph captures): the logits."""
@@ -243,14 +243,6 @@ class SlotBatch:
         self._pool = graph.pool()
         self._graphs[b] = graph
         self.pos[:b], self.mask[:b] = saved
-
-    def _record(
-        self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int, first: int
-    ) -> list[Row]:
-        ended = record(self.rows[first:], tokens, logprobs, version)
-        if ended:
-            self.remove(ended)
-        return ended
 
     # -- membership ------------------------------------------------------------------------
     def remove(self, rows: Sequence[Row]) -> None:
