@@ -451,7 +451,7 @@ def test_a_coordinator_update_changes_the_version_of_later_tokens(engine, loop):
     assert after.token_ids == hf_greedy(model, PROMPTS[2], 10)[0] and after.versions == [1] * 10
 
 
-def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, loop):
+def test_a_layout_the_engine_refuses_fails_the_push_and_the_engine_serves_on(engine, loop):
     from rlferry.control import Coordinator, EngineError
     from rlferry.weights import WeightSender
 
@@ -470,17 +470,18 @@ def test_a_failed_update_names_the_engine_and_leaves_its_weights_whole(engine, l
                     version=before + 1,
                 )
             await coord.close()
-        paused = await engine.is_paused()  # the coordinator resumes only engines that updated
-        await engine.resume()
+        paused = await engine.is_paused()  # resumed on the version it held
         got = await engine.generate(req("after", PROMPTS[2], 4, temperature=0.0))
         return e.value, before, want, got, await engine.get_weight_version(), paused
 
     error, before, want, got, version, paused = loop.run_until_complete(main())
-    assert list(error.failures) == ["vllm-engine"]
-    assert error.failures["vllm-engine"].startswith(
-        "rejected the plan: the receiver's check raised ValueError: 1 of 21 tensors differ"
+    # every engine of the fleet (one) refused it alike: the push's layout is at fault
+    assert list(error.failures) == ["push"]
+    assert error.failures["push"].startswith(
+        "push: every engine refused it: rejected the plan: the receiver's check raised "
+        "ValueError: 1 of 21 tensors differ"
     )
-    assert paused and version == before
+    assert not paused and version == before
     assert got.token_ids == want.token_ids and got.versions == [before] * 4
 
 

@@ -186,7 +186,7 @@ def test_a_vllm_server_generates_updates_pauses_and_aborts_as_an_rlferry_engine(
     asyncio.run(main())
 
 
-def test_a_push_the_server_refuses_is_named_and_the_server_keeps_its_version(server):
+def test_a_push_the_server_refuses_fails_the_push_and_the_server_serves_on(server):
     async def main():
         async with driven(server, "srv-refusing") as (engine, sender, coord):
             await engine.init_weight_transfer("srv-refusing", sender.address)
@@ -198,11 +198,10 @@ def test_a_push_the_server_refuses_is_named_and_the_server_keeps_its_version(ser
                     lambda t: sender.push(wrong.items(), version=7, timeout=t),
                     version=7, timeout=60,
                 )  # fmt: skip
-            assert set(e.value.failures) == {"srv-refusing"}
-            assert "rejected the plan" in e.value.failures["srv-refusing"]
-            # the coordinator leaves a failed engine paused; nothing was loaded, so it
-            # resumes on its previous weights
-            await engine.resume()
+            # the fleet's one engine refused the layout: the push is at fault, and the
+            # engine, which loaded nothing, serves its previous weights at once
+            assert set(e.value.failures) == {"push"}
+            assert "rejected the plan" in e.value.failures["push"]
             assert not await engine.is_paused()
             assert await engine.get_weight_version() == start
             assert (await engine.generate(request("after"))).token_ids == before

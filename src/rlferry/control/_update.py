@@ -130,21 +130,31 @@ async def run_update(
             deadline, faults,
         )  # fmt: skip
         marks.append(time.monotonic())
-        await _push(push, faults.ok(members), deadline, timeout, faults)
+        report, raised = await _push(push, faults.ok(members), deadline, timeout, faults)
         marks.append(time.monotonic())
         live = faults.ok(members)
-        held = await _each(live, lambda m: m.engine.get_weight_version(), "push", deadline, faults)
-        pushed = PUSH not in faults.failures
-        live = faults.ok(live)
-        for m in live:
-            if held[m.name] != version and pushed:
+        # Who committed: the push's report says (``PushReport.receivers``, own names), also
+        # when it raised; without a report, a push that returned reached every engine.
+        said = getattr(report, "receivers", None)
+        got = {m.name for m in live if (_among(m.own, said) if said is not None else not raised)}
+        rest = [m for m in live if m.name not in got]
+        held = await _each(
+            rest, lambda m: m.engine.get_weight_version(), "finish_weight_update", deadline,
+            faults,
+        )  # fmt: skip
+        if not raised:
+            for m in rest:
                 faults.add(
                     m.name, "push", f"did not receive version {version} (it holds "
-                    f"{held[m.name]}; is its receiver joined to the trainer's sender? see "
+                    f"{held.get(m.name)}; is its receiver joined to the trainer's sender? see "
                     "init_weight_transfer)",
                 )  # fmt: skip
+        live = [m for m in live if m.name in got or m.name in held]
         # Each ends the update on what it holds: the new version, or its last whole one.
-        target = {m.name: current if held[m.name] is None else held[m.name] for m in live}
+        target = {
+            m.name: version if m.name in got else current if held[m.name] is None
+            else held[m.name] for m in live
+        }  # fmt: skip
         ending = _Faults()
         await _each(
             live, lambda m: m.engine.finish_weight_update(target[m.name]),
@@ -156,7 +166,7 @@ async def run_update(
                 m.version = target[m.name]
                 if m.version == version:
                     committed.append(m)
-            elif pushed or m.name in ending.gone:
+            elif not raised or m.name in got or m.name in ending.gone:
                 faults.add(m.name, *failed, gone=m.name in ending.gone)
             else:  # the push failed after it loaded part of it: not its fault
                 waiting[m.name] = f"it holds a mix after the failed push ({failed[1]})"
@@ -190,29 +200,39 @@ async def run_update(
     )  # fmt: skip
 
 
+def _among(own: str | None, receivers: Any) -> bool:
+    """Whether the engine whose receiver is named ``own`` is among ``receivers`` (an engine of
+    several workers has one receiver each, ``OWN:rankN``, as rlferry's vLLM backend names
+    them)."""
+    return own is not None and any(r == own or r.startswith(f"{own}:rank") for r in receivers)
+
+
 async def _push(
     push: Callable[[float], Any],
     members: list[Member],
     deadline: float,
     timeout: float,
     faults: _Faults,
-) -> None:
-    """Run the trainer's push; a failure is the receivers' it names, else the push's."""
+) -> tuple[Any, bool]:
+    """Run the trainer's push: what it returned (or its error's ``report``), and whether it
+    raised. A failure is the receivers' it names, else the push's own."""
     left = max(0.001, deadline - time.monotonic())
     try:
         pushing = push(left) if inspect.iscoroutinefunction(push) else asyncio.to_thread(push, left)
-        await asyncio.wait_for(pushing, left + 1.0)
+        return await asyncio.wait_for(pushing, left + 1.0), False
     except asyncio.TimeoutError:
         faults.add(PUSH, "push", f"did not return within {timeout} s")
+        return None, True
     except Exception as e:
         named: dict[str, str] = getattr(e, "failures", None) or {}
         owns = {m.own for m in members}
         if named and owns <= set(named) and len(set(named.values())) == 1:
             # every engine refused it for the same reason: the push's layout is wrong
             faults.add(PUSH, "push", f"every engine refused it: {next(iter(named.values()))}")
-            return
+            return None, True
         by_own = {m.own: m.name for m in members if m.own is not None}
         for own, why in named.items():
             faults.add(by_own.get(own, own), "push", why)
         if not named:
             faults.add(PUSH, "push", f"{type(e).__name__}: {e}")
+        return getattr(e, "report", None), True

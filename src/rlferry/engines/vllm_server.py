@@ -289,8 +289,10 @@ class VLLMServerEngine:
             self._updates += 1
 
     async def finish_weight_update(self, version: int) -> None:
-        """Serve ``version`` if the push committed it whole; else raise ``EngineError``
-        (and stay paused if the model holds a mix)."""
+        """Serve ``version`` if the push committed it whole, or if it is the version served
+        already and the model is whole (the push never came or was refused before it
+        loaded anything: the update ends there); else raise ``EngineError`` (and stay
+        paused if the model holds a mix)."""
         if type(version) is not int:
             raise TypeError(f"finish_weight_update: expected an int version, got {version!r}")
         task, self._update = self._update, None
@@ -304,6 +306,14 @@ class VLLMServerEngine:
         try:
             await task
         except EngineError as e:
+            state = await self._state()
+            if version == self._requests.version_of() and not state.get("mixed"):
+                # no push committed and the model is whole: end the update on what it serves
+                await self._call(
+                    "POST", "/finish_weight_update", {"weight_version": self._requests.label}
+                )
+                self._error = f"{what}: the update ended there: {state.get('error') or e}"
+                return
             raise EngineError(self.name, await self._failed(what, str(e))) from None
         got = (await self._state()).get("version")
         if got != version:

@@ -221,8 +221,10 @@ class VLLMEngine:
         self._update = asyncio.ensure_future(self.llm.update_weights(req))
 
     async def finish_weight_update(self, version: int) -> None:
-        """Serve ``version`` if the push committed it whole; else raise ``EngineError``
-        (and stay paused if the model holds a mix)."""
+        """Serve ``version`` if the push committed it whole, or if it is the version served
+        already and the model is whole (the push never came or was refused before it
+        loaded anything: the update ends there); else raise ``EngineError`` (and stay
+        paused if the model holds a mix)."""
         if type(version) is not int:
             raise TypeError(f"finish_weight_update: expected an int version, got {version!r}")
         self._alive()
@@ -236,6 +238,14 @@ class VLLMEngine:
         try:
             await asyncio.wait_for(task, self.update_timeout + 30.0)
         except Exception as e:
+            if version == self._requests.version_of() and not (await self._state()).get("mixed"):
+                # no push committed and the model is whole: end the update on what it serves
+                await self._call(
+                    "finish_weight_update", self.llm.finish_weight_update(self._requests.label)
+                )
+                self._error = f"the update ended on version {version}: {_reason(e)}"
+                self._updated()
+                return
             why = await self._failed(
                 f"finish_weight_update({version}): expected version {version} committed "
                 f"whole, got {_reason(e)}"
