@@ -210,6 +210,12 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
         )
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as heard (another error is told instead of it)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _engine_device(config: DemoConfig, i: int) -> str:
     if config.device == "cpu":
         return "cpu"
@@ -271,20 +277,31 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         }  # fmt: skip
         per_engine = -(-config.groups_per_step * config.group_size // config.engines)
         engines: list[Any]
+        # The engines start while the trainers do.
+        starting: asyncio.Future[Any]
         if on_ray:  # the engines as actors, driven over HTTP with the job's token
-            starting = asyncio.to_thread(procs.start_engines, tmp, config.engines, config.device,
-                                         config.engine, max(64, per_engine),
-                                         ENGINE_LEN)  # fmt: skip
-            sender = await asyncio.to_thread(procs.start_trainers, settings)
-            engines = await starting
+            starting = asyncio.ensure_future(asyncio.to_thread(
+                procs.start_engines, tmp, config.engines, config.device, config.engine,
+                max(64, per_engine), ENGINE_LEN,
+            ))  # fmt: skip
         else:
-            urls = asyncio.gather(*(
+            starting = asyncio.gather(*(
                 asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
                                   config.engine, max(64, per_engine), ENGINE_LEN)
                 for i in range(config.engines)
             ))  # fmt: skip
-            sender = await asyncio.to_thread(start_trainers, procs, settings)
-            engines = [RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(await urls)]
+        try:
+            if on_ray:
+                sender = await asyncio.to_thread(procs.start_trainers, settings)
+            else:
+                sender = await asyncio.to_thread(start_trainers, procs, settings)
+        except BaseException:  # the trainers' error is the one to tell; the engines' waits
+            starting.add_done_callback(_retrieved)
+            raise
+        started = await starting
+        engines = started if on_ray else [
+            RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(started)
+        ]  # fmt: skip
         if sender is not None:
             await asyncio.gather(*(e.init_weight_transfer("demo", sender) for e in engines))
         batch = config.groups_per_step * config.group_size
