@@ -333,6 +333,9 @@ class AsyncTransferQueueClient:
         return self._live.controller.kv_list(partition_id)
 
     # ---- checkpoints ----
+    # The loads below unpickle (the controller's state holds the shim's own objects) the
+    # local files save_*_checkpoint wrote, at paths the caller names, as TransferQueue's own
+    # checkpoints do: never anything from a socket. Load only checkpoints you wrote.
     def save_controller_checkpoint(self, path: str) -> None:
         torch.save(self._live.controller.state(), path)
 
