@@ -162,6 +162,8 @@ class Coordinator:
                             "restart elsewhere", name, e)  # fmt: skip
         for call in calls.values():
             call.cancel()  # what did not come back goes on elsewhere
+        if member.owned:  # made here from a URL: nobody else can close it
+            await _close(member.engine)
 
     async def _settle(self) -> None:
         """Ask every engine added since the last time for its name, version and limits."""
@@ -499,8 +501,19 @@ class Coordinator:
         self._notify()
 
     async def close(self) -> None:
-        """Cancel the rollouts in flight; waiting calls raise."""
+        """Cancel the rollouts in flight; waiting calls raise. The engines made here from
+        URLs are closed; engines passed as objects stay open (they are the caller's)."""
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
         self._notify()
+        for m in self._fleet:
+            if m.owned:
+                await _close(m.engine)
+
+
+async def _close(engine: Engine) -> None:
+    """Close an engine made from a URL (a ``RemoteEngine``: its HTTP client)."""
+    closing = getattr(engine, "close", None)
+    if closing is not None:
+        await closing()

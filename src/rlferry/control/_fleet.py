@@ -49,6 +49,7 @@ class Member:
     running: int = 0
     calls: dict[str, asyncio.Future[object]] = field(default_factory=dict)  # generates
     removed: Moved | None = None  # what its requests do now that it left
+    owned: bool = False  # made here from a URL: closed with the coordinator
 
     @property
     def name(self) -> str:
@@ -64,6 +65,7 @@ class Fleet:
         self._lock = asyncio.Lock()
 
     def add(self, engine: Engine | str) -> Member:
+        owned = isinstance(engine, str)
         if isinstance(engine, str):
             engine = RemoteEngine(engine)
         if not isinstance(engine, Engine):
@@ -78,7 +80,7 @@ class Fleet:
                 f"({old.state}); a coordinator's engines need unique names (remove_engine it "
                 "first to replace it)"
             )
-        member = Member(engine)
+        member = Member(engine, owned=owned)
         self.members[engine.name] = member  # a broken one of that name is replaced
         self.left.pop(engine.name, None)
         return member
