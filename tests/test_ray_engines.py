@@ -178,3 +178,40 @@ def test_weights_reach_engine_actors_by_broadcast_through_the_launchers_rendezvo
     address, served = asyncio.run(main())
     assert address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")  # off loopback
     assert served == [(1, fingerprint(trained.items()))] * 2
+
+
+def test_engines_in_a_callers_gpu_bundle_share_its_gpu_and_leave_its_group(ray_cluster, model_dir):
+    from rlferry.ray import place
+
+    def where():  # defined here: Ray ships it by value
+        import os
+
+        gpus = sorted(int(g) for g in ray.get_gpu_ids())
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "gpus": gpus, "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    pg = place([{"GPU": 1, "CPU": 1}], "STRICT_PACK", name="rlferry/shared/gpus",
+               what="a trainer's GPU", ready_timeout=30)  # fmt: skip
+    try:
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(pg, 0)
+        with RayEngines.start("shared", model_dir, engines=2, gpus_per_engine=1 / 3,
+                              cpus_per_engine=0.25, options={"device": "cpu"},
+                              bundle=(pg, 0)) as e:  # fmt: skip
+            rank = ray.remote(where)
+            one = rank.options(num_gpus=1 / 3, num_cpus=0.25, scheduling_strategy=strategy)
+            beside = ray.get(one.remote(), timeout=60)
+            assert len(beside["gpus"]) == 1
+            assert [(p["node"], p["gpus"], p["visible"]) for p in e.places] == 2 * [
+                (beside["node"], beside["gpus"], beside["visible"])
+            ]
+        assert ray.util.placement_group_table(pg)["state"] == "CREATED"  # the caller's still
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
+def test_a_gpu_share_that_is_neither_a_fraction_nor_whole_is_refused(ray_cluster, model_dir):
+    with pytest.raises(ValueError) as e:
+        RayEngines.start("badshare", model_dir, gpus_per_engine=1.5)
+    assert str(e.value) == (
+        "gpus_per_engine: expected 0, a fraction of one GPU or a whole number, got 1.5"
+    )

@@ -222,13 +222,14 @@ class RayEngines(Placed):
         model: str,
         *,
         engines: int = 1,
-        gpus_per_engine: int = 0,
+        gpus_per_engine: float = 0,
         cpus_per_engine: float = 1.0,
         engine: str = "hf",
         options: dict[str, Any] | None = None,
         max_restarts: int = 0,
         ready_timeout: float = READY_TIMEOUT,
         namespace: str | None = None,
+        bundle: tuple[Any, int] | None = None,
     ) -> RayEngines:
         """Start ``engines`` engine actors of ``model`` (a directory every node can read).
 
@@ -236,7 +237,12 @@ class RayEngines(Placed):
         (``VLLMEngine``, the ``[vllm]`` extra); ``options``: its keyword arguments
         (``device``, ``max_batch``, ...; an actor sees only its own GPUs, from
         ``cuda:0``). ``max_restarts``: how often Ray restarts a dead engine actor (see
-        :meth:`rejoin`).
+        :meth:`rejoin`). ``gpus_per_engine`` below 1 shares a GPU (Ray's fractional GPUs).
+
+        ``bundle``: ``(placement group, bundle index)`` of a group the caller made and
+        removes: every engine goes into that bundle, beside the caller's other actors
+        there (a trainer rank that shares the engines' GPU, to push weights by cuda_ipc:
+        the engines and the rank then see the same GPU, whatever the node has).
 
         Raises:
             LaunchError: the job's engines are running already, the bundles cannot be
@@ -246,10 +252,13 @@ class RayEngines(Placed):
         check_job(job)
         if engine not in ("hf", "vllm"):
             raise ValueError(f"engine: expected 'hf' or 'vllm', got {engine!r}")
-        for field, value in (("engines", engines), ("gpus_per_engine", gpus_per_engine)):
-            if type(value) is not int or value < (field == "engines"):
-                low = 1 if field == "engines" else 0
-                raise ValueError(f"{field}: expected an int >= {low}, got {value!r}")
+        if type(engines) is not int or engines < 1:
+            raise ValueError(f"engines: expected an int >= 1, got {engines!r}")
+        g = gpus_per_engine
+        if type(g) not in (int, float) or g < 0 or (g > 1 and g != int(g)):
+            raise ValueError(
+                f"gpus_per_engine: expected 0, a fraction of one GPU or a whole number, got {g!r}"
+            )
         ns = namespace_of(namespace)
         names = [actor_name(job, f"engine{i}") for i in range(engines)]
         if taken(names[0], ns):
@@ -257,10 +266,17 @@ class RayEngines(Placed):
                 f"job `{job}`: its engines are already running in Ray namespace `{ns}` (actor "
                 f"`{names[0]}`): close them, or start these under another job name"
             )
-        bundle = {"CPU": cpus_per_engine, **({"GPU": gpus_per_engine} if gpus_per_engine else {})}
-        pg = place([dict(bundle) for _ in range(engines)], "PACK", name=actor_name(job, "engines"),
-                   what=f"job `{job}`: engines", ready_timeout=ready_timeout)  # fmt: skip
         strategy = r.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        if bundle is not None:  # the caller's group: every engine in its one bundle
+            pg, at = bundle
+            owned = None
+            bundles = [at] * engines
+        else:
+            one = {"CPU": cpus_per_engine, **({"GPU": gpus_per_engine} if gpus_per_engine else {})}
+            pg = owned = place([dict(one) for _ in range(engines)], "PACK",
+                               name=actor_name(job, "engines"), what=f"job `{job}`: engines",
+                               ready_timeout=ready_timeout)  # fmt: skip
+            bundles = list(range(engines))
         token = secret()
         actors: list[Any] = []
         try:
@@ -268,11 +284,11 @@ class RayEngines(Placed):
             found = r.get([probe.options(
                 num_cpus=0, num_gpus=gpus_per_engine,
                 scheduling_strategy=strategy(pg, placement_group_bundle_index=b),
-            ).remote() for b in range(engines)], timeout=ENGINE_START_TIMEOUT)  # fmt: skip
-            order = sorted(range(engines), key=lambda b: (
-                found[b]["ip"], found[b]["gpus"][:1], found[b]["node"], b))  # fmt: skip
+            ).remote() for b in bundles], timeout=ENGINE_START_TIMEOUT)  # fmt: skip
+            order = sorted(range(engines), key=lambda i: (
+                found[i]["ip"], found[i]["gpus"][:1], found[i]["node"], i))  # fmt: skip
             cls_remote = r.remote(EngineActor)
-            for i, b in enumerate(order):
+            for i, b in enumerate(bundles[j] for j in order):
                 actors.append(cls_remote.options(
                     name=names[i], namespace=ns, num_cpus=cpus_per_engine,
                     num_gpus=gpus_per_engine, max_restarts=max_restarts, max_concurrency=1000,
@@ -281,7 +297,7 @@ class RayEngines(Placed):
             urls = r.get([a.url.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
             places = r.get([a.where.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
         except BaseException as e:
-            stop_all(actors, pg)
+            stop_all(actors, owned)
             if isinstance(e, r.exceptions.RayError):
                 raise LaunchError(f"job `{job}`: an engine failed to start: {e}") from None
             raise
@@ -289,7 +305,7 @@ class RayEngines(Placed):
             RayEngine(f"engine{i}", names[i], a, url, token, max_restarts != 0)
             for i, (a, url) in enumerate(zip(actors, urls, strict=True))
         ]
-        return cls(job, names, actors, places, handles, pg, token)
+        return cls(job, names, actors, places, handles, owned, token)
 
     async def restarted(self, i: int, *, timeout: float = ENGINE_START_TIMEOUT) -> RayEngine:
         """Engine ``i`` once Ray restarted its actor (``max_restarts``) and it serves again

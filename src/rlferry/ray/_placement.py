@@ -79,14 +79,15 @@ def place(
 
 
 def stop_all(actors: list[Any], pg: Any) -> None:
-    """Kill ``actors`` and remove ``pg``; returns once Ray reports each actor dead (their
-    names are free again), at most ``STOP_TIMEOUT`` seconds."""
+    """Kill ``actors`` and remove ``pg`` (None: a group they do not own); returns once Ray
+    reports each actor dead (their names are free again), at most ``STOP_TIMEOUT`` seconds."""
     r = ray()
     for a in actors:
         r.kill(a)
     ends = [a.until_closed.remote() for a in actors]  # fails at once for a dead actor
     r.wait(ends, num_returns=len(ends), timeout=STOP_TIMEOUT)
-    r.util.remove_placement_group(pg)
+    if pg is not None:
+        r.util.remove_placement_group(pg)
 
 
 class Placed:

@@ -208,7 +208,8 @@ class ActorConn:
 
 class RayProcesses:
     """The run's actors on Ray: the queue's services, the engines, the trainer ranks (one
-    STRICT_PACK group: one node, as the ranks' gloo group and the shm weights need).
+    STRICT_PACK group: one node, as the ranks' gloo group and the shm weights need; on
+    CUDA see :meth:`place_gpus`).
     Joins the Ray cluster at ``address`` (None: the one this process is connected to, else
     a local Ray it starts and stops). :meth:`stop` removes everything, also on Ctrl-C."""
 
@@ -224,6 +225,7 @@ class RayProcesses:
         self.trainers: list[tuple[Any, ActorConn]] = []
         self._closing: list[Any] = []
         self._pg: Any = None
+        self._share = 0.0
 
     def start_queue(self) -> Any:
         from rlferry.ray import RayQueue
@@ -232,18 +234,34 @@ class RayProcesses:
         self._closing.append(q)
         return q
 
+    def place_gpus(self, dp: int, engines: int) -> None:
+        """On CUDA: one GPU bundle per trainer rank, on one node (STRICT_PACK: the ranks'
+        NCCL group meets on the loopback); the engines share rank 0's GPU (bundle 0), as
+        the colocated layout has them, so that its weights reach them by cuda_ipc
+        whichever GPU Ray gives that bundle."""
+        from rlferry.ray import place
+
+        self._share = 1 / (engines + 1)  # of bundle 0's GPU: each engine and rank 0
+        cpus = 0.25 * (engines + 1)
+        bundles = [{"GPU": 1.0, "CPU": cpus}] + [{"GPU": 1.0, "CPU": 0.25}] * (dp - 1)
+        self._pg = place(bundles, "STRICT_PACK", name=f"rlferry/{self.job}/gpus",
+                         what=f"job `{self.job}`: GPUs", ready_timeout=60.0)  # fmt: skip
+
     def start_engines(self, model_dir: str, n: int, device: str, engine: str,
                       max_batch: int, max_model_len: int) -> list[Any]:  # fmt: skip
         from rlferry.ray import RayEngines
 
         options: dict[str, Any] = {"max_batch": max_batch, "max_model_len": max_model_len}
         if engine == "hf":
-            options["device"] = device
+            options["device"] = "cuda:0" if device == "cuda" else device  # its own GPU
         else:  # VLLMEngine as serve engine makes it: token ids in and out, eager
             options.update(skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=max_batch)
             del options["max_batch"]
+        gpu: dict[str, Any] = {}
+        if device == "cuda":
+            gpu = {"gpus_per_engine": self._share, "bundle": (self._pg, 0)}
         engines = RayEngines.start(self.job, model_dir, engines=n, engine=engine,
-                                   cpus_per_engine=0.25, options=options)  # fmt: skip
+                                   cpus_per_engine=0.25, options=options, **gpu)  # fmt: skip
         self._closing.append(engines)
         return list(engines.engines)
 
@@ -252,15 +270,21 @@ class RayProcesses:
 
         r = self._ray
         dp = settings["dp"]
-        self._pg = place([{"CPU": 0.25}] * dp, "STRICT_PACK", name=f"rlferry/{self.job}/trainers",
-                         what=f"job `{self.job}`: trainers", ready_timeout=60.0)  # fmt: skip
+        cuda = settings["device"] == "cuda"
+        if not cuda:
+            self._pg = place([{"CPU": 0.25}] * dp, "STRICT_PACK",
+                             name=f"rlferry/{self.job}/trainers",
+                             what=f"job `{self.job}`: trainers", ready_timeout=60.0)  # fmt: skip
         strategy = r.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         cls = r.remote(concurrency_groups={"send": 1, "recv": 1, "watch": 1})(TrainerActor)
         for rank in range(dp):
+            gpus = (self._share if rank == 0 else 1.0) if cuda else 0
             actor = cls.options(
-                name=f"rlferry/{self.job}/trainer{rank}", num_cpus=0.25,
+                name=f"rlferry/{self.job}/trainer{rank}",
+                num_cpus=0.25,
+                num_gpus=gpus,
                 scheduling_strategy=strategy(self._pg, placement_group_bundle_index=rank),
-            ).remote(rank, settings)  # fmt: skip
+            ).remote(rank, settings)
             self.trainers.append((actor, ActorConn(actor)))
         sender = None
         for _, conn in self.trainers:
@@ -278,7 +302,7 @@ class RayProcesses:
                     conn.send(("stop",))
             for closing in reversed(self._closing):
                 closing.close()
-            if self.trainers:
+            if self.trainers or self._pg is not None:
                 from rlferry.ray import stop_all
 
                 stop_all([a for a, _ in self.trainers], self._pg)

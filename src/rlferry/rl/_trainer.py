@@ -63,7 +63,9 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if s["threads"]:
         torch.set_num_threads(s["threads"])  # the processes of a run share the cores
     dp = s["dp"]
-    device = torch.device("cpu" if s["device"] == "cpu" else f"cuda:{s['first_gpu'] + rank}")
+    # a Ray actor sees only the GPU Ray gave it, as cuda:0
+    gpu = 0 if s.get("ray_job") else s["first_gpu"] + rank
+    device = torch.device("cpu" if s["device"] == "cpu" else f"cuda:{gpu}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
