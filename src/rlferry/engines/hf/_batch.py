@@ -111,6 +111,11 @@ class Batch:
         self._padded = False
         self._sampling()
 
+    @staticmethod
+    def prefill_tokens(rows: int, width: int) -> int:
+        """The tokens a prefill of ``rows`` prompts of at most ``width`` tokens runs on."""
+        return rows * width
+
     # -- the two kinds of step -------------------------------------------------------------
     def prefill(self, rows: Sequence[Row], version: int) -> list[Row]:
         """One forward pass over the prompts of ``rows``, which then join the batch; the

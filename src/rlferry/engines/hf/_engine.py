@@ -174,7 +174,7 @@ class HFEngine(DecodeThread):
                 use_gqa_sdpa(self.model)
             batch = SlotBatch(
                 self.model, self.device, max_batch=max_batch, max_len=length,
-                graphs=cuda_graphs and self.device.type == "cuda",
+                graphs=cuda_graphs and self.device.type == "cuda", max_prefill=max_prefill_tokens,
             )  # fmt: skip
         else:
             batch = Batch(self.model, self.device, loaded.new_cache, kw, loaded.sliding)

@@ -1,22 +1,24 @@
 """The running batch of an :class:`~rlferry.engines.hf.HFEngine` on a preallocated KV cache.
 
 Every row owns a slot: its own columns of a cache allocated once (layers x slots x KV
-heads x ``max_len`` x head dim), from column 0, with no padding. A row joins by a
-prefill of its own (the prompts of the rows that join together, left padded, through
-``transformers``' dynamic cache), whose keys and values are then gathered into the
-rows' slots; it leaves by moving the last row into its slot, so the rows always hold
-slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
-bucket, a power of two or every slot, that holds the rows): each row writes its new key and value at
-its own column (``pos``), sees the columns before it through an additive mask, and
-its position id is its length.
+heads x ``max_len`` x head dim), from column 0, with no padding. Rows join by a prefill
+of their prompts (left padded to a common width), whose keys and values each layer
+writes straight into the rows' slots (padding goes to one scratch slot past the
+others); they leave by moving the last row into the slot they free, so the rows always
+hold slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
+bucket, a power of two or every slot, that holds the rows): each row writes its new key
+and value at its own column (``pos``), sees the columns before it through an additive
+mask, and its position id is its length.
 
 On CUDA each bucket's decode step is captured as a CUDA graph when the batch is made
-(so no step waits for a capture: 8 buckets up to 128 slots) and replayed: the
-inputs (ids, positions, mask), the cache and the weights keep their addresses, so a
-weight update (copied in place) needs no new capture. A step launches the graph, then
-samples on the device (the uniforms of sampled rows are drawn on the host and copied
-before the graph runs), and reads the tokens and their log probabilities back in one
-copy: one host sync per step.
+(so no step waits for a capture: 8 buckets up to 128 slots) and replayed; so is each
+prefill bucket (rows bucket x width bucket, a power of two from 16 columns, within the
+engine's ``max_prefill`` tokens): an eager prefill launched for tens of ms, and a weight
+update's pause waited for it. The inputs (ids, positions, masks), the cache and the
+weights keep their addresses, so a weight update (copied in place) needs no new capture.
+A step launches the graph, then samples on the device (the uniforms of sampled rows are
+drawn on the host and copied before the graph runs), and reads the tokens and their log
+probabilities back in one copy: one host sync per step.
 """
 
 from __future__ import annotations
@@ -107,12 +109,45 @@ class SlotCache(_cache_class()):  # type: ignore[misc]
         return len(self.k)
 
 
+class PrefillCache(_cache_class()):  # type: ignore[misc]
+    """The cache a prefill sees: each layer writes the prompt's keys and values straight
+    into the rows' slots (position ``j`` of row ``i`` to ``slot[i, j]``, column
+    ``col[i, j]``) and attends over the prompt's own (nothing was cached before it)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 slot: torch.Tensor, col: torch.Tensor) -> None:  # fmt: skip
+        super().__init__(layers=[])
+        self.k, self.v, self.slot, self.col = keys, values, slot, col
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self.k[layer_idx][self.slot, :, self.col] = key_states.transpose(1, 2)
+        self.v[layer_idx][self.slot, :, self.col] = value_states.transpose(1, 2)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, *a: Any, **kw: Any) -> tuple[int, int]:
+        return self.col.shape[1], 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.k)
+
+
 class SlotBatch:
     """The rows being generated, in slots ``[0, len(rows))`` of a cache of ``max_batch``
     slots of ``max_len`` columns; ``graphs``: replay decode steps as CUDA graphs."""
 
     def __init__(
         self, model: Any, device: torch.device, *, max_batch: int, max_len: int, graphs: bool,
+        max_prefill: int = 8192,
     ) -> None:  # fmt: skip
         self.model, self.device = model, device
         self.rows: list[Row] = []
@@ -120,14 +155,14 @@ class SlotBatch:
         self._kw = _cache_kw(model)
         from transformers import DynamicCache
 
-        self._dynamic: Any = DynamicCache
         # The cache's shapes, read from a one-token forward (a model's own head layout).
         with torch.inference_mode():
             probe: Any = DynamicCache(config=model.config)
             model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
                   use_cache=True, **{self._kw: probe})  # fmt: skip
         shapes = [(lay.keys.shape, lay.keys.dtype) for lay in probe.layers]
-        self.k = [torch.zeros((max_batch, s[1], max_len, s[3]), dtype=d, device=device)
+        # slot max_batch: scratch, where a prefill's padding writes (no decode reads it)
+        self.k = [torch.zeros((max_batch + 1, s[1], max_len, s[3]), dtype=d, device=device)
                   for s, d in shapes]  # fmt: skip
         self.v = [torch.zeros_like(k) for k in self.k]
         self._min = torch.finfo(self.k[0].dtype).min
@@ -140,14 +175,23 @@ class SlotBatch:
         self._caches: dict[int, SlotCache] = {}  # by bucket: the cache over slots [0, B)
         self._logits: dict[int, torch.Tensor] = {}  # by bucket: the graph's output
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # prefills by (rows bucket, width bucket): static inputs, the graph, its logits
+        self._prefill_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._prefill_logits: dict[tuple[int, int], torch.Tensor] = {}
         self._use_graphs = graphs
         self._pool: Any = None
         self._how: Sampling = _params([], device)
         self.max_batch = max_batch
         if self._use_graphs:  # every bucket now: a step never waits for a capture
+            rows = sorted({self._bucket(n) for n in range(1, max_batch + 1)})
+            widths = sorted({self._width(n) for n in range(1, max_len + 1)})
             with torch.inference_mode():
-                for b in sorted({self._bucket(n) for n in range(1, max_batch + 1)}):
+                for b in rows:
                     self._capture(b)
+                for w in widths:  # as many rows as one prefill takes (one always fits)
+                    for b in (b for b in rows if b * w <= max(max_prefill, w)):
+                        self._capture_prefill((b, w))
 
     def _bucket(self, n: int) -> int:
         """The slots a step over ``n`` rows runs on: a power of two, at most every slot."""
@@ -160,45 +204,77 @@ class SlotBatch:
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         size = next(model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * max_batch * heads * max_len * dim * size
+        return 2 * cfg.num_hidden_layers * (max_batch + 1) * heads * max_len * dim * size
 
     # -- the two kinds of step -------------------------------------------------------------
+    def _width(self, n: int) -> int:
+        """The columns a prefill of prompts of at most ``n`` tokens runs on."""
+        return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
+
+    def prefill_tokens(self, rows: int, width: int) -> int:
+        """The tokens a prefill of ``rows`` prompts of at most ``width`` tokens runs on
+        (its bucket: the engine admits rows to a prefill within ``max_prefill`` of them)."""
+        return self._bucket(rows) * self._width(width)
+
     def prefill(self, rows: Sequence[Row], version: int) -> list[Row]:
-        """One forward pass over the prompts of ``rows``, whose keys and values then fill
-        their slots; the rows that ended at their first token."""
-        prompts = [r.request.prompt_ids for r in rows]
-        width = max(len(p) for p in prompts)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        cols = torch.arange(width)
-        mask = (cols[None, :] >= width - lengths[:, None]).long()
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        ids, mask, lengths = ids.to(self.device), mask.to(self.device), lengths.to(self.device)
-        positions = (mask.cumsum(1) - 1).clamp_(min=0)
-        cache: Any = self._dynamic(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=mask if bool((lengths != width).any()) else None,
-            position_ids=positions, use_cache=True, logits_to_keep=1, **{self._kw: cache},
-        )  # fmt: skip
-        first = len(self.rows)
-        slots = torch.arange(first, first + len(rows), device=self.device)
-        # Column c of a slot takes column c + (width - length) of its padded row.
-        src = (self._columns[None, :width] + (width - lengths)[:, None]).clamp_(max=width - 1)
-        for layer, k, v in zip(cache.layers, self.k, self.v, strict=True):
-            gather = src[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            k[slots, :, :width] = layer.keys.gather(2, gather)
-            v[slots, :, :width] = layer.values.gather(2, gather)
-        self.mask[slots] = torch.where(self._columns < lengths[:, None], 0.0, self._min).to(
-            self.mask.dtype
-        )[:, None, None, :]
-        self.pos[slots] = lengths
+        """One forward pass over the prompts of ``rows`` (left padded), whose keys and
+        values fill their slots; the rows that ended at their first token."""
+        r, first = len(rows), len(self.rows)
+        lengths = [len(row.request.prompt_ids) for row in rows]
+        key = (self._bucket(r), self._width(max(lengths)))
+        b, w = key
+        ids = torch.zeros((b, w), dtype=torch.long)
+        starts = torch.full((b,), w, dtype=torch.long)  # padding rows: no token of their own
+        for i, row in enumerate(rows):
+            starts[i] = w - lengths[i]
+            ids[i, w - lengths[i] :] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
+        slots = torch.arange(first, first + b).clamp_(max=self.max_batch)
+        slots[r:] = self.max_batch
+        host = (ids, starts, slots)
+        if key not in self._prefill_in:
+            self._prefill_in[key] = tuple(torch.zeros_like(t, device=self.device) for t in host)
+        for dst, src in zip(self._prefill_in[key], host, strict=True):
+            dst.copy_(src, non_blocking=True)
+        if key in self._prefill_graphs:
+            self._prefill_graphs[key].replay()
+            logits = self._prefill_logits[key]
+        else:  # on the CPU
+            logits = self._prefill_step(key)
+        logits = logits[:r]
+        at = torch.arange(first, first + r, device=self.device)
+        n = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
+        self.mask[at] = torch.where(self._columns < n[:, None], 0.0, self._min).to(self.mask.dtype)[
+            :, None, None, :
+        ]
+        self.pos[at] = n
         self.rows.extend(rows)
         self._how = _params(self.rows, self.device)
         joined = _params(rows, self.device)
-        tokens, logprobs = _sample(out.logits[:, -1, :], joined, _uniforms(joined, self.device))
-        self.ids[slots] = tokens
+        tokens, logprobs = _sample(logits, joined, _uniforms(joined, self.device))
+        self.ids[at] = tokens
         return record(self, tokens, logprobs, version, first)
+
+    def _prefill_step(self, key: tuple[int, int]) -> torch.Tensor:
+        """The prefill of bucket ``key`` (what a graph captures): the last column's logits.
+        Row ``i``'s prompt lies in columns ``[starts[i], w)`` of ``ids``; column ``j`` of it
+        goes to column ``j - starts[i]`` of slot ``slots[i]``, padding to the scratch slot."""
+        ids, starts, slots = self._prefill_in[key]
+        w = key[1]
+        j = self._columns[:w]
+        col = j[None, :] - starts[:, None]
+        real = col >= 0
+        slot = torch.where(real, slots[:, None], self.max_batch)
+        col_at = torch.where(real, col, j[None, :])
+        positions = col.clamp(min=0)
+        # a real column sees the real columns up to it; padding sees itself (no empty row)
+        seen = (j[None, None, :] <= j[None, :, None]) & real[:, None, :]
+        seen |= torch.eye(w, dtype=torch.bool, device=self.device)[None]
+        mask = torch.where(seen, 0.0, self._min).to(self.mask.dtype)[:, None]
+        out = self.model(
+            input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+            logits_to_keep=1, **{self._kw: PrefillCache(self.k, self.v, slot, col_at)},
+        )  # fmt: skip
+        return out.logits[:, -1, :]
 
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
@@ -228,21 +304,38 @@ class SlotBatch:
         return out.logits[:, -1, :]
 
     def _capture(self, b: int) -> None:
-        """Capture bucket ``b``'s step (after one warm-up run on a side stream, as CUDA
-        graphs need); the buffers it uses stay where they are for good."""
+        """Capture bucket ``b``'s decode step; the buffers it uses stay where they are for
+        good (the warm-up and the capture leave the positions and the mask as they were)."""
         saved = (self.pos[:b].clone(), self.mask[:b].clone())
+        self._graphs[b], self._logits[b] = self._graph(lambda: self._step(b))
+        self.pos[:b], self.mask[:b] = saved
+
+    def _capture_prefill(self, key: tuple[int, int]) -> None:
+        """Capture bucket ``key``'s prefill, on inputs of padding only (its writes go to
+        the scratch slot)."""
+        b, w = key
+        self._prefill_in[key] = (
+            torch.zeros((b, w), dtype=torch.long, device=self.device),
+            torch.full((b,), w, dtype=torch.long, device=self.device),
+            torch.full((b,), self.max_batch, dtype=torch.long, device=self.device),
+        )
+        self._prefill_graphs[key], self._prefill_logits[key] = self._graph(
+            lambda: self._prefill_step(key)
+        )
+
+    def _graph(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``step`` captured as a CUDA graph (after one warm-up run on a side stream, as
+        CUDA graphs need) in the batch's memory pool; the graph and its output."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._step(b)
+            step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.pos[:b], self.mask[:b] = saved  # the warm-up and the capture do not count
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[b] = self._step(b)
+            out = step()
         self._pool = graph.pool()
-        self._graphs[b] = graph
-        self.pos[:b], self.mask[:b] = saved
+        return graph, out
 
     # -- membership ------------------------------------------------------------------------
     def remove(self, rows: Sequence[Row]) -> None:

@@ -182,7 +182,7 @@ class DecodeThread:
         n = width = 0
         for row in itertools.islice(self._waiting, max(0, room)):
             w = max(width, len(row.request.prompt_ids))
-            if n and w * (n + 1) > self._max_prefill:
+            if n and self._batch.prefill_tokens(n + 1, w) > self._max_prefill:
                 break
             n, width = n + 1, w
         if not joining(len(self._batch.rows), n, self._deferred):
