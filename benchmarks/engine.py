@@ -23,7 +23,6 @@ completion); p50, p90 and max over the runs.
 
     python benchmarks/engine.py                  # CPU, small defaults (about a minute)
     python benchmarks/engine.py --device cuda --batch 64 --hidden 1024 --layers 16
-    python benchmarks/engine.py ... --generate-batch   # also transformers' continuous batching
 """
 
 from __future__ import annotations
@@ -98,22 +97,6 @@ def hf_generate(
     return sum(int(row.argmax()) + 1 if row.any() else len(row) for row in ends)
 
 
-def hf_generate_batch(
-    model: torch.nn.Module, prompts: list[list[int]], new: int, sample: bool, stop: list[int]
-) -> int:
-    """``transformers``' own continuous batching (``model.generate_batch``) on the same
-    prompts; the tokens generated (each sequence's up to and with its stop token)."""
-    import transformers
-
-    config = transformers.GenerationConfig(
-        max_new_tokens=new, do_sample=sample, top_k=0, top_p=1.0, temperature=1.0,
-        eos_token_id=stop or None, pad_token_id=0,
-    )  # fmt: skip
-    with torch.inference_mode():
-        out = model.generate_batch(prompts, generation_config=config, progress_bar=False)  # type: ignore[operator]
-    return sum(len(o.generated_tokens) for o in out.values())
-
-
 async def engine_generate(
     engine: HFEngine, prompts: list[list[int]], params: SamplingParams, run: int
 ) -> int:
@@ -166,28 +149,14 @@ async def main(args: argparse.Namespace) -> str:
                     pool, hf_generate, model, prompts, args.new_tokens, sample, stops
                 )
 
-            async def batch(sample: bool = sample, stops: list[int] = stops) -> int:
-                return await loop.run_in_executor(
-                    pool, hf_generate_batch, model, prompts, args.new_tokens, sample, stops
-                )
-
             async def ours(params: SamplingParams = params) -> int:
                 return await engine_generate(engine, prompts, params, next(runs))
 
-            fns = [hf, batch, ours] if args.generate_batch else [hf, ours]
-            got = await timed(fns, args.repeat)
-            base, mine = got[0], got[-1]
-            p50 = statistics.median
-            rows.append([f"model.generate, {case}", *cells(base), "1.00", ""])
-            if args.generate_batch:
-                cb = got[1]
-                rows.append([f"generate_batch, {case}", *cells(cb), f"{p50(cb) / p50(base):.2f}",
-                             "1.00"])  # fmt: skip
-            vs_cb = f"{p50(mine) / p50(got[1]):.2f}" if args.generate_batch else ""
-            rows.append([f"HFEngine ({engine.kv_cache}), {case}", *cells(mine),
-                         f"{p50(mine) / p50(base):.2f}", vs_cb])  # fmt: skip
-    out = table(rows, ["run", "tokens/s p50", "p90", "max", "vs generate (p50)",
-                       "vs generate_batch (p50)"])  # fmt: skip
+            base, mine = await timed([hf, ours], args.repeat)
+            ratio = statistics.median(mine) / statistics.median(base)
+            rows.append([f"model.generate, {case}", *cells(base), "1.00"])
+            rows.append([f"HFEngine ({engine.kv_cache}), {case}", *cells(mine), f"{ratio:.2f}"])
+    out = table(rows, ["run", "tokens/s p50", "p90", "max", "vs generate (p50)"])
     if engine.kv_cache == "slots":
         out += "\n\n" + decode_steps(model, prompts, args)
     return out
@@ -263,10 +232,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument(
-        "--generate-batch", action="store_true",
-        help="also time transformers' continuous batching (model.generate_batch)",
-    )  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print one eager decode step's kernels")
     return p.parse_args()
 
