@@ -222,7 +222,8 @@ class SlotBatch:
         r, first = len(rows), len(self.rows)
         lengths = [len(row.request.prompt_ids) for row in rows]
         key = (self._bucket(r), self._width(max(lengths)))
-        b, w = key
+        graph = self._prefill_graphs.get(key)
+        b, w = key if graph is not None else (r, max(lengths))  # eager: no padding rows
         ids = torch.zeros((b, w), dtype=torch.long)
         starts = torch.full((b,), w, dtype=torch.long)  # padding rows: no token of their own
         for i, row in enumerate(rows):
@@ -230,16 +231,13 @@ class SlotBatch:
             ids[i, w - lengths[i] :] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
         slots = torch.arange(first, first + b).clamp_(max=self.max_batch)
         slots[r:] = self.max_batch
-        host = (ids, starts, slots)
-        if key not in self._prefill_in:
-            self._prefill_in[key] = tuple(torch.zeros_like(t, device=self.device) for t in host)
-        for dst, src in zip(self._prefill_in[key], host, strict=True):
-            dst.copy_(src, non_blocking=True)
-        if key in self._prefill_graphs:
-            self._prefill_graphs[key].replay()
+        if graph is not None:
+            for dst, src in zip(self._prefill_in[key], (ids, starts, slots), strict=True):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
             logits = self._prefill_logits[key]
         else:  # on the CPU
-            logits = self._prefill_step(key)
+            logits = self._prefill_step(*(t.to(self.device) for t in (ids, starts, slots)))
         logits = logits[:r]
         at = torch.arange(first, first + r, device=self.device)
         n = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
@@ -254,12 +252,12 @@ class SlotBatch:
         self.ids[at] = tokens
         return record(self, tokens, logprobs, version, first)
 
-    def _prefill_step(self, key: tuple[int, int]) -> torch.Tensor:
-        """The prefill of bucket ``key`` (what a graph captures): the last column's logits.
-        Row ``i``'s prompt lies in columns ``[starts[i], w)`` of ``ids``; column ``j`` of it
-        goes to column ``j - starts[i]`` of slot ``slots[i]``, padding to the scratch slot."""
-        ids, starts, slots = self._prefill_in[key]
-        w = key[1]
+    def _prefill_step(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
+                      ) -> torch.Tensor:  # fmt: skip
+        """A prefill (what a graph captures): the last column's logits. Row ``i``'s prompt
+        lies in columns ``[starts[i], w)`` of ``ids``; column ``j`` of it goes to column
+        ``j - starts[i]`` of slot ``slots[i]``, padding to the scratch slot."""
+        w = ids.shape[1]
         j = self._columns[:w]
         col = j[None, :] - starts[:, None]
         real = col >= 0
@@ -320,7 +318,7 @@ class SlotBatch:
             torch.full((b,), self.max_batch, dtype=torch.long, device=self.device),
         )
         self._prefill_graphs[key], self._prefill_logits[key] = self._graph(
-            lambda: self._prefill_step(key)
+            lambda: self._prefill_step(*self._prefill_in[key])
         )
 
     def _graph(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
