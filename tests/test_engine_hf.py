@@ -462,3 +462,28 @@ def test_waiting_rows_join_a_decoding_batch_together_not_one_by_one():
     assert joining(running=128, joinable=32, deferred=0)  # a quarter of the batch: now
     assert joining(running=128, joinable=1, deferred=JOIN_AFTER)  # waited long enough
     assert not joining(running=5, joinable=0, deferred=JOIN_AFTER)  # nobody to join
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_rms_norms_give_transformers_values_bit_for_bit(family):
+    from rlferry.engines.hf._slots import fuse_rms_norms
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = tiny_model(0)
+    else:
+        config = transformers.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        )  # fmt: skip
+        model = transformers.Qwen3ForCausalLM(config)
+    for p in model.parameters():  # norms of weights other than ones
+        torch.nn.init.normal_(p)
+    model = model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, 64, (3, 7))
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        n = fuse_rms_norms(model)
+        after = model(input_ids=ids).logits
+    assert n == (2 * 2 + 1 if family == "llama" else 4 * 2 + 1)  # qwen3: q_norm and k_norm too
+    assert torch.equal(before, after)

@@ -48,7 +48,7 @@ from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 from ._batch import Batch, Row
 from ._bridge import Waiter
 from ._model import NonFinite, check_finite, load_model
-from ._slots import GQA_SDPA, SlotBatch, use_gqa_sdpa
+from ._slots import GQA_SDPA, SlotBatch, fuse_rms_norms, use_gqa_sdpa
 from ._thread import DecodeThread
 
 __all__ = ["HFEngine"]
@@ -172,6 +172,7 @@ class HFEngine(DecodeThread):
             _check_room(self.model, self.device, max_batch, length)
             if impl == "sdpa":  # the same attention, without copying the cache per step
                 use_gqa_sdpa(self.model)
+            fuse_rms_norms(self.model)  # the same values, in fewer kernels
             batch = SlotBatch(
                 self.model, self.device, max_batch=max_batch, max_len=length,
                 graphs=cuda_graphs and self.device.type == "cuda", max_prefill=max_prefill_tokens,
