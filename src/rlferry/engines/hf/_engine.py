@@ -95,6 +95,11 @@ class HFEngine(DecodeThread):
     to the float rounding of another batch shape); a seeded row samples the same
     tokens in any batch.
 
+    With the slot cache (``kv_cache="slots"``, CUDA's default) the engine changes the
+    model it serves, computing the same values faster: a one-token step of a
+    grouped-query model attends through ``rlferry_gqa_sdpa`` and transformers' RMSNorm
+    layers run through ``torch.nn.functional.rms_norm``.
+
     On CUDA the engine turns off cuDNN's fused attention for the process (torch's flag is
     process-wide): it builds a plan per new shape, and a decode loop makes new shapes every
     step (measured on an H100: 0.37x ``model.generate`` with it, 1.7-1.8x without).
