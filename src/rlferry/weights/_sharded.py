@@ -438,13 +438,13 @@ class ShardedReceiver:
         """The last version whose every part arrived and loaded, or None before the first."""
         return self._version
 
-    def _blocked(self, version: int) -> tuple[int, str] | None:
+    def _blocked(self, version: int) -> tuple[int, str, bool] | None:
         for s, lk in sorted(self._links.items()):
             if lk.failure is None or (lk.version is not None and lk.version >= version):
                 continue
             at, why, final = lk.failure
             if final or at is None or at >= version:
-                return s, why
+                return s, why, final
         return None
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
@@ -467,11 +467,12 @@ class ShardedReceiver:
                 return True
             blocked = self._blocked(version)
             if blocked is not None:
-                s, why = blocked
+                s, why, final = blocked
+                fix = " (join a dead rank's replacement by connect)" if final else ""
                 raise WeightSyncError(
                     f"receiver `{self.name}` (engine rank {self.rank}) cannot reach version "
                     f"{version}: trainer rank {s} ({self._addresses.get(s)}): {why}; it stays at "
-                    f"version {self._version}",
+                    f"version {self._version}{fix}",
                     {f"trainer rank {s}": why},
                 )
             if self._closed:
