@@ -34,6 +34,7 @@ from ._layouts import (
     specs_of,
 )
 from ._plan import TensorSpec
+from ._predict import Cluster, Prediction, plan_weights, predict
 from ._receiver import WeightReceiver
 from ._report import (
     PushReport,
@@ -48,6 +49,7 @@ from ._shardplan import Copy, Piece, ShardPlan
 from ._tp import tp_layout
 
 __all__ = [
+    "Cluster",
     "Copy",
     "EngineLayout",
     "GroupedCopy",
@@ -55,6 +57,7 @@ __all__ = [
     "ParamLoader",
     "Part",
     "Piece",
+    "Prediction",
     "PushReport",
     "PushTimeout",
     "ReceiverClosed",
@@ -76,6 +79,8 @@ __all__ = [
     "fingerprint",
     "fsdp_layout",
     "link_group",
+    "plan_weights",
+    "predict",
     "specs_of",
     "tp_layout",
 ]

@@ -7,7 +7,9 @@ Built from a :class:`TrainerLayout` (what each rank owns) and an
   exactly once (a byte nobody owns, or two ranks own, is an error naming both);
 - each sender's **stream** is a disjoint cover of what its receivers need of what it
   owns, per wire dtype: receivers that need the same bytes (replicas, replicated
-  norms) share one piece, so a sender sends each needed byte once;
+  norms) share one piece, so a sender sends each needed byte once; pieces that tile
+  the whole shard (the usual case: engines need every byte) are sent as the shard
+  itself, one contiguous tensor that shm and cuda_ipc pass without a copy;
 - each (sender, receiver) **link** is a list of copies: a box of a piece into a box
   of an engine parameter.
 
@@ -221,9 +223,10 @@ def _plan_owner(
         if inter is not None:
             mine.setdefault(dtype, []).append((inter, box, users))
     for dtype, regions in mine.items():
-        pieces = [
-            Piece(_piece_name(t, b, dtype), t.name, b, dtype) for b in cover(r[0] for r in regions)
-        ]
+        boxes = cover(r[0] for r in regions)
+        if len(boxes) > 1 and sum(volume(b) for b in boxes) == volume(owned):
+            boxes = [owned]  # they tile the shard: send it whole (one contiguous piece)
+        pieces = [Piece(_piece_name(t, b, dtype), t.name, b, dtype) for b in boxes]
         stream.extend(pieces)
         for inter, box, users in regions:
             for p in pieces:

@@ -130,3 +130,19 @@ def _scalar(
     params[s.name] = [Part(s.name, (), ())]
     shapes[s.name] = []
     dtypes[s.name] = dtype or s.dtype
+
+
+def tp_split_dim(spec: TensorSpec) -> int | None:
+    """The dimension a tensor-parallel layer splits ``spec`` on (as :func:`tp_layout` does;
+    for a fused experts tensor, that of its parts), or None when it is replicated."""
+    parts = spec.name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module == "experts" and len(spec.shape) == 3:
+        return {"gate_up_proj": 1, "down_proj": 2}.get(parts[-1])
+    if not spec.shape:
+        return None
+    if module in _FUSED or module in _COLUMN:
+        return 0
+    if module in _ROW and len(spec.shape) == 2:
+        return 1
+    return None
