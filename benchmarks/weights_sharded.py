@@ -10,10 +10,11 @@ version (``ShardedReceiver``); its time runs from the parent's "push" to the las
 engine's commit. At the end every engine compares its parameters with the full
 state dict, sliced as it wants them (``identical``).
 
-``--mode gather`` is today's way, in the same harness: the trainer ranks first
-gather their shards to rank 0 (through the same sharded machinery, rank 0 the one
-receiver that needs everything), then rank 0 pushes the whole model through one
-``WeightSender``; its seconds are gather plus push.
+``--mode gather`` is today's way, in the same harness: the other trainer ranks first
+send their rows to rank 0 (through the same transport, rank 0 the one receiver of
+them; its own rows it copies), then rank 0 pushes the whole model through one
+``WeightSender`` to engine ranks that cut their slices out of it as they load (as
+vLLM's loader does); its seconds are gather plus push.
 
 Prints a table and, with ``--json OUT``, one JSON line: ``identical``,
 ``model_bytes``, ``bytes_per_sender`` (per update), ``plans_computed`` (the most
@@ -41,6 +42,8 @@ import torch
 
 from rlferry.weights import (
     EngineLayout,
+    ParamLayout,
+    Part,
     ShardedReceiver,
     ShardedSender,
     TensorSpec,
@@ -63,9 +66,23 @@ def specs_for(args: argparse.Namespace) -> list[TensorSpec]:
 
 
 def full_tensor(spec: TensorSpec, device: str) -> torch.Tensor:
-    """The same values in every process: seeded by the tensor's name."""
-    g = torch.Generator().manual_seed(sum(map(ord, spec.name)) * 7919 + len(spec.name))
-    return torch.randn(spec.shape, generator=g).to(spec.dtype).to(device)
+    """The same values in every process: seeded by the tensor's name (made on ``device``)."""
+    g = torch.Generator(device=device).manual_seed(sum(map(ord, spec.name)) * 7919 + len(spec.name))
+    return torch.randn(spec.shape, generator=g, device=device).to(spec.dtype)
+
+
+def gather_layout(trainer: TrainerLayout) -> EngineLayout:
+    """Rank 0 as the one receiver of every other rank's rows (its own it copies itself)."""
+    params = []
+    for s in trainer.specs:
+        parts = tuple(
+            Part(s.name, boxes[s.name], boxes[s.name])
+            for r, boxes in enumerate(trainer.owned)
+            if r and s.name in boxes
+        )
+        if parts:
+            params.append(ParamLayout(s.name, s.shape, s.dtype, parts))
+    return EngineLayout(trainer.specs, (tuple(params),))
 
 
 def layouts(args: argparse.Namespace) -> tuple[TrainerLayout, EngineLayout]:
@@ -92,33 +109,46 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
             conn.send(("pushed", st.stream_bytes, st.plans_computed))
         s.close()
         return
-    # gather mode: every rank sends its rows to rank 0 (a receiver of everything)
-    whole = EngineLayout.whole(trainer.specs)
-    g = ShardedSender(group="gather", rank=rank, trainer=trainer, engine=whole, **kw)
-    conn.send(("address", g.address))
-    if rank == 0:
+    # gather mode: every other rank sends its rows to rank 0, which pushes the whole model
+    gather = gather_layout(trainer)
+    g = None
+    if rank:
+        g = ShardedSender(group="gather", rank=rank, trainer=trainer, engine=gather, **kw)
+        conn.send(("address", g.address))
+    else:
+        conn.send(("address", ""))
         full = {n: torch.empty(s.shape, dtype=s.dtype, device=dev) for n, s in specs.items()}
+        if args.senders == 1:  # nothing to gather: rank 0 pushes its own tensors
+            full = mine
         addresses = conn.recv()
-        gathered = ShardedReceiver(
-            group="gather", rank=0, trainer=trainer, engine=whole, params=full,
-            addresses=addresses, device=dev,
-        )  # fmt: skip
-        threading.Thread(target=gathered.start, args=(WAIT,), daemon=True).start()
+        gathered = None
+        if args.senders > 1:
+            gathered = ShardedReceiver(
+                group="gather", rank=0, trainer=trainer, engine=gather, params=full,
+                addresses=addresses, device=dev,
+            )  # fmt: skip
+            threading.Thread(target=gathered.start, args=(WAIT,), daemon=True).start()
         push = WeightSender(group="bench", receivers=args.receivers, **kw)
         conn.send(("address", push.address))
     while (msg := conn.recv()) != "stop":
-        g.push(mine, version=msg, timeout=WAIT)
-        if rank == 0:
+        if g is not None:
+            g.push(mine, version=msg, timeout=WAIT)
+            conn.send(("pushed", g.statistics().stream_bytes, g.statistics().plans_computed))
+            continue
+        if args.senders > 1:
+            for n, b in trainer.owned[0].items():
+                full[n][slices(b)].copy_(mine[n])
+        if gathered is not None:
             assert gathered.wait_for(msg, WAIT)
-            push.push(full.items(), version=msg, timeout=WAIT)
-            sent = sum(t.numel() * t.element_size() for t in full.values())
-        else:
-            sent = g.statistics().stream_bytes
-        conn.send(("pushed", sent, g.statistics().plans_computed))
-    g.close()
-    if rank == 0:
+        push.push(full.items(), version=msg, timeout=WAIT)
+        sent = sum(t.numel() * t.element_size() for t in full.values())
+        conn.send(("pushed", sent, gathered.statistics().plans_computed if gathered else 0))
+    if g is not None:
+        g.close()
+    else:
         push.close()
-        gathered.close()
+        if gathered is not None:
+            gathered.close()
 
 
 def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connection) -> None:
@@ -146,8 +176,8 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
     conn.send(("ready", None))
     while (msg := conn.recv()) != "stop":
         assert r.wait_for(msg, WAIT)
-        if dev == "cuda":
-            torch.cuda.synchronize()
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize(dev)
         conn.send(("at", msg))
     specs = {s.name: s for s in trainer.specs}
     same = True
@@ -243,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
+    if args.device == "cuda":
+        args.device = "cuda:0"
     out = run(args)
     rest = sorted(out["seconds"][1:]) or out["seconds"]
     rows = [[

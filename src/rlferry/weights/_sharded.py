@@ -52,21 +52,24 @@ class _Plans:
         self.trainer, self.engine = trainer, engine
         self.computed = 0
         self._plan: ShardPlan | None = None
+        self._lock = threading.Lock()  # links' threads ask for it too
 
     def set(self, trainer: TrainerLayout | None, engine: EngineLayout | None) -> None:
-        self.trainer = trainer or self.trainer
-        self.engine = engine or self.engine
+        with self._lock:
+            self.trainer = trainer or self.trainer
+            self.engine = engine or self.engine
 
     def get(self) -> ShardPlan:
-        p = self._plan
-        if (
-            p is None
-            or p.trainer.fingerprint != self.trainer.fingerprint
-            or p.engine.fingerprint != self.engine.fingerprint
-        ):
-            p = self._plan = ShardPlan.build(self.trainer, self.engine)
-            self.computed += 1
-        return p
+        with self._lock:
+            p = self._plan
+            if (
+                p is None
+                or p.trainer.fingerprint != self.trainer.fingerprint
+                or p.engine.fingerprint != self.engine.fingerprint
+            ):
+                p = self._plan = ShardPlan.build(self.trainer, self.engine)
+                self.computed += 1
+            return p
 
 
 def _check_rank(owner: str, rank: Any, n: int, what: str) -> int:
@@ -301,8 +304,8 @@ class ShardedReceiver:
         addresses: Mapping[int, str] | None = None,
         timeout: float = 30.0,
     ) -> None:
-        """New layouts (and this rank's new tensors): the plan is computed anew, ranks it
-        no longer needs are left and ranks it newly needs joined (``addresses``)."""
+        """New layouts (and this rank's new tensors), between updates: the plan is computed
+        anew, ranks it no longer needs are left and ranks it newly needs joined."""
         self._plans.set(trainer, engine)
         if params is not None:
             self._params = dict(params)
