@@ -21,7 +21,10 @@ Prints a table and, with ``--json OUT``, one JSON line: ``identical``,
 any process computed), ``updates``, ``seconds`` (per update) and the setup.
 
 CPU: ``--transport shm``. One GPU: ``--device cuda --transport cuda_ipc`` (every
-process on that GPU), against ``--mode gather``.
+process on that GPU). Several GPUs: ``--device cuda --transport broadcast
+--point-to-point`` (a GPU per process, trainer ranks first: each link a group of two,
+NCCL send and receive), against ``--mode gather`` (rank 0 then broadcasts to every
+engine rank: the rank-0 funnel).
 """
 
 from __future__ import annotations
@@ -85,6 +88,22 @@ def gather_layout(trainer: TrainerLayout) -> EngineLayout:
     return EngineLayout(trainer.specs, (tuple(params),))
 
 
+def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
+    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast (NCCL) a GPU each:
+    the trainer ranks first, then the engine ranks."""
+    if args.device == "cpu":
+        return "cpu"
+    if args.transport != "broadcast":
+        return "cuda:0"
+    gpu = rank if role == "trainer" else args.senders + rank
+    if gpu >= torch.cuda.device_count():
+        raise SystemExit(
+            f"--transport broadcast: expected a GPU per process ({args.senders} trainer and "
+            f"{args.receivers} engine ranks), got {torch.cuda.device_count()} GPUs"
+        )
+    return f"cuda:{gpu}"
+
+
 def layouts(args: argparse.Namespace) -> tuple[TrainerLayout, EngineLayout]:
     specs = specs_for(args)
     tp = args.tp or args.receivers
@@ -96,13 +115,16 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
     sends them to rank 0, which pushes the whole model)."""
     trainer, engine = layouts(args)
     specs = {s.name: s for s in trainer.specs}
-    dev = args.device
+    dev = device_of(args, "trainer", rank)
     owned = trainer.owned[rank].items()
     mine = {n: full_tensor(specs[n], dev)[slices(b)].clone() for n, b in owned}
     kw = {"transport": args.transport, "device": dev}
     if args.mode == "sharded":
-        s = ShardedSender(group="bench", rank=rank, trainer=trainer, engine=engine, **kw)
-        conn.send(("address", s.address))
+        s = ShardedSender(
+            group="bench", rank=rank, trainer=trainer, engine=engine,
+            point_to_point=args.point_to_point, **kw,
+        )  # fmt: skip
+        conn.send(("address", s.addresses))
         while (msg := conn.recv()) != "stop":
             s.push(mine, version=msg, timeout=WAIT)
             st = s.statistics()
@@ -153,7 +175,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
 
 def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connection) -> None:
     trainer, engine = layouts(args)
-    dev = args.device
+    dev = device_of(args, "engine", rank)
     params = {
         n: torch.zeros(s.shape, dtype=s.dtype, device=dev)
         for n, s in engine.param_specs(rank).items()
@@ -161,7 +183,7 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
     if args.mode == "sharded":
         r: Any = ShardedReceiver(
             group="bench", rank=rank, trainer=trainer, engine=engine, params=params,
-            addresses=addresses, device=dev,
+            addresses=addresses, device=dev, point_to_point=args.point_to_point,
         ).start(WAIT)  # fmt: skip
     else:  # today's receiver of the whole model, cutting its slices out as vLLM's loader does
         # each source tensor lies in one parameter of a rank (fused ones in several parts)
@@ -252,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "transport": args.transport,
         "device": args.device,
+        "point_to_point": args.point_to_point,
         "needed_bytes_per_receiver": [engine.needed_bytes(r) for r in range(args.receivers)],
         "machine": f"{platform.node()} {os.cpu_count()} cpus",
     }
@@ -269,12 +292,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=int, default=8, help="divide every width (8: ~256 MB)")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--mode", choices=["sharded", "gather"], default="sharded")
-    p.add_argument("--transport", default="shm", help="shm (CPU) or cuda_ipc (one GPU)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--transport",
+        default="shm",
+        help="shm (CPU), cuda_ipc (one GPU) or broadcast (NCCL, a GPU per process)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--point-to-point",
+        action="store_true",
+        help="sharded: a link per (trainer rank, engine rank), only its bytes",
+    )
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
-    if args.device == "cuda":
-        args.device = "cuda:0"
     out = run(args)
     rest = sorted(out["seconds"][1:]) or out["seconds"]
     rows = [[

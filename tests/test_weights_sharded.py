@@ -15,6 +15,7 @@ from rlferry.weights import (
     EngineLayout,
     ShardedReceiver,
     ShardedSender,
+    ShardPlan,
     TrainerLayout,
     WeightSyncError,
     dtensor_layout,
@@ -356,3 +357,61 @@ def test_one_sender_is_the_same_code_one_weight_sender_and_one_weight_receiver(r
         recv_.close()
         for s in senders:
             s.close()
+
+
+def _p2p_trainer(rank, transport, conn):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    s = ShardedSender(
+        group="p2p", rank=rank, trainer=trainer, engine=engine, transport=transport,
+        bucket_bytes=16 << 10, point_to_point=True,
+    )  # fmt: skip
+    conn.send(s.addresses)
+    while (v := conn.recv()) != "stop":
+        full = full_weights(specs, v)
+        report = s.push(
+            {n: full[n][slices(b)].clone() for n, b in trainer.owned[rank].items()}, version=v
+        )
+        st = s.statistics()
+        per = {r: w.bytes_pushed for r, w in st.per_receiver.items()}
+        conn.send((report.bytes, st.stream_bytes, per))
+    s.close()
+
+
+def _p2p_engine(rank, addresses, conn):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(rank).items()}
+    r = ShardedReceiver(
+        group="p2p", rank=rank, trainer=trainer, engine=engine, params=params,
+        addresses=addresses, point_to_point=True,
+    ).start(WAIT)  # fmt: skip
+    conn.send("ready")
+    while (v := conn.recv()) != "stop":
+        assert r.wait_for(v, WAIT)
+        want = expected_params(engine, rank, full_weights(specs, v))
+        conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want)))
+    r.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 2))
+    trainers = [start(_p2p_trainer, r, transport) for r in range(2)]
+    addresses = [recv(c) for _, c in trainers]
+    assert all(sorted(a) == [0, 1] and a[0] != a[1] for a in addresses)  # a link per rank
+    engines = [start(_p2p_engine, r, addresses) for r in range(2)]
+    assert [recv(c) for _, c in engines] == ["ready", "ready"]
+    try:
+        for v in (1, 2):
+            for _, c in [*trainers, *engines]:
+                c.send(v)
+            pushed = [recv(c) for _, c in trainers]
+            assert [recv(c) for _, c in engines] == [(v, True), (v, True)]
+            for s, (sent, stream, per) in enumerate(pushed):
+                links = {r: plan.link_bytes(s, r) for r in range(2)}
+                assert per == {r: v * b for r, b in links.items()}  # each link: its rank's bytes
+                assert sent == stream == sum(links.values())
+    finally:
+        stop(*engines, *trainers)

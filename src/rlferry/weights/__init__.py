@@ -44,7 +44,8 @@ from ._report import (
     ShardedSenderStatistics,
 )
 from ._sender import WeightSender
-from ._sharded import ShardedReceiver, ShardedSender, link_group
+from ._sharded import ShardedSender, link_group
+from ._sharded_receiver import ShardedReceiver
 from ._shardplan import Copy, Piece, ShardPlan
 from ._tp import tp_layout
 

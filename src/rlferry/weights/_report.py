@@ -72,7 +72,8 @@ class ReceiverStatistics:
 class ShardedSenderStatistics:
     """A trainer rank's sharded sender. ``plans_computed``: how many times it computed
     the plan (once per pair of layouts); ``stream_bytes``: what it sends per update (what
-    it owns that some receiver needs, each byte once); ``link``: its WeightSender's."""
+    it owns that some receiver needs, each byte once; point to point, what its links
+    carry); ``link``: its WeightSender's (``per_receiver``: point to point, each one's)."""
 
     rank: int
     plan: str
@@ -80,7 +81,8 @@ class ShardedSenderStatistics:
     pieces: int
     stream_bytes: int
     receivers: tuple[int, ...]
-    link: SenderStatistics
+    link: SenderStatistics | None  # the shared stream's sender (None point to point)
+    per_receiver: dict[int, SenderStatistics]  # point to point: each engine rank's link
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._boxes import Box, box_str, cover, full_box, intersect, relative, volume
+from ._boxes import Box, box_str, cover, full_box, intersect, relative, shift, volume
 from ._layouts import EngineLayout, TrainerLayout
 from ._plan import TensorSpec, dtype_name
 
@@ -167,6 +167,23 @@ class ShardPlan:
             c.elements * pieces[c.piece].dtype.itemsize
             for c in self.copies.get((sender, receiver), ())
         )
+
+    def link(self, sender: int, receiver: int) -> tuple[list[Piece], list[Copy]]:
+        """A point-to-point link's own stream: exactly the boxes ``receiver`` needs of
+        ``sender``'s (each once), and the copies that read them."""
+        specs = {t.name: t for t in self.trainer.specs}
+        pieces: dict[tuple[str, Box, torch.dtype], Piece] = {}
+        copies = []
+        for c in self.copies.get((sender, receiver), ()):
+            p = self._pieces[sender][c.piece]
+            box = shift(c.within, [a for a, _ in p.box])
+            key = (p.source, box, p.dtype)
+            q = pieces.get(key)
+            if q is None:
+                name = _piece_name(specs[p.source], box, p.dtype)
+                q = pieces[key] = Piece(name, p.source, box, p.dtype)
+            copies.append(Copy(q.name, relative(box, box), c.param, c.at))
+        return list(pieces.values()), copies
 
     def describe(self) -> str:
         sent = [self.stream_bytes(s) for s in range(self.trainer.ranks)]
