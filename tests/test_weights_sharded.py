@@ -415,3 +415,35 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
                 assert sent == stream == sum(links.values())
     finally:
         stop(*engines, *trainers)
+
+
+def _placements(port, conn):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    t = torch.zeros(6, 4)
+    cols = dtensor_layout([("w", DTensor.from_local(t, mesh, [Shard(1)]))], ranks=3)
+    rep = dtensor_layout([("w", DTensor.from_local(t, mesh, [Replicate()]))])
+    try:
+        dtensor_layout([("w", DTensor.from_local(t, mesh, [Partial()]))])
+        error = None
+    except ValueError as e:
+        error = str(e)
+    conn.send((cols.owned, rep.owned, error))
+    dist.destroy_process_group()
+
+
+def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
+    proc, conn = start(_placements, _free_port())
+    cols, rep, error = recv(conn)
+    proc.join(30)
+    assert cols == ({"w": ((0, 6), (0, 4))}, {}, {})  # a 1-rank mesh: rank 0 holds it all
+    assert rep == ({"w": ((0, 6), (0, 4))},)
+    assert error == (
+        "tensor `w`: expected Shard(d) or Replicate placements, got Partial(sum) (not a box "
+        "of the full tensor: a Partial needs a reduction; give its full_tensor() or an "
+        "explicit TrainerLayout)"
+    )

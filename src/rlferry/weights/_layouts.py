@@ -164,7 +164,7 @@ def dtensor_layout(named: Iterable[tuple[str, Any]], ranks: int | None = None) -
                     elif not isinstance(p, Replicate):
                         raise ValueError(
                             f"tensor `{name}`: expected Shard(d) or Replicate placements, got "
-                            f"{p} (not a box of the full tensor: a Partial needs a reduction; "
+                            f"{p!r} (not a box of the full tensor: a Partial needs a reduction; "
                             "give its full_tensor() or an explicit TrainerLayout)"
                         )
                 holders.setdefault(tuple(cut), []).append(int(mesh_ranks[coord]))
