@@ -249,3 +249,21 @@ def test_a_receiver_refuses_params_that_are_not_its_layouts():
         "of the engine layout), got shape [3] torch.float32 (give this rank's tensors, made "
         "from EngineLayout.param_specs)"
     )
+
+
+def test_a_receiver_whose_trainer_rank_is_not_there_fails_to_start_and_holds_no_link(tmp_path):
+    from rlferry.weights import SenderGone
+
+    specs = llama_specs(layers=1)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 1)
+    with ShardedSender(group="g", rank=0, trainer=trainer, engine=engine) as s:
+        params = {p.name: torch.zeros(p.shape) for p in engine.receivers[0]}
+        r = ShardedReceiver(
+            group="g", rank=0, trainer=trainer, engine=engine, params=params,
+            addresses=[s.address, f"ipc://{tmp_path}/nobody"],
+        )  # fmt: skip
+        with pytest.raises(SenderGone) as e:
+            r.start(timeout=5)
+        assert f"cannot reach the sender at ipc://{tmp_path}/nobody" in str(e.value)
+        assert r.statistics().links == {}  # rank 0's link was left again
+        r.close()

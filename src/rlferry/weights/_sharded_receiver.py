@@ -154,9 +154,15 @@ class ShardedReceiver:
 
     # -- life ---------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> ShardedReceiver:
-        """Join every trainer rank this engine rank needs bytes from."""
-        for s in self._plans.get().senders_of(self.rank):
-            self.connect(s, self._address(s), timeout)
+        """Join every trainer rank this engine rank needs bytes from (if one cannot be
+        joined, the ones joined are left again and its error raised)."""
+        try:
+            for s in self._plans.get().senders_of(self.rank):
+                self.connect(s, self._address(s), timeout)
+        except BaseException:
+            for s in list(self._links):
+                self._drop(s)
+            raise
         return self
 
     def connect(self, sender: int, address: str, timeout: float = 30.0) -> None:
@@ -181,7 +187,14 @@ class ShardedReceiver:
         with self._cond:
             link.version = self._version  # what it holds of this rank's bytes: the whole version
             self._links[sender] = link
-        r.start(timeout)
+        try:
+            r.start(timeout)
+        except BaseException:
+            with self._cond:
+                if self._links.get(sender) is link:
+                    del self._links[sender]
+            r.close()
+            raise
 
     def _drop(self, sender: int) -> None:
         with self._cond:
