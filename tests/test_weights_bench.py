@@ -1,5 +1,6 @@
 """`python benchmarks/weights.py` runs and prints its table (a small state dict, on CPU)."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -29,3 +30,21 @@ def test_bench_weights_prints_a_table_with_the_memcpy_ratio():
     assert "| memcpy of the same bytes (baseline) |" in out.stdout
     assert "| rlferry shm, packed (zero_copy=False: pack + load, ping-pong) |" in out.stdout
     assert "| rlferry shm, zero copy (the engine loads from the trainer's tensors) |" in out.stdout
+
+
+def test_bench_weights_sharded_prints_one_json_line_with_its_fields(tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = ["--senders", "2", "--receivers", "1", "--scale", "64", "--updates", "2"]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "weights_sharded.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    line = json.loads(out.read_text())
+    assert line["identical"] is True and line["updates"] == 2 and len(line["seconds"]) == 2
+    assert line["plans_computed"] == 1
+    assert sum(line["bytes_per_sender"]) == line["model_bytes"]  # each byte sent once
+    assert len(line["bytes_per_sender"]) == 2
+    assert "| senders | receivers | mode |" in run.stdout

@@ -127,6 +127,48 @@ def _demo_parser(sub: Any) -> None:
     )  # fmt: skip
 
 
+def _plan_weights_parser(sub: Any) -> None:
+    pw = sub.add_parser(
+        "plan-weights",
+        help="predict a sharded weight update on a cluster: bytes per link, the busiest, the time",
+        description="Plan a sharded weight update (every trainer rank sends what it owns to "
+        "the engine ranks that need it) for a transformers model built on the meta device "
+        "(nothing is downloaded), and predict its time from the busiest link.",
+    )
+    pw.add_argument("--config", required=True, help="a config.json path, a transformers "
+                    "configuration class name (Qwen3MoeConfig), or a preset: qwen3-235b-a22b, "
+                    "kimi-k2")  # fmt: skip
+    pw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a configuration value (JSON when it parses), repeatable")  # fmt: skip
+    pw.add_argument("--trainer-gpus", type=int, required=True, help="trainer ranks (FSDP x TP)")
+    pw.add_argument("--trainer-tp", type=int, default=1)
+    pw.add_argument("--trainer-dtype", default="bfloat16")
+    pw.add_argument("--engines", type=int, required=True, help="engine replicas")
+    pw.add_argument("--engine-tp", type=int, required=True, help="GPUs per engine (TP)")
+    pw.add_argument("--engine-dtype", default="float8_e4m3fn")
+    pw.add_argument("--gpus-per-host", type=int, default=8)
+    pw.add_argument("--nvlink-gbytes", type=float, default=450.0,
+                    help="GB/s per GPU and direction within a host (H100 NVLink: 450)")  # fmt: skip
+    pw.add_argument("--network-gbits", type=float, default=400.0,
+                    help="Gb/s per GPU and direction across hosts (default 400)")  # fmt: skip
+
+
+def _plan_weights(a: Any) -> None:
+    from rlferry.weights import plan_weights
+
+    try:
+        text = plan_weights(
+            a.config, a.set, trainer_gpus=a.trainer_gpus, trainer_tp=a.trainer_tp,
+            trainer_dtype=a.trainer_dtype, engines=a.engines, engine_tp=a.engine_tp,
+            engine_dtype=a.engine_dtype, gpus_per_host=a.gpus_per_host,
+            nvlink_gbytes=a.nvlink_gbytes, network_gbits=a.network_gbits,
+        )  # fmt: skip
+    except (ValueError, ImportError, OSError) as e:
+        print(f"rlferry plan-weights: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="rlferry", description="The data plane of asynchronous RL.")
     p.add_argument("--version", action="version", version=f"rlferry {__version__}")
@@ -136,7 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     _serve_queue_parser(services)
     _serve_engine_parser(services)
     _demo_parser(sub)
+    _plan_weights_parser(sub)
     a = p.parse_args(argv)
+    if a.command == "plan-weights":
+        _plan_weights(a)
+        return
     if a.command == "demo":
         from rlferry.rl.demo import main as demo
 

@@ -9,19 +9,56 @@ One sender per group of receivers; the bytes move over a transport (``shm``,
 
 ``ParamLoader(params)`` is a ready ``load``: each bucket copied into the engine's
 tensors by one grouped copy (``GroupedCopy``: one Triton launch on CUDA).
+
+At scale every trainer rank sends what it owns straight to the engine ranks that
+need it: a ``ShardedSender`` per trainer rank, a ``ShardedReceiver`` per engine
+rank, one ``ShardPlan`` computed from both layouts (``fsdp_layout`` /
+``dtensor_layout`` for the trainer, ``tp_layout`` for a tensor-parallel engine)::
+
+    trainer, engine = fsdp_layout(specs, 4), tp_layout(specs, 2, dtype=torch.bfloat16)
+    s = ShardedSender(group="g", rank=dist.get_rank(), trainer=trainer, engine=engine)
+    r = ShardedReceiver(group="g", rank=tp_rank, trainer=trainer, engine=engine,
+                        params=params, addresses=sender_addresses).start()
 """
 
 from ._copy import GroupedCopy, ParamLoader
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
+from ._layouts import (
+    EngineLayout,
+    ParamLayout,
+    Part,
+    TrainerLayout,
+    dtensor_layout,
+    fsdp_layout,
+    specs_of,
+)
 from ._plan import TensorSpec
+from ._predict import Cluster, Prediction, plan_weights, predict
 from ._receiver import WeightReceiver
-from ._report import PushReport, ReceiverStatistics, SenderStatistics
+from ._report import (
+    PushReport,
+    ReceiverStatistics,
+    SenderStatistics,
+    ShardedReceiverStatistics,
+    ShardedSenderStatistics,
+)
 from ._sender import WeightSender
+from ._sharded import ShardedSender, link_group
+from ._sharded_receiver import ShardedReceiver
+from ._shardplan import Copy, Piece, ShardPlan
+from ._tp import tp_layout
 
 __all__ = [
+    "Cluster",
+    "Copy",
+    "EngineLayout",
     "GroupedCopy",
+    "ParamLayout",
     "ParamLoader",
+    "Part",
+    "Piece",
+    "Prediction",
     "PushReport",
     "PushTimeout",
     "ReceiverClosed",
@@ -29,9 +66,22 @@ __all__ = [
     "SenderClosed",
     "SenderGone",
     "SenderStatistics",
+    "ShardPlan",
+    "ShardedReceiver",
+    "ShardedReceiverStatistics",
+    "ShardedSender",
+    "ShardedSenderStatistics",
     "TensorSpec",
+    "TrainerLayout",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "dtensor_layout",
     "fingerprint",
+    "fsdp_layout",
+    "link_group",
+    "plan_weights",
+    "predict",
+    "specs_of",
+    "tp_layout",
 ]

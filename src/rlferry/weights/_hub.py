@@ -200,13 +200,13 @@ class Hub:
         assert m.parked is not None
         if p.aborted is not None:
             if m.step not in (DONE, ABORTED):
-                m.parked.set_result(Abort(p.seq, p.aborted))
+                m.parked.set_result(Abort(p.seq, p.aborted, p.version))
             return
         if m.step < PLAN:
             if not m.sent_setup and m.key in p.setups:
                 m.sent_setup = True
                 plan = p.plan if m.plan != p.fingerprint else {"same": p.fingerprint}
-                m.parked.set_result(Setup(p.seq, plan or {}, p.setups[m.key]))
+                m.parked.set_result(Setup(p.seq, plan or {}, p.setups[m.key], p.version))
             return
         if not p.streaming or m.step == DONE:
             return

@@ -108,6 +108,7 @@ class Setup(msgspec.Struct, frozen=True, tag="setup"):
     seq: int
     plan: dict[str, Any]
     transport: dict[str, Any]  # the buffers to map, or the group to join
+    version: int = -1  # of the push it belongs to (-1: a sender that does not say)
 
 
 class Bucket(msgspec.Struct, frozen=True, tag="bucket"):
@@ -131,6 +132,7 @@ class Noted(msgspec.Struct, frozen=True, tag="noted"):
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     seq: int
     reason: str
+    version: int = -1  # of the push it aborts (-1: a sender that does not say)
 
 
 Request = Join | Ack | Leave | StoreOp

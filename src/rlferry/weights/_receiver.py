@@ -142,6 +142,7 @@ class WeightReceiver:
         self._push_start = 0.0
         self._failed_seq = -1
         self._stopped: tuple[type[WeightSyncError], str] | None = None  # why it serves no more
+        self.pushing: int | None = None  # the version of the push in progress, or last seen
 
     # -- life ---------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> WeightReceiver:
@@ -343,6 +344,8 @@ class WeightReceiver:
         return None
 
     def _handle(self, msg: Any) -> Ack:
+        if isinstance(msg, (Setup, Bucket, Stream, Abort)) and msg.version >= 0:
+            self.pushing = msg.version
         try:
             if isinstance(msg, Setup):
                 return self._setup(msg)

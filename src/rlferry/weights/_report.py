@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PushReport", "ReceiverStatistics", "SenderStatistics"]
+__all__ = [
+    "PushReport",
+    "ReceiverStatistics",
+    "SenderStatistics",
+    "ShardedReceiverStatistics",
+    "ShardedSenderStatistics",
+]
 
 
 @dataclass(frozen=True)
@@ -60,3 +66,37 @@ class ReceiverStatistics:
     groups_joined: int
     last_error: str | None
     stopped: str | None = None
+
+
+@dataclass(frozen=True)
+class ShardedSenderStatistics:
+    """A trainer rank's sharded sender. ``plans_computed``: how many times it computed
+    the plan (once per pair of layouts); ``stream_bytes``: what it sends per update (what
+    it owns that some receiver needs, each byte once; point to point, what its links
+    carry); ``link``: its WeightSender's (``per_receiver``: point to point, each one's)."""
+
+    rank: int
+    plan: str
+    plans_computed: int
+    pieces: int
+    stream_bytes: int
+    receivers: tuple[int, ...]
+    link: SenderStatistics | None  # the shared stream's sender (None point to point)
+    per_receiver: dict[int, SenderStatistics]  # point to point: each engine rank's link
+
+
+@dataclass(frozen=True)
+class ShardedReceiverStatistics:
+    """An engine rank's sharded receiver. ``version``: the last version every sender's
+    part of arrived and loaded; ``links``: per trainer rank, its WeightReceiver's
+    statistics; ``failures``: per trainer rank, why its part of an update failed, while
+    it has not committed since."""
+
+    rank: int
+    name: str
+    version: int | None
+    plan: str
+    plans_computed: int
+    needed_bytes: int
+    links: dict[int, ReceiverStatistics]
+    failures: dict[int, str]

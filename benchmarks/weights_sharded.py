@@ -1,0 +1,327 @@
+"""Sharded weights benchmark: N trainer ranks send what they own to M engine ranks.
+
+Each trainer rank is a process holding its FSDP2 rows (``fsdp_layout``: dim 0 as
+``torch.chunk``) of a state dict with Qwen3-8B's names and shapes, widths divided
+by ``--scale`` (8: about 256 MB bf16), random values; each engine rank is a process
+holding its slice of one TP=``--tp`` engine (default: ``--receivers``), fused
+``qkv_proj`` / ``gate_up_proj`` included (``tp_layout``). An update: every trainer
+rank pushes its pieces (``ShardedSender``), every engine rank waits for the whole
+version (``ShardedReceiver``); its time runs from the parent's "push" to the last
+engine's commit. At the end every engine compares its parameters with the full
+state dict, sliced as it wants them (``identical``).
+
+``--mode gather`` is today's way, in the same harness: the other trainer ranks first
+send their rows to rank 0 (through the same transport, rank 0 the one receiver of
+them; its own rows it copies), then rank 0 pushes the whole model through one
+``WeightSender`` to engine ranks that cut their slices out of it as they load (as
+vLLM's loader does); its seconds are gather plus push.
+
+Prints a table and, with ``--json OUT``, one JSON line: ``identical``,
+``model_bytes``, ``bytes_per_sender`` (per update), ``plans_computed`` (the most
+any process computed), ``updates``, ``seconds`` (per update) and the setup.
+
+CPU: ``--transport shm``. One GPU: ``--device cuda --transport cuda_ipc`` (every
+process on that GPU). Several GPUs: ``--device cuda --transport broadcast
+--point-to-point`` (a GPU per process, trainer ranks first: each link a group of two,
+NCCL send and receive), against ``--mode gather`` (rank 0 then broadcasts to every
+engine rank: the rank-0 funnel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from rlferry.weights import (
+    EngineLayout,
+    ParamLayout,
+    Part,
+    ShardedReceiver,
+    ShardedSender,
+    TensorSpec,
+    TrainerLayout,
+    WeightReceiver,
+    WeightSender,
+    fsdp_layout,
+    tp_layout,
+)
+from rlferry.weights._boxes import extents, slices
+
+import _weights_engine as eng
+from _common import table
+
+WAIT = 600.0
+
+
+def specs_for(args: argparse.Namespace) -> list[TensorSpec]:
+    return [TensorSpec(n, s, torch.bfloat16) for n, s in eng.model_shapes(args.model, args.scale)]
+
+
+def full_tensor(spec: TensorSpec, device: str) -> torch.Tensor:
+    """The same values in every process: seeded by the tensor's name (made on ``device``)."""
+    g = torch.Generator(device=device).manual_seed(sum(map(ord, spec.name)) * 7919 + len(spec.name))
+    return torch.randn(spec.shape, generator=g, device=device).to(spec.dtype)
+
+
+def gather_layout(trainer: TrainerLayout) -> EngineLayout:
+    """Rank 0 as the one receiver of every other rank's rows (its own it copies itself)."""
+    params = []
+    for s in trainer.specs:
+        parts = tuple(
+            Part(s.name, boxes[s.name], boxes[s.name])
+            for r, boxes in enumerate(trainer.owned)
+            if r and s.name in boxes
+        )
+        if parts:
+            params.append(ParamLayout(s.name, s.shape, s.dtype, parts))
+    return EngineLayout(trainer.specs, (tuple(params),))
+
+
+def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
+    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast (NCCL) a GPU each:
+    the trainer ranks first, then the engine ranks."""
+    if args.device == "cpu":
+        return "cpu"
+    if args.transport != "broadcast":
+        return "cuda:0"
+    gpu = rank if role == "trainer" else args.senders + rank
+    if gpu >= torch.cuda.device_count():
+        raise SystemExit(
+            f"--transport broadcast: expected a GPU per process ({args.senders} trainer and "
+            f"{args.receivers} engine ranks), got {torch.cuda.device_count()} GPUs"
+        )
+    return f"cuda:{gpu}"
+
+
+def layouts(args: argparse.Namespace) -> tuple[TrainerLayout, EngineLayout]:
+    specs = specs_for(args)
+    tp = args.tp or args.receivers
+    return fsdp_layout(specs, args.senders), tp_layout(specs, tp, replicas=args.receivers // tp)
+
+
+def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
+    """A trainer rank: its rows of every tensor; pushes its pieces (or, in gather mode,
+    sends them to rank 0, which pushes the whole model)."""
+    trainer, engine = layouts(args)
+    specs = {s.name: s for s in trainer.specs}
+    dev = device_of(args, "trainer", rank)
+    owned = trainer.owned[rank].items()
+    mine = {n: full_tensor(specs[n], dev)[slices(b)].clone() for n, b in owned}
+    kw = {"transport": args.transport, "device": dev}
+    if args.mode == "sharded":
+        s = ShardedSender(
+            group="bench", rank=rank, trainer=trainer, engine=engine,
+            point_to_point=args.point_to_point, **kw,
+        )  # fmt: skip
+        conn.send(("address", s.addresses))
+        while (msg := conn.recv()) != "stop":
+            s.push(mine, version=msg, timeout=WAIT)
+            st = s.statistics()
+            conn.send(("pushed", st.stream_bytes, st.plans_computed))
+        s.close()
+        return
+    # gather mode: every other rank sends its rows to rank 0, which pushes the whole model
+    gather = gather_layout(trainer)
+    g = None
+    if rank:
+        g = ShardedSender(group="gather", rank=rank, trainer=trainer, engine=gather, **kw)
+        conn.send(("address", g.address))
+    else:
+        conn.send(("address", ""))
+        full = {n: torch.empty(s.shape, dtype=s.dtype, device=dev) for n, s in specs.items()}
+        if args.senders == 1:  # nothing to gather: rank 0 pushes its own tensors
+            full = mine
+        addresses = conn.recv()
+        gathered = None
+        if args.senders > 1:
+            gathered = ShardedReceiver(
+                group="gather", rank=0, trainer=trainer, engine=gather, params=full,
+                addresses=addresses, device=dev,
+            )  # fmt: skip
+            threading.Thread(target=gathered.start, args=(WAIT,), daemon=True).start()
+        push = WeightSender(group="bench", receivers=args.receivers, **kw)
+        conn.send(("address", push.address))
+    while (msg := conn.recv()) != "stop":
+        if g is not None:
+            g.push(mine, version=msg, timeout=WAIT)
+            conn.send(("pushed", g.statistics().stream_bytes, g.statistics().plans_computed))
+            continue
+        if args.senders > 1:
+            for n, b in trainer.owned[0].items():
+                full[n][slices(b)].copy_(mine[n])
+        if gathered is not None:
+            assert gathered.wait_for(msg, WAIT)
+        push.push(full.items(), version=msg, timeout=WAIT)
+        sent = sum(t.numel() * t.element_size() for t in full.values())
+        conn.send(("pushed", sent, gathered.statistics().plans_computed if gathered else 0))
+    if g is not None:
+        g.close()
+    else:
+        push.close()
+        if gathered is not None:
+            gathered.close()
+
+
+def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connection) -> None:
+    trainer, engine = layouts(args)
+    dev = device_of(args, "engine", rank)
+    params = {
+        n: torch.zeros(s.shape, dtype=s.dtype, device=dev)
+        for n, s in engine.param_specs(rank).items()
+    }
+    if args.mode == "sharded":
+        r: Any = ShardedReceiver(
+            group="bench", rank=rank, trainer=trainer, engine=engine, params=params,
+            addresses=addresses, device=dev, point_to_point=args.point_to_point,
+        ).start(WAIT)  # fmt: skip
+    else:  # today's receiver of the whole model, cutting its slices out as vLLM's loader does
+        # each source tensor lies in one parameter of a rank (fused ones in several parts)
+        parts = {q.source: (p.name, q) for p in engine.receivers[rank] for q in p.parts}
+
+        def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            for n, t in items:
+                for name, q in [parts[n]] if n in parts else []:
+                    params[name][slices(q.at)].copy_(t[slices(q.box)])
+
+        r = WeightReceiver(group="bench", address=addresses, load=load, device=dev).start(WAIT)
+    conn.send(("ready", None))
+    while (msg := conn.recv()) != "stop":
+        assert r.wait_for(msg, WAIT)
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize(dev)
+        conn.send(("at", msg))
+    specs = {s.name: s for s in trainer.specs}
+    same = True
+    for p in engine.receivers[rank]:
+        want = torch.zeros(p.shape, dtype=p.dtype, device=dev)
+        for q in p.parts:
+            src = full_tensor(specs[q.source], dev)[slices(q.box)]
+            want[slices(q.at)] = src.reshape(extents(q.at))
+        same = same and torch.equal(want, params[p.name])
+    plans = r.statistics().plans_computed if args.mode == "sharded" else 0
+    conn.send(("identical", same, plans))
+    r.close()
+
+
+def _start(ctx: Any, target: Any, *args: Any) -> tuple[Any, Connection]:
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def _recv(conn: Connection, what: str) -> Any:
+    if not conn.poll(WAIT):
+        raise RuntimeError(f"no {what} within {WAIT:g} s")
+    _kind, value, *rest = conn.recv()
+    return (value, *rest) if rest else value
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    trainer, engine = layouts(args)
+    t0 = time.monotonic()
+    trainers = [_start(ctx, _trainer, r, args) for r in range(args.senders)]
+    addresses = [_recv(c, "trainer address") for _, c in trainers]
+    if args.mode == "gather":
+        trainers[0][1].send(addresses)
+        push_address = _recv(trainers[0][1], "rank 0's push address")
+    targets = addresses if args.mode == "sharded" else push_address
+    engines = [_start(ctx, _engine, r, args, targets) for r in range(args.receivers)]
+    for _, c in engines:
+        _recv(c, "engine start")
+    print(f"[{time.monotonic() - t0:6.1f} s] started", file=sys.stderr, flush=True)
+    seconds, sent, plans = [], [0] * args.senders, 0
+    for v in range(1, args.updates + 1):
+        t = time.perf_counter()
+        for _, c in trainers + engines:
+            c.send(v)
+        for _, c in engines:
+            assert _recv(c, f"commit of version {v}") == v
+        seconds.append(time.perf_counter() - t)
+        for i, (_, c) in enumerate(trainers):
+            sent[i], p = _recv(c, "push report")
+            plans = max(plans, p)
+    for _, c in engines + trainers:
+        c.send("stop")
+    same = True
+    for _, c in engines:
+        ok, p = _recv(c, "check")
+        same, plans = same and ok, max(plans, p)
+    for proc, _ in engines + trainers:
+        proc.join(60)
+    return {
+        "identical": same,
+        "model_bytes": sum(s.nbytes for s in trainer.specs),
+        "bytes_per_sender": sent,
+        "plans_computed": plans,
+        "updates": args.updates,
+        "seconds": [round(s, 6) for s in seconds],
+        "senders": args.senders,
+        "receivers": args.receivers,
+        "tp": args.tp or args.receivers,
+        "mode": args.mode,
+        "transport": args.transport,
+        "device": args.device,
+        "point_to_point": args.point_to_point,
+        "needed_bytes_per_receiver": [engine.needed_bytes(r) for r in range(args.receivers)],
+        "machine": f"{platform.node()} {os.cpu_count()} cpus",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/weights_sharded.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--senders", type=int, default=2, help="trainer ranks (FSDP2 rows)")
+    p.add_argument("--receivers", type=int, default=2, help="engine ranks")
+    p.add_argument("--tp", type=int, default=0, help="engine TP (default: --receivers)")
+    p.add_argument("--model", default="qwen3-8b", help="qwen3-8b or qwen3-30b-a3b")
+    p.add_argument("--scale", type=int, default=8, help="divide every width (8: ~256 MB)")
+    p.add_argument("--updates", type=int, default=5)
+    p.add_argument("--mode", choices=["sharded", "gather"], default="sharded")
+    p.add_argument(
+        "--transport",
+        default="shm",
+        help="shm (CPU), cuda_ipc (one GPU) or broadcast (NCCL, a GPU per process)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--point-to-point",
+        action="store_true",
+        help="sharded: a link per (trainer rank, engine rank), only its bytes",
+    )
+    p.add_argument("--json", help="append the JSON line to this file")
+    args = p.parse_args(argv)
+    out = run(args)
+    rest = sorted(out["seconds"][1:]) or out["seconds"]
+    rows = [[
+        str(out["senders"]), str(out["receivers"]), out["mode"], f"{out['model_bytes'] / 1e6:.1f}",
+        " / ".join(f"{b / 1e6:.1f}" for b in out["bytes_per_sender"]),
+        f"{out['seconds'][0] * 1e3:.1f}", f"{statistics.median(rest) * 1e3:.1f}",
+        f"{rest[-1] * 1e3:.1f}", str(out["plans_computed"]), str(out["identical"]),
+    ]]  # fmt: skip
+    header = ["senders", "receivers", "mode", "model MB", "MB per sender", "first ms",
+              "p50 ms (later)", "max ms (later)", "plans", "identical"]  # fmt: skip
+    print(table(rows, header))
+    line = json.dumps(out)
+    print(line)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

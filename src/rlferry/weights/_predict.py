@@ -1,0 +1,309 @@
+"""Predict a sharded update on a cluster we do not have: bytes per link, the busiest, the time.
+
+The model's tensors come from a ``transformers`` configuration built on the meta
+device (nothing downloaded, no memory). The trainer is FSDP2 over ``fsdp`` ranks
+(rows as ``torch.chunk``), optionally with tensor parallelism ``tp`` inside (each
+TP slice then chunked by FSDP); the engines are ``engines`` x TP ``engine_tp``
+in ``engine_dtype``. The plan is :class:`ShardPlan`'s, the same code that moves
+the bytes. GPUs fill hosts of ``gpus_per_host`` in order, trainers first; a link
+within a host runs at ``nvlink_GBps``, across hosts at ``network_GBps`` (per GPU,
+each direction). The prediction is the busiest GPU's busiest link: its bytes over
+its bandwidth (every link runs at once, full duplex, no pipeline stalls, no
+casts or quantization timed).
+
+Layers with the same tensors (names without their layer number, shapes) are
+planned once and counted as many times: a 94-layer MoE is planned as one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._boxes import Box, chunk_bounds, full_box, volume
+from ._layouts import TrainerLayout
+from ._plan import TensorSpec
+from ._shardplan import ShardPlan
+from ._tp import tp_layout, tp_split_dim
+
+__all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def model_specs(
+    config: str, overrides: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16
+) -> list[TensorSpec]:
+    """The state dict's names and shapes of a ``transformers`` causal LM, in ``dtype``.
+
+    ``config``: a ``config.json`` path, or a configuration class name of ``transformers``
+    (``Qwen3MoeConfig``) built with ``overrides``. Needs the ``hf`` extra.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "plan-weights needs transformers to build the model: pip install 'rlferry[hf]'"
+        ) from None
+    overrides = dict(overrides or {})
+    if config.endswith(".json"):
+        with open(config) as f:
+            values = json.load(f)
+        model_type = values.pop("model_type", None)
+        if not model_type:
+            raise ValueError(f"config {config!r}: expected a `model_type` key, got none")
+        cfg = transformers.AutoConfig.for_model(model_type, **{**values, **overrides})
+    else:
+        cls = getattr(transformers, config, None)
+        if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+            raise ValueError(
+                f"config: expected a config.json path or a transformers configuration class "
+                f"name such as Qwen3MoeConfig, got {config!r}"
+            )
+        cfg = cls(**overrides)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return [TensorSpec(n, tuple(t.shape), dtype) for n, t in model.state_dict().items()]
+
+
+def trainer_layout(specs: Sequence[TensorSpec], fsdp: int, tp: int = 1) -> TrainerLayout:
+    """FSDP2 over ``fsdp`` ranks, with tensor parallelism ``tp`` inside: rank
+    ``t * fsdp + f`` holds FSDP chunk ``f`` (dim 0) of TP slice ``t`` (the dimension a
+    TP layer splits; a replicated tensor is chunked by FSDP only, on TP slice 0)."""
+    owned: list[dict[str, Box]] = [{} for _ in range(fsdp * tp)]
+    for s in specs:
+        d = tp_split_dim(s) if tp > 1 else None
+        for t in range(tp if d is not None else 1):
+            box = list(full_box(s.shape))
+            if d is not None:
+                box[d] = chunk_bounds(s.shape[d], tp, t)
+            for f in range(fsdp):
+                b = list(box)
+                if b:
+                    lo, hi = b[0]
+                    a, z = chunk_bounds(hi - lo, fsdp, f)
+                    b[0] = (lo + a, lo + z)
+                elif f:
+                    continue
+                if volume(tuple(b)) or not b:
+                    owned[t * fsdp + f][s.name] = tuple(b)
+    return TrainerLayout(tuple(specs), tuple(owned))
+
+
+def representatives(specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, int]]:
+    """One layer per group of layers with the same tensors; how many each stands for."""
+    layers: dict[int, list[TensorSpec]] = defaultdict(list)
+    out: list[TensorSpec] = []
+    count: dict[str, int] = {}
+    for s in specs:
+        m = _LAYER.search(s.name)
+        if m is None:
+            out.append(s)
+            count[s.name] = 1
+        else:
+            layers[int(m.group(1))].append(s)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, ts in sorted(layers.items()):
+        sig = tuple((_LAYER.sub(".layers.L.", t.name), t.shape, t.dtype) for t in ts)
+        groups.setdefault(sig, []).append(i)
+    for members in groups.values():
+        for t in layers[members[0]]:
+            out.append(t)
+            count[t.name] = len(members)
+    return out, count
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Where the ranks are and how fast their links run (GB/s per GPU, each direction)."""
+
+    fsdp: int
+    trainer_tp: int = 1
+    engines: int
+    engine_tp: int
+    engine_dtype: torch.dtype = torch.float8_e4m3fn
+    gpus_per_host: int = 8
+    nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
+    network_GBps: float = 50.0  # 400 Gb/s per GPU
+
+    def __post_init__(self) -> None:
+        for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
+            v = getattr(self, f)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"Cluster.{f}: expected an int >= 1, got {v!r}")
+        for f in ("nvlink_GBps", "network_GBps"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a sharded update moves and how long it takes at best."""
+
+    model_bytes: int
+    sent_bytes: int  # every link's bytes together (a receiver's own copy of each byte)
+    sender_bytes: tuple[int, ...]  # per trainer rank, over all its links
+    receiver_bytes: tuple[int, ...]  # per engine rank
+    links: int  # (sender, receiver) pairs that carry bytes
+    link_bytes: tuple[int, int, int]  # min, median, max of one link
+    busiest: str  # which GPU and direction bounds the update
+    busiest_bytes: int
+    seconds: float
+
+    def text(self) -> str:
+        s, r = self.sender_bytes, self.receiver_bytes
+        lo, mid, hi = self.link_bytes
+        return "\n".join([
+            f"model: {_size(self.model_bytes)} in the trainer's dtype",
+            f"sent: {_size(self.sent_bytes)} over {self.links} links (one link: min "
+            f"{_size(lo)}, median {_size(mid)}, max {_size(hi)})",
+            f"per trainer rank: min {_size(min(s))}, median {_size(statistics.median(s))}, "
+            f"max {_size(max(s))}",
+            f"per engine rank: min {_size(min(r))}, median {_size(statistics.median(r))}, "
+            f"max {_size(max(r))}",
+            f"busiest link: {self.busiest}, {_size(self.busiest_bytes)}",
+            f"predicted update time: {self.seconds * 1e3:.1f} ms",
+        ])  # fmt: skip
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
+    """Plan the update of ``specs`` (full tensors, the trainer's dtype) on ``cluster``."""
+    c = cluster
+    reps, count = representatives(specs)
+    trainer = trainer_layout(reps, c.fsdp, c.trainer_tp)
+    engine = tp_layout(reps, c.engine_tp, replicas=c.engines, dtype=c.engine_dtype)
+    plan = ShardPlan.build(trainer, engine)
+    n_send, n_recv = trainer.ranks, len(engine.receivers)
+    per_link: dict[tuple[int, int], int] = {}
+    for (s, r), copies in plan.copies.items():
+        total = 0
+        for cp in copies:
+            piece = plan.piece(s, cp.piece)
+            total += cp.elements * piece.dtype.itemsize * count[piece.source]
+        per_link[(s, r)] = total
+    host_s = [s // c.gpus_per_host for s in range(n_send)]
+    host_r = [(n_send + r) // c.gpus_per_host for r in range(n_recv)]
+    # per GPU and direction: bytes within the host (NVLink) and across hosts (network)
+    load: dict[tuple[str, int, str, str], int] = defaultdict(int)
+    for (s, r), b in per_link.items():
+        kind = "nvlink" if host_s[s] == host_r[r] else "network"
+        load[("trainer rank", s, "out", kind)] += b
+        load[("engine rank", r, "in", kind)] += b
+    bw = {"nvlink": c.nvlink_GBps * 1e9, "network": c.network_GBps * 1e9}
+    (who, i, way, kind), worst = max(load.items(), key=lambda kv: kv[1] / bw[kv[0][3]])
+    sender = [sum(b for (s, _), b in per_link.items() if s == k) for k in range(n_send)]
+    receiver = [sum(b for (_, r), b in per_link.items() if r == k) for k in range(n_recv)]
+    links = sorted(per_link.values())
+    return Prediction(
+        model_bytes=sum(s.nbytes for s in specs),
+        sent_bytes=sum(links),
+        sender_bytes=tuple(sender),
+        receiver_bytes=tuple(receiver),
+        links=len(links),
+        link_bytes=(links[0], links[len(links) // 2], links[-1]),
+        busiest=f"{who} {i} {way} over {kind} ({bw[kind] / 1e9:g} GB/s)",
+        busiest_bytes=worst,
+        seconds=worst / bw[kind],
+    )
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` pairs; a value is read as JSON when it parses (numbers, lists,
+    true/false/null), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set: expected key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Qwen3-235B-A22B's published config.json sizes
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", {
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
+        "vocab_size": 151936, "tie_word_embeddings": False,
+    }),
+    # Kimi-K2 (1T, 32B active): DeepSeek-V3's architecture with Kimi-K2's published sizes
+    "kimi-k2": ("DeepseekV3Config", {
+        "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "vocab_size": 163840, "tie_word_embeddings": False,
+    }),
+}  # fmt: skip
+
+
+def preset_or_config(config: str, overrides: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A preset's configuration class and sizes (``overrides`` on top), or ``config`` as given."""
+    if config in PRESETS:
+        cls, sizes = PRESETS[config]
+        return cls, {**sizes, **overrides}
+    return config, dict(overrides)
+
+
+def _dtype(field: str, name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"{field}: expected a torch dtype name such as bfloat16 or float8_e4m3fn, got {name!r}"
+        )
+    return dtype
+
+
+def plan_weights(
+    config: str,
+    overrides: Sequence[str] = (),
+    *,
+    trainer_gpus: int,
+    trainer_tp: int = 1,
+    trainer_dtype: str = "bfloat16",
+    engines: int,
+    engine_tp: int,
+    engine_dtype: str = "float8_e4m3fn",
+    gpus_per_host: int = 8,
+    nvlink_gbytes: float = 450.0,
+    network_gbits: float = 400.0,
+) -> str:
+    """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
+    if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
+        raise ValueError(
+            f"--trainer-tp: expected a divisor of --trainer-gpus {trainer_gpus}, got {trainer_tp!r}"
+        )
+    cls, values = preset_or_config(config, parse_overrides(overrides))
+    specs = model_specs(cls, values, _dtype("--trainer-dtype", trainer_dtype))
+    cluster = Cluster(
+        fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
+        engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
+        gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
+    )  # fmt: skip
+    p = predict(specs, cluster)
+    head = (
+        f"{config}: {len(specs)} tensors; trainer {trainer_gpus} GPUs (FSDP "
+        f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
+        f"{engine_tp} ({engine_dtype}); {gpus_per_host} GPUs per host, NVLink "
+        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU"
+    )
+    return head + "\n" + p.text()

@@ -1,0 +1,269 @@
+"""Many senders to many receivers: every trainer rank sends what it owns, once.
+
+Each trainer rank runs a :class:`ShardedSender`: one :class:`WeightSender` (the
+per-link primitive, any transport) whose pushed tensors are the rank's pieces of
+the plan (views of its local shards, narrowed, cast when the engine's dtype is
+narrower). Each engine rank runs a :class:`ShardedReceiver`: one
+:class:`WeightReceiver` per trainer rank it needs bytes from, whose ``load``
+copies each of *its* pieces into the engine's parameters and skips the others
+(receivers that share a sender's bucket stream read only their own bytes). A
+version is committed when every sender's part of it arrived and loaded.
+
+Both sides compute the same :class:`ShardPlan` from the same two layouts (it is
+a pure function of them); every link's plan is checked against it before a
+byte moves, so layouts that disagree fail by name, never load wrong bytes. One
+trainer rank that owns everything and one receiver that needs everything whole
+is today's single sender: exactly one WeightSender and one WeightReceiver.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ._boxes import extents, relative, slices
+from ._errors import WeightSyncError
+from ._layouts import EngineLayout, TrainerLayout
+from ._report import PushReport, ShardedSenderStatistics
+from ._sender import WeightSender
+from ._shardplan import Piece, ShardPlan
+
+__all__ = ["ShardedSender", "link_group"]
+
+
+def link_group(group: str, rank: int, receiver: int | None = None) -> str:
+    """The group name of trainer rank ``rank``'s link (point to point: its link to engine
+    rank ``receiver``): receivers join it by this name."""
+    link = f"{group}/trainer{rank}"
+    return link if receiver is None else f"{link}/engine{receiver}"
+
+
+class _Plans:
+    """The plan for the current layouts, computed only when a fingerprint changes."""
+
+    def __init__(self, trainer: TrainerLayout, engine: EngineLayout) -> None:
+        self.trainer, self.engine = trainer, engine
+        self.computed = 0
+        self._plan: ShardPlan | None = None
+        self._lock = threading.Lock()  # links' threads ask for it too
+
+    def set(self, trainer: TrainerLayout | None, engine: EngineLayout | None) -> None:
+        with self._lock:
+            self.trainer = trainer or self.trainer
+            self.engine = engine or self.engine
+
+    def get(self) -> ShardPlan:
+        with self._lock:
+            p = self._plan
+            if (
+                p is None
+                or p.trainer.fingerprint != self.trainer.fingerprint
+                or p.engine.fingerprint != self.engine.fingerprint
+            ):
+                p = self._plan = ShardPlan.build(self.trainer, self.engine)
+                self.computed += 1
+            return p
+
+
+def _check_rank(owner: str, rank: Any, n: int, what: str) -> int:
+    if type(rank) is not int or not 0 <= rank < n:
+        raise ValueError(
+            f"{owner}.rank: expected an int in [0, {n}) (the {what} layout has {n}), got {rank!r}"
+        )
+    return rank
+
+
+class ShardedSender:
+    """One trainer rank's sender: pushes the bytes of its shards that engines need.
+
+    ``trainer`` and ``engine``: the layouts (see :func:`fsdp_layout`,
+    :func:`dtensor_layout`, :func:`tp_layout`); every rank and every receiver must be
+    given the same ones. ``receivers``: how many receivers the first push waits for
+    (default: every receiver that needs bytes of this rank). The other arguments are
+    :class:`WeightSender`'s; its group is :func:`link_group` ``(group, rank)``.
+
+    ``point_to_point``: one link per engine rank instead of one shared stream, each
+    carrying exactly that rank's bytes (over ``broadcast``, a group of two: NCCL or
+    gloo send and receive, the links' pushes running side by side); the receivers
+    must say so too. ``addresses`` maps each engine rank to the address it joins.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        rank: int,
+        trainer: TrainerLayout,
+        engine: EngineLayout,
+        transport: str = "shm",
+        receivers: int | None = None,
+        bucket_bytes: int | None = None,
+        bind: str | None = None,
+        device: Any = None,
+        secret: str | bytes | None = None,
+        zero_copy: bool = True,
+        point_to_point: bool = False,
+    ) -> None:
+        self.rank = _check_rank("ShardedSender", rank, trainer.ranks, "trainer")
+        self.group = group
+        self.point_to_point = point_to_point
+        self._plans = _Plans(trainer, engine)
+        wanted = self._plans.get().receivers_of(rank)
+        kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
+              "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
+        self._links: dict[int, WeightSender] = {}
+        try:
+            if point_to_point:
+                for r in wanted:
+                    g = link_group(group, rank, r)
+                    self._links[r] = WeightSender(group=g, receivers=1, **kw)
+            else:
+                n = receivers if receivers is not None else max(1, len(wanted))
+                self._links[-1] = WeightSender(group=link_group(group, rank), receivers=n, **kw)
+        except BaseException:
+            self.close()
+            raise
+        self.addresses: dict[int, str] = (
+            {r: w.address for r, w in self._links.items()}
+            if point_to_point
+            else {r: self._links[-1].address for r in wanted}
+        )
+        self.address: str = "" if point_to_point else self._links[-1].address
+
+    def plan(self) -> ShardPlan:
+        """The plan of the current layouts (computed on first use and on a change)."""
+        return self._plans.get()
+
+    def set_layouts(
+        self, *, trainer: TrainerLayout | None = None, engine: EngineLayout | None = None
+    ) -> None:
+        """New layouts (resharded trainer, other engines): the next push plans anew.
+        Point to point, the engine ranks this rank serves must stay the same."""
+        if trainer is not None:
+            _check_rank("ShardedSender", self.rank, trainer.ranks, "trainer")
+        self._plans.set(trainer, engine)
+        if self.point_to_point:
+            now = self._plans.get().receivers_of(self.rank)
+            if now != sorted(self._links):
+                raise ValueError(
+                    f"set_layouts: expected the engine ranks {sorted(self._links)} that trainer "
+                    f"rank {self.rank} serves point to point, got {now} (make a new "
+                    "ShardedSender for other engine ranks)"
+                )
+
+    def push(
+        self,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int,
+        timeout: float = 60.0,
+    ) -> PushReport:
+        """Send this rank's pieces of ``named_tensors`` (a ``state_dict()``: DTensors, or
+        this rank's local shards as the layout describes them); returns when the
+        receivers of this rank committed its part (see :meth:`WeightSender.push`: its
+        errors, and ``report.bytes`` is what this rank sent). A rank whose bytes no
+        receiver needs sends nothing and returns at once.
+
+        Raises (besides WeightSender.push's):
+            WeightSyncError: a tensor the plan needs is missing, or its local shard's
+                shape is not the one the layout gives this rank.
+        """
+        plan = self._plans.get()
+        local = _local(named_tensors)
+        if not self.point_to_point:
+            pieces = self._pieces(plan, plan.streams[self.rank], local)
+            if not pieces:
+                return PushReport(version, 0, 0.0, (), 0, 0, False)
+            return self._links[-1].push(pieces, version=version, timeout=timeout)
+        streams = {r: self._pieces(plan, plan.link(self.rank, r)[0], local) for r in self._links}
+        return self._push_links(streams, version, timeout)
+
+    def _push_links(
+        self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
+    ) -> PushReport:
+        """Every link's push at once (a thread each); the first error is raised once all ended."""
+        reports: dict[int, PushReport] = {}
+        errors: dict[int, BaseException] = {}
+
+        def one(r: int) -> None:
+            try:
+                reports[r] = self._links[r].push(streams[r], version=version, timeout=timeout)
+            except BaseException as e:
+                errors[r] = e
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[min(errors)]
+        rs = reports.values()
+        return PushReport(
+            version, sum(x.bytes for x in rs), max((x.seconds for x in rs), default=0.0),
+            tuple(n for x in rs for n in x.receivers), sum(x.tensors for x in rs),
+            sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _pieces(
+        self, plan: ShardPlan, pieces: Iterable[Piece], local: dict[str, torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
+        owned = plan.trainer.owned[self.rank]
+        out = []
+        for p in pieces:
+            t = local.get(p.source)
+            box = owned[p.source]
+            if t is None:
+                raise WeightSyncError(
+                    f"push: tensor `{p.source}`: expected it (trainer rank {self.rank} owns "
+                    f"{list(extents(box))} of it and receivers need them), got no such name"
+                )
+            if tuple(t.shape) != extents(box):
+                raise WeightSyncError(
+                    f"push: tensor `{p.source}` on trainer rank {self.rank}: expected its local "
+                    f"shard of shape {list(extents(box))}, got {list(t.shape)} (the trainer "
+                    "layout does not describe this rank's tensors)"
+                )
+            v = t[slices(relative(p.box, box))] if p.box != box else t.detach()
+            out.append((p.name, v.to(p.dtype) if v.dtype != p.dtype else v))
+        return out
+
+    def statistics(self) -> ShardedSenderStatistics:
+        plan = self._plans.get()
+        p2p = self.point_to_point
+        sent = (
+            sum(plan.link_bytes(self.rank, r) for r in self._links)
+            if p2p
+            else plan.stream_bytes(self.rank)
+        )
+        return ShardedSenderStatistics(
+            rank=self.rank,
+            plan=plan.fingerprint,
+            plans_computed=self._plans.computed,
+            pieces=len(plan.streams[self.rank]),
+            stream_bytes=sent,
+            receivers=tuple(plan.receivers_of(self.rank)),
+            link=None if p2p else self._links[-1].statistics(),
+            per_receiver={r: w.statistics() for r, w in self._links.items()} if p2p else {},
+        )
+
+    def close(self) -> None:
+        """Stop serving: receivers see this rank gone and keep their last whole version."""
+        for w in self._links.values():
+            w.close()
+
+    def __enter__(self) -> ShardedSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """This rank's tensors by name: a DTensor's local shard, a plain tensor as it is."""
+    items = named.items() if isinstance(named, Mapping) else named
+    return {n: t.to_local() if hasattr(t, "to_local") else t for n, t in items}

@@ -1,0 +1,94 @@
+"""`rlferry plan-weights`: a transformers model on the meta device, planned and timed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlferry.weights import Cluster, ShardPlan, fsdp_layout, predict, tp_layout
+from rlferry.weights._predict import model_specs, representatives, trainer_layout
+
+pytest.importorskip("transformers")
+
+TINY = {
+    "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+}  # fmt: skip
+FP8 = torch.float8_e4m3fn
+
+
+def tiny_specs():
+    return model_specs("Qwen3Config", TINY)
+
+
+def test_identical_layers_are_planned_once_and_counted_as_many_times():
+    specs = tiny_specs()
+    reps, count = representatives(specs)
+    assert len(reps) == len(specs) - 3 * (len(specs) - 3) // 4  # one layer of four, plus 3
+    assert count["model.layers.0.mlp.up_proj.weight"] == 4 and count["lm_head.weight"] == 1
+
+
+def test_the_prediction_counts_every_link_of_the_full_plan():
+    specs = tiny_specs()
+    p = predict(specs, Cluster(fsdp=4, engines=2, engine_tp=2))
+    full = ShardPlan.build(fsdp_layout(specs, 4), tp_layout(specs, 2, replicas=2, dtype=FP8))
+    links = {k: full.link_bytes(*k) for k in full.copies}
+    assert p.sent_bytes == sum(links.values())
+    assert p.links == len(links)
+    assert p.receiver_bytes == tuple(
+        sum(b for (_, r), b in links.items() if r == k) for k in range(4)
+    )
+    # 8 GPUs on one host: every link is NVLink; the busiest GPU sets the time
+    busiest = max(*p.sender_bytes, *p.receiver_bytes)
+    assert p.busiest_bytes == busiest
+    assert p.seconds == pytest.approx(busiest / 450e9)
+    assert "over nvlink" in p.busiest
+
+
+def test_engines_on_other_hosts_are_reached_over_the_network():
+    specs = tiny_specs()
+    p = predict(specs, Cluster(fsdp=8, engines=2, engine_tp=4, network_GBps=50.0))
+    assert "over network" in p.busiest
+    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9)
+
+
+def test_trainer_tensor_parallelism_inside_fsdp_still_owns_every_byte_once():
+    specs = tiny_specs()
+    trainer = trainer_layout(specs, fsdp=2, tp=2)
+    plan = ShardPlan.build(trainer, tp_layout(specs, 2))
+    assert sum(plan.stream_bytes(s) for s in range(4)) == sum(s.nbytes for s in specs)
+    q = "model.layers.0.self_attn.q_proj.weight"  # TP splits rows, FSDP chunks each slice
+    assert [trainer.owned[r][q][0] for r in range(4)] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    o = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: TP splits columns
+    assert trainer.owned[2][o] == ((0, 32), (32, 64))
+
+
+def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3", **TINY}))
+    args = ["--trainer-gpus", "4", "--engines", "2", "--engine-tp", "2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "plan-weights", "--config", str(cfg), *args],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2))
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{cfg}: {len(tiny_specs())} tensors; trainer 4 GPUs (FSDP 4 x TP")
+    assert lines[-1] == f"predicted update time: {p.seconds * 1e3:.1f} ms"
+    assert lines[-2].startswith(f"busiest link: {p.busiest}")
+    assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)
+
+
+def test_a_name_that_is_no_configuration_class_is_refused():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "plan-weights", "--config", "NoSuchConfig",
+         "--trainer-gpus", "4", "--engines", "1", "--engine-tp", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "rlferry plan-weights: config: expected a config.json path or a transformers "
+        "configuration class name such as Qwen3MoeConfig, got 'NoSuchConfig'"
+    )

@@ -1,0 +1,449 @@
+"""Many senders to many receivers over shm, in real processes: FSDP2 trainers over gloo,
+engine ranks that take their tensor-parallel slices, a trainer rank that dies."""
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from rlferry.weights import (
+    EngineLayout,
+    ShardedReceiver,
+    ShardedSender,
+    ShardPlan,
+    TrainerLayout,
+    WeightSyncError,
+    dtensor_layout,
+    fsdp_layout,
+    specs_of,
+    tp_layout,
+)
+from rlferry.weights._boxes import slices
+from test_weights_sharded_plan import expected_params, full_weights, llama_specs
+
+CTX = mp.get_context("spawn")
+WAIT = 120
+
+
+def engine_layout(kind, specs):
+    if kind == "replicas":  # two engines of one rank each: both need every tensor whole
+        return EngineLayout.whole(specs, receivers=2)
+    if kind == "tp2-bf16":
+        return tp_layout(specs, 2, dtype=torch.bfloat16)
+    return tp_layout(specs, 2)
+
+
+class TinyLlama(torch.nn.Module):
+    """Llama's parameter names (what tp_layout knows), a few layers of width 64."""
+
+    def __init__(self, layers=2, hidden=64, inter=128, vocab=96, kv=32):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(vocab, hidden)
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            a = layer.self_attn
+            a.q_proj, a.k_proj, a.v_proj = (
+                lin(hidden, hidden),
+                lin(hidden, kv, False),
+                lin(hidden, kv, False),
+            )
+            a.o_proj = lin(hidden, hidden, False)
+            layer.mlp = torch.nn.Module()
+            m = layer.mlp
+            m.gate_proj, m.up_proj = lin(hidden, inter, False), lin(hidden, inter, False)
+            m.down_proj = lin(inter, hidden, False)
+            layer.input_layernorm = torch.nn.RMSNorm(hidden)
+            self.model.layers.append(layer)
+        self.model.norm = torch.nn.RMSNorm(hidden)
+        self.lm_head = lin(hidden, vocab, False)
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x)
+            kv = a.k_proj(h) * a.v_proj(h)
+            x = x + a.o_proj(a.q_proj(h) * kv.repeat(1, 1, 2))
+            x = x + m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))
+        return self.lm_head(self.model.norm(x))
+
+
+def _fsdp_trainer(rank, world, port, kind, tmp, conn):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = TinyLlama()
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sd = model.state_dict()
+    trainer = dtensor_layout(sd.items())
+    specs = specs_of(sd.items())
+    same = trainer.fingerprint == fsdp_layout(specs, world).fingerprint
+    s = ShardedSender(
+        group="fsdp", rank=rank, trainer=trainer, engine=engine_layout(kind, specs),
+        bucket_bytes=64 << 10,
+    )  # fmt: skip
+    conn.send((s.address, specs, same, trainer.owned_bytes(rank)))
+    while (msg := conn.recv()) != "stop":
+        v = msg
+        g = torch.Generator().manual_seed(v)
+        loss = model(torch.randint(0, 96, (2, 8), generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sd = model.state_dict()
+        full = {n: t.full_tensor() for n, t in sd.items()}  # the reference (a collective)
+        if rank == 0:
+            torch.save(full, os.path.join(tmp, f"v{v}.pt"))
+        dist.barrier()
+        report = s.push(sd, version=v, timeout=WAIT)
+        st = s.statistics()
+        conn.send((report.bytes, st.plans_computed, st.stream_bytes, st.link.bytes_pushed))
+    s.close()
+    dist.destroy_process_group()
+
+
+def _engine(rank, world, kind, specs, addresses, tmp, conn):
+    """An engine rank: holds its parameters, reports each version and whether it is exact."""
+    trainer = fsdp_layout(specs, world)
+    engine = engine_layout(kind, specs)
+    params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(rank).items()}
+    r = ShardedReceiver(
+        group="fsdp" if tmp else "ex", rank=rank, trainer=trainer, engine=engine, params=params,
+        addresses=addresses, name=f"engine{rank}",
+    ).start(WAIT)  # fmt: skip
+    conn.send("ready")
+    while (msg := conn.recv()) != "stop":
+        cmd, arg = msg
+        try:
+            if cmd == "connect":
+                r.connect(*arg, timeout=WAIT)
+                conn.send("connected")
+                continue
+            if cmd == "layout":
+                engine = engine_layout(arg, specs)
+                new = engine.param_specs(rank).items()
+                params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in new}
+                r.set_layouts(engine=engine, params=params)
+                conn.send("relaid")
+                continue
+            assert r.wait_for(arg, WAIT)
+        except WeightSyncError as e:
+            conn.send(("error", str(e), e.failures, r.version))
+            continue
+        if tmp:
+            full = torch.load(os.path.join(tmp, f"v{arg}.pt"), weights_only=True)
+        else:
+            full = full_weights(specs, arg)
+        want = expected_params(engine, rank, full)
+        same = params.keys() == want.keys() and all(torch.equal(params[n], want[n]) for n in want)
+        st = r.statistics()
+        conn.send(("at", r.version, same, st.plans_computed, sorted(st.links)))
+    r.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(target, *args):
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def recv(conn):
+    assert conn.poll(WAIT), "a child process did not answer"
+    return conn.recv()
+
+
+def stop(*pairs):
+    for proc, conn in pairs:
+        if proc.is_alive():
+            conn.send("stop")
+    for proc, _ in pairs:
+        proc.join(30)
+
+
+def test_four_fsdp2_ranks_to_two_engines_each_sends_only_its_shards_and_the_plan_once(tmp_path):
+    port, tmp = _free_port(), str(tmp_path)
+    trainers = [start(_fsdp_trainer, r, 4, port, "replicas", tmp) for r in range(4)]
+    hello = [recv(c) for _, c in trainers]
+    addresses = [h[0] for h in hello]
+    specs = hello[0][1]
+    assert all(h[2] for h in hello)  # the DTensors' layout is FSDP2's torch.chunk rows
+    model_bytes = sum(s.nbytes for s in specs)
+    engines = [start(_engine, r, 4, "replicas", specs, addresses, tmp) for r in range(2)]
+    assert [recv(c) for _, c in engines] == ["ready", "ready"]
+    try:
+        for v in range(1, 6):
+            for _, c in trainers:
+                c.send(v)
+            pushed = [recv(c) for _, c in trainers]
+            for _, c in engines:
+                c.send(("wait", v))
+            for _, c in engines:
+                assert recv(c) == ("at", v, True, 1, [0, 1, 2, 3])  # exact; one plan
+            for (sent, plans, stream, total), h in zip(pushed, hello, strict=True):
+                assert plans == 1
+                assert sent == stream == h[3] < model_bytes  # what it owns, once for both
+                assert total == v * h[3]
+        assert sum(h[3] for h in hello) == model_bytes
+    finally:
+        stop(*engines, *trainers)
+
+
+class _Hang(Mapping):
+    """A state dict whose reading never ends: a trainer rank stuck mid-update."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def __getitem__(self, key):
+        raise KeyError(key)
+
+    def __len__(self):
+        return 0
+
+    def __iter__(self):
+        self.conn.send("hanging")
+        threading.Event().wait()
+        return iter(())
+
+
+def _explicit_trainer(rank, world, kind, receivers, conn):
+    """A trainer rank holding its rows of ``full_weights(version)`` as plain tensors."""
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer = fsdp_layout(specs, world)
+    s = ShardedSender(
+        group="ex", rank=rank, trainer=trainer, engine=engine_layout(kind, specs),
+        receivers=receivers, bucket_bytes=16 << 10,
+    )  # fmt: skip
+    conn.send(s.address)
+    while (msg := conn.recv()) != "stop":
+        cmd, v = msg
+        if cmd == "layout":
+            s.set_layouts(engine=engine_layout(v, specs))
+            conn.send("relaid")
+            continue
+        if cmd == "hang":
+            s.push(_Hang(conn), version=v, timeout=WAIT)
+        full = full_weights(specs, v)
+        mine = {n: full[n][slices(b)].clone() for n, b in trainer.owned[rank].items()}
+        report = s.push(mine, version=v, timeout=WAIT)
+        st = s.statistics()
+        conn.send((report.bytes, st.plans_computed, st.stream_bytes))
+    s.close()
+
+
+def push_all(trainers, v):
+    for _, c in trainers:
+        c.send(("push", v))
+    return [recv(c) for _, c in trainers]
+
+
+def at(engines, v):
+    for _, c in engines:
+        c.send(("wait", v))
+    return [recv(c) for _, c in engines]
+
+
+def test_two_ranks_to_a_tp2_engine_late_joiner_dead_rank_and_layout_change():
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainers = [start(_explicit_trainer, r, 2, "tp2", 1) for r in range(2)]
+    addresses = [recv(c) for _, c in trainers]
+    engines = [start(_engine, 0, 2, "tp2", specs, addresses, "")]
+    assert recv(engines[0][1]) == "ready"
+    replacement = None
+    try:
+        # fused qkv / gate_up slices, bit for bit; each rank sends half the bytes
+        pushed = push_all(trainers, 1)
+        assert at(engines, 1) == [("at", 1, True, 1, [0, 1])]
+        model_bytes = sum(s.nbytes for s in specs)
+        assert [p[0] for p in pushed] == [p[2] for p in pushed]
+        assert sum(p[0] for p in pushed) == model_bytes  # the plan's: both engine ranks' slices
+        # a receiver that joins later gets the plan with the next update
+        engines.append(start(_engine, 1, 2, "tp2", specs, addresses, ""))
+        assert recv(engines[1][1]) == "ready"
+        pushed = push_all(trainers, 2)
+        assert at(engines, 2) == [("at", 2, True, 1, [0, 1])] * 2
+        assert sum(p[0] for p in pushed) == model_bytes  # both halves now, each byte once
+        # trainer rank 1 dies mid-update: rank 0's part arrived, rank 1's never will
+        trainers[0][1].send(("push", 3))
+        trainers[1][1].send(("hang", 3))
+        assert recv(trainers[1][1]) == "hanging"
+        recv(trainers[0][1])
+        os.kill(trainers[1][0].pid, signal.SIGKILL)
+        for (_, c), r in zip(engines, (0, 1), strict=True):
+            c.send(("wait", 3))
+            kind, msg, failures, version = recv(c)
+            assert kind == "error" and version == 2  # its last whole version
+            assert list(failures) == ["trainer rank 1"]
+            assert msg.startswith(
+                f"receiver `engine{r}` (engine rank {r}) cannot reach version 3: trainer rank 1 "
+            )
+            assert "went away (it closed or died)" in msg
+            assert msg.endswith("it stays at version 2 (join a dead rank's replacement by connect)")
+        # its replacement joins; the next update works
+        replacement = start(_explicit_trainer, 1, 2, "tp2", 2)
+        address = recv(replacement[1])
+        for _, c in engines:
+            c.send(("connect", (1, address)))
+            assert recv(c) == "connected"
+        trainers[1] = replacement
+        push_all(trainers, 4)
+        assert at(engines, 4) == [("at", 4, True, 1, [0, 1])] * 2
+        # a layout change (the engine now serves bf16): the plan is computed again
+        for _, c in [*trainers, *engines]:
+            c.send(("layout", "tp2-bf16"))
+            assert recv(c) == "relaid"
+        pushed = push_all(trainers, 5)
+        assert at(engines, 5) == [("at", 5, True, 2, [0, 1])] * 2
+        assert [p[1] for p in pushed] == [2, 2]
+        assert sum(p[0] for p in pushed) == model_bytes // 2  # cast to bf16 on the sender
+    finally:
+        stop(*engines, *trainers)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_sender_is_the_same_code_one_weight_sender_and_one_weight_receiver(ranks):
+    """N = 1 through the sharded API: exactly one link, whole tensors under their names."""
+    specs = llama_specs()
+    trainer = TrainerLayout.single(specs) if ranks == 1 else fsdp_layout(specs, ranks)
+    engine = EngineLayout.whole(specs)
+    senders = [
+        ShardedSender(group="one", rank=r, trainer=trainer, engine=engine) for r in range(ranks)
+    ]
+    params = {s.name: torch.zeros(s.shape) for s in specs}
+    recv_ = ShardedReceiver(
+        group="one", rank=0, trainer=trainer, engine=engine, params=params,
+        addresses=[s.address for s in senders],
+    ).start()  # fmt: skip
+    try:
+        for v in (1, 2):
+            full = full_weights(specs, v)
+            threads = []
+            for r, s in enumerate(senders):
+                mine = {n: full[n][slices(b)].clone() for n, b in trainer.owned[r].items()}
+                t = threading.Thread(target=s.push, args=(mine,), kwargs={"version": v})
+                t.start()
+                threads.append(t)
+            for t in threads:
+                t.join(WAIT)
+            assert recv_.wait_for(v, WAIT)
+            assert all(torch.equal(params[n], full[n]) for n in full)
+        st = recv_.statistics()
+        assert sorted(st.links) == list(range(ranks)) and st.version == 2
+        if ranks == 1:
+            assert [p.name for p in senders[0].plan().streams[0]] == [s.name for s in specs]
+            assert st.links[0].commits == 2 and senders[0].statistics().link.pushes == 2
+    finally:
+        recv_.close()
+        for s in senders:
+            s.close()
+
+
+def _p2p_trainer(rank, transport, conn):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    s = ShardedSender(
+        group="p2p", rank=rank, trainer=trainer, engine=engine, transport=transport,
+        bucket_bytes=16 << 10, point_to_point=True,
+    )  # fmt: skip
+    conn.send(s.addresses)
+    while (v := conn.recv()) != "stop":
+        full = full_weights(specs, v)
+        report = s.push(
+            {n: full[n][slices(b)].clone() for n, b in trainer.owned[rank].items()}, version=v
+        )
+        st = s.statistics()
+        per = {r: w.bytes_pushed for r, w in st.per_receiver.items()}
+        conn.send((report.bytes, st.stream_bytes, per))
+    s.close()
+
+
+def _p2p_engine(rank, addresses, conn):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(rank).items()}
+    r = ShardedReceiver(
+        group="p2p", rank=rank, trainer=trainer, engine=engine, params=params,
+        addresses=addresses, point_to_point=True,
+    ).start(WAIT)  # fmt: skip
+    conn.send("ready")
+    while (v := conn.recv()) != "stop":
+        assert r.wait_for(v, WAIT)
+        want = expected_params(engine, rank, full_weights(specs, v))
+        conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want)))
+    r.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 2))
+    trainers = [start(_p2p_trainer, r, transport) for r in range(2)]
+    addresses = [recv(c) for _, c in trainers]
+    assert all(sorted(a) == [0, 1] and a[0] != a[1] for a in addresses)  # a link per rank
+    engines = [start(_p2p_engine, r, addresses) for r in range(2)]
+    assert [recv(c) for _, c in engines] == ["ready", "ready"]
+    try:
+        for v in (1, 2):
+            for _, c in [*trainers, *engines]:
+                c.send(v)
+            pushed = [recv(c) for _, c in trainers]
+            assert [recv(c) for _, c in engines] == [(v, True), (v, True)]
+            for s, (sent, stream, per) in enumerate(pushed):
+                links = {r: plan.link_bytes(s, r) for r in range(2)}
+                assert per == {r: v * b for r, b in links.items()}  # each link: its rank's bytes
+                assert sent == stream == sum(links.values())
+    finally:
+        stop(*engines, *trainers)
+
+
+def _placements(port, conn):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    t = torch.zeros(6, 4)
+    cols = dtensor_layout([("w", DTensor.from_local(t, mesh, [Shard(1)]))], ranks=3)
+    rep = dtensor_layout([("w", DTensor.from_local(t, mesh, [Replicate()]))])
+    try:
+        dtensor_layout([("w", DTensor.from_local(t, mesh, [Partial()]))])
+        error = None
+    except ValueError as e:
+        error = str(e)
+    conn.send((cols.owned, rep.owned, error))
+    dist.destroy_process_group()
+
+
+def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
+    proc, conn = start(_placements, _free_port())
+    cols, rep, error = recv(conn)
+    proc.join(30)
+    assert cols == ({"w": ((0, 6), (0, 4))}, {}, {})  # a 1-rank mesh: rank 0 holds it all
+    assert rep == ({"w": ((0, 6), (0, 4))},)
+    assert error == (
+        "tensor `w`: expected Shard(d) or Replicate placements, got Partial(sum) (not a box "
+        "of the full tensor: a Partial needs a reduction; give its full_tensor() or an "
+        "explicit TrainerLayout)"
+    )
