@@ -4,12 +4,14 @@ trainer rank that owns them (see ``_sharded`` for the whole picture)."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ._boxes import extents, slices
+from ._copy import GroupedCopy
 from ._errors import ReceiverClosed, WeightSyncError
 from ._layouts import EngineLayout, TrainerLayout
 from ._plan import TensorSpec
@@ -30,6 +32,9 @@ class _Link:
         self.receiver: WeightReceiver | None = None
         self.version: int | None = None
         self.failure: tuple[int | None, str, bool] | None = None  # (version, reason, final)
+        # by rlferry's list of a bucket's views: its copies into this rank's tensors, one
+        # GroupedCopy (one launch on CUDA), kept while the list is handed again
+        self.copies: dict[int, GroupedCopy] = {}
 
 
 _Op = tuple[tuple[slice, ...], torch.Tensor, bool]  # piece region, destination view, reshape
@@ -114,6 +119,8 @@ class ShardedReceiver:
                 )
             ops[s] = mine
         self._ops = ops
+        for link in list(getattr(self, "_links", {}).values()):
+            link.copies.clear()  # new destinations
 
     def plan(self) -> ShardPlan:
         return self._plans.get()
@@ -236,14 +243,37 @@ class ShardedReceiver:
         )
 
     def _load(self, link: _Link, items: list[tuple[str, torch.Tensor]]) -> None:
-        ops = self._ops.get(link.sender, {})
         with self._cond:
             if link.failure is not None and not link.failure[2]:
                 link.failure = None  # a new push of this rank reached us
+        copy = link.copies.get(id(items))
+        if copy is None:
+            copy, views = self._copy_of(link, items)
+            if views:  # its sources are views of the bucket: kept for the next push
+                try:
+                    weakref.finalize(items, link.copies.pop, id(items), None)
+                    link.copies[id(items)] = copy
+                except TypeError:  # not rlferry's list (a plain list cannot be watched)
+                    pass
+        copy()
+
+    def _copy_of(self, link: _Link, items: list[tuple[str, torch.Tensor]]
+                 ) -> tuple[GroupedCopy, bool]:  # fmt: skip
+        """This rank's copies of a bucket's pieces (pieces for others skipped), and whether
+        every source is a view of the bucket (else a reshape copied one: not reusable)."""
+        ops = self._ops.get(link.sender, {})
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        views = True
         for name, t in items:
-            for region, dst, reshape in ops.get(name, ()):  # pieces for others: skipped
+            for region, dst, reshape in ops.get(name, ()):
                 src = t[region]
-                dst.copy_(src.reshape(dst.shape) if reshape else src)
+                if reshape:
+                    views &= src.is_contiguous()
+                    src = src.reshape(dst.shape)
+                dsts.append(dst)
+                srcs.append(src)
+        return GroupedCopy(dsts, srcs), views
 
     def _link_commit(self, link: _Link, version: int) -> None:
         with self._cond:
