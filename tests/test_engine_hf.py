@@ -487,3 +487,30 @@ def test_fused_rms_norms_give_transformers_values_bit_for_bit(family):
         after = model(input_ids=ids).logits
     assert n == (2 * 2 + 1 if family == "llama" else 4 * 2 + 1)  # qwen3: q_norm and k_norm too
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rotary_on_q_and_k_together_gives_transformers_values_bit_for_bit(family, monkeypatch):
+    import sys
+
+    from rlferry.engines.hf._slots import fuse_rotary
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = tiny_model(0)
+    else:
+        config = transformers.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        )  # fmt: skip
+        model = transformers.Qwen3ForCausalLM(config)
+    model = model.to(torch.bfloat16).eval()
+    module = sys.modules[type(model).__module__]
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)  # undone
+    ids = torch.randint(0, 64, (3, 7))
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        assert fuse_rotary(model)
+        assert hasattr(module.apply_rotary_pos_emb, "rlferry_original")
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)

@@ -48,7 +48,7 @@ from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
 from ._batch import Batch, Row
 from ._bridge import Waiter
 from ._model import NonFinite, check_finite, load_model
-from ._slots import GQA_SDPA, SlotBatch, fuse_rms_norms, use_gqa_sdpa
+from ._slots import GQA_SDPA, SlotBatch, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
 from ._thread import DecodeThread
 
 __all__ = ["HFEngine"]
@@ -98,7 +98,9 @@ class HFEngine(DecodeThread):
     With the slot cache (``kv_cache="slots"``, CUDA's default) the engine changes the
     model it serves, computing the same values faster: a one-token step of a
     grouped-query model attends through ``rlferry_gqa_sdpa`` and transformers' RMSNorm
-    layers run through ``torch.nn.functional.rms_norm``.
+    layers run through ``torch.nn.functional.rms_norm``; on CUDA the rotary embedding of
+    Llama-, Mistral- and Qwen-family models rotates q and k together (a change to that
+    transformers module for the process, the same values for every model of it).
 
     On CUDA the engine turns off cuDNN's fused attention for the process (torch's flag is
     process-wide): it builds a plan per new shape, and a decode loop makes new shapes every
@@ -178,6 +180,8 @@ class HFEngine(DecodeThread):
             if impl == "sdpa":  # the same attention, without copying the cache per step
                 use_gqa_sdpa(self.model)
             fuse_rms_norms(self.model)  # the same values, in fewer kernels
+            if cuda_graphs and self.device.type == "cuda":  # for the process: see fuse_rotary
+                fuse_rotary(self.model)
             batch = SlotBatch(
                 self.model, self.device, max_batch=max_batch, max_len=length,
                 graphs=cuda_graphs and self.device.type == "cuda", max_prefill=max_prefill_tokens,

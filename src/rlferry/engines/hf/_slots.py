@@ -30,7 +30,7 @@ import torch
 
 from ._batch import Row, Sampling, _cache_kw, _params, _sample, _uniforms, record
 
-__all__ = ["GQA_SDPA", "SlotBatch", "SlotCache", "fuse_rms_norms", "use_gqa_sdpa"]
+__all__ = ["GQA_SDPA", "SlotBatch", "SlotCache", "fuse_rms_norms", "fuse_rotary", "use_gqa_sdpa"]
 
 GQA_SDPA = "rlferry_gqa_sdpa"
 """transformers' SDPA attention, but a one-token step of a grouped-query model reads the
@@ -98,6 +98,51 @@ def fuse_rms_norms(model: Any) -> int:
             module.forward = _rms_norm.__get__(module)
             n += 1
     return n
+
+
+_ROTARY_MODULES = frozenset(f"transformers.models.{m}.modeling_{m}" for m in (
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+))  # fmt: skip
+"""transformers' modeling modules whose ``apply_rotary_pos_emb(q, k, cos, sin)`` computes
+``x * cos + rotate_half(x) * sin`` for q and k, ``rotate_half(x) = cat(-x2, x1)``."""
+
+
+def _rotary(original: Any) -> Any:
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        unsqueeze_dim: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The same values as transformers', for q and k together: 6 kernels, not 10."""
+        if unsqueeze_dim != 1 or q.dim() != 4 or q.shape[::2] != k.shape[::2]:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        qk = torch.cat((q, k), dim=1)
+        half = qk.shape[-1] // 2
+        out = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+    apply_rotary_pos_emb.rlferry_original = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+def fuse_rotary(model: Any) -> bool:
+    """Have the rotary embedding of ``model``'s family (a module of :data:`_ROTARY_MODULES`)
+    rotate q and k together: the same values, 4 kernels fewer a layer. It changes that
+    transformers module for the process (its every model computes the same values)."""
+    import sys
+
+    for cls in type(model).__mro__:
+        name = cls.__module__
+        module = sys.modules.get(name)
+        if name not in _ROTARY_MODULES or module is None:
+            continue
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if fn is None:
+            return False
+        if not hasattr(fn, "rlferry_original"):
+            module.apply_rotary_pos_emb = _rotary(fn)  # type: ignore[attr-defined]
+        return True
+    return False
 
 
 def _cache_class() -> Any:
