@@ -1,34 +1,58 @@
 """Where the TransferQueue API's state lives: a controller and a store.
 
 ``Backend`` is the seam. ``embedded(conf)`` builds both in this process (the
-default: no Ray, no cluster, nothing to start). A launcher that runs them as
-services (rlferry's Ray launcher) registers a factory with
-``use_launcher(factory)``: ``init(conf)`` then calls ``factory(conf)`` and the
-client talks to whatever controller and store objects it returns (same methods
-as ``Controller`` and ``Store``).
+default: no Ray, no cluster, nothing to start). ``remote(...)`` reaches the same
+two, held by a service in another process (``_service.py``: a Ray actor of the job,
+or the process that called ``tq.init()`` serving its DataLoader workers), through
+``RemoteController`` and ``RemoteStore``, which have the same methods. A launcher
+registered with ``use_launcher(factory)`` makes ``init(conf)`` call
+``factory(conf)`` for its backend instead.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._controller import Controller
+from ._remote import Link, RemoteController, RemoteStore
 from ._samplers import BaseSampler
 from ._store import Store
 
-__all__ = ["Backend", "embedded"]
+__all__ = ["Backend", "Connection", "embedded", "remote"]
+
+
+@dataclass(frozen=True)
+class Connection:
+    """What a process needs to reach a service: its address, the secret (None over a
+    loopback or ipc:// address), the fetch timeout, and, on Ray, the actor's name and the
+    key its death is watched under."""
+
+    address: str
+    secret: str | None
+    timeout: float
+    actor: str | None = None
+    watch: str | None = None
+    namespace: str | None = None
 
 
 @dataclass
 class Backend:
-    controller: Controller
-    store: Store
+    controller: Controller | RemoteController
+    store: Store | RemoteStore
     conf: Any = None
     pid: int = field(default_factory=os.getpid)
     """The process that built it: an embedded backend lives in that process's memory."""
+    connection: Connection | None = None
+    """How other processes reach this backend's state (None: they cannot)."""
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+    """What ``close()`` runs, in order (a link to close, a service or an actor to stop)."""
+
+    def close(self) -> None:
+        while self.on_close:
+            self.on_close.pop(0)()
 
 
 Factory = Callable[[Any], Backend]
@@ -47,3 +71,18 @@ def embedded(conf: Any, sampler: BaseSampler) -> Backend:
         Store(),
         conf,
     )
+
+
+def remote(
+    connection: Connection,
+    address: str | None = None,
+    why_gone: Callable[[str], Awaitable[str]] | None = None,
+    conf: Any = None,
+) -> Backend:
+    """The state a service holds, reached at ``address`` (default: the connection's)."""
+    link = Link(address or connection.address, connection.secret, why_gone)
+    backend = Backend(
+        RemoteController(link, connection.timeout), RemoteStore(link), conf, connection=connection
+    )
+    backend.on_close.append(link.close)
+    return backend

@@ -1,14 +1,15 @@
-"""``TransferQueueClient``: TransferQueue's low-level client on the embedded backend.
+"""``TransferQueueClient``: TransferQueue's low-level client.
 
 Every method of TransferQueue 0.1.11's client, sync and ``async_`` twin, with its
-arguments and return types. The controller and the store live in this process
-(see ``_backend.py`` for the seam where another backend plugs in); a get_meta
-that must wait waits on an event, on a thread or on the caller's event loop.
+arguments and return types, over a backend's controller and store: in this process
+(embedded) or held by a service (``_backend.py``); a get_meta that must wait waits on
+an event, on a thread or on the caller's event loop (on a service: a parked request).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -74,6 +75,10 @@ class AsyncTransferQueueClient:
                 f"client `{self.client_id}`: expected an open client, got one that was closed "
                 "(call tq.init() again and use tq.get_client())"
             )
+        if self._backend.pid != os.getpid():  # a forked child: reach the queue, not a copy
+            from ._interface import current_backend
+
+            self._backend = current_backend()
         return self._backend
 
     # ---- get_meta ----
@@ -121,8 +126,8 @@ class AsyncTransferQueueClient:
             return ctl.insert(partition_id, list(data_fields), batch_size)
         if mode == "force_fetch":
             return ctl.force_fetch(partition_id, list(data_fields))
-        return ctl.wait_for(*self._fetch(data_fields, batch_size, partition_id, task_name,
-                                         sampling_config))  # fmt: skip
+        return ctl.fetch(partition_id, list(data_fields), batch_size, str(task_name),
+                         dict(sampling_config or {}))  # fmt: skip
 
     async def async_get_meta(
         self,
@@ -136,24 +141,8 @@ class AsyncTransferQueueClient:
         if mode != "fetch":
             return self.get_meta(data_fields, batch_size, partition_id, mode, task_name)
         self._check_get(data_fields, batch_size, mode, task_name)
-        return await self._live.controller.async_wait_for(
-            *self._fetch(data_fields, batch_size, partition_id, task_name, sampling_config)
-        )
-
-    def _fetch(
-        self,
-        data_fields: list[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str | None,
-        sampling_config: dict[str, Any] | None,
-    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
-        """A fetch's attempt and its timeout message, for the controller's wait."""
-        ctl = self._live.controller
-        fields, config, task = list(data_fields), dict(sampling_config or {}), str(task_name)
-        return (
-            lambda: ctl.fetch_attempt(partition_id, fields, batch_size, task, config),
-            lambda: ctl.fetch_timeout(partition_id, fields, batch_size, task),
+        return await self._live.controller.async_fetch(
+            partition_id, list(data_fields), batch_size, str(task_name), dict(sampling_config or {})
         )
 
     # ---- put / get ----
@@ -335,18 +324,19 @@ class AsyncTransferQueueClient:
     # ---- checkpoints ----
     # The loads below unpickle (the controller's state holds the shim's own objects) the
     # local files save_*_checkpoint wrote, at paths the caller names, as TransferQueue's own
-    # checkpoints do: never anything from a socket. Load only checkpoints you wrote.
+    # checkpoints do: never anything from a socket. Load only checkpoints you wrote. With the
+    # queue as a service, the service writes and reads them, on its own host.
     def save_controller_checkpoint(self, path: str) -> None:
-        torch.save(self._live.controller.state(), path)
+        self._live.controller.save(path)
 
     def load_controller_checkpoint(self, path: str) -> None:
-        self._live.controller.load(torch.load(path, weights_only=False))
+        self._live.controller.load_from(path)
 
     def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        torch.save(self._live.store.state(), f"{checkpoint_dir}/storage.pt")
+        self._live.store.save(f"{checkpoint_dir}/storage.pt")
 
     def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self._live.store.load(torch.load(f"{checkpoint_dir}/storage.pt", weights_only=False))
+        self._live.store.load_from(f"{checkpoint_dir}/storage.pt")
 
     def close(self) -> None:
         self._backend = None

@@ -238,6 +238,14 @@ class Store:
                 for pid, cols in self._parts.items()
             }
 
+    def save(self, path: str) -> None:
+        """Write ``state()`` to the local file ``path`` (a checkpoint)."""
+        torch.save(self.state(), path)
+
+    def load_from(self, path: str) -> None:
+        """``load`` the local file ``save`` wrote (unpickled: load only checkpoints you wrote)."""
+        self.load(torch.load(path, weights_only=False))
+
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:
             self._parts = {}
