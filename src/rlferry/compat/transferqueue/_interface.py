@@ -90,7 +90,9 @@ def current_backend(_controller_info: Any = None) -> Backend:
     Ray, one connected to the queue's service (made on first use)."""
     global _BACKEND
     if _BACKEND is not None and _BACKEND.pid == os.getpid():
-        return _BACKEND
+        if not _ended(_BACKEND):
+            return _BACKEND
+        _drop()  # its actor died: a reused Ray worker connects to the job's new one
     if _INHERITED is not None:
         connection, address = _INHERITED
         _BACKEND = remote(connection, address)
@@ -111,6 +113,23 @@ def current_backend(_controller_info: Any = None) -> Backend:
             _BACKEND = found
             return _BACKEND
     raise NotInitialized(_NOT_INIT)
+
+
+def _ended(backend: Backend) -> bool:
+    """A backend on a Ray actor that Ray reported dead."""
+    watch = backend.connection.watch if backend.connection is not None else None
+    if watch is None:
+        return False
+    from rlferry.ray._common import deaths
+
+    return deaths.ended(watch)
+
+
+def _drop() -> None:
+    global _BACKEND, _CLIENT
+    backend, _BACKEND, _CLIENT = _BACKEND, None, None
+    if backend is not None:
+        backend.close()
 
 
 def _in_ray_worker() -> bool:
@@ -190,7 +209,9 @@ def init(conf: Any = None) -> Any:
     """
     global _BACKEND, _CLIENT
     if _BACKEND is not None and _BACKEND.pid == os.getpid():
-        return conf
+        if not _ended(_BACKEND):
+            return conf
+        _drop()
     if _INHERITED is not None:
         current_backend()
         _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
@@ -239,7 +260,7 @@ def get_metrics_endpoint() -> str | None:
 
 def _client() -> TransferQueueClient:
     global _CLIENT
-    if _CLIENT is None or (_BACKEND is not None and _BACKEND.pid != os.getpid()):
+    if _CLIENT is None or _BACKEND is None or _BACKEND.pid != os.getpid() or _ended(_BACKEND):
         current_backend()  # connects where the process can reach a running queue
         _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
     return _CLIENT
