@@ -13,14 +13,14 @@ import torch
 pytest.importorskip("ray", reason="the Ray tests need the [ray] extra")
 pytest.importorskip("tensordict", reason="the shim needs the [tq] extra")
 
-import ray  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
+import ray
+from tensordict import TensorDict
 
-import rlferry.compat.transferqueue as tq  # noqa: E402
-from rlferry.compat.transferqueue import _interface  # noqa: E402
-from rlferry.compat.transferqueue._backend import embedded  # noqa: E402
-from rlferry.compat.transferqueue._ray import JOB  # noqa: E402
-from rlferry.ray._common import actor_name  # noqa: E402
+import rlferry.compat.transferqueue as tq
+from rlferry.compat.transferqueue import _interface
+from rlferry.compat.transferqueue._backend import embedded
+from rlferry.compat.transferqueue._ray import JOB
+from rlferry.ray._common import actor_name
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import it
 SERVICE = actor_name(JOB, "service")
