@@ -41,10 +41,9 @@ def produce() -> list[int]:
         },
         batch_size=6,
     )
-    meta = client.put(data, partition_id="train_0")
+    meta = client.get_meta(["x", "ids", "prompt"], 6, "train_0", mode="insert")
     meta.update_custom_meta([{"group": i // 3} for i in range(6)])
-    client.set_custom_meta(meta)
-    return meta.global_indexes
+    return client.put(data, metadata=meta).global_indexes  # the custom meta goes with it
 
 
 def consume() -> dict:

@@ -16,12 +16,59 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ._controller import Controller
 from ._remote import Link, RemoteController, RemoteStore
 from ._samplers import BaseSampler
 from ._store import Store
 
-__all__ = ["Backend", "Connection", "embedded", "remote"]
+__all__ = [
+    "Backend",
+    "Connection",
+    "Part",
+    "clear_parts",
+    "drop",
+    "embedded",
+    "put_parts",
+    "remote",
+]
+
+Part = tuple[
+    str, np.ndarray, dict[str, Any], dict[str, dict[str, Any]], list[dict[str, Any]] | None
+]
+"""One partition's share of a put: ``(partition, global indexes, columns, schema, custom
+meta or None)``."""
+
+
+def put_parts(ctl: Controller, store: Store, parts: list[Part]) -> None:
+    """A put: every partition is checked to exist before anything is stored."""
+    gone = [pid for pid, *_ in parts if not ctl.has(pid)]
+    if gone:
+        raise ValueError(
+            f"metadata: expected samples of existing partitions, got samples of {gone}, "
+            f"which do not exist (cleared since the BatchMeta was made? partitions: "
+            f"{ctl.partitions()})"
+        )
+    for pid, indexes, columns, schema, custom in parts:
+        store.put(pid, indexes, columns)
+        if custom is not None:  # before the samples are ready: a waiting fetch sees it
+            ctl.set_custom(pid, indexes, custom)
+        ctl.produced(pid, indexes, schema)
+
+
+def clear_parts(ctl: Controller, store: Store, parts: list[tuple[str, np.ndarray]]) -> None:
+    for pid, indexes in parts:
+        store.clear(pid, indexes)
+        ctl.clear_samples(pid, indexes)
+
+
+def drop(ctl: Controller, store: Store, pid: str) -> bool:
+    """Drop a partition; False if there is none."""
+    if not ctl.drop(pid):
+        return False
+    store.drop(pid)
+    return True
 
 
 @dataclass(frozen=True)
@@ -49,6 +96,27 @@ class Backend:
     """How other processes reach this backend's state (None: they cannot)."""
     on_close: list[Callable[[], None]] = field(default_factory=list)
     """What ``close()`` runs, in order (a link to close, a service or an actor to stop)."""
+
+    # What a client does in one step: on a service, one request each.
+    def put(self, parts: list[Part]) -> None:
+        if isinstance(self.controller, RemoteController):
+            self.controller.put_parts(parts)
+        else:
+            assert isinstance(self.store, Store)
+            put_parts(self.controller, self.store, parts)
+
+    def clear(self, parts: list[tuple[str, np.ndarray]]) -> None:
+        if isinstance(self.controller, RemoteController):
+            self.controller.clear_parts(parts)
+        else:
+            assert isinstance(self.store, Store)
+            clear_parts(self.controller, self.store, parts)
+
+    def drop(self, pid: str) -> bool:
+        if isinstance(self.controller, RemoteController):
+            return self.controller.drop_partition(pid)
+        assert isinstance(self.store, Store)
+        return drop(self.controller, self.store, pid)
 
     def close(self) -> None:
         while self.on_close:

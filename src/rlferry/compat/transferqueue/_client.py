@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ._backend import Backend
+from ._backend import Backend, Part
 from ._errors import ClientClosed
 from ._meta import BatchMeta, extract_field_schema
 
@@ -187,23 +187,19 @@ class AsyncTransferQueueClient:
                 f"data: expected {metadata.size} rows (the BatchMeta's size), got {n} "
                 "(put one row per sample of the metadata)"
             )
-        parts = _by_partition(metadata)
-        gone = [pid for pid, _, _ in parts if not backend.controller.has(pid)]
-        if gone:
-            raise ValueError(
-                f"metadata: expected samples of existing partitions, got samples of {gone}, "
-                f"which do not exist (cleared since the BatchMeta was made? partitions: "
-                f"{backend.controller.partitions()})"
-            )
         columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
         if data_parser is not None:
             columns = _parsed(columns, data_parser)
-        for pid, indexes, rows in parts:
-            mine = columns if rows is None else _rows(columns, rows)
-            backend.store.put(pid, indexes, mine)
-            sub = schema if rows is None else extract_field_schema(data[torch.from_numpy(rows)])
-            backend.controller.produced(pid, indexes, sub)
-        self.set_custom_meta(metadata)
+        custom = metadata._custom
+        parts: list[Part] = []
+        for pid, indexes, rows in _by_partition(metadata):
+            if rows is None:
+                parts.append((pid, indexes, columns, schema, custom))
+                continue
+            sub = extract_field_schema(data[torch.from_numpy(rows)])
+            mine = None if custom is None else [custom[i] for i in rows]
+            parts.append((pid, indexes, _rows(columns, rows), sub, mine))
+        backend.put(parts)
         return metadata.add_fields(data)
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -232,20 +228,15 @@ class AsyncTransferQueueClient:
     def clear_partition(self, partition_id: str) -> None:
         """Drop a partition: its samples, data, keys and consumption. A partition that does not
         exist is logged and left alone (as in TransferQueue)."""
-        backend = self._live
-        if not backend.controller.drop(partition_id):
+        if not self._live.drop(partition_id):
             log.warning("clear_partition: no partition `%s`: nothing to clear", partition_id)
-            return
-        backend.store.drop(partition_id)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         backend = self._live
         if metadata.size == 0:
             log.warning("clear_samples: empty BatchMeta: nothing to clear")
             return
-        for pid, indexes, _ in _by_partition(metadata):
-            backend.store.clear(pid, indexes)
-            backend.controller.clear_samples(pid, indexes)
+        backend.clear([(pid, indexes) for pid, indexes, _ in _by_partition(metadata)])
 
     # ---- status ----
     def get_consumption_status(

@@ -158,6 +158,18 @@ class RemoteController:
     def drop(self, pid: str) -> bool:
         return bool(self.link.call("drop", pid))
 
+    # a client's steps that touch both the controller and the store, one request each
+    def put_parts(self, parts: list[Any]) -> None:
+        wire = [[pid, _ints(i), put_columns(cols), schema_out(schema), custom]
+                for pid, i, cols, schema, custom in parts]  # fmt: skip
+        self.link.call("put_parts", wire)
+
+    def clear_parts(self, parts: list[tuple[str, np.ndarray]]) -> None:
+        self.link.call("clear_parts", [[pid, _ints(i)] for pid, i in parts])
+
+    def drop_partition(self, pid: str) -> bool:
+        return bool(self.link.call("drop_partition", pid))
+
     def kv_meta(self, keys: list[str], pid: str, create: bool) -> BatchMeta:
         return meta_in(self.link.call("kv_meta", keys, pid, create))
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from rlferry.wire import Server
 
-from ._backend import Backend
+from ._backend import Backend, clear_parts, drop, put_parts
 from ._controller import Controller
 from ._rpc import columns_out, meta_out, schema_in
 from ._store import Store
@@ -60,6 +60,16 @@ class Service:
             "kv_keys": c.kv_keys,
             "kv_list": c.kv_list,
             "version": c.version,
+            "put_parts": lambda parts: put_parts(
+                c,
+                s,
+                [
+                    (pid, _idx(i), cols, schema_in(schema), custom)
+                    for pid, i, cols, schema, custom in parts
+                ],
+            ),
+            "clear_parts": lambda parts: clear_parts(c, s, [(pid, _idx(i)) for pid, i in parts]),
+            "drop_partition": lambda pid: drop(c, s, pid),
             "store_put": lambda pid, i, columns: s.put(pid, _idx(i), columns),
             "store_get": lambda pid, i, fields: columns_out(s.get(pid, _idx(i), fields)),
             "store_clear": lambda pid, i: s.clear(pid, _idx(i)),
