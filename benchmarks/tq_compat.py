@@ -139,7 +139,7 @@ def report(results: dict[str, dict[str, Any]], reps: int) -> str:
         f"= {nbytes / 2**20:.0f} MiB; GB/s and samples/s from p50 (p50/p90/max seconds)",
         "",
     ]
-    others = [k for k in results if k != "shim"]
+    others = [k for k in results if k not in ("shim", "tq")]
     rows = []
     for op in ("put", "get"):
         stats = {k: _stats(r["perftest"][op]) for k, r in results.items()}
