@@ -126,8 +126,9 @@ class Backend:
 Factory = Callable[[Any], Backend]
 
 
-def embedded(conf: Any, sampler: BaseSampler) -> Backend:
-    """The controller and the store in this process."""
+def embedded(conf: Any, sampler: BaseSampler, served: bool = False) -> Backend:
+    """The controller and the store in this process (``served``: held by a service, whose
+    store keeps what it receives and answers from shared memory)."""
     ctl = conf.controller
     return Backend(
         Controller(
@@ -136,7 +137,7 @@ def embedded(conf: Any, sampler: BaseSampler) -> Backend:
             timeout=float(ctl.get_meta_timeout),
             pre_alloc=int(os.environ.get("TQ_PRE_ALLOC_SAMPLE_NUM", "1")),
         ),
-        Store(),
+        Store(shared=served),
         conf,
     )
 

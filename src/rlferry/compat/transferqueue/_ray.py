@@ -52,7 +52,9 @@ class ServiceActor(Watched):
 
         final = merged_config(conf)
         self._service, (address, ipc) = await serve(
-            embedded(final, sampler), [f"tcp://{node_address()}:*", default_address("ipc")], key
+            embedded(final, sampler, served=True),
+            [f"tcp://{node_address()}:*", default_address("ipc")],
+            key,
         )
         self._info = {"address": address, "ipc": ipc, "ip": node_address(), "secret": key,
                       "timeout": float(final.controller.get_meta_timeout)}  # fmt: skip
