@@ -82,3 +82,34 @@ def test_a_forked_child_of_an_embedded_queue_that_serves_nobody_is_refused():
         "process (a StreamingDataLoader with num_workers > 0 serves its workers; for other "
         "processes run the queue on Ray: ray.init() before tq.init())"
     )
+
+
+GONE = """
+import os, signal, torch
+import rlferry.compat.transferqueue as tq
+from rlferry.compat.transferqueue import _interface
+from tensordict import TensorDict
+
+tq.init({"controller": {"get_meta_timeout": 60}})
+_interface.serve_workers()
+service = _interface.current_backend().service
+reader = os.fork()
+if reader == 0:
+    tq.get_client().get_meta(["x"], 2, "p", task_name="t")  # parked at the parent
+    os._exit(0)
+assert service.wait_parked(1, 60), "the reader's get_meta never reached the service"
+os.kill(reader, signal.SIGKILL)
+os.waitpid(reader, 0)
+assert service.wait_parked(0, 60), "the dead reader's get_meta is still parked"
+client = tq.get_client()
+client.put(TensorDict({"x": torch.tensor([7, 8])}, batch_size=2), partition_id="p")
+meta = client.get_meta(["x"], 2, "p", task_name="t")
+print(client.get_data(meta)["x"].tolist())
+tq.close()
+"""
+
+
+def test_a_reader_that_dies_while_its_get_meta_waits_consumes_nothing():
+    out = subprocess.run([sys.executable, "-c", GONE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[7, 8]"

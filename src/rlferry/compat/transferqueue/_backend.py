@@ -94,6 +94,8 @@ class Backend:
     """The process that built it: an embedded backend lives in that process's memory."""
     connection: Connection | None = None
     """How other processes reach this backend's state (None: they cannot)."""
+    service: Any = None
+    """The service that serves this backend to other processes, if this process runs one."""
     on_close: list[Callable[[], None]] = field(default_factory=list)
     """What ``close()`` runs, in order (a link to close, a service or an actor to stop)."""
 

@@ -154,7 +154,7 @@ def serve_workers() -> Connection:
         loop = wire_loop()
         service, (address,) = loop.run(serve(backend, [default_address("ipc")]))
         timeout = float(backend.controller.timeout)
-        backend.connection = Connection(address, None, timeout)
+        backend.connection, backend.service = Connection(address, None, timeout), service
         backend.on_close.insert(0, lambda: wire_loop().run(service.close()))
     return backend.connection
 
@@ -163,7 +163,7 @@ def attach(connection: Connection) -> None:
     """Reach the queue's state through ``connection`` in a process that did not inherit it
     (a spawned DataLoader worker)."""
     global _BACKEND, _CLIENT
-    if _BACKEND is None or _BACKEND.pid != os.getpid():
+    if _INHERITED is None and (_BACKEND is None or _BACKEND.pid != os.getpid()):
         _BACKEND, _CLIENT = remote(connection), None
 
 

@@ -6,12 +6,15 @@ A request is ``[op, args]``; each op is one method of the controller or the stor
 put's columns, a get's answer and every ``BatchMeta`` in the forms of ``_rpc.py``). A
 fetch ``get_meta`` that finds too few samples is parked here, on the service's event
 loop, and answered when a put makes them ready or its timeout expires: the client
-sends one request and waits for its reply, it never polls.
+sends one request and waits for its reply, it never polls. A client that disconnects
+takes its parked requests with it at once: nothing is fetched for a reader that is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +30,9 @@ from ._store import Store
 __all__ = ["Service", "serve"]
 
 
+_PARKED = ("fetch", "wait_change")  # the requests that wait for data
+
+
 def _idx(indexes: Any) -> np.ndarray:
     return np.array(indexes, dtype=np.int64).reshape(-1)
 
@@ -37,6 +43,8 @@ class Service:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.servers: list[Server] = []
+        self._parked: dict[bytes, set[asyncio.Task[Any]]] = {}  # waiting requests by client
+        self._counted = threading.Condition()
         c, s = backend.controller, backend.store
         if not isinstance(c, Controller) or not isinstance(s, Store):
             raise TypeError(
@@ -97,7 +105,40 @@ class Service:
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
             raise ValueError(f"request: expected an op of {sorted(self._ops)}, got {op!r}")
-        return await fn(*args)
+        if op not in _PARKED:
+            return await fn(*args)
+        task = asyncio.current_task()
+        assert task is not None
+        parked = self._parked.setdefault(peer, set())
+        with self._counted:
+            parked.add(task)
+            self._counted.notify_all()
+        try:
+            return await fn(*args)
+        finally:
+            with self._counted:
+                parked.discard(task)
+                if not parked and self._parked.get(peer) is parked:
+                    del self._parked[peer]
+                self._counted.notify_all()
+
+    def gone(self, peer: bytes) -> None:
+        """A client disconnected (closed, died): its parked requests end now, so that a put
+        that lands later is not fetched (and marked consumed) for a reader that is gone."""
+        for task in list(self._parked.get(peer, ())):
+            task.cancel()
+
+    def parked(self) -> int:
+        """How many requests wait for data now."""
+        with self._counted:
+            return sum(map(len, self._parked.values()))
+
+    def wait_parked(self, n: int, timeout: float) -> bool:
+        """Wait (from another thread) until ``n`` requests wait for data; False on timeout."""
+        with self._counted:
+            return self._counted.wait_for(
+                lambda: sum(map(len, self._parked.values())) == n, timeout
+            )
 
     async def close(self) -> None:
         for server in self.servers:
@@ -124,7 +165,7 @@ async def serve(
     service = Service(backend)
     try:
         for bind in binds:
-            server = Server(service.handle, bind, secret=secret)
+            server = Server(service.handle, bind, secret=secret, on_disconnect=service.gone)
             service.servers.append(server)
             await server.start()
     except BaseException:
