@@ -113,3 +113,35 @@ def test_a_reader_that_dies_while_its_get_meta_waits_consumes_nothing():
     out = subprocess.run([sys.executable, "-c", GONE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[7, 8]"
+
+
+class Opaque:
+    """A value of a type the wire does not carry."""
+
+
+def test_a_value_the_wire_does_not_carry_is_refused_naming_its_field():
+    import torch
+    from tensordict import TensorDict
+
+    import rlferry.compat.transferqueue as tq
+    from rlferry.compat.transferqueue import _interface
+    from rlferry.compat.transferqueue._backend import remote
+
+    tq.init()
+    try:
+        other = remote(_interface.serve_workers())  # as another process reaches it
+        client = tq.TransferQueueClient("other")
+        client._backend = other
+        data = TensorDict({"x": torch.ones(2), "obj": [Opaque(), Opaque()]}, batch_size=2)
+        with pytest.raises(TypeError) as e:
+            client.put(data, partition_id="p")
+        assert str(e.value) == (
+            "field `obj`: expected values the wire carries (tensors, numpy arrays, str, bytes, "
+            "numbers, None, lists, dicts with str keys), got a type "
+            "test_compat_tq_procs.Opaque (convert it: across processes nothing is pickled; "
+            "nothing was stored)"
+        )
+        assert tq.get_client().get_production_status(["obj"], "p") == (None, None)
+        other.close()
+    finally:
+        tq.close()

@@ -11,6 +11,7 @@ the actor and Ray's reason.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,7 +83,7 @@ class Link:
                 "(tq.close() ran: call tq.init() again)"
             ) from None
         except WireError as e:  # a value the wire does not carry
-            raise TypeError(f"{op}: {e}") from None
+            raise _Unsendable(f"{op}: {e}") from None
 
     def call(self, op: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         return wire_loop().run(self._request(op, list(args), timeout))
@@ -96,6 +97,13 @@ class Link:
         client, self._client = self._client, None
         if client is not None:
             wire_loop().run(client.close())
+
+
+class _Unsendable(TypeError):
+    """A request held a value the wire does not carry (nothing was sent)."""
+
+
+_FIELD = re.compile(r"cannot encode `\$\[1\]\[0\]\[\d+\]\[2\]\.([^`\[.]+)[^`]*`: ([^;]+);")
 
 
 def _ints(indexes: np.ndarray) -> np.ndarray:
@@ -162,7 +170,17 @@ class RemoteController:
     def put_parts(self, parts: list[Any]) -> None:
         wire = [[pid, _ints(i), put_columns(cols), schema_out(schema), custom]
                 for pid, i, cols, schema, custom in parts]  # fmt: skip
-        self.link.call("put_parts", wire)
+        try:
+            self.link.call("put_parts", wire)
+        except _Unsendable as e:
+            found = _FIELD.search(str(e))
+            if found is None:
+                raise
+            raise TypeError(
+                f"field `{found[1]}`: expected values the wire carries (tensors, numpy arrays, "
+                f"str, bytes, numbers, None, lists, dicts with str keys), got a {found[2]} "
+                "(convert it: across processes nothing is pickled; nothing was stored)"
+            ) from None
 
     def clear_parts(self, parts: list[tuple[str, np.ndarray]]) -> None:
         self.link.call("clear_parts", [[pid, _ints(i)] for pid, i in parts])
