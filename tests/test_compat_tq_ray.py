@@ -95,6 +95,17 @@ class Reader:
     def pid(self) -> int:
         return os.getpid()
 
+    def connect(self) -> list[str]:
+        return tq.get_client().get_partition_list()
+
+    def wait_for_nothing(self) -> str:
+        """A get_meta that waits for a partition nobody fills; its error, named."""
+        try:
+            tq.get_client().get_meta(["x"], 1, "empty", task_name="reader")
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
 
 @pytest.fixture
 def on_ray(ray_cluster):
@@ -143,10 +154,13 @@ def test_a_dead_service_actor_fails_a_waiting_get_meta_naming_the_actor_and_why(
         except Exception as e:
             outcome["error"], outcome["at"] = e, time.monotonic()
 
+    reader = Reader.remote()
+    assert ray.get(reader.connect.remote()) == []
+    in_actor = reader.wait_for_nothing.remote()
     waiter = threading.Thread(target=wait)
     waiter.start()
-    ray.get(ray.get_actor(SERVICE).connection.remote())  # the get_meta is on its way
-    time.sleep(0.5)  # let it park at the service before the kill
+    ray.get(ray.get_actor(SERVICE).connection.remote())  # the get_metas are on their way
+    time.sleep(0.5)  # let them park at the service before the kill
     killed = time.monotonic()
     ray.kill(ray.get_actor(SERVICE))
     waiter.join(DEATH_BOUND)
@@ -156,6 +170,9 @@ def test_a_dead_service_actor_fails_a_waiting_get_meta_naming_the_actor_and_why(
     assert f"actor `{SERVICE}`" in str(error)
     assert "killed by `ray.kill`" in str(error)
     print(f"get_meta failed {outcome['at'] - killed:.3f} s after the kill: {error}")
+    told = ray.get(in_actor, timeout=DEATH_BOUND)  # the actor's get_meta failed as well
+    assert told.startswith(f"ServiceGone: fetch: actor `{SERVICE}`")
+    assert "killed by `ray.kill`" in told
 
 
 def test_close_removes_the_actor_its_socket_and_its_shared_memory(on_ray):
