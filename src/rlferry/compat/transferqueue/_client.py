@@ -8,6 +8,7 @@ an event, on a thread or on the caller's event loop (on a service: a parked requ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Coroutine
@@ -19,6 +20,7 @@ import torch
 from ._backend import Backend, Part
 from ._errors import ClientClosed
 from ._meta import BatchMeta, extract_field_schema
+from ._remote import RemoteController
 
 __all__ = ["AsyncTransferQueueClient", "TransferQueueClient"]
 
@@ -333,8 +335,16 @@ class AsyncTransferQueueClient:
         self._backend = None
 
     # ---- async twins ----
+    async def _off(self, fn: Callable[..., T], *args: Any) -> T:
+        """A sync method for an ``async_`` twin: on a service it waits for its requests on a
+        thread, so the caller's event loop goes on meanwhile; embedded it runs here (it does
+        not wait on anything but memory)."""
+        if self._backend is not None and isinstance(self._backend.controller, RemoteController):
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        self.set_custom_meta(metadata)
+        await self._off(self.set_custom_meta, metadata)
 
     async def async_put(
         self,
@@ -343,67 +353,67 @@ class AsyncTransferQueueClient:
         partition_id: str | None = None,
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
-        return self.put(data, metadata, partition_id, data_parser)
+        return await self._off(self.put, data, metadata, partition_id, data_parser)
 
     async def async_get_data(self, metadata: BatchMeta) -> Any:
-        return self.get_data(metadata)
+        return await self._off(self.get_data, metadata)
 
     async def async_clear_partition(self, partition_id: str) -> None:
-        self.clear_partition(partition_id)
+        await self._off(self.clear_partition, partition_id)
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
-        self.clear_samples(metadata)
+        await self._off(self.clear_samples, metadata)
 
     async def async_get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.get_consumption_status(task_name, partition_id)
+        return await self._off(self.get_consumption_status, task_name, partition_id)
 
     async def async_get_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.get_production_status(data_fields, partition_id)
+        return await self._off(self.get_production_status, data_fields, partition_id)
 
     async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
-        return self.check_consumption_status(task_name, partition_id)
+        return await self._off(self.check_consumption_status, task_name, partition_id)
 
     async def async_check_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> bool:
-        return self.check_production_status(data_fields, partition_id)
+        return await self._off(self.check_production_status, data_fields, partition_id)
 
     async def async_reset_consumption(
         self, partition_id: str, task_name: str | None = None
     ) -> bool:
-        return self.reset_consumption(partition_id, task_name)
+        return await self._off(self.reset_consumption, partition_id, task_name)
 
     async def async_get_partition_list(self) -> list[str]:
-        return self.get_partition_list()
+        return await self._off(self.get_partition_list)
 
     async def async_kv_retrieve_meta(
         self, keys: list[str] | str, partition_id: str, create: bool = False
     ) -> BatchMeta:
-        return self.kv_retrieve_meta(keys, partition_id, create)
+        return await self._off(self.kv_retrieve_meta, keys, partition_id, create)
 
     async def async_kv_retrieve_keys(
         self, global_indexes: list[int] | int, partition_id: str
     ) -> list[str]:
-        return self.kv_retrieve_keys(global_indexes, partition_id)
+        return await self._off(self.kv_retrieve_keys, global_indexes, partition_id)
 
     async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        return self.kv_list(partition_id)
+        return await self._off(self.kv_list, partition_id)
 
     async def async_save_controller_checkpoint(self, path: str) -> None:
-        self.save_controller_checkpoint(path)
+        await self._off(self.save_controller_checkpoint, path)
 
     async def async_load_controller_checkpoint(self, path: str) -> None:
-        self.load_controller_checkpoint(path)
+        await self._off(self.load_controller_checkpoint, path)
 
     async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.save_storage_checkpoint(checkpoint_dir)
+        await self._off(self.save_storage_checkpoint, checkpoint_dir)
 
     async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.load_storage_checkpoint(checkpoint_dir)
+        await self._off(self.load_storage_checkpoint, checkpoint_dir)
 
 
 class TransferQueueClient(AsyncTransferQueueClient):

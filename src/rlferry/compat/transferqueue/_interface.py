@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,6 +21,7 @@ from ._client import TransferQueueClient
 from ._config import merged_config
 from ._errors import NotInitialized
 from ._kvmeta import KVBatchMeta
+from ._remote import RemoteController
 
 __all__ = [
     "async_kv_batch_get",
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlferry.compat.transferqueue")
+T = TypeVar("T")
 
 _BACKEND: Backend | None = None
 _CLIENT: TransferQueueClient | None = None
@@ -437,6 +440,18 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
         client.clear_samples(meta)
 
 
+async def _off(fn: Callable[..., T], *args: Any) -> T:
+    """A KV call for its ``async_`` twin: with the queue as a service, on a thread (the
+    caller's event loop goes on while it waits for the service); embedded, here."""
+    try:
+        served = isinstance(current_backend().controller, RemoteController)
+    except NotInitialized:
+        served = False  # the call raises it, named
+    if served:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 async def async_kv_put(
     key: str,
     partition_id: str,
@@ -444,7 +459,7 @@ async def async_kv_put(
     tag: dict[str, Any] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    return kv_put(key, partition_id, fields, tag, data_parser)
+    return await _off(kv_put, key, partition_id, fields, tag, data_parser)
 
 
 async def async_kv_batch_put(
@@ -454,27 +469,27 @@ async def async_kv_batch_put(
     tags: list[dict[str, Any]] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    return kv_batch_put(keys, partition_id, fields, tags, data_parser)
+    return await _off(kv_batch_put, keys, partition_id, fields, tags, data_parser)
 
 
 async def async_kv_batch_get(
     keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
 ) -> Any:
-    return kv_batch_get(keys, partition_id, select_fields)
+    return await _off(kv_batch_get, keys, partition_id, select_fields)
 
 
 async def async_kv_batch_get_by_meta(
     meta: KVBatchMeta, select_fields: list[str] | str | None = None
 ) -> Any:
-    return kv_batch_get_by_meta(meta, select_fields)
+    return await _off(kv_batch_get_by_meta, meta, select_fields)
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    return kv_list(partition_id)
+    return await _off(kv_list, partition_id)
 
 
 async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
-    kv_clear(keys, partition_id)
+    await _off(kv_clear, keys, partition_id)
 
 
 # ---- checkpoints ----
