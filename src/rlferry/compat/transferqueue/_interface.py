@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import _samplers
+from . import _checkpoints, _samplers
 from ._backend import Backend, Connection, Factory, embedded, remote
 from ._client import TransferQueueClient
 from ._config import merged_config
@@ -493,10 +491,6 @@ async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
 
 
 # ---- checkpoints ----
-_METADATA_FILE = "metadata.json"
-_CONTROLLER_FILE = "controller_state.pt"
-
-
 def save_checkpoint(
     checkpoint_dir: str | Path,
     *,
@@ -511,30 +505,7 @@ def save_checkpoint(
     """
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
-    target = Path(checkpoint_dir)
-    tmp = target.parent / f"{target.name}.tmp"
-    old = target.parent / f"{target.name}.old"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        _CLIENT.save_controller_checkpoint(str(tmp / _CONTROLLER_FILE))
-        _CLIENT.save_storage_checkpoint(str(tmp))
-        with open(tmp / _METADATA_FILE, "w") as f:
-            json.dump({"storage_saved": True, "user_metadata": metadata or {}}, f, indent=2)
-        if target.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-        tmp.rename(target)
-        if old.exists():
-            shutil.rmtree(old)
-    except BaseException:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        if old.exists() and not target.exists():
-            old.rename(target)
-        raise
+    _checkpoints.save(_CLIENT, Path(checkpoint_dir), metadata)
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
@@ -545,17 +516,4 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     """
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
-    target = Path(checkpoint_dir)
-    old = target.parent / f"{target.name}.old"
-    if not target.exists() and old.exists():
-        old.rename(target)  # a save died between its two renames: the old one is whole
-    if not target.exists():
-        raise FileNotFoundError(f"Checkpoint directory not found: {target}")
-    for name in (_METADATA_FILE, _CONTROLLER_FILE):
-        if not (target / name).exists():
-            raise FileNotFoundError(f"{name} not found in {target}")
-    with open(target / _METADATA_FILE) as f:
-        saved = json.load(f)
-    if saved.get("storage_saved"):
-        _CLIENT.load_storage_checkpoint(str(target))
-    _CLIENT.load_controller_checkpoint(str(target / _CONTROLLER_FILE))
+    _checkpoints.load(_CLIENT, Path(checkpoint_dir))
