@@ -20,6 +20,7 @@ import rlferry.compat.transferqueue as tq
 from rlferry.compat.transferqueue import _interface
 from rlferry.compat.transferqueue._backend import embedded
 from rlferry.compat.transferqueue._ray import JOB
+from rlferry.ray import LaunchError
 from rlferry.ray._common import actor_name
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import it
@@ -202,3 +203,14 @@ def test_a_second_init_in_a_worker_reuses_the_drivers_service(on_ray):
 
     tq.get_client().put(TensorDict({"x": torch.ones(2)}, batch_size=2), partition_id="seen")
     assert ray.get(init_twice.remote(), timeout=120) == ["seen"]
+
+
+def test_a_node_resource_no_node_has_fails_at_once_naming_it(ray_cluster):
+    with pytest.raises(LaunchError) as e:
+        tq.init({"backend": {"SimpleStorage": {"required_node_resource": "tq_storage"}}})
+    assert str(e.value).startswith(
+        "config `backend.SimpleStorage.required_node_resource`: expected a resource some node "
+        "of the cluster has, got 'tq_storage', which none has (the cluster has ['CPU', "
+    )
+    with pytest.raises(ValueError):
+        ray.get_actor(SERVICE)

@@ -95,6 +95,13 @@ def start(conf: Any, sampler: BaseSampler) -> Backend:
     options: dict[str, Any] = {"name": _name(), "namespace": namespace_of(None), "num_cpus": 0}
     needed = conf.backend.SimpleStorage.required_node_resource
     if needed is not None:
+        have = sorted(r.cluster_resources())
+        if str(needed) not in have:  # Ray alone would wait for such a node forever
+            raise LaunchError(
+                f"config `backend.SimpleStorage.required_node_resource`: expected a resource "
+                f"some node of the cluster has, got {needed!r}, which none has (the cluster "
+                f"has {have}; start a node with resources={{{str(needed)!r}: 1}}, or unset it)"
+            )
         options["resources"] = {str(needed): 0.001}
     else:  # beside the driver: its puts and gets go through shared memory
         near = r.util.scheduling_strategies.NodeAffinitySchedulingStrategy
