@@ -214,3 +214,26 @@ def test_a_node_resource_no_node_has_fails_at_once_naming_it(ray_cluster):
     )
     with pytest.raises(ValueError):
         ray.get_actor(SERVICE)
+
+
+def test_a_process_of_another_node_reaches_the_service_over_tcp_with_the_jobs_secret(on_ray):
+    """Both nodes of the test cluster share one host (they reach the actor over ipc://): the
+    way another host reaches it, the node's address and the secret, is taken here by hand."""
+    from rlferry.compat.transferqueue._backend import Connection, remote
+    from rlferry.wire import SecurityError
+
+    connection = _interface.current_backend().connection
+    assert connection.address.startswith("tcp://") and connection.secret
+    far = remote(connection)
+    try:
+        client = tq.TransferQueueClient("far")
+        client._backend = far
+        client.put(TensorDict({"x": torch.arange(4.0)}, batch_size=4), partition_id="far")
+        meta = client.get_meta(["x"], 4, "far", task_name="t")
+        assert client.get_data(meta)["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        stranger = remote(Connection(connection.address, "0" * 64, connection.timeout))
+        with pytest.raises(SecurityError):
+            stranger.controller.partitions()
+        stranger.close()
+    finally:
+        far.close()

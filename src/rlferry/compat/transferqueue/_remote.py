@@ -5,7 +5,8 @@ Requests run on the process's wire loop (``rlferry.wire.wire_loop``): a sync cal
 on its future, an ``async_`` one awaits it from the caller's loop without blocking it.
 Errors come back as the types the embedded backend raises (``_rpc.ERRORS``); a service
 that is gone raises ``ServiceGone`` (a ``RuntimeError``) at once, naming it and, on Ray,
-the actor and Ray's reason.
+the actor and Ray's reason; one that refuses this process's secret raises the wire's
+``SecurityError``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlferry.wire import (
     PeerGone,
     RemoteError,
     RequestTimeout,
+    SecurityError,
     WireError,
     wire_loop,
 )
@@ -82,6 +84,8 @@ class Link:
                 f"{op}: the link to the TransferQueue service {self.address} was closed "
                 "(tq.close() ran: call tq.init() again)"
             ) from None
+        except SecurityError:
+            raise  # the service refused this process's secret: rlferry's own error, as is
         except WireError as e:  # a value the wire does not carry
             raise _Unsendable(f"{op}: {e}") from None
 
