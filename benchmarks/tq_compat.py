@@ -1,10 +1,13 @@
-"""TransferQueue's API, two implementations in one run: rlferry's shim and TransferQueue 0.1.11.
+"""TransferQueue's API, in one run: rlferry's shim (embedded, and as a service on Ray) and
+TransferQueue 0.1.11.
 
-The same worker code runs twice, each time through ``import transfer_queue``: once with
-rlferry's shim installed (this interpreter; embedded, in this process) and once with the
-real package (``--tq-python``: an interpreter with ``transferqueue==0.1.11``; default
-``tq.init()`` on a local Ray started by the worker, ``ray.init(num_cpus=16)``: its
-controller and storage units are Ray actors).
+The same worker code runs in turn through ``import transfer_queue``: with rlferry's shim
+installed (this interpreter), embedded (in the worker's process); with the shim as a
+service (``--service``: the worker starts a local Ray, ``ray.init(num_cpus=16)``, and its
+``tq.init()`` starts the queue's service actor, which the worker reaches over ipc:// and
+shared memory, as every process of the actor's node does); and with the real package
+(``--tq-python``: an interpreter with ``transferqueue==0.1.11``; default ``tq.init()`` on a
+local Ray started the same way: its controller and storage units are Ray actors).
 
 1. TransferQueue's perftest workload (its ``scripts/performance_test/perftest.py`` "simple"
    case: 1024 samples x 9 float32 fields x 8192, 288 MiB) through its KV API:
@@ -13,10 +16,10 @@ controller and storage units are Ray actors).
    call: ``put`` (new samples), ``get_meta`` (fetch, one task), ``get_data``,
    ``clear_samples``; microseconds per sample.
 
-    python benchmarks/tq_compat.py --tq-python .venv-tq/bin/python
+    python benchmarks/tq_compat.py --service --tq-python .venv-tq/bin/python
 
 Note what differs: the shim's embedded backend keeps the data in the caller's process (a
-put is one copy in memory); TransferQueue's moves it to storage-unit processes over ZMQ.
+put is one copy in memory); its service and TransferQueue move it to another process.
 """
 
 from __future__ import annotations
@@ -46,14 +49,14 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]:
-    """Runs in the interpreter under test; ``impl`` is 'shim' or 'tq'."""
+    """Runs in the interpreter under test; ``impl`` is 'shim', 'service' or 'tq'."""
     import torch
 
-    if impl == "shim":
+    if impl != "tq":
         import rlferry.compat.transferqueue as shim
 
         shim.install()
-    else:
+    if impl != "shim":
         import ray
 
         ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
@@ -116,45 +119,58 @@ def _run(python: str, impl: str, iters: int, reps: int, sizes: list[int]) -> dic
             return result
 
 
-def report(shim: dict[str, Any], tq: dict[str, Any] | None, reps: int) -> str:
+NAMES = {"shim": "embedded", "service": "service", "tq": "TQ"}
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{b / a:.2f}x" if b / a < 10 else f"{b / a:.0f}x"
+
+
+def report(results: dict[str, dict[str, Any]], reps: int) -> str:
+    """A table per workload: each implementation's numbers, then each one's speed against
+    the embedded shim (>1x: faster) and the shim's against TransferQueue."""
     from _common import table
 
     nbytes = B * FIELDS * SEQ * 4
+    names = [NAMES[k] for k in results]
     lines = [
         f"machine: {platform.node()} ({os.cpu_count()} CPUs), python {platform.python_version()}",
         f"perftest simple case: {B} samples x {FIELDS} fields x {SEQ} float32 "
-        f"= {nbytes / 2**20:.0f} MiB; GB/s from p50 (p90/max seconds)",
+        f"= {nbytes / 2**20:.0f} MiB; GB/s and samples/s from p50 (p50/p90/max seconds)",
         "",
     ]
+    others = [k for k in results if k not in ("shim", "tq")]
     rows = []
     for op in ("put", "get"):
-        s = _stats(shim["perftest"][op])
-        row = [f"kv_batch_{op}", f"{nbytes / s['p50'] / 1e9:.2f}", f"{B / s['p50']:,.0f}",
-               f"{s['p50']:.3f}/{s['p90']:.3f}/{s['max']:.3f}"]  # fmt: skip
-        if tq:
-            t = _stats(tq["perftest"][op])
-            row += [f"{nbytes / t['p50'] / 1e9:.2f}", f"{B / t['p50']:,.0f}",
-                    f"{t['p50']:.3f}/{t['p90']:.3f}/{t['max']:.3f}",
-                    f"{t['p50'] / s['p50']:.1f}x"]  # fmt: skip
+        stats = {k: _stats(r["perftest"][op]) for k, r in results.items()}
+        row = [f"kv_batch_{op}"]
+        for s in stats.values():
+            row += [f"{nbytes / s['p50'] / 1e9:.2f} GB/s, {B / s['p50']:,.0f}/s",
+                    f"{s['p50']:.3f}/{s['p90']:.3f}/{s['max']:.3f}"]  # fmt: skip
+        row += [_ratio(stats[k]["p50"], stats["shim"]["p50"]) for k in others]
+        if "tq" in stats:
+            row += [_ratio(stats[k]["p50"], stats["tq"]["p50"]) for k in results if k != "tq"]
         rows.append(row)
-    header = ["op", "shim GB/s", "shim samples/s", "shim s p50/p90/max"]
-    if tq:
-        header += ["TQ GB/s", "TQ samples/s", "TQ s p50/p90/max", "shim/TQ speed"]
+    header = ["op"]
+    for n in names:
+        header += [n, f"{n} s p50/p90/max"]
+    header += [f"{NAMES[k]}/embedded speed" for k in others]
+    if "tq" in results:
+        header += [f"{NAMES[k]}/TQ speed" for k in results if k != "tq"]
     lines += [table(rows, header), ""]
     lines.append(f"metadata cost, us per sample (tiny int64 samples, {reps} reps: p50 [p90, max])")
     rows = []
-    for n in shim["meta"]:
+    for n in results["shim"]["meta"]:
         for op in ("put", "get_meta", "get_data", "clear"):
-            s = _stats(shim["meta"][n][op])
-            row = [n, op, f"{s['p50']:.3f} [{s['p90']:.3f}, {s['max']:.3f}]"]
-            if tq:
-                t = _stats(tq["meta"][n][op])
-                row += [f"{t['p50']:.2f} [{t['p90']:.2f}, {t['max']:.2f}]",
-                        f"{t['p50'] / s['p50']:.0f}x"]  # fmt: skip
-            rows.append([str(c) for c in row])
-    header = ["samples", "op", "shim us/sample"]
-    if tq:
-        header += ["TQ us/sample", "shim/TQ speed"]
+            stats = {k: _stats(r["meta"][n][op]) for k, r in results.items()}
+            row = [str(n), op]
+            row += [f"{s['p50']:.3f} [{s['p90']:.3f}, {s['max']:.3f}]" for s in stats.values()]
+            if "tq" in stats:
+                row += [_ratio(stats[k]["p50"], stats["tq"]["p50"]) for k in results if k != "tq"]
+            rows.append(row)
+    header = ["samples", "op", *[f"{n} us/sample" for n in names]]
+    if "tq" in results:
+        header += [f"{NAMES[k]}/TQ speed" for k in results if k != "tq"]
     lines.append(table(rows, header))
     return "\n".join(lines)
 
@@ -165,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=4, help="perftest iterations (after one)")
     p.add_argument("--reps", type=int, default=5, help="metadata-cost repetitions per size")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    p.add_argument("--worker", choices=["shim", "tq"], help=argparse.SUPPRESS)
+    p.add_argument("--service", action="store_true", help="also the shim as a Ray service")
+    p.add_argument("--worker", choices=["shim", "service", "tq"], help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -173,9 +190,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(a.json, "w") as f:
             json.dump(worker(a.worker, a.iterations, a.reps, sizes), f)
         return
-    shim = _run(sys.executable, "shim", a.iterations, a.reps, sizes)
-    tq = _run(a.tq_python, "tq", a.iterations, a.reps, sizes) if a.tq_python else None
-    print(report(shim, tq, a.reps), flush=True)
+    results = {"shim": _run(sys.executable, "shim", a.iterations, a.reps, sizes)}
+    if a.service:
+        results["service"] = _run(sys.executable, "service", a.iterations, a.reps, sizes)
+    if a.tq_python:
+        results["tq"] = _run(a.tq_python, "tq", a.iterations, a.reps, sizes)
+    print(report(results, a.reps), flush=True)
 
 
 if __name__ == "__main__":

@@ -292,38 +292,3 @@ def test_a_put_after_an_async_get_meta_timed_out_on_a_closed_loop_succeeds(clien
     with pytest.raises(GetMetaTimeout):
         asyncio.run(client.async_get_meta(["x"], 1, "p", task_name="t"))
     assert client.put(rows(1), partition_id="p").size == 1
-
-
-RAY_WORKER = """
-import ray, rlferry.compat.transferqueue as t
-ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-t.install()
-import transfer_queue as tq
-tq.init()  # the driver: embedded here
-
-@ray.remote
-def worker():
-    import rlferry.compat.transferqueue as t
-    try:
-        t.init()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
-
-print(ray.get(worker.remote(), timeout=120))
-ray.shutdown()
-"""
-
-
-def test_an_embedded_queue_is_refused_in_a_ray_worker():
-    pytest.importorskip("ray", reason="Ray is not installed (CI installs it for this case)")
-    out = subprocess.run(
-        [sys.executable, "-c", RAY_WORKER], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == (
-        "tq.init() in a Ray worker: expected the queue as a service that every process "
-        "reaches, got the embedded one, which lives in one process only (register a "
-        "launcher with rlferry.compat.transferqueue.use_launcher, or keep the queue's "
-        "calls in the process that called tq.init())"
-    )

@@ -143,3 +143,32 @@ def test_bulk_copy_in_a_forked_child_does_not_wait_for_helpers_that_are_not_ther
     assert here.poll(60), "the child's copy hung"
     assert here.recv() is True
     child.join(10)
+
+
+def test_a_forked_child_never_reuses_its_parents_shared_memory() -> None:
+    """The parent's segments stay mapped in a forked child, shared with the parent, which
+    goes on lending them: a child that wrote into one would write into the parent's sends."""
+    import os
+
+    import pytest
+
+    if not AVAILABLE:
+        pytest.skip("no shared memory on this platform")
+    from rlferry.wire import shared_empty
+
+    warm = shared_empty([1 << 20], torch.uint8)
+    base = warm.data_ptr()
+    del warm  # back to the parent's free pool
+    assert exports.find(base, 1 << 20) is not None
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        fresh = shared_empty([1 << 20], torch.uint8)
+        apart = fresh.data_ptr() != base and exports.find(base, 1) is None
+        os.write(write, b"1" if apart else b"0")
+        os._exit(0)
+    os.close(write)
+    told = os.read(read, 1)
+    os.waitpid(child, 0)
+    assert told == b"1"
+    assert exports.find(base, 1 << 20) is not None  # the parent still has it

@@ -7,8 +7,9 @@
 #
 #   bash tests/tq_upstream/run.sh          # with the venv of rlferry's [dev] extra, plus ray
 #
-# Needs `ray` importable: their test modules and tutorials `import ray` (the tutorials start a
-# local Ray; the shim runs embedded all the same). TQ_UPSTREAM_DIR picks the work directory.
+# Needs `ray` importable: their test modules and tutorials `import ray`; the tutorials and their
+# KV module run on a local Ray, where the shim's state is a named actor of the job (the other
+# modules run it embedded). TQ_UPSTREAM_DIR picks the work directory.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ -n "${TQ_UPSTREAM_DIR:-}" ]; then
@@ -30,13 +31,11 @@ cp "$here/upstream_conftest.py" "$work/src/tests/conftest.py"
 python "$here/prepare.py" "$work/src/tests"
 
 # Left out, each for its reason (only tests that read TransferQueue's controller actor or
-# storage internals, or need the queue as a service in another process).
+# storage internals).
 kv=tests/e2e/test_kv_interface_e2e.py
 deselect=(
   # reads TransferQueue's StorageUnitData (a SimpleStorage storage-unit internal)
   --deselect tests/test_metadata.py::TestStorageUnitDataStrict
-  # a Ray remote task that calls tq.init() in another process: needs the queue as a service
-  --deselect "$kv::TestRayWorkerKVInterfaceE2E"
   # these read the controller actor's partition snapshot (DataPartitionStatus internals)
   --deselect "$kv::TestKVPutE2E::test_kv_put_single_sample_with_fields_and_tag"
   --deselect "$kv::TestKVPutE2E::test_kv_put_update_tag_only"

@@ -1,8 +1,9 @@
 """Our fixtures for TransferQueue's own tests, run on rlferry's shim.
 
 Installs the shim as `transfer_queue` before their modules import it, and supplies the
-fixtures that in their suite start Ray or reach into the controller actor: here nothing needs
-a cluster (the shim runs embedded), and cleanup goes through the public API.
+fixtures that in their suite start Ray or reach into the controller actor: their KV module runs
+on a local Ray (the shim's service actor), the others embedded, and cleanup goes through the
+public API.
 """
 
 import pytest
@@ -14,7 +15,18 @@ shim.install()
 
 @pytest.fixture(scope="module")
 def ray_init():
+    """Their KV module's Ray: a local one, so that the shim runs there as it does under
+    TransferQueue's users, as a named actor that the module's Ray tasks reach. Each worker
+    installs the shim first (their tasks `import transfer_queue`)."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"worker_process_setup_hook": "rlferry.compat.transferqueue.install"},
+    )
     yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -158,6 +158,11 @@ class Deaths:
         ref.future().add_done_callback(done)
         return end
 
+    def ended(self, name: str) -> bool:
+        """True once Ray reported that the watched actor ``name`` ended (no waiting)."""
+        end = self._ends.get(name)
+        return end is not None and end.done()
+
     async def why(self, name: str, grace: float = DEATH_GRACE) -> str | None:
         """Why ``name`` ended, waiting up to ``grace`` seconds for Ray to say (None: alive)."""
         end = self._ends.get(name)

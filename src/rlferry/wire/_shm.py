@@ -196,6 +196,16 @@ class _Registry:
                         self.pool.discard(obj.memory)
         entries.clear()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's segments are still mapped here, shared with the
+        parent, which goes on lending them. The child never reuses, lends or refers to them
+        (its sends copy into segments of its own)."""
+        self.lock = threading.RLock()
+        self.starts, self.memories = [], []
+        self.pool, self.free = set(), []
+        self.lent = collections.Counter()
+        self.exports, self.by_peer = {}, collections.defaultdict(set)
+
     def statistics(self) -> dict[str, int]:
         with self.lock:
             return {
@@ -243,6 +253,7 @@ class _Registry:
 
 
 exports = _Registry()
+os.register_at_fork(after_in_child=exports.forget_after_fork)
 _enc = msgspec.msgpack.Encoder()
 
 

@@ -78,6 +78,22 @@ def shared_context() -> zmq.asyncio.Context:
         return _context
 
 
+_forked_away: list[Any] = []  # a parent's context and authenticator, never used (nor ended)
+
+
+def _forget_after_fork() -> None:
+    """A forked child cannot use its parent's zmq context (its I/O threads did not survive
+    the fork): it makes its own on first use. The parent's is kept referenced, so that no
+    finalizer tries to end it here."""
+    global _context, _auth, _context_lock
+    _forked_away.extend(x for x in (_context, _auth) if x is not None)
+    _context = _auth = None
+    _context_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 class _Authenticator:
     """The context's ZAP handler: admits a client whose key matches the server's domain."""
 

@@ -7,13 +7,21 @@ Switch an existing verl or slime integration with one line at start-up::
     tq.init()
 
 Needs the ``[tq]`` extra (tensordict, omegaconf). Embedded by default: no Ray,
-no cluster. ``use_launcher(factory)`` is the seam for a launcher that runs the
-controller and store as services.
+no cluster. With Ray up, ``tq.init()`` in the driver runs the queue's state as a
+named actor of the job, which every task and actor reaches (``tq.init()`` or
+``get_client()`` there); a ``StreamingDataLoader`` with workers serves an embedded
+queue to them. ``use_launcher(factory)`` plugs in another backend.
 """
 
 from ._client import AsyncTransferQueueClient, TransferQueueClient
 from ._dataset import StreamingDataLoader, StreamingDataset
-from ._errors import ClientClosed, GetMetaTimeout, NotInitialized, StorageKeyNotFoundError
+from ._errors import (
+    ClientClosed,
+    GetMetaTimeout,
+    NotInitialized,
+    ServiceGone,
+    StorageKeyNotFoundError,
+)
 from ._install import install, uninstall
 from ._interface import (
     async_kv_batch_get,
@@ -61,6 +69,7 @@ __all__ = [
     "RankAwareSampler",
     "SeqlenBalancedSampler",
     "SequentialSampler",
+    "ServiceGone",
     "StorageKeyNotFoundError",
     "StreamingDataLoader",
     "StreamingDataset",

@@ -1,23 +1,26 @@
-"""``TransferQueueClient``: TransferQueue's low-level client on the embedded backend.
+"""``TransferQueueClient``: TransferQueue's low-level client.
 
 Every method of TransferQueue 0.1.11's client, sync and ``async_`` twin, with its
-arguments and return types. The controller and the store live in this process
-(see ``_backend.py`` for the seam where another backend plugs in); a get_meta
-that must wait waits on an event, on a thread or on the caller's event loop.
+arguments and return types, over a backend's controller and store: in this process
+(embedded) or held by a service (``_backend.py``); a get_meta that must wait waits on
+an event, on a thread or on the caller's event loop (on a service: a parked request).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from ._backend import Backend
+from ._backend import Backend, Part
 from ._errors import ClientClosed
 from ._meta import BatchMeta, extract_field_schema
+from ._remote import RemoteController
 
 __all__ = ["AsyncTransferQueueClient", "TransferQueueClient"]
 
@@ -74,6 +77,10 @@ class AsyncTransferQueueClient:
                 f"client `{self.client_id}`: expected an open client, got one that was closed "
                 "(call tq.init() again and use tq.get_client())"
             )
+        if self._backend.pid != os.getpid():  # a forked child: reach the queue, not a copy
+            from ._interface import current_backend
+
+            self._backend = current_backend()
         return self._backend
 
     # ---- get_meta ----
@@ -121,8 +128,8 @@ class AsyncTransferQueueClient:
             return ctl.insert(partition_id, list(data_fields), batch_size)
         if mode == "force_fetch":
             return ctl.force_fetch(partition_id, list(data_fields))
-        return ctl.wait_for(*self._fetch(data_fields, batch_size, partition_id, task_name,
-                                         sampling_config))  # fmt: skip
+        return ctl.fetch(partition_id, list(data_fields), batch_size, str(task_name),
+                         dict(sampling_config or {}))  # fmt: skip
 
     async def async_get_meta(
         self,
@@ -136,24 +143,8 @@ class AsyncTransferQueueClient:
         if mode != "fetch":
             return self.get_meta(data_fields, batch_size, partition_id, mode, task_name)
         self._check_get(data_fields, batch_size, mode, task_name)
-        return await self._live.controller.async_wait_for(
-            *self._fetch(data_fields, batch_size, partition_id, task_name, sampling_config)
-        )
-
-    def _fetch(
-        self,
-        data_fields: list[str],
-        batch_size: int,
-        partition_id: str,
-        task_name: str | None,
-        sampling_config: dict[str, Any] | None,
-    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
-        """A fetch's attempt and its timeout message, for the controller's wait."""
-        ctl = self._live.controller
-        fields, config, task = list(data_fields), dict(sampling_config or {}), str(task_name)
-        return (
-            lambda: ctl.fetch_attempt(partition_id, fields, batch_size, task, config),
-            lambda: ctl.fetch_timeout(partition_id, fields, batch_size, task),
+        return await self._live.controller.async_fetch(
+            partition_id, list(data_fields), batch_size, str(task_name), dict(sampling_config or {})
         )
 
     # ---- put / get ----
@@ -198,23 +189,19 @@ class AsyncTransferQueueClient:
                 f"data: expected {metadata.size} rows (the BatchMeta's size), got {n} "
                 "(put one row per sample of the metadata)"
             )
-        parts = _by_partition(metadata)
-        gone = [pid for pid, _, _ in parts if not backend.controller.has(pid)]
-        if gone:
-            raise ValueError(
-                f"metadata: expected samples of existing partitions, got samples of {gone}, "
-                f"which do not exist (cleared since the BatchMeta was made? partitions: "
-                f"{backend.controller.partitions()})"
-            )
         columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
         if data_parser is not None:
             columns = _parsed(columns, data_parser)
-        for pid, indexes, rows in parts:
-            mine = columns if rows is None else _rows(columns, rows)
-            backend.store.put(pid, indexes, mine)
-            sub = schema if rows is None else extract_field_schema(data[torch.from_numpy(rows)])
-            backend.controller.produced(pid, indexes, sub)
-        self.set_custom_meta(metadata)
+        custom = metadata._custom
+        parts: list[Part] = []
+        for pid, indexes, rows in _by_partition(metadata):
+            if rows is None:
+                parts.append((pid, indexes, columns, schema, custom))
+                continue
+            sub = extract_field_schema(data[torch.from_numpy(rows)])
+            mine = None if custom is None else [custom[i] for i in rows]
+            parts.append((pid, indexes, _rows(columns, rows), sub, mine))
+        backend.put(parts)
         return metadata.add_fields(data)
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -243,20 +230,15 @@ class AsyncTransferQueueClient:
     def clear_partition(self, partition_id: str) -> None:
         """Drop a partition: its samples, data, keys and consumption. A partition that does not
         exist is logged and left alone (as in TransferQueue)."""
-        backend = self._live
-        if not backend.controller.drop(partition_id):
+        if not self._live.drop(partition_id):
             log.warning("clear_partition: no partition `%s`: nothing to clear", partition_id)
-            return
-        backend.store.drop(partition_id)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         backend = self._live
         if metadata.size == 0:
             log.warning("clear_samples: empty BatchMeta: nothing to clear")
             return
-        for pid, indexes, _ in _by_partition(metadata):
-            backend.store.clear(pid, indexes)
-            backend.controller.clear_samples(pid, indexes)
+        backend.clear([(pid, indexes) for pid, indexes, _ in _by_partition(metadata)])
 
     # ---- status ----
     def get_consumption_status(
@@ -335,25 +317,34 @@ class AsyncTransferQueueClient:
     # ---- checkpoints ----
     # The loads below unpickle (the controller's state holds the shim's own objects) the
     # local files save_*_checkpoint wrote, at paths the caller names, as TransferQueue's own
-    # checkpoints do: never anything from a socket. Load only checkpoints you wrote.
+    # checkpoints do: never anything from a socket. Load only checkpoints you wrote. With the
+    # queue as a service, the service writes and reads them, on its own host.
     def save_controller_checkpoint(self, path: str) -> None:
-        torch.save(self._live.controller.state(), path)
+        self._live.controller.save(path)
 
     def load_controller_checkpoint(self, path: str) -> None:
-        self._live.controller.load(torch.load(path, weights_only=False))
+        self._live.controller.load_from(path)
 
     def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        torch.save(self._live.store.state(), f"{checkpoint_dir}/storage.pt")
+        self._live.store.save(f"{checkpoint_dir}/storage.pt")
 
     def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self._live.store.load(torch.load(f"{checkpoint_dir}/storage.pt", weights_only=False))
+        self._live.store.load_from(f"{checkpoint_dir}/storage.pt")
 
     def close(self) -> None:
         self._backend = None
 
     # ---- async twins ----
+    async def _off(self, fn: Callable[..., T], *args: Any) -> T:
+        """A sync method for an ``async_`` twin: on a service it waits for its requests on a
+        thread, so the caller's event loop goes on meanwhile; embedded it runs here (it does
+        not wait on anything but memory)."""
+        if self._backend is not None and isinstance(self._backend.controller, RemoteController):
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
     async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
-        self.set_custom_meta(metadata)
+        await self._off(self.set_custom_meta, metadata)
 
     async def async_put(
         self,
@@ -362,67 +353,67 @@ class AsyncTransferQueueClient:
         partition_id: str | None = None,
         data_parser: Callable[[Any], Any] | None = None,
     ) -> BatchMeta:
-        return self.put(data, metadata, partition_id, data_parser)
+        return await self._off(self.put, data, metadata, partition_id, data_parser)
 
     async def async_get_data(self, metadata: BatchMeta) -> Any:
-        return self.get_data(metadata)
+        return await self._off(self.get_data, metadata)
 
     async def async_clear_partition(self, partition_id: str) -> None:
-        self.clear_partition(partition_id)
+        await self._off(self.clear_partition, partition_id)
 
     async def async_clear_samples(self, metadata: BatchMeta) -> None:
-        self.clear_samples(metadata)
+        await self._off(self.clear_samples, metadata)
 
     async def async_get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.get_consumption_status(task_name, partition_id)
+        return await self._off(self.get_consumption_status, task_name, partition_id)
 
     async def async_get_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.get_production_status(data_fields, partition_id)
+        return await self._off(self.get_production_status, data_fields, partition_id)
 
     async def async_check_consumption_status(self, task_name: str, partition_id: str) -> bool:
-        return self.check_consumption_status(task_name, partition_id)
+        return await self._off(self.check_consumption_status, task_name, partition_id)
 
     async def async_check_production_status(
         self, data_fields: list[str], partition_id: str
     ) -> bool:
-        return self.check_production_status(data_fields, partition_id)
+        return await self._off(self.check_production_status, data_fields, partition_id)
 
     async def async_reset_consumption(
         self, partition_id: str, task_name: str | None = None
     ) -> bool:
-        return self.reset_consumption(partition_id, task_name)
+        return await self._off(self.reset_consumption, partition_id, task_name)
 
     async def async_get_partition_list(self) -> list[str]:
-        return self.get_partition_list()
+        return await self._off(self.get_partition_list)
 
     async def async_kv_retrieve_meta(
         self, keys: list[str] | str, partition_id: str, create: bool = False
     ) -> BatchMeta:
-        return self.kv_retrieve_meta(keys, partition_id, create)
+        return await self._off(self.kv_retrieve_meta, keys, partition_id, create)
 
     async def async_kv_retrieve_keys(
         self, global_indexes: list[int] | int, partition_id: str
     ) -> list[str]:
-        return self.kv_retrieve_keys(global_indexes, partition_id)
+        return await self._off(self.kv_retrieve_keys, global_indexes, partition_id)
 
     async def async_kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-        return self.kv_list(partition_id)
+        return await self._off(self.kv_list, partition_id)
 
     async def async_save_controller_checkpoint(self, path: str) -> None:
-        self.save_controller_checkpoint(path)
+        await self._off(self.save_controller_checkpoint, path)
 
     async def async_load_controller_checkpoint(self, path: str) -> None:
-        self.load_controller_checkpoint(path)
+        await self._off(self.load_controller_checkpoint, path)
 
     async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.save_storage_checkpoint(checkpoint_dir)
+        await self._off(self.save_storage_checkpoint, checkpoint_dir)
 
     async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self.load_storage_checkpoint(checkpoint_dir)
+        await self._off(self.load_storage_checkpoint, checkpoint_dir)
 
 
 class TransferQueueClient(AsyncTransferQueueClient):

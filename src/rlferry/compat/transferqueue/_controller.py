@@ -103,6 +103,52 @@ class Controller:
             if left <= 0:
                 raise GetMetaTimeout(what())
 
+    async def async_wait_change(self, seen: int) -> None:
+        """``wait_change`` for a caller on an event loop (a service's parked request)."""
+        deadline = time.monotonic() + self.timeout
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if self._version != seen:
+                    return
+                fut: asyncio.Future[None] = loop.create_future()
+                self._futures.append((loop, fut))
+            left = deadline - time.monotonic()
+            try:
+                if left > 0:
+                    await asyncio.wait([fut], timeout=left)
+            finally:
+                with self._lock:
+                    if (loop, fut) in self._futures:
+                        self._futures.remove((loop, fut))
+            if left <= 0:
+                return
+
+    def fetch(
+        self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
+    ) -> BatchMeta:
+        """A fetch ``get_meta``: waits (on an event, at most ``timeout`` s) for ``n`` ready
+        samples and marks the chosen ones consumed by ``task``.
+
+        Raises:
+            GetMetaTimeout: too few ready samples within the timeout.
+        """
+        return self.wait_for(*self._fetching(pid, fields, n, task, config))
+
+    async def async_fetch(
+        self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
+    ) -> BatchMeta:
+        """``fetch`` on the caller's event loop (it never blocks the loop while it waits)."""
+        return await self.async_wait_for(*self._fetching(pid, fields, n, task, config))
+
+    def _fetching(
+        self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
+    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
+        return (
+            lambda: self.fetch_attempt(pid, fields, n, task, config),
+            lambda: self.fetch_timeout(pid, fields, n, task),
+        )
+
     # ---- partitions ----
     def _partition(self, pid: str, create: bool = False) -> Partition | None:
         part = self._parts.get(pid)
@@ -361,6 +407,14 @@ class Controller:
                 "free": self._indexes.free,
                 "sampler": self.sampler.save_checkpoint(),
             }
+
+    def save(self, path: str) -> None:
+        """Write ``state()`` to the local file ``path`` (a checkpoint)."""
+        torch.save(self.state(), path)
+
+    def load_from(self, path: str) -> None:
+        """``load`` the local file ``save`` wrote (unpickled: load only checkpoints you wrote)."""
+        self.load(torch.load(path, weights_only=False))
 
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._backend import Connection
 from ._client import TransferQueueClient
 from ._meta import BatchMeta
 
@@ -121,9 +122,21 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.buffer: list[tuple[Any, BatchMeta]] = []
         self.batch_index = 0
         self._tq_client: TransferQueueClient | None = None
+        self._connection: Connection | None = None
 
     def _create_client(self) -> None:
+        if self._connection is not None:  # a spawned DataLoader worker: reach the service
+            from ._interface import attach
+
+            attach(self._connection)
         self._tq_client = TransferQueueClient(f"StreamingDataset_{uuid.uuid4().hex[:8]}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a spawned DataLoader worker: with how to reach the queue's service
+        (the loader started it), without this process's client."""
+        state = dict(self.__dict__)
+        state["_tq_client"] = None
+        return state
 
     def _more(self) -> bool:
         assert self._tq_client is not None
@@ -173,8 +186,11 @@ def _identity(data: Any) -> Any:
 class StreamingDataLoader(torch.utils.data.DataLoader):
     """A DataLoader over a ``StreamingDataset`` (it batches; this passes its batches through).
 
-    The embedded backend lives in the process that called ``tq.init()``: use
-    ``num_workers=0`` (a worker process is refused with a message saying so)."""
+    With ``num_workers > 0`` each worker process fetches its own batches from the queue
+    (every sample goes to one worker, as with TransferQueue): an embedded queue is then
+    served from this process over ipc:// (started here, stopped by ``tq.close()``), a
+    queue on Ray is reached as any process of the job reaches it. Forked and spawned
+    workers both work."""
 
     def __init__(
         self,
@@ -189,6 +205,10 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
         pin_memory_device: str = "",
     ) -> None:
         self.dataset: StreamingDataset = dataset
+        if num_workers > 0:
+            from ._interface import serve_workers
+
+            dataset._connection = serve_workers()
         super().__init__(
             dataset=dataset,
             batch_size=None,

@@ -9,7 +9,13 @@ expected, what came and the fix.
 
 from __future__ import annotations
 
-__all__ = ["ClientClosed", "GetMetaTimeout", "NotInitialized", "StorageKeyNotFoundError"]
+__all__ = [
+    "ClientClosed",
+    "GetMetaTimeout",
+    "NotInitialized",
+    "ServiceGone",
+    "StorageKeyNotFoundError",
+]
 
 
 class StorageKeyNotFoundError(KeyError):
@@ -25,6 +31,11 @@ class GetMetaTimeout(RuntimeError):
 
 class ClientClosed(RuntimeError):
     """A call on a client after ``close()``."""
+
+
+class ServiceGone(RuntimeError):
+    """The process that holds the queue's state (a service process, or its Ray actor) died or
+    stopped answering; the message names it and, on Ray, Ray's reason."""
 
 
 class NotInitialized(AssertionError):

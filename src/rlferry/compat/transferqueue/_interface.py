@@ -3,23 +3,23 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from . import _samplers
-from ._backend import Backend, Factory, embedded
+from . import _checkpoints, _samplers
+from ._backend import Backend, Connection, Factory, embedded, remote
 from ._client import TransferQueueClient
 from ._config import merged_config
 from ._errors import NotInitialized
 from ._kvmeta import KVBatchMeta
+from ._remote import RemoteController
 
 __all__ = [
     "async_kv_batch_get",
@@ -28,6 +28,7 @@ __all__ = [
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "attach",
     "close",
     "current_backend",
     "get_client",
@@ -41,14 +42,20 @@ __all__ = [
     "kv_put",
     "load_checkpoint",
     "save_checkpoint",
+    "serve_workers",
     "use_launcher",
 ]
 
 log = logging.getLogger("rlferry.compat.transferqueue")
+T = TypeVar("T")
 
 _BACKEND: Backend | None = None
 _CLIENT: TransferQueueClient | None = None
 _LAUNCHER: Factory | None = None
+_INHERITED: tuple[Connection, str] | None = None
+"""In a forked child: how the parent reached its service (connection, address dialed)."""
+_PARENT: int | None = None
+"""In a forked child of an embedded queue that serves nobody: the parent's pid."""
 _NOT_INIT = (
     "TransferQueue is not initialized: expected tq.init() first, got a call before it or "
     "after tq.close() (Please call init() first)"
@@ -57,22 +64,108 @@ _NOT_INIT = (
 
 def use_launcher(factory: Factory | None) -> None:
     """Make ``init()`` build its controller and store with ``factory(conf)`` (a launcher that
-    runs them as services, e.g. on Ray); ``None`` goes back to the embedded backend."""
+    runs them as services elsewhere); ``None`` goes back to the built-in choice."""
     global _LAUNCHER
     _LAUNCHER = factory
 
 
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) keeps how its parent reached the queue's state,
+    not the parent's objects: an embedded backend there would be a stale copy, and sockets
+    do not survive a fork. Its first call connects again (``current_backend``)."""
+    global _BACKEND, _CLIENT, _INHERITED, _PARENT
+    if _BACKEND is not None and _BACKEND.connection is not None:
+        link = getattr(_BACKEND.controller, "link", None)
+        _INHERITED = (_BACKEND.connection, link.address if link else _BACKEND.connection.address)
+    elif _BACKEND is not None:
+        _PARENT = _BACKEND.pid
+    _BACKEND = _CLIENT = None
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def current_backend(_controller_info: Any = None) -> Backend:
-    """The backend ``init()`` made (clients built directly, e.g. by StreamingDataset, use it)."""
-    if _BACKEND is None:
-        raise NotInitialized(_NOT_INIT)
-    if _BACKEND.pid != os.getpid():
+    """The backend of this process: the one ``init()`` made; in a forked child of that
+    process (a DataLoader worker) or in a Ray worker of a job whose driver runs the queue on
+    Ray, one connected to the queue's service (made on first use)."""
+    global _BACKEND
+    if _BACKEND is not None and _BACKEND.pid == os.getpid():
+        if not _ended(_BACKEND):
+            return _BACKEND
+        _drop()  # its actor died: a reused Ray worker connects to the job's new one
+    if _INHERITED is not None:
+        connection, address = _INHERITED
+        _BACKEND = remote(connection, address)
+        return _BACKEND
+    if _PARENT is not None:
         raise RuntimeError(
             f"process {os.getpid()}: expected the process that called tq.init() "
-            f"({_BACKEND.pid}), got a forked child: the embedded backend lives in that "
-            "process's memory (use num_workers=0, or run the queue as a service)"
+            f"({_PARENT}) or a child that can reach its queue, got a forked child of an "
+            "embedded queue that serves no other process (a StreamingDataLoader with "
+            "num_workers > 0 serves its workers; for other processes run the queue on Ray: "
+            "ray.init() before tq.init())"
         )
-    return _BACKEND
+    if _in_ray_worker():
+        from . import _ray
+
+        found = _ray.attach()
+        if found is not None:
+            _BACKEND = found
+            return _BACKEND
+    raise NotInitialized(_NOT_INIT)
+
+
+def _ended(backend: Backend) -> bool:
+    """A backend on a Ray actor that Ray reported dead."""
+    watch = backend.connection.watch if backend.connection is not None else None
+    if watch is None:
+        return False
+    from rlferry.ray._common import deaths
+
+    return deaths.ended(watch)
+
+
+def _drop() -> None:
+    global _BACKEND, _CLIENT
+    backend, _BACKEND, _CLIENT = _BACKEND, None, None
+    if backend is not None:
+        backend.close()
+
+
+def _in_ray_worker() -> bool:
+    """True in a task or actor of a Ray job (not its driver)."""
+    ray = sys.modules.get("ray")
+    return bool(
+        ray is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    )
+
+
+def serve_workers() -> Connection:
+    """How this process's children reach the queue's state: for an embedded backend, serve
+    it from this process over ipc:// (on the wire loop, until ``tq.close()``)."""
+    backend = current_backend()
+    if backend.connection is None:
+        from rlferry.wire import default_address, wire_loop
+
+        from ._service import serve
+
+        loop = wire_loop()
+        service, (address,) = loop.run(serve(backend, [default_address("ipc")]))
+        timeout = float(backend.controller.timeout)
+        backend.connection, backend.service = Connection(address, None, timeout), service
+        backend.on_close.insert(0, lambda: wire_loop().run(service.close()))
+    return backend.connection
+
+
+def attach(connection: Connection) -> None:
+    """Reach the queue's state through ``connection`` in a process that did not inherit it
+    (a spawned DataLoader worker)."""
+    global _BACKEND, _CLIENT
+    if _INHERITED is None and (_BACKEND is None or _BACKEND.pid != os.getpid()):
+        _BACKEND, _CLIENT = remote(connection), None
 
 
 def _sampler(spec: Any) -> _samplers.BaseSampler:
@@ -90,9 +183,24 @@ def _sampler(spec: Any) -> _samplers.BaseSampler:
     )
 
 
+def _on_ray(final: Any) -> bool:
+    """Ray is running in this process, or the configuration names a Ray node resource for
+    the storage (``backend.SimpleStorage.required_node_resource``)."""
+    if final.backend.SimpleStorage.required_node_resource is not None:
+        return True
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
 def init(conf: Any = None) -> Any:
-    """Start the TransferQueue system in this process (embedded), or through the launcher
-    registered with ``use_launcher``. A second call reuses it and returns ``conf`` as given.
+    """Start the TransferQueue system, or connect to the one the job runs.
+
+    Embedded in this process by default. When Ray is initialised (or ``conf`` names
+    ``backend.SimpleStorage.required_node_resource``), the queue's state is a named Ray
+    actor of the job: the first ``init`` starts it, ``init`` in any other task or actor
+    of the job connects to it (``conf`` is then not used, as in TransferQueue). With a
+    launcher registered by ``use_launcher``, its factory builds the backend. A second
+    call reuses what the first made and returns ``conf`` as given.
 
     Returns:
         The merged configuration (an OmegaConf ``DictConfig``).
@@ -102,53 +210,48 @@ def init(conf: Any = None) -> Any:
     """
     global _BACKEND, _CLIENT
     if _BACKEND is not None and _BACKEND.pid == os.getpid():
+        if not _ended(_BACKEND):
+            return conf
+        _drop()
+    if _INHERITED is not None:
+        current_backend()
+        _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
         return conf
     final = merged_config(conf)
     sampler = _sampler(final.controller.sampler)
     if _LAUNCHER is not None:
         _BACKEND = _LAUNCHER(final)
+    elif _on_ray(final):
+        from . import _ray
+
+        _BACKEND = _ray.start(final, sampler)
     else:
-        _embedded_here()
         _BACKEND = embedded(final, sampler)
     _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
     return final
 
 
-def _embedded_here() -> None:
-    """An embedded queue in a Ray worker would be a second, separate queue that the driver
-    and the other workers never see: refuse it. In the driver, say where the queue lives."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return
-    if ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-        raise RuntimeError(
-            "tq.init() in a Ray worker: expected the queue as a service that every process "
-            "reaches, got the embedded one, which lives in one process only (register a "
-            "launcher with rlferry.compat.transferqueue.use_launcher, or keep the queue's "
-            "calls in the process that called tq.init())"
-        )
-    log.info(
-        "tq.init(): Ray is running, and the queue runs embedded in this process: Ray workers "
-        "do not see it (register a launcher with use_launcher)"
-    )
-
-
 def close() -> None:
-    """Drop the system: the client, and with the embedded backend every sample it held."""
+    """Drop the system: the client, and in the process that started it the queue's state
+    (every sample; on Ray the service actor). Elsewhere only this process's connection."""
     global _BACKEND, _CLIENT
     if _CLIENT is not None:
         _CLIENT.close()
-    _CLIENT = _BACKEND = None
+    backend, _CLIENT, _BACKEND = _BACKEND, None, None
+    if backend is not None and backend.pid == os.getpid():
+        backend.close()
 
 
 def get_client() -> TransferQueueClient:
-    """The client ``init()`` made, for TransferQueue's low-level API."""
-    if _CLIENT is None:
+    """The client ``init()`` made, for TransferQueue's low-level API (in a Ray worker of a
+    job that runs the queue on Ray, one connected to it)."""
+    try:
+        return _client()
+    except NotInitialized:
         raise NotInitialized(
             "Please initialize the TransferQueue first by calling `tq.init()`: expected an "
             "initialized system, got none"
-        )
-    return _CLIENT
+        ) from None
 
 
 def get_metrics_endpoint() -> str | None:
@@ -157,8 +260,10 @@ def get_metrics_endpoint() -> str | None:
 
 
 def _client() -> TransferQueueClient:
-    if _CLIENT is None:
-        raise NotInitialized(_NOT_INIT)
+    global _CLIENT
+    if _CLIENT is None or _BACKEND is None or _BACKEND.pid != os.getpid() or _ended(_BACKEND):
+        current_backend()  # connects where the process can reach a running queue
+        _CLIENT = TransferQueueClient(client_id=f"TransferQueueClient_{os.getpid()}")
     return _CLIENT
 
 
@@ -333,6 +438,18 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
         client.clear_samples(meta)
 
 
+async def _off(fn: Callable[..., T], *args: Any) -> T:
+    """A KV call for its ``async_`` twin: with the queue as a service, on a thread (the
+    caller's event loop goes on while it waits for the service); embedded, here."""
+    try:
+        served = isinstance(current_backend().controller, RemoteController)
+    except NotInitialized:
+        served = False  # the call raises it, named
+    if served:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 async def async_kv_put(
     key: str,
     partition_id: str,
@@ -340,7 +457,7 @@ async def async_kv_put(
     tag: dict[str, Any] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    return kv_put(key, partition_id, fields, tag, data_parser)
+    return await _off(kv_put, key, partition_id, fields, tag, data_parser)
 
 
 async def async_kv_batch_put(
@@ -350,34 +467,30 @@ async def async_kv_batch_put(
     tags: list[dict[str, Any]] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    return kv_batch_put(keys, partition_id, fields, tags, data_parser)
+    return await _off(kv_batch_put, keys, partition_id, fields, tags, data_parser)
 
 
 async def async_kv_batch_get(
     keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None
 ) -> Any:
-    return kv_batch_get(keys, partition_id, select_fields)
+    return await _off(kv_batch_get, keys, partition_id, select_fields)
 
 
 async def async_kv_batch_get_by_meta(
     meta: KVBatchMeta, select_fields: list[str] | str | None = None
 ) -> Any:
-    return kv_batch_get_by_meta(meta, select_fields)
+    return await _off(kv_batch_get_by_meta, meta, select_fields)
 
 
 async def async_kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    return kv_list(partition_id)
+    return await _off(kv_list, partition_id)
 
 
 async def async_kv_clear(keys: list[str] | str, partition_id: str) -> None:
-    kv_clear(keys, partition_id)
+    await _off(kv_clear, keys, partition_id)
 
 
 # ---- checkpoints ----
-_METADATA_FILE = "metadata.json"
-_CONTROLLER_FILE = "controller_state.pt"
-
-
 def save_checkpoint(
     checkpoint_dir: str | Path,
     *,
@@ -392,30 +505,7 @@ def save_checkpoint(
     """
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
-    target = Path(checkpoint_dir)
-    tmp = target.parent / f"{target.name}.tmp"
-    old = target.parent / f"{target.name}.old"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        _CLIENT.save_controller_checkpoint(str(tmp / _CONTROLLER_FILE))
-        _CLIENT.save_storage_checkpoint(str(tmp))
-        with open(tmp / _METADATA_FILE, "w") as f:
-            json.dump({"storage_saved": True, "user_metadata": metadata or {}}, f, indent=2)
-        if target.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-        tmp.rename(target)
-        if old.exists():
-            shutil.rmtree(old)
-    except BaseException:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        if old.exists() and not target.exists():
-            old.rename(target)
-        raise
+    _checkpoints.save(_CLIENT, Path(checkpoint_dir), metadata)
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
@@ -426,17 +516,4 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     """
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
-    target = Path(checkpoint_dir)
-    old = target.parent / f"{target.name}.old"
-    if not target.exists() and old.exists():
-        old.rename(target)  # a save died between its two renames: the old one is whole
-    if not target.exists():
-        raise FileNotFoundError(f"Checkpoint directory not found: {target}")
-    for name in (_METADATA_FILE, _CONTROLLER_FILE):
-        if not (target / name).exists():
-            raise FileNotFoundError(f"{name} not found in {target}")
-    with open(target / _METADATA_FILE) as f:
-        saved = json.load(f)
-    if saved.get("storage_saved"):
-        _CLIENT.load_storage_checkpoint(str(target))
-    _CLIENT.load_controller_checkpoint(str(target / _CONTROLLER_FILE))
+    _checkpoints.load(_CLIENT, Path(checkpoint_dir))

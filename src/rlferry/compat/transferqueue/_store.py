@@ -11,11 +11,13 @@ of a nested tensor, the items of a non-tensor column).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from rlferry.wire import shared_empty
 from rlferry.wire._copy import bytes_copy, copy_many
 
 from ._errors import StorageKeyNotFoundError
@@ -36,7 +38,7 @@ def _grow(a: np.ndarray, size: int, fill: int) -> np.ndarray:
     return out
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, jobs: list[tuple[int, int, int]]) -> None:
+def _copy(dst: torch.Tensor, src: torch.Tensor, jobs: _Jobs) -> None:
     """Copy ``src`` into ``dst``: now, or as a job of bytes for one parallel copy later."""
     if bytes_copy(dst, src):
         jobs.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
@@ -44,14 +46,28 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, jobs: list[tuple[int, int, int]]
         dst.copy_(src)
 
 
-def _chunk_of(value: Any, jobs: list[tuple[int, int, int]]) -> tuple[int, Any]:
+class _Jobs(list[tuple[int, int, int]]):
+    """The byte copies of one put or get (done in one parallel copy at its end), and where
+    its buffers come from: the pool, or (a service's store) warm shared memory, which a
+    reply over ipc:// sends with no further copy."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.shared = shared
+        self.empty: Callable[[Any, torch.dtype], torch.Tensor] = shared_empty if shared else _empty
+
+
+def _chunk_of(value: Any, jobs: _Jobs) -> tuple[int, Any]:
     """``(kind, chunk)`` of one put's column: a tensor, or a list of one value per sample
-    (copied: later writes by the caller do not reach the queue)."""
+    (copied: later writes by the caller do not reach the queue; a service keeps the dense
+    tensors it received as they are: nobody else holds them)."""
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             return _ROWS, [r.detach().to("cpu", copy=True) for r in value.unbind()]
+        if jobs.shared and value.device.type == "cpu" and value.is_contiguous():
+            return _DENSE, value.detach()
         src = value.detach().cpu()
-        dst = _empty(src.shape, src.dtype)
+        dst = jobs.empty(src.shape, src.dtype)
         _copy(dst, src, jobs)
         return _DENSE, dst
     if value and all(isinstance(v, torch.Tensor) for v in value):
@@ -82,7 +98,7 @@ class _Column:
         self.where = np.full(0, -1, dtype=np.int32)
         self.rows = np.zeros(0, dtype=np.int64)
 
-    def put(self, indexes: np.ndarray, value: Any, jobs: list[tuple[int, int, int]]) -> None:
+    def put(self, indexes: np.ndarray, value: Any, jobs: _Jobs) -> None:
         kind, chunk = _chunk_of(value, jobs)
         top = int(indexes.max()) + 1
         self.where = _grow(self.where, top, -1)
@@ -116,7 +132,7 @@ class _Column:
         out[inside] = self.where[indexes[inside]] >= 0
         return out
 
-    def get(self, field: str, indexes: np.ndarray, jobs: list[tuple[int, int, int]]) -> Any:
+    def get(self, field: str, indexes: np.ndarray, jobs: _Jobs) -> Any:
         held = self.holds(indexes)
         if not held.all():
             missing = indexes[~held][:8].tolist()
@@ -133,19 +149,19 @@ class _Column:
         if all(self.kinds[c] == _DENSE for c in chunks):
             parts = [self.chunks[c] for c in chunks]
             if len({(p.dtype, p.shape[1:]) for p in parts}) == 1:
-                out = _empty((len(indexes), *parts[0].shape[1:]), parts[0].dtype)
+                out = jobs.empty((len(indexes), *parts[0].shape[1:]), parts[0].dtype)
                 for c in chunks:
                     at = np.flatnonzero(where == c)
                     out[torch.from_numpy(at)] = self.chunks[c][torch.from_numpy(rows[at])]
                 return _nested(out)
         return _pack([self._row(int(c), int(r)) for c, r in zip(where, rows, strict=True)])
 
-    def _one(self, c: int, rows: np.ndarray, jobs: list[tuple[int, int, int]]) -> Any:
+    def _one(self, c: int, rows: np.ndarray, jobs: _Jobs) -> Any:
         chunk, kind = self.chunks[c], self.kinds[c]
         n = len(rows)
         contiguous = n == 1 or (rows[-1] - rows[0] == n - 1 and bool((np.diff(rows) == 1).all()))
         if kind == _DENSE:
-            out = _empty((n, *chunk.shape[1:]), chunk.dtype)
+            out = jobs.empty((n, *chunk.shape[1:]), chunk.dtype)
             if contiguous:
                 _copy(out, chunk[int(rows[0]) : int(rows[0]) + n], jobs)
             else:
@@ -182,14 +198,19 @@ def _pack(values: list[Any]) -> Any:
 
 
 class Store:
-    """Columns per partition, in this process. Thread-safe."""
+    """Columns per partition, in this process. Thread-safe.
 
-    def __init__(self) -> None:
+    ``shared``: the store of a service, whose puts arrive decoded from the wire and whose
+    gets go back over it: it keeps a put's dense tensors as they came (no copy), and
+    gathers a get into warm shared memory (sent over ipc:// with no further copy)."""
+
+    def __init__(self, shared: bool = False) -> None:
         self._lock = threading.Lock()
         self._parts: dict[str, dict[str, _Column]] = {}
+        self._shared = shared
 
     def put(self, partition: str, indexes: np.ndarray, data: dict[str, Any]) -> None:
-        jobs: list[tuple[int, int, int]] = []
+        jobs = _Jobs(self._shared)
         with self._lock:
             columns = self._parts.setdefault(partition, {})
             for name, value in data.items():
@@ -200,7 +221,7 @@ class Store:
         with self._lock:
             columns = self._parts.get(partition, {})
             out: dict[str, Any] = {}
-            jobs: list[tuple[int, int, int]] = []
+            jobs = _Jobs(self._shared)
             for name in fields:
                 column = columns.get(name)
                 if column is None:
@@ -237,6 +258,14 @@ class Store:
                 }
                 for pid, cols in self._parts.items()
             }
+
+    def save(self, path: str) -> None:
+        """Write ``state()`` to the local file ``path`` (a checkpoint)."""
+        torch.save(self.state(), path)
+
+    def load_from(self, path: str) -> None:
+        """``load`` the local file ``save`` wrote (unpickled: load only checkpoints you wrote)."""
+        self.load(torch.load(path, weights_only=False))
 
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:
