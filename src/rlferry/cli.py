@@ -79,6 +79,11 @@ def _serve_engine_parser(sub: Any) -> None:
         help="prompt + max_tokens at most (default: the model's; on CUDA the slot cache holds "
         "max-batch x this many tokens, 2048 at most by default, and a step attends over them)",
     )  # fmt: skip
+    se.add_argument(
+        "--nice", type=int, default=0,
+        help="lower the engine's CPU priority by this much (0-19): on cores shared with "
+        "trainers, their steps take the CPU first and the engine the rest",
+    )  # fmt: skip
 
 
 def _demo_parser(sub: Any) -> None:
@@ -205,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             serve_engine(
                 a.model, engine=a.engine, host=a.host, port=a.port, token=a.token, name=a.name,
                 device=a.device, max_batch=a.max_batch, max_model_len=a.max_model_len,
+                nice=a.nice,
             )  # fmt: skip
         except (SecurityError, ValueError, OSError, ImportError) as e:
             print(f"rlferry serve engine: {type(e).__name__}: {e}", file=sys.stderr)

@@ -43,14 +43,21 @@ def serve_engine(
     device: Any = None,
     max_batch: int = 64,
     max_model_len: int | None = None,
+    nice: int = 0,
 ) -> None:
     """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
     ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
-    ``engine URL NAME`` once it answers. The token is checked before the model loads."""
+    ``engine URL NAME`` once it answers. The token is checked before the model loads.
+    ``nice``: how much lower this process's CPU priority is (its threads, all made after,
+    inherit it)."""
     from rlferry.control import EngineServer
 
     if engine not in ENGINES:
         raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    if type(nice) is not int or not 0 <= nice <= 19:
+        raise ValueError(f"--nice: expected an int in [0, 19], got {nice!r}")
+    if nice:
+        os.nice(nice)
 
     async def main() -> None:
         if engine == "vllm":
