@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -185,6 +186,26 @@ def test_serve_engine_off_loopback_needs_a_token(model_dir):
         "rlferry serve engine: SecurityError: bind '0.0.0.0': an engine server off loopback "
         "needs a token"
     )
+
+
+def test_serve_engine_nice_lowers_its_priority_and_a_bad_one_is_refused(model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
+         "--nice", "25"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        "rlferry serve engine: ValueError: --nice: expected an int in [0, 19], got 25\n"
+    )
+    proc, _ = serve(model_dir, "--nice", "5")
+    try:  # every thread of the engine, made after the nice, has it
+        tasks = os.listdir(f"/proc/{proc.pid}/task")
+        stats = [Path(f"/proc/{proc.pid}/task/{t}/stat").read_text() for t in tasks]
+        nices = {int(st.rsplit(")", 1)[1].split()[16]) for st in stats}  # field 19: nice
+        assert nices == {os.getpriority(os.PRIO_PROCESS, 0) + 5}
+    finally:
+        stop(proc)
 
 
 def test_a_server_with_a_token_refuses_requests_without_it():

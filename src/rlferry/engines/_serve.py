@@ -32,6 +32,15 @@ def _vllm_engine(
     return VLLMEngine(model, name=name, **args)
 
 
+def _lower_priority(nice: int) -> None:
+    """This process's threads, those there now (Linux: each has its own) and those made
+    after (they inherit it), ``nice`` lower in CPU priority."""
+    value = os.nice(nice)
+    tasks = "/proc/self/task"
+    for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
+        os.setpriority(os.PRIO_PROCESS, int(tid), value)
+
+
 def serve_engine(
     model: str,
     *,
@@ -48,8 +57,7 @@ def serve_engine(
     """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
     ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
     ``engine URL NAME`` once it answers. The token is checked before the model loads.
-    ``nice``: how much lower this process's CPU priority is (its threads, all made after,
-    inherit it)."""
+    ``nice``: how much lower this process's CPU priority is (every thread's)."""
     from rlferry.control import EngineServer
 
     if engine not in ENGINES:
@@ -57,7 +65,7 @@ def serve_engine(
     if type(nice) is not int or not 0 <= nice <= 19:
         raise ValueError(f"--nice: expected an int in [0, 19], got {nice!r}")
     if nice:
-        os.nice(nice)
+        _lower_priority(nice)
 
     async def main() -> None:
         if engine == "vllm":
