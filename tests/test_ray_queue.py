@@ -200,7 +200,9 @@ def test_a_dead_driver_takes_its_actors_with_it(ray_cluster):
         proc.wait(30)
     with pytest.raises(ray.exceptions.ActorDiedError) as e:
         ray.get(end, timeout=30)
-    assert "owner" in str(e.value)  # Ray's reason: the driver that owned it died
+    # Ray's reason: the driver that owned it died, or (when the worker's end is seen first)
+    # the worker died with it; both were seen on the same 2-core machine
+    assert "owner" in str(e.value) or "died unexpectedly" in str(e.value), str(e.value)
     # (its placement group goes when Ray ends the dead driver's job: not awaited here, Ray
     # gives no event for it)
 
