@@ -447,3 +447,43 @@ def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
         "of the full tensor: a Partial needs a reduction; give its full_tensor() or an "
         "explicit TrainerLayout)"
     )
+
+
+def test_a_receivers_tensors_moved_into_shared_memory_between_updates_still_get_every_byte():
+    # A receiver's copies work on its tensors' addresses; share_memory_() moves a tensor's
+    # storage (a zero-copy push of those same tensors onwards does it): the copies are built
+    # again, never written to the old address.
+    full = {f"layers.0.self_attn.{p}_proj.weight": torch.randn(64, 64) for p in "qkvo"}
+    specs = specs_of(full.items())
+    trainer, engine = fsdp_layout(specs, 2), EngineLayout.whole(specs)
+    senders = [ShardedSender(group="moved", rank=r, trainer=trainer, engine=engine)
+               for r in range(2)]  # fmt: skip
+    params = {n: torch.zeros(s.shape) for n, s in engine.param_specs(0).items()}
+    recv = ShardedReceiver(group="moved", rank=0, trainer=trainer, engine=engine, params=params,
+                           addresses=[s.address for s in senders]).start()  # fmt: skip
+    try:
+        shards = [{n: full[n][slices(b)].clone() for n, b in trainer.owned[r].items()}
+                  for r in range(2)]  # the same tensors every push: the same buckets  # fmt: skip
+        for version in (1, 2, 3):
+            values = {n: t + version for n, t in full.items()}
+            for r in range(2):
+                for n, b in trainer.owned[r].items():
+                    shards[r][n].copy_(values[n][slices(b)])
+            pushes = [threading.Thread(target=s.push, args=(shards[r],),
+                                       kwargs={"version": version})
+                      for r, s in enumerate(senders)]  # fmt: skip
+            for t in pushes:
+                t.start()
+            for t in pushes:
+                t.join()
+            assert recv.wait_for(version, timeout=WAIT)
+            assert all(torch.equal(params[n], values[n]) for n in full)
+            if version == 1:
+                before = {n: t.data_ptr() for n, t in params.items()}
+                for t in params.values():
+                    t.share_memory_()
+                assert all(t.data_ptr() != before[n] for n, t in params.items())
+    finally:
+        recv.close()
+        for s in senders:
+            s.close()

@@ -34,10 +34,27 @@ class _Link:
         self.failure: tuple[int | None, str, bool] | None = None  # (version, reason, final)
         # by rlferry's list of a bucket's views: its copies into this rank's tensors, one
         # GroupedCopy (one launch on CUDA), kept while the list is handed again
-        self.copies: dict[int, GroupedCopy] = {}
+        self.copies: dict[int, _Copies] = {}
 
 
 _Op = tuple[tuple[slice, ...], torch.Tensor, bool]  # piece region, destination view, reshape
+
+
+class _Copies:
+    """A bucket's copies into this rank's tensors, one :class:`GroupedCopy` (one launch on
+    CUDA, one bulk copy on the CPU), which works on the tensors' addresses: ``moved`` says
+    whether one of them changed since (a tensor's storage moved into shared memory by a
+    zero-copy push of it, say), and then it must be built again. ``views``: every source
+    is a view of the bucket (else a reshape copied one: good for this push only)."""
+
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool) -> None:
+        self.copy = GroupedCopy(dsts, srcs)
+        self.tensors = dsts + srcs
+        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.views = views
+
+    def moved(self) -> bool:
+        return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses, strict=True))
 
 
 class ShardedReceiver:
@@ -246,21 +263,21 @@ class ShardedReceiver:
         with self._cond:
             if link.failure is not None and not link.failure[2]:
                 link.failure = None  # a new push of this rank reached us
-        copy = link.copies.get(id(items))
-        if copy is None:
-            copy, views = self._copy_of(link, items)
-            if views:  # its sources are views of the bucket: kept for the next push
+        kept = link.copies.get(id(items))
+        if kept is not None and kept.moved():
+            kept = None  # a tensor's storage moved (share_memory_ does): built again
+        if kept is None:
+            kept = self._copy_of(link, items)
+            if kept.views:  # its sources are views of the bucket: kept for the next push
                 try:
                     weakref.finalize(items, link.copies.pop, id(items), None)
-                    link.copies[id(items)] = copy
+                    link.copies[id(items)] = kept
                 except TypeError:  # not rlferry's list (a plain list cannot be watched)
                     pass
-        copy()
+        kept.copy()
 
-    def _copy_of(self, link: _Link, items: list[tuple[str, torch.Tensor]]
-                 ) -> tuple[GroupedCopy, bool]:  # fmt: skip
-        """This rank's copies of a bucket's pieces (pieces for others skipped), and whether
-        every source is a view of the bucket (else a reshape copied one: not reusable)."""
+    def _copy_of(self, link: _Link, items: list[tuple[str, torch.Tensor]]) -> _Copies:
+        """This rank's copies of a bucket's pieces (pieces for others skipped)."""
         ops = self._ops.get(link.sender, {})
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -273,7 +290,7 @@ class ShardedReceiver:
                     src = src.reshape(dst.shape)
                 dsts.append(dst)
                 srcs.append(src)
-        return GroupedCopy(dsts, srcs), views
+        return _Copies(dsts, srcs, views)
 
     def _link_commit(self, link: _Link, version: int) -> None:
         with self._cond:
