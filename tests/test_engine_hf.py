@@ -464,19 +464,23 @@ def test_waiting_rows_join_a_decoding_batch_together_not_one_by_one():
     assert not joining(running=5, joinable=0, deferred=JOIN_AFTER)  # nobody to join
 
 
+def _family_model(family):
+    """A tiny random model of ``family`` (``llama`` or ``qwen3``: q and k norms too)."""
+    torch.manual_seed(0)
+    if family == "llama":
+        return tiny_model(0)
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_rms_norms_give_transformers_values_bit_for_bit(family):
     from rlferry.engines.hf._slots import fuse_rms_norms
 
-    torch.manual_seed(0)
-    if family == "llama":
-        model = tiny_model(0)
-    else:
-        config = transformers.Qwen3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        )  # fmt: skip
-        model = transformers.Qwen3ForCausalLM(config)
+    model = _family_model(family)
     for p in model.parameters():  # norms of weights other than ones
         torch.nn.init.normal_(p)
     model = model.to(torch.bfloat16).eval()
@@ -495,15 +499,7 @@ def test_rotary_on_q_and_k_together_gives_transformers_values_bit_for_bit(family
 
     from rlferry.engines.hf._slots import fuse_rotary
 
-    torch.manual_seed(0)
-    if family == "llama":
-        model = tiny_model(0)
-    else:
-        config = transformers.Qwen3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        )  # fmt: skip
-        model = transformers.Qwen3ForCausalLM(config)
+    model = _family_model(family)
     model = model.to(torch.bfloat16).eval()
     module = sys.modules[type(model).__module__]
     monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)  # undone
