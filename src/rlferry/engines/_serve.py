@@ -38,7 +38,10 @@ def _lower_priority(nice: int) -> None:
     value = os.nice(nice)
     tasks = "/proc/self/task"
     for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
-        os.setpriority(os.PRIO_PROCESS, int(tid), value)
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+        except ProcessLookupError:  # the thread ended since the listing: nothing to lower
+            continue
 
 
 def serve_engine(
