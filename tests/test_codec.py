@@ -59,6 +59,22 @@ def test_list_of_tensors_of_different_lengths_comes_back_as_that_list():
         assert torch.equal(a, b) and a.dtype == b.dtype
 
 
+def test_ragged_rows_of_any_shape_views_and_grad_travel_packed_as_their_values():
+    base = torch.arange(40, dtype=torch.float32)
+    rows = [
+        *base.split([7, 0, 33]),  # views of one tensor, an empty one among them
+        torch.randn(2, 3, requires_grad=True),  # a parameter-like row: its values travel
+        torch.arange(12.0).reshape(3, 4).t(),  # non-contiguous
+        torch.zeros(0, 5),
+        torch.tensor(2.5),  # 0-d
+    ]
+    assert len(encode(rows)) == 2  # one packed frame
+    out = roundtrip(rows)
+    assert [t.shape for t in out] == [t.shape for t in rows]
+    for a, b in zip(rows, out, strict=True):
+        assert torch.equal(a.detach(), b) and not b.requires_grad
+
+
 def test_list_of_equal_shape_tensors_is_not_stacked():
     same = [torch.ones(2, 3), torch.zeros(2, 3)]
     out = roundtrip(same)
