@@ -7,6 +7,12 @@
   with ``wait(timeout=0.05)``): the caller looks for finished requests every 50 ms.
   Each request generates one token on a tiny model; p50, p99 and max over
   ``--requests``.
+- **Fan-out**: a GRPO step's requests started at once (``--burst``, one token each) on
+  an engine process: the caller's CPU time and the wall time until every completion is
+  held, through :class:`RemoteEngine` (the requests of one turn of the event loop travel
+  as one ``/generate_many`` exchange, each completion pushed as it ends) against one
+  HTTP exchange a request (``POST /generate``, the baseline). p50, p90 and max over
+  ``--repeat`` bursts.
 - **Idle**: a coordinator (this process) and two engine processes with nothing to do for
   ``--idle`` seconds: CPU time of the three, as a share of one core.
 - **Update cycle**: ``Coordinator.update_weights`` (pause, push, commit, resume) against
@@ -25,6 +31,7 @@ import argparse
 import asyncio
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,9 +70,10 @@ def qwen3_06b(device: str) -> torch.nn.Module:
     return transformers.Qwen3ForCausalLM(config).to(device, dtype).eval()
 
 
-def stats_ms(seconds: list[float]) -> list[str]:
+def stats_ms(seconds: list[float], at: tuple[float, ...] = (0.5, 0.99)) -> list[str]:
+    """The quantiles ``at`` and the max, in ms."""
     s = sorted(seconds)
-    pick = [s[len(s) // 2], s[min(len(s) - 1, round(0.99 * (len(s) - 1)))], s[-1]]
+    pick = [s[min(len(s) - 1, round(q * (len(s) - 1)))] for q in at] + [s[-1]]
     return [f"{x * 1e3:.3f}" for x in pick]
 
 
@@ -202,6 +210,54 @@ async def polled_far(url: str, n: int) -> list[float]:
     return out
 
 
+# -- fan-out ------------------------------------------------------------------------------
+async def run_fanout(args: argparse.Namespace) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        tiny().save_pretrained(d)
+        proc, url = serve(d, "fan")
+        remote = RemoteEngine(url, name="fan")
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        async def each(req: GenerateRequest) -> Completion:  # the baseline: one exchange each
+            async with session.post(url + "/generate", data=msgspec.json.encode(req)) as resp:
+                return msgspec.json.decode(await resp.read(), type=Completion)
+
+        async def burst(call: Any, k: int) -> tuple[float, float]:
+            reqs = [one_token(k * args.burst + i) for i in range(args.burst)]
+            cpu, wall = time.process_time(), time.perf_counter()
+            done = await asyncio.gather(*(call(r) for r in reqs))
+            assert [c.request_id for c in done] == [r.request_id for r in reqs]
+            return time.process_time() - cpu, time.perf_counter() - wall
+
+        runs: dict[str, list[tuple[float, float]]] = {"batched": [], "each": []}
+        try:
+            for k in range(args.repeat + 2):  # alternate; the first two are warm-up
+                for name, call in (("batched", remote.generate), ("each", each)):
+                    got = await burst(call, 2 * k + (name == "each"))
+                    if k >= 2:
+                        runs[name].append(got)
+        finally:
+            await remote.close()
+            await session.close()
+            proc.terminate()
+            proc.wait(30)
+    rows = []
+    for name, label in (("batched", "RemoteEngine, one /generate_many exchange"),
+                        ("each", "one POST /generate a request (baseline)")):  # fmt: skip
+        cpu = [c for c, _ in runs[name]]
+        wall = [w for _, w in runs[name]]
+        rows.append([label, *stats_ms(cpu, (0.5, 0.9)), *stats_ms(wall, (0.5, 0.9))])
+    ratio = statistics.median(c for c, _ in runs["each"]) / statistics.median(
+        c for c, _ in runs["batched"]
+    )
+    head = ("path", "CPU p50", "CPU p90", "CPU max", "wall p50", "wall p90", "wall max")
+    return (
+        f"Fan-out: {args.burst} one-token requests at once, the caller's CPU and wall ms "
+        f"({args.repeat} bursts; caller CPU p50, baseline / RemoteEngine: {ratio:.1f}x)\n\n"
+        + table(rows, head)
+    )
+
+
 # -- idle -------------------------------------------------------------------------------------
 async def run_idle(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as d:
@@ -318,16 +374,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/control.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--burst", type=int, default=64)
     p.add_argument("--idle", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", choices=("tiny", "qwen3-0.6b"), default="tiny")
-    p.add_argument("--only", choices=("delivery", "idle", "update"), default=None)
+    p.add_argument("--only", choices=("delivery", "fanout", "idle", "update"), default=None)
     a = p.parse_args(argv)
     where = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else platform.node()
     print(f"{where}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}\n", flush=True)  # fmt: skip
-    parts: dict[str, Any] = {"delivery": run_delivery, "idle": run_idle, "update": run_update}
+    parts: dict[str, Any] = {"delivery": run_delivery, "fanout": run_fanout, "idle": run_idle,
+                             "update": run_update}  # fmt: skip
     for name, fn in parts.items():
         if a.only in (None, name):
             print(asyncio.run(fn(a)) + "\n", flush=True)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from rlferry.control import (
@@ -15,6 +16,7 @@ from rlferry.control import (
     EngineServer,
     GenerateRequest,
     RemoteEngine,
+    RequestError,
     SamplingParams,
 )
 from rlferry.wire import SecurityError
@@ -165,7 +167,7 @@ def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
         # at once, as the connection closes (or, on a slow machine where the request had
         # not reached it yet, is refused): never a timeout
         message = str(e.value)
-        assert message.startswith("engine `dies`: /generate: ")
+        assert message.startswith("engine `dies`: /generate_many: ")
         assert "went away" in message or "unreachable" in message
         await remote.close()
 
@@ -208,6 +210,50 @@ def test_serve_engine_nice_lowers_its_priority_and_a_bad_one_is_refused(model_di
         stop(proc)
 
 
+def test_requests_of_one_turn_travel_together_each_answered_as_it_ends_a_bad_one_alone():
+    async def main():
+        engine = HFEngine(tiny_model(0), name="many")
+        server = EngineServer(engine, "127.0.0.1", 0)
+        remote = RemoteEngine(await server.start(), name="many")
+        sent: list[str] = []
+
+        async def on_request(session, context, params):  # what went over HTTP
+            sent.append(params.url.path)
+
+        try:
+            await remote.pause("keep")  # all start together when it resumes
+            trace = aiohttp.TraceConfig()
+            trace.on_request_start.append(on_request)
+            remote._client()._trace_configs.append(trace)
+            trace.freeze()
+
+            def request(rid: str, n: int, prompt: list[int]) -> GenerateRequest:
+                params = SamplingParams(max_tokens=n, temperature=0.0)
+                return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params)
+
+            long = asyncio.ensure_future(remote.generate(request("long", 120, [1, 2])))
+            short = [asyncio.ensure_future(remote.generate(request(f"s{i}", 1, [3, i])))
+                     for i in range(4)]  # fmt: skip
+            bad = asyncio.ensure_future(remote.generate(request("bad", 1, [10**6])))
+            await asyncio.sleep(0.2)
+            assert sent == ["/generate_many"]  # six requests, one exchange
+            await remote.resume()
+            with pytest.raises(RequestError) as e:  # the refused request fails alone
+                await asyncio.wait_for(bad, 30)
+            assert "token id" in str(e.value) and e.value.engine == "many"
+            finished = await asyncio.wait_for(asyncio.gather(*short), 30)
+            assert [c.request_id for c in finished] == ["s0", "s1", "s2", "s3"]
+            # each was answered as it ended, not with the exchange: the long one still runs
+            assert await remote.abort_requests(["long"]) == 1
+            assert (await asyncio.wait_for(long, 60)).finish_reason == "abort"
+        finally:
+            await remote.close()
+            await server.close()
+            engine.close()
+
+    asyncio.run(main())
+
+
 def test_a_server_with_a_token_refuses_requests_without_it():
     async def main():
         engine = HFEngine(tiny_model(0), name="guarded")
@@ -227,7 +273,7 @@ def test_a_server_with_a_token_refuses_requests_without_it():
                 await wrong.generate(GenerateRequest(request_id="a", prompt_ids=[1]))
             await wrong.close()
             assert str(e.value) == (
-                "engine `guarded`: /generate: the server refused this client's token (pass "
+                "engine `guarded`: /generate_many: the server refused this client's token (pass "
                 "token= the one the server was started with, its --token)"
             )
             good = RemoteEngine(url, token=TOKEN)

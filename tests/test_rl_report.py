@@ -72,10 +72,14 @@ def test_summarize_computes_each_figure_from_the_steps():
             "train_seconds": 0.75,
             "sync_seconds": 0.25,
             "sync_share": 0.25,
+            "rest_share": 0.0,
             "staleness_mean": 1.0,
             "staleness_max": 2,
         }
     )
+    # steps of 1 s with 0.6 s training and 0.25 s sync: 15% of a step is the driver's own
+    slower = [step(i, wall=1.0 * i, reward=0.5, wait=0.0, train_seconds=0.6) for i in (1, 2)]
+    assert summarize(RunRecord("r", {}, slower))["rest_share"] == pytest.approx(0.15)
 
 
 def test_reward_start_and_end_average_the_first_and_last_tenth_of_the_steps():

@@ -39,7 +39,9 @@ def summarize(run: RunRecord) -> dict[str, float]:
     ``wall_seconds``: at the end of the last step; ``samples_per_s``: samples over that;
     ``step_seconds``: wall seconds per step; ``generate_seconds``, ``wait_seconds``,
     ``train_seconds``, ``sync_seconds``: the mean of each phase per step; ``sync_share``:
-    weight sync's share of the wall time (0 to 1); ``staleness_mean`` /
+    weight sync's share of the wall time (0 to 1); ``rest_share``: the share of the wall
+    time that is neither waiting for rollouts, training nor weight sync (the driver's own
+    work: scoring, the queue's put, the coordinator); ``staleness_mean`` /
     ``staleness_max``: over every trained sample's lag (over the steps' own figures where
     no step recorded its lags). A run without steps has 0 steps and samples and NaN for
     the rest.
@@ -73,6 +75,11 @@ def summarize(run: RunRecord) -> dict[str, float]:
         "train_seconds": sum(s.train_seconds for s in steps) / n,
         "sync_seconds": sum(s.sync_seconds for s in steps) / n,
         "sync_share": sum(s.sync_seconds for s in steps) / wall if wall > 0 else math.nan,
+        "rest_share": (
+            1 - sum(s.wait_seconds + s.train_seconds + s.sync_seconds for s in steps) / wall
+            if wall > 0
+            else math.nan
+        ),
         "staleness_mean": staleness_mean,
         "staleness_max": staleness_max,
     }
@@ -160,6 +167,7 @@ _FIGURES = (  # summarize's keys, in its table's order
     "train_seconds",
     "sync_seconds",
     "sync_share",
+    "rest_share",
     "staleness_mean",
     "staleness_max",
 )
@@ -176,6 +184,10 @@ _ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
     "train_seconds": ("train (s per step)", "{:.3f}".format),
     "sync_seconds": ("weight sync (s per step)", "{:.3f}".format),
     "sync_share": ("weight-sync share of a step (%)", lambda v: f"{v * 100:.1f}"),
+    "rest_share": (
+        "the rest: neither waiting, training nor sync (% of a step)",
+        lambda v: f"{v * 100:.1f}",
+    ),
     "staleness_mean": ("staleness mean (versions)", "{:.2f}".format),
     "staleness_max": ("staleness max (versions)", "{:.0f}".format),
 }
