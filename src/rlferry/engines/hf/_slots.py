@@ -152,9 +152,9 @@ def _cache_class() -> Any:
 
 
 class SlotCache(_cache_class()):  # type: ignore[misc]
-    """The cache the model sees in a decode step over slots ``[0, B)``: row ``i`` writes
-    its new key and value at column ``pos[i]`` of its slot and attends over every
-    column (the mask hides those it does not use)."""
+    """The cache the model sees in a decode step over slots ``[0, B)`` and columns
+    ``[0, W)``: row ``i`` writes its new key and value at column ``pos[i]`` of its slot
+    and attends over those ``W`` columns (the mask hides those it does not use)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor):
         super().__init__(layers=[])
@@ -247,9 +247,11 @@ class SlotBatch:
                                device=device)  # fmt: skip
         self.mask[:, :, :, 0] = 0  # an empty slot sees column 0: no row of only -inf
         self._columns = torch.arange(max_len, device=device)
-        self._caches: dict[int, SlotCache] = {}  # by bucket: the cache over slots [0, B)
-        self._logits: dict[int, torch.Tensor] = {}  # by bucket: the graph's output
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # decode steps by (rows bucket, columns bucket): the cache over slots [0, B) and
+        # columns [0, W), the graph, its output
+        self._caches: dict[tuple[int, int], SlotCache] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # prefills by (rows bucket, width bucket): static inputs, the graph, its logits
         self._prefill_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -261,9 +263,11 @@ class SlotBatch:
         if self._use_graphs:  # every bucket now: a step never waits for a capture
             rows = sorted({self._bucket(n) for n in range(1, max_batch + 1)})
             widths = sorted({self._width(n) for n in range(1, max_len + 1)})
+            spans = sorted({self._span(n) for n in range(1, max_len + 1)})
             with torch.inference_mode():
                 for b in rows:
-                    self._capture(b)
+                    for w in spans:
+                        self._capture((b, w))
                 for w in widths:  # as many rows as one prefill takes (one always fits)
                     for b in (b for b in rows if b * w <= max(max_prefill, w)):
                         self._capture_prefill((b, w))
@@ -285,6 +289,16 @@ class SlotBatch:
     def _width(self, n: int) -> int:
         """The columns a prefill of prompts of at most ``n`` tokens runs on."""
         return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
+
+    def _span(self, n: int) -> int:
+        """The columns a decode step whose longest row holds ``n`` runs on: powers of two
+        from 16 up to an eighth of ``max_len`` (at least 128), then its multiples (at most
+        12 spans). A step reads the keys and values of every column it runs on: over the
+        whole cache, rows of 300 tokens in a cache of 2048 columns read 7x what they use."""
+        step = max(128, 1 << (max(1, self.max_len // 8) - 1).bit_length())
+        if n <= step:
+            return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
+        return min(-(-n // step) * step, self.max_len)
 
     def prefill_tokens(self, rows: int, width: int) -> int:
         """The tokens a prefill of ``rows`` prompts of at most ``width`` tokens runs on
@@ -352,35 +366,46 @@ class SlotBatch:
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
         n = len(self.rows)
-        bucket = self._bucket(n)
+        # the columns the longest row attends over, its new one included
+        longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
+        key = (self._bucket(n), self._span(longest))
         u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
         if self._use_graphs:
-            self._graphs[bucket].replay()
-            logits = self._logits[bucket][:n]
+            self._graphs[key].replay()
+            logits = self._logits[key][:n]
         else:
-            logits = self._step(bucket)[:n]
+            logits = self._step(key)[:n]
         tokens, logprobs = _sample(logits, self._how, u)
         self.ids[:n] = tokens
         return record(self, tokens, logprobs, version, 0)
 
-    def _step(self, b: int) -> torch.Tensor:
-        """The decode step over slots ``[0, b)`` (what a graph captures): the logits."""
-        pos, mask = self.pos[:b], self.mask[:b]
+    def _step(self, key: tuple[int, int]) -> torch.Tensor:
+        """The decode step over slots ``[0, b)`` and columns ``[0, w)`` (what a graph
+        captures): the logits. A row's new column lies below ``w``; an empty slot's,
+        which runs on with the rows, is held there."""
+        b, w = key
+        pos = self.pos[:b].clamp(max=w - 1)
+        mask = self.mask[:b, :, :, :w]
         mask.scatter_(3, pos[:, None, None, None], 0.0)  # each row sees its new column
-        if b not in self._caches:
-            self._caches[b] = SlotCache([k[:b] for k in self.k], [v[:b] for v in self.v], pos)
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = self._caches[key] = SlotCache(
+                [k[:b, :, :w] for k in self.k], [v[:b, :, :w] for v in self.v], pos
+            )
+        cache.pos = pos
         out = self.model(
             input_ids=self.ids[:b, None], position_ids=pos[:, None], attention_mask=mask,
-            use_cache=True, **{self._kw: self._caches[b]},
+            use_cache=True, **{self._kw: cache},
         )  # fmt: skip
-        pos.add_(1).clamp_(max=self.max_len - 1)  # an empty slot never runs off the end
+        self.pos[:b].add_(1).clamp_(max=self.max_len - 1)  # an empty slot: kept in the cache
         return out.logits[:, -1, :]
 
-    def _capture(self, b: int) -> None:
-        """Capture bucket ``b``'s decode step; the buffers it uses stay where they are for
-        good (the warm-up and the capture leave the positions and the mask as they were)."""
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Capture ``key``'s decode step; the buffers it uses stay where they are for good
+        (the warm-up and the capture leave the positions and the mask as they were)."""
+        b = key[0]
         saved = (self.pos[:b].clone(), self.mask[:b].clone())
-        self._graphs[b], self._logits[b] = self._graph(lambda: self._step(b))
+        self._graphs[key], self._logits[key] = self._graph(lambda: self._step(key))
         self.pos[:b], self.mask[:b] = saved
 
     def _capture_prefill(self, key: tuple[int, int]) -> None:
