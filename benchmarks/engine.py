@@ -189,7 +189,7 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
         if cuda and args.profile:
             print(profile(batch, args.batch))
         if cuda:
-            graph = batch._graphs[batch._bucket(args.batch)]
+            graph = batch._graphs[batch.step_key()]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(20):
@@ -208,9 +208,9 @@ def profile(batch: object, rows: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    bucket = batch._bucket(rows)  # type: ignore[attr-defined]
+    key = batch.step_key()  # type: ignore[attr-defined]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        batch._step(bucket)  # type: ignore[attr-defined]
+        batch._step(key)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
     return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
 

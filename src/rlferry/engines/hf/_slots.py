@@ -366,9 +366,7 @@ class SlotBatch:
     def decode(self, version: int) -> list[Row]:
         """One forward pass feeding every row its last token; the rows that ended."""
         n = len(self.rows)
-        # the columns the longest row attends over, its new one included
-        longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
-        key = (self._bucket(n), self._span(longest))
+        key = self.step_key()
         u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
         if self._use_graphs:
             self._graphs[key].replay()
@@ -378,6 +376,12 @@ class SlotBatch:
         tokens, logprobs = _sample(logits, self._how, u)
         self.ids[:n] = tokens
         return record(self, tokens, logprobs, version, 0)
+
+    def step_key(self) -> tuple[int, int]:
+        """The (rows bucket, columns span) the next decode step runs on: the columns the
+        longest row attends over, its new one included."""
+        longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
+        return self._bucket(len(self.rows)), self._span(longest)
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         """The decode step over slots ``[0, b)`` and columns ``[0, w)`` (what a graph
