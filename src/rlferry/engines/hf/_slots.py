@@ -294,7 +294,13 @@ class SlotBatch:
         """The columns a decode step whose longest row holds ``n`` runs on: powers of two
         from 16 up to an eighth of ``max_len`` (at least 128), then its multiples (at most
         12 spans). A step reads the keys and values of every column it runs on: over the
-        whole cache, rows of 300 tokens in a cache of 2048 columns read 7x what they use."""
+        whole cache, rows of 300 tokens in a cache of 2048 columns read 7x what they use.
+
+        Eager steps only (the CPU): replayed as CUDA graphs, every step runs on the whole
+        cache, the one layout measured on a GPU so far (a graph per span also keeps a
+        logits buffer per span: 155 MB each at 256 rows of Qwen3's vocabulary)."""
+        if self._use_graphs:
+            return self.max_len
         step = max(128, 1 << (max(1, self.max_len // 8) - 1).bit_length())
         if n <= step:
             return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
