@@ -4,7 +4,8 @@ Every plane of rlferry speaks through this package. Nothing is pickled.
 """
 
 from ._address import default_address, is_local
-from ._codec import decode, encode
+from ._codec import encode
+from ._decode import decode
 from ._errors import (
     ChannelClosed,
     PeerGone,

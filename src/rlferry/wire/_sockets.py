@@ -31,7 +31,8 @@ from ._address import (
     ipc_path,
     remove_socket_file,
 )
-from ._codec import decode, encode
+from ._codec import encode
+from ._decode import decode
 from ._errors import (
     ChannelClosed,
     PeerGone,
