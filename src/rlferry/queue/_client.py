@@ -26,9 +26,9 @@ from rlferry.wire import (
     WireError,
     wire_loop,
 )
+from rlferry.wire._clients import CONNECT_TIMEOUT
 from rlferry.wire._errors import brief
 from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
-from rlferry.wire._sockets import CONNECT_TIMEOUT
 
 from ._checks import check_partition, check_timeout, checked_address, checked_put, positive, staged
 from ._columns import assemble, split_rows

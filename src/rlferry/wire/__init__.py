@@ -4,6 +4,7 @@ Every plane of rlferry speaks through this package. Nothing is pickled.
 """
 
 from ._address import default_address, is_local
+from ._clients import AsyncClient, Client
 from ._codec import encode
 from ._decode import decode
 from ._errors import (
@@ -17,7 +18,7 @@ from ._errors import (
 from ._loop import wire_loop
 from ._refs import TensorRef
 from ._shm import shared_copies, shared_empty
-from ._sockets import AsyncClient, Client, Server
+from ._sockets import Server
 from ._strings import PackedStrings, pack_strings
 
 __all__ = [
