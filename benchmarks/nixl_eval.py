@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=int, default=8, help="divide every width (8: 0.26 GB)")
     p.add_argument("--repeat", type=int, default=10)
     a = p.parse_args(argv)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # NIXL logs every agent on stdout
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent on stdout
     command = " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv])
     log_dir = tempfile.mkdtemp(prefix="nixl_eval_")
     shapes = eng.model_shapes(a.model, a.scale)
