@@ -38,6 +38,29 @@ def test_a_short_demo_trains_within_its_staleness_and_ends_with_the_trainers_wei
     assert "async (max_staleness=1)" in report.read_text()
 
 
+def test_the_demos_trainer_ranks_each_push_only_the_shards_they_own():
+    from rlferry.rl.model import make_model
+    from rlferry.rl.task import ReverseTask
+    from rlferry.weights import fsdp_layout, specs_of
+
+    config = DemoConfig(
+        steps=2, engines=2, max_staleness=1, groups_per_step=2, group_size=4, warm_steps=0
+    )
+    assert config.gpus()[1] == 2  # two FSDP2 ranks on the CPU
+    run = run_demo(config)
+    assert run.summary["engine_versions"] == [2, 2]
+    assert len(run.summary["weights_fingerprint"]) == 64  # bit for bit, checked by the run
+    # each rank pushed its rows of every tensor (FSDP2's dim-0 chunks), nothing else:
+    # the model's bytes over the two ranks, no rank the whole model
+    model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
+    specs = specs_of(model.state_dict().items())
+    layout = fsdp_layout(specs, 2)
+    sent = run.summary["weights_bytes_per_rank"]
+    whole = sum(s.nbytes for s in specs)
+    assert sent == [layout.owned_bytes(0), layout.owned_bytes(1)]
+    assert sum(sent) == whole and all(0.45 * whole < b < 0.55 * whole for b in sent)
+
+
 def _session_processes(sid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
