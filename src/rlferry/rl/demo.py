@@ -435,7 +435,10 @@ def _sharded(config: DemoConfig, dp: int) -> bool:
     """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
     (shm) and where every rank shares GPU 0 with the engines (cuda_ipc, one rank); ranks
     on other GPUs (the split layout's broadcast, colocated on 2 GPUs or more) gather to
-    rank 0, which pushes."""
+    rank 0, which pushes. vLLM engines join one sender with vLLM's own receiver: rank 0
+    gathers and pushes for them."""
+    if config.engine == "vllm":
+        return False
     if config.device == "cpu":
         return True
     return config.layout == "colocated" and dp == 1
