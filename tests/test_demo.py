@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import requires_cuda
+
 pytest.importorskip("transformers", reason="needs transformers (the [demo] extra)")
 pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
 
@@ -36,6 +38,50 @@ def test_a_short_demo_trains_within_its_staleness_and_ends_with_the_trainers_wei
     for name in ("reward_by_step.png", "reward_by_time.png", "phases.png", "staleness.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "async (max_staleness=1)" in report.read_text()
+
+
+def test_the_demos_trainer_ranks_each_push_only_the_shards_they_own():
+    from rlferry.rl.model import make_model
+    from rlferry.rl.task import ReverseTask
+    from rlferry.weights import fsdp_layout, specs_of
+
+    config = DemoConfig(
+        steps=2, engines=2, max_staleness=1, groups_per_step=2, group_size=4, warm_steps=0
+    )
+    assert config.gpus()[1] == 2  # two FSDP2 ranks on the CPU
+    run = run_demo(config)
+    assert run.summary["engine_versions"] == [2, 2]
+    assert len(run.summary["weights_fingerprint"]) == 64  # bit for bit, checked by the run
+    # each rank pushed its rows of every tensor (FSDP2's dim-0 chunks), nothing else:
+    # the model's bytes over the two ranks, no rank the whole model
+    model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
+    specs = specs_of(model.state_dict().items())
+    layout = fsdp_layout(specs, 2)
+    sent = run.summary["weights_bytes_per_rank"]
+    whole = sum(s.nbytes for s in specs)
+    assert sent == [layout.owned_bytes(0), layout.owned_bytes(1)]
+    assert sum(sent) == whole and all(0.45 * whole < b < 0.55 * whole for b in sent)
+
+
+@requires_cuda
+def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc_without_a_gather():
+    import torch
+
+    from rlferry.rl.model import make_model
+    from rlferry.rl.task import ReverseTask
+
+    config = DemoConfig(steps=2, engines=2, max_staleness=1, groups_per_step=2, group_size=4,
+                        warm_steps=0, device="cuda")  # fmt: skip
+    run = run_demo(config)
+    assert run.summary["engine_versions"] == [2, 2]
+    assert len(run.summary["weights_fingerprint"]) == 64  # bit for bit, checked by the run
+    model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
+    whole = sum(t.nbytes for t in model.state_dict().values())  # float32: the tiny preset's
+    sent = run.summary["weights_bytes_per_rank"]
+    if torch.cuda.device_count() == 1:  # one rank beside the engines: a ShardedSender of one
+        assert sent == [whole]
+    else:  # rank 1 on GPU 1: gathered to rank 0, which pushes (README: Limits)
+        assert sent == [whole, 0]
 
 
 def _session_processes(sid: int) -> list[int]:

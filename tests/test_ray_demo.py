@@ -22,6 +22,8 @@ def test_a_short_demo_on_ray_ends_with_the_trainers_weights_and_leaves_no_actor(
     # the run checked that the engine actors hold the trainer actors' weights bit for bit
     assert run.summary["engine_versions"] == [3, 3]
     assert len(run.summary["weights_fingerprint"]) == 64
+    sent = run.summary["weights_bytes_per_rank"]  # each trainer actor pushed its own shards
+    assert len(sent) == 2 and min(sent) > 0
     assert ray.is_initialized()
     named = ray.util.list_named_actors(all_namespaces=True)
     assert not [a for a in named if a["name"].startswith("rlferry/demo-")]

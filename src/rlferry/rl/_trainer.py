@@ -10,11 +10,16 @@ a pipe:
 - ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
   answer with the loss and its stats;
-- ``("push", version, seconds)`` (every rank): the weights stream to the engines from
-  the shards, gathered a bucket at a time (``_gather.gathered``: one collective per
-  bucket; the full state dict never exists at once); rank 0 pushes them through its
-  ``WeightSender`` and answers once every engine committed, the others take part in
-  the gathers;
+- ``("push", version, seconds)`` (every rank): every rank pushes its own shards
+  through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU, cuda_ipc with
+  one rank beside the engines on GPU 0) and answers once the engines loaded its part;
+  nothing is gathered, no rank sends a byte it does not own. Rank 0's sender describes
+  the group (every rank's address, the layout) to the engines, which are told its
+  address only. Without ``sharded`` (ranks on several GPUs: the split layout's NCCL
+  broadcast, cuda_ipc from GPU 0 with a rank on GPU 1) the shards are gathered a
+  bucket at a time (``_gather.gathered``: one collective per bucket; the full state
+  dict never exists at once) and rank 0 pushes them through its ``WeightSender``, the
+  others taking part in the gathers. Each answers the bytes it sent;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
 - ``("stop",)``.
 """
@@ -83,8 +88,10 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     model = _sharded(model.to(device)) if dp > 1 else model.to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
-    sender = None
-    if rank == 0 and s["sync"]:
+    sender: Any = None
+    if s["sync"] and s["sharded"]:
+        sender = _sharded_sender(model, rank, s, serve, device)
+    elif rank == 0 and s["sync"]:
         sender = WeightSender(group="demo", transport=s["transport"], receivers=s["engines"])
     if s.get("ray_job"):  # on Ray: the job's queue, found by name
         from rlferry.ray import queue
@@ -93,7 +100,8 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     else:
         client = Queue.connect(s["queue"]).client()
     gc.freeze()  # torch, transformers, the model: kept for good, no longer scanned by the GC
-    conn.send(("ready", {"sender": sender.address if sender else None, "pid": os.getpid()}))
+    address = sender.address if sender is not None and rank == 0 else None
+    conn.send(("ready", {"sender": address, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
     while True:
         cmd = conn.recv()
@@ -111,16 +119,21 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         if cmd[0] == "push":
             _, version, seconds = cmd
             t0 = time.perf_counter()
-            if sender is not None:
+            sent = 0
+            if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
+                sent = sender.push(model.state_dict(), version=version, timeout=seconds).bytes
+            elif sender is not None:
                 layout = [  # global shapes, the engines' dtype
                     (n, torch.empty(t.shape, dtype=serve, device="meta"))
                     for n, t in model.state_dict().items()
                 ]
-                sender.push(gathered(model, serve), version=version, timeout=seconds, layout=layout)
+                sent = sender.push(
+                    gathered(model, serve), version=version, timeout=seconds, layout=layout
+                ).bytes
             else:
                 for _ in gathered(model, serve):  # other ranks: their part of every gather
                     pass
-            conn.send(("ok", {"seconds": time.perf_counter() - t0}))
+            conn.send(("ok", {"seconds": time.perf_counter() - t0, "bytes": sent}))
             continue
         _, step = cmd
         t0 = time.perf_counter()
@@ -148,6 +161,48 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if sender is not None:
         sender.close()
     dist.destroy_process_group()
+
+
+def _sharded_sender(
+    model: Any, rank: int, s: dict[str, Any], serve: torch.dtype, device: torch.device
+) -> Any:
+    """This rank's ``ShardedSender``: the layout read from the model's DTensors (FSDP2:
+    rows of every parameter; a plain model on one rank: all of it), the engines' needs
+    every tensor whole in the serving dtype. Rank 0's also describes the group: every
+    rank's address, gathered over the ranks' group as bytes (no pickle)."""
+    from rlferry.weights import EngineLayout, ShardedSender, dtensor_layout
+
+    named = list(model.state_dict().items())
+    trainer = dtensor_layout(named, s["dp"])
+    engine = EngineLayout.whole(trainer.specs, receivers=s["engines"], dtype=serve)
+    sender = ShardedSender(
+        group="demo", rank=rank, trainer=trainer, engine=engine, transport=s["transport"]
+    )
+    try:
+        addresses = _every_address(sender.address, device)
+        if rank == 0:
+            sender.describe_group(addresses)
+    except BaseException:
+        sender.close()
+        raise
+    return sender
+
+
+def _every_address(address: str, device: torch.device) -> list[str]:
+    """Every rank's ``address``, by rank: two all-gathers (lengths, then the bytes)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return [address]
+    raw = torch.tensor(list(address.encode()), dtype=torch.uint8, device=device)
+    n = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = max(int(x) for x in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: raw.numel()] = raw
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [bytes(b[: int(k)].tolist()).decode() for b, k in zip(every, sizes, strict=True)]
 
 
 def _sharded(model: Any) -> Any:

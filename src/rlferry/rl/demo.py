@@ -13,8 +13,11 @@ every step:
    them into the queue partition ``train_{step}`` (versions in the meta);
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
-4. the coordinator pauses the engines, trainer rank 0 pushes its weights through its
-   ``WeightSender`` (shm on the CPU, cuda_ipc on CUDA), the engines commit, resume.
+4. the coordinator pauses the engines, every trainer rank pushes its own shards through
+   its ``ShardedSender`` (shm on the CPU, cuda_ipc on one GPU; nothing is gathered), the
+   engines commit once every rank's part loaded, resume. Where the ranks are on several
+   GPUs (the split layout's NCCL broadcast, a colocated rank on GPU 1), the shards are
+   gathered to rank 0, which pushes through its ``WeightSender``.
 
 With ``max_staleness=0`` nothing generates while the trainer trains: synchronous RL.
 """
@@ -273,7 +276,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "ray_job": procs.job if on_ray else None,
             "transport": "shm" if config.device == "cpu" else
                          "broadcast" if config.layout == "split" else "cuda_ipc",
-            "dtype": serve_dtype, "dp": dp,
+            "dtype": serve_dtype, "dp": dp, "sharded": _sharded(config, dp),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
@@ -332,6 +335,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         producer = asyncio.ensure_future(produce())
         client = queue.async_client()
         ranks = [conn for _, conn in procs.trainers]
+        sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
         t_start = time.monotonic()
 
         async def engine_stats() -> list[Any]:  # one round trip to every engine at once
@@ -377,7 +381,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await coord.update_weights(_pusher(ranks, step), version=step, timeout=120)
+                    await coord.update_weights(
+                        _pusher(ranks, step, sent), version=step, timeout=120
+                    )
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(engine_stats())
                 wall = time.monotonic() - t_start
@@ -394,6 +400,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
             record.summary.update(await _final_check(engines, coord, ranks, config))
+            if sent:  # what each rank sends per update: its own shards, or rank 0 all
+                record.summary["weights_bytes_per_rank"] = sent[-1]
             ends = [await e.statistics() for e in engines]
             forwards = sum(e.steps for e in ends)
             if forwards:  # engines that count their forward passes (HFEngine)
@@ -423,15 +431,39 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     return record
 
 
-def _pusher(ranks: list[Any], version: int) -> Any:
-    """The push of an update: trainer rank 0 pushes its weights (it answers once every
-    engine committed)."""
+def _sharded(config: DemoConfig, dp: int) -> bool:
+    """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
+    (shm) and where every rank shares GPU 0 with the engines (cuda_ipc, one rank); ranks
+    on other GPUs (the split layout's broadcast, colocated on 2 GPUs or more) gather to
+    rank 0, which pushes. vLLM engines join one sender with vLLM's own receiver: rank 0
+    gathers and pushes for them."""
+    if config.engine == "vllm":
+        return False
+    if config.device == "cpu":
+        return True
+    return config.layout == "colocated" and dp == 1
+
+
+def _pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
+    """The push of an update: every trainer rank pushes (its own shards, or its part of
+    the gathers that rank 0 pushes) and answers once the engines loaded what it sent;
+    the bytes each sent go to ``sent``. A rank that failed fails the update, by name
+    (every rank's answer is read first: nothing is left unread)."""
 
     def push(seconds: float) -> dict[str, Any]:
-        for conn in ranks:  # both ranks gather the shards; rank 0 sends
+        for conn in ranks:
             conn.send(("push", version, seconds))
-        answers = [answer(conn) for conn in ranks]  # rank 1's too: nothing left unread
-        return answers[0]
+        answers: list[dict[str, Any]] = []
+        failed: list[BaseException] = []
+        for conn in ranks:
+            try:
+                answers.append(answer(conn))
+            except (RuntimeError, EOFError, OSError) as e:
+                failed.append(e)
+        if failed:
+            raise failed[0]
+        sent.append([a["bytes"] for a in answers])
+        return {"seconds": max(a["seconds"] for a in answers), "bytes": sent[-1]}
 
     return push
 

@@ -19,11 +19,15 @@ rank, one ``ShardPlan`` computed from both layouts (``fsdp_layout`` /
     s = ShardedSender(group="g", rank=dist.get_rank(), trainer=trainer, engine=engine)
     r = ShardedReceiver(group="g", rank=tp_rank, trainer=trainer, engine=engine,
                         params=params, addresses=sender_addresses).start()
+
+Rank 0's ``describe_group(addresses)`` lets an engine told only its address find
+every rank (``describe_group(group, address)`` on the engine's side).
 """
 
 from ._copy import GroupedCopy, ParamLoader
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
+from ._group import SenderGroup, describe_group
 from ._layouts import (
     EngineLayout,
     ParamLayout,
@@ -65,6 +69,7 @@ __all__ = [
     "ReceiverStatistics",
     "SenderClosed",
     "SenderGone",
+    "SenderGroup",
     "SenderStatistics",
     "ShardPlan",
     "ShardedReceiver",
@@ -76,6 +81,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "describe_group",
     "dtensor_layout",
     "fingerprint",
     "fsdp_layout",

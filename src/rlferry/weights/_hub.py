@@ -31,6 +31,8 @@ from ._messages import (
     Abort,
     Ack,
     Bucket,
+    Describe,
+    Described,
     Join,
     Leave,
     Noted,
@@ -107,10 +109,14 @@ class Hub:
         self._changed = asyncio.Event()
         self.on_leave: Callable[[bytes], None] = lambda key: None
         self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
+        # a ShardedSender's rank: the group of every rank it is part of (see Describe)
+        self.description: Described | None = None
 
     # -- requests ---------------------------------------------------------------
     async def handle(self, value: Any, peer: bytes) -> bytes:
         msg = decode_request(value)
+        if isinstance(msg, Describe):
+            return encode(self._describe(msg.group))
         if isinstance(msg, Join):
             if msg.group != self.group:
                 raise WeightSyncError(
@@ -155,6 +161,17 @@ class Hub:
         finally:
             if m.parked is fut:
                 m.parked = None
+
+    def _describe(self, group: str) -> Described:
+        d = self.description
+        if d is not None and group == d.group:
+            return d
+        if group == self.group:
+            return Described(group)  # one sender on its own
+        known = [g for g in (d.group if d else None, self.group) if g is not None]
+        raise WeightSyncError(
+            f"group: expected {' or '.join(map(repr, known))} (this sender's), got {group!r}"
+        )
 
     def _acked(self, m: Member, ack: Ack) -> None:
         p = self.push

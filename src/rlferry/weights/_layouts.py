@@ -241,16 +241,20 @@ class EngineLayout:
 
     @classmethod
     def whole(
-        cls, specs: Iterable[TensorSpec], receivers: int = 1, dtype: torch.dtype | None = None
+        cls,
+        specs: Iterable[TensorSpec],
+        receivers: int = 1,
+        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
     ) -> EngineLayout:
         """Each receiver needs every tensor whole, under its own name (today's receivers;
-        ``dtype``: the engine's, default the trainer's)."""
+        ``dtype``: the engine's, one for every tensor or by name, default the trainer's)."""
         specs = tuple(specs)
+        by_name = dtype if isinstance(dtype, Mapping) else {}
         params = tuple(
             ParamLayout(
                 s.name,
                 s.shape,
-                dtype or s.dtype,
+                by_name.get(s.name, s.dtype) if isinstance(dtype, Mapping) else dtype or s.dtype,
                 (Part(s.name, full_box(s.shape), full_box(s.shape)),),
             )
             for s in specs

@@ -14,6 +14,11 @@ travels in these messages: it lies in the transport's buffers.
     Ack(0, park=False) ────────────────▶  Noted
     Ack(done) ─────────────────────────▶  ... parked until the next push ...
 
+A receiver that knows one address of a group of many senders (a trainer whose
+ranks each send their own shards) asks it to describe the group first
+(``Describe``, answered with ``Described``: every rank's address and the trainer
+layout, or no senders at all from a sender that is not part of such a group).
+
 For a broadcast group whose sender has a secret, the receivers' rendezvous store
 operations travel here too (``StoreOp``, answered with ``StoreReply``): the
 group meets over the authenticated channel, not over an open store socket.
@@ -39,6 +44,8 @@ __all__ = [
     "Abort",
     "Ack",
     "Bucket",
+    "Describe",
+    "Described",
     "Join",
     "Leave",
     "Noted",
@@ -94,6 +101,23 @@ class StoreOp(msgspec.Struct, frozen=True, tag="store"):
     timeout: float = 0.0  # get, wait: how long to wait for the keys
 
 
+class Describe(msgspec.Struct, frozen=True, tag="describe"):
+    """Who sends the weights of ``group``? (No join needed; nothing changes at the sender.)"""
+
+    group: str
+
+
+class Described(msgspec.Struct, frozen=True, tag="described"):
+    """The senders of ``group``: each trainer rank's address, by rank, and the trainer
+    layout (each tensor's name, shape and dtype; per rank, the box of each tensor it
+    owns). No senders: one sender that pushes whatever it is given (a WeightSender)."""
+
+    group: str
+    senders: list[str] = []
+    specs: list[tuple[str, list[int], str]] = []
+    owned: list[dict[str, list[tuple[int, int]]]] = []
+
+
 class StoreReply(msgspec.Struct, frozen=True, tag="stored"):
     value: bytes = b""
     number: int = 0
@@ -135,8 +159,8 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     version: int = -1  # of the push it aborts (-1: a sender that does not say)
 
 
-Request = Join | Ack | Leave | StoreOp
-Reply = Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply
+Request = Join | Ack | Leave | StoreOp | Describe
+Reply = Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply | Described
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
@@ -147,9 +171,11 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(data: Any) -> Join | Ack | Leave | StoreOp:
+def decode_request(data: Any) -> Join | Ack | Leave | StoreOp | Describe:
     return _requests.decode(data)
 
 
-def decode_reply(data: Any) -> Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply:
+def decode_reply(
+    data: Any,
+) -> Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply | Described:
     return _replies.decode(data)

@@ -15,6 +15,7 @@ from rlferry.wire import Server, default_address, wire_loop
 from ._config import SenderConfig
 from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
+from ._messages import Described
 from ._pack import Packer, bucketed
 from ._plan import Plan, TensorSpec, named_pair
 from ._report import PushReport, SenderStatistics
@@ -168,6 +169,15 @@ class WeightSender:
 
     async def _make_hub(self) -> Hub:
         return Hub(self.config.group, self.config.transport)
+
+    def _describe_as(self, description: Described) -> None:
+        """Answer a ``Describe`` of ``description.group`` with it: this sender is rank 0
+        of a :class:`ShardedSender` group, and its address is the one engines are told."""
+
+        async def set_it() -> None:
+            self._hub.description = description
+
+        self._loop.run(set_it())
 
     # -- the push -------------------------------------------------------------------
     def push(

@@ -19,13 +19,14 @@ is today's single sender: exactly one WeightSender and one WeightReceiver.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ._boxes import extents, relative, slices
 from ._errors import WeightSyncError
+from ._group import described
 from ._layouts import EngineLayout, TrainerLayout
 from ._report import PushReport, ShardedSenderStatistics
 from ._sender import WeightSender
@@ -132,6 +133,7 @@ class ShardedSender:
             else {r: self._links[-1].address for r in wanted}
         )
         self.address: str = "" if point_to_point else self._links[-1].address
+        self._group_addresses: list[str] | None = None  # described at self.address
 
     def plan(self) -> ShardPlan:
         """The plan of the current layouts (computed on first use and on a change)."""
@@ -144,7 +146,14 @@ class ShardedSender:
         Point to point, the engine ranks this rank serves must stay the same."""
         if trainer is not None:
             _check_rank("ShardedSender", self.rank, trainer.ranks, "trainer")
+            if self._group_addresses is not None and len(self._group_addresses) != trainer.ranks:
+                raise ValueError(
+                    f"set_layouts.trainer: expected {len(self._group_addresses)} ranks (the "
+                    f"group this rank describes), got {trainer.ranks} (describe_group anew)"
+                )
         self._plans.set(trainer, engine)
+        if self._group_addresses is not None:
+            self.describe_group(self._group_addresses)
         if self.point_to_point:
             now = self._plans.get().receivers_of(self.rank)
             if now != sorted(self._links):
@@ -153,6 +162,32 @@ class ShardedSender:
                     f"rank {self.rank} serves point to point, got {now} (make a new "
                     "ShardedSender for other engine ranks)"
                 )
+
+    def describe_group(self, addresses: Sequence[str]) -> None:
+        """Let a receiver that knows only this rank's :attr:`address` find every rank:
+        ``addresses[r]`` is rank ``r``'s ``address``. An engine told one address (its
+        ``init_weight_transfer(group, address)``) asks it for the group's addresses and the
+        trainer layout (:func:`describe_group`) and joins every rank it needs. Rank 0
+        does this once all ranks' senders are up; later layouts are described too."""
+        if self.point_to_point:
+            raise ValueError(
+                "describe_group: a point-to-point sender has an address per engine rank, not "
+                "one to describe the group at (give receivers the addresses themselves)"
+            )
+        addresses = list(addresses)
+        if not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError(
+                "describe_group.addresses: expected every rank's address (a str), got "
+                f"{addresses!r}"
+            )
+        if len(addresses) <= self.rank or addresses[self.rank] != self.address:
+            raise ValueError(
+                f"describe_group.addresses: expected this rank's address {self.address!r} at "
+                f"index {self.rank}, got {addresses!r} (give ShardedSender.address of every "
+                "rank, by rank)"
+            )
+        self._links[-1]._describe_as(described(self.group, addresses, self._plans.trainer))
+        self._group_addresses = addresses
 
     def push(
         self,

@@ -3,6 +3,7 @@ trainer rank that owns them (see ``_sharded`` for the whole picture)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -75,6 +76,11 @@ class ShardedReceiver:
     ``point_to_point``: the senders run a link per engine rank (``ShardedSender(...,
     point_to_point=True)``); an entry of ``addresses`` may then map engine ranks to
     addresses (the sender's ``addresses``).
+
+    ``around_load(load, items)``: called for every bucket in place of ``load(items)``
+    (which copies its pieces into ``params``), on that sender's receiver thread: an
+    engine that must stop stepping before its parameters change, check the values or
+    count what loaded, as it does for a WeightReceiver's ``load``; it calls ``load``.
     """
 
     def __init__(
@@ -92,7 +98,9 @@ class ShardedReceiver:
         secret: str | bytes | None = None,
         verify: bool = False,
         point_to_point: bool = False,
-    ) -> None:
+        around_load: Callable[[Callable[[list[tuple[str, torch.Tensor]]], None],
+                               list[tuple[str, torch.Tensor]]], Any] | None = None,
+    ) -> None:  # fmt: skip
         self.rank = _check_rank("ShardedReceiver", rank, len(engine.receivers), "engine")
         self.group = group
         self.name = name or f"engine-rank-{rank}"
@@ -102,6 +110,7 @@ class ShardedReceiver:
             dict(enumerate(addresses)) if isinstance(addresses, Sequence) else dict(addresses)
         )
         self._on_commit = on_commit
+        self._around_load = around_load
         self.point_to_point = point_to_point
         self._link_args = {"device": device, "secret": secret, "verify": verify}
         self._cond = threading.Condition()
@@ -197,10 +206,12 @@ class ShardedReceiver:
         self._drop(sender)
         self._addresses[sender] = address
         link = _Link(sender, address)
+        load = functools.partial(self._load, link)
+        around = self._around_load
         r = WeightReceiver(
             group=link_group(self.group, sender, self.rank if self.point_to_point else None),
             address=address,
-            load=lambda items: self._load(link, items),
+            load=load if around is None else functools.partial(around, load),
             on_commit=lambda v: self._link_commit(link, v),
             on_failure=lambda why, final: self._link_failure(link, why, final),
             expected=lambda specs: self._check_link(link, specs),

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,14 @@ from rlferry.control import (
     PauseMode,
     RequestError,
 )
-from rlferry.weights import ParamLoader, WeightReceiver, fingerprint
+from rlferry.weights import (
+    EngineLayout,
+    ParamLoader,
+    ShardedReceiver,
+    WeightReceiver,
+    describe_group,
+    fingerprint,
+)
 
 from ._batch import Batch, Row
 from ._bridge import Waiter
@@ -192,7 +199,7 @@ class HFEngine(DecodeThread):
             name or f"hf-{os.getpid()}-{next(_names)}", batch, version=version,
             max_batch=max_batch, max_prefill=max_prefill_tokens,
         )  # fmt: skip
-        self._receiver: WeightReceiver | None = None
+        self._receiver: WeightReceiver | ShardedReceiver | None = None
         self._since_commit = 0  # buckets loaded since the last commit (under _cond)
         self._load_error: str | None = None  # why the last load failed (under _cond)
         self._update_since: float | None = None
@@ -325,17 +332,38 @@ class HFEngine(DecodeThread):
     async def init_weight_transfer(
         self, group: str, address: str, *, secret: str | bytes | None = None, timeout: float = 30.0
     ) -> None:
-        """Join the trainer's ``WeightSender`` of ``group`` at ``address`` (a receiver that
-        checks every plan against the model's tensors before any bucket moves); a later
-        call leaves the previous sender."""
+        """Join the trainer's senders of ``group`` at ``address`` (receivers that check
+        every plan against the model's tensors before any bucket moves); a later call
+        leaves the previous senders.
+
+        ``address`` is asked who sends ``group`` first: a ``WeightSender`` on its own is
+        joined by one ``WeightReceiver`` (pushes of any of the model's tensors, in any
+        order); the rank 0 of ``ShardedSender`` ranks (each trainer rank sending its own
+        shards) describes every rank and the trainer layout, and a ``ShardedReceiver``
+        joins every rank, the model's tensors whole (``EngineLayout.whole`` in their
+        dtypes): a version is served once every rank's part of it loaded."""
         with self._cond:
             self._alive()
-        load = functools.partial(self._load, ParamLoader(self._tensors))
-        recv = WeightReceiver(
-            group=group, address=address, load=load,
-            on_commit=self._on_commit, expected=self._tensors, name=self.name, secret=secret,
-            device=self.device if self.device.type == "cuda" else None,
-        )  # fmt: skip
+        found = await asyncio.to_thread(
+            describe_group, group, address, secret=secret, timeout=timeout
+        )
+        device = self.device if self.device.type == "cuda" else None
+        recv: WeightReceiver | ShardedReceiver
+        if found.trainer is None or found.addresses is None:
+            load = functools.partial(self._load, ParamLoader(self._tensors))
+            recv = WeightReceiver(
+                group=group, address=address, load=load, on_commit=self._on_commit,
+                expected=self._tensors, name=self.name, secret=secret, device=device,
+            )  # fmt: skip
+        else:
+            dtypes = {n: t.dtype for n, t in self._tensors.items()}
+            recv = ShardedReceiver(
+                group=group, rank=0, trainer=found.trainer,
+                engine=EngineLayout.whole(found.trainer.specs, dtype=dtypes),
+                params=self._tensors, addresses=list(found.addresses),
+                on_commit=self._on_commit, name=self.name, device=device, secret=secret,
+                around_load=self._load,
+            )  # fmt: skip
         await asyncio.to_thread(recv.start, timeout)
         with self._cond:
             old, self._receiver = self._receiver, recv
@@ -384,22 +412,29 @@ class HFEngine(DecodeThread):
     async def get_weight_version(self) -> int | None:
         return self._version
 
-    def _load(self, loader: ParamLoader, items: list[tuple[str, torch.Tensor]]) -> None:
-        """The receiver's ``load``: stop stepping at the push's first bucket, then copy."""
+    def _load(
+        self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        items: list[tuple[str, torch.Tensor]],
+    ) -> None:  # fmt: skip
+        """The receiver's ``load``: stop stepping at the push's first bucket, then copy.
+        Sharded, every trainer rank's bucket comes on a thread of its own: each waits for
+        the step in progress to end (the first one to come stopped the next ones)."""
         with self._cond:
-            if not self._loading:
+            first = not self._loading
+            if first:
                 self._loading = True
                 self._load_error = None
                 if self._update_since is None:
                     self._update_since = time.monotonic()
                 self._gate_changed()
-                if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
+            if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
+                if first:
                     self._loading = False
                     self._gate_changed()
-                    raise EngineError(
-                        self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
-                        "the push was not loaded (a step that long is a bug: please report it)",
-                    )  # fmt: skip
+                raise EngineError(
+                    self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
+                    "the push was not loaded (a step that long is a bug: please report it)",
+                )  # fmt: skip
         try:
             if self._check_finite:
                 check_finite(items)
