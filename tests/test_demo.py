@@ -64,7 +64,7 @@ def test_the_demos_trainer_ranks_each_push_only_the_shards_they_own():
 
 
 @requires_cuda
-def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc_without_a_gather():
+def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc():
     import torch
 
     from rlferry.rl.model import make_model
@@ -78,7 +78,7 @@ def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc_without_a_gath
     model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
     whole = sum(t.nbytes for t in model.state_dict().values())  # float32: the tiny preset's
     sent = run.summary["weights_bytes_per_rank"]
-    if torch.cuda.device_count() == 1:  # one rank beside the engines: a ShardedSender of one
+    if torch.cuda.device_count() == 1:  # one rank beside the engines: it pushes everything
         assert sent == [whole]
     else:  # rank 1 on GPU 1: gathered to rank 0, which pushes (README: Limits)
         assert sent == [whole, 0]

@@ -11,15 +11,15 @@ a pipe:
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
   answer with the loss and its stats;
 - ``("push", version, seconds)`` (every rank): every rank pushes its own shards
-  through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU, cuda_ipc with
-  one rank beside the engines on GPU 0) and answers once the engines loaded its part;
-  nothing is gathered, no rank sends a byte it does not own. Rank 0's sender describes
-  the group (every rank's address, the layout) to the engines, which are told its
-  address only. Without ``sharded`` (ranks on several GPUs: the split layout's NCCL
-  broadcast, cuda_ipc from GPU 0 with a rank on GPU 1) the shards are gathered a
-  bucket at a time (``_gather.gathered``: one collective per bucket; the full state
-  dict never exists at once) and rank 0 pushes them through its ``WeightSender``, the
-  others taking part in the gathers. Each answers the bytes it sent;
+  through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU) and answers
+  once the engines loaded its part; nothing is gathered, no rank sends a byte it does
+  not own. Rank 0's sender describes the group (every rank's address, the layout) to
+  the engines, which are told its address only. Without ``sharded`` (CUDA: one rank on
+  one GPU, or ranks on several GPUs: the split layout's NCCL broadcast, cuda_ipc from
+  GPU 0 with a rank on GPU 1) the shards are gathered a bucket at a time
+  (``_gather.gathered``: one collective per bucket; the full state dict never exists at
+  once) and rank 0 pushes them through its ``WeightSender``, the others taking part in
+  the gathers. Each answers the bytes it sent;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
 - ``("stop",)``.
 """

@@ -14,10 +14,10 @@ every step:
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
 4. the coordinator pauses the engines, every trainer rank pushes its own shards through
-   its ``ShardedSender`` (shm on the CPU, cuda_ipc on one GPU; nothing is gathered), the
-   engines commit once every rank's part loaded, resume. Where the ranks are on several
-   GPUs (the split layout's NCCL broadcast, a colocated rank on GPU 1), the shards are
-   gathered to rank 0, which pushes through its ``WeightSender``.
+   its ``ShardedSender`` (shm on the CPU; nothing is gathered), the engines commit once
+   every rank's part loaded, resume. On CUDA trainer rank 0 pushes through its
+   ``WeightSender`` (cuda_ipc beside the engines, NCCL broadcast in the split layout):
+   on one GPU it is the only rank; on more, the shards are gathered to it.
 
 With ``max_staleness=0`` nothing generates while the trainer trains: synchronous RL.
 """
@@ -276,7 +276,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "ray_job": procs.job if on_ray else None,
             "transport": "shm" if config.device == "cpu" else
                          "broadcast" if config.layout == "split" else "cuda_ipc",
-            "dtype": serve_dtype, "dp": dp, "sharded": _sharded(config, dp),
+            "dtype": serve_dtype, "dp": dp, "sharded": _sharded(config),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
@@ -431,17 +431,13 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     return record
 
 
-def _sharded(config: DemoConfig, dp: int) -> bool:
+def _sharded(config: DemoConfig) -> bool:
     """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
-    (shm) and where every rank shares GPU 0 with the engines (cuda_ipc, one rank); ranks
-    on other GPUs (the split layout's broadcast, colocated on 2 GPUs or more) gather to
-    rank 0, which pushes. vLLM engines join one sender with vLLM's own receiver: rank 0
-    gathers and pushes for them."""
-    if config.engine == "vllm":
-        return False
-    if config.device == "cpu":
-        return True
-    return config.layout == "colocated" and dp == 1
+    (shm). On CUDA rank 0 pushes: on one GPU it is the only rank (nothing to shard; the
+    one-GPU path stays the one measured there), and ranks on other GPUs (the split
+    layout's broadcast, colocated on 2 GPUs or more) gather to it. vLLM engines join one
+    sender with vLLM's own receiver: rank 0 gathers and pushes for them."""
+    return config.engine != "vllm" and config.device == "cpu"
 
 
 def _pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
