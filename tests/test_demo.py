@@ -6,6 +6,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,7 @@ def _session_processes(sid: int) -> list[int]:
     return out
 
 
+@pytest.mark.timeout(240)  # its start alone takes up to 70 s on a loaded machine
 def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_path):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     cmd = [sys.executable, "-m", "rlferry.cli", "demo", "--steps", "500", "--engines", "2",
@@ -106,7 +108,11 @@ def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_
     )
     assert proc.stderr is not None
     seen = b""
+    deadline = time.monotonic() + 180  # it starts in 10-20 s; on a loaded machine 70 s
     while b"1/500" not in seen:  # the progress bar's first step: everything runs
+        if not select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the demo made no first step within 180 s: {seen[-2000:]!r}")
         chunk = proc.stderr.read1(4096)
         assert chunk, f"the demo ended before its first step: {seen[-2000:]!r}"
         seen += chunk
