@@ -254,6 +254,40 @@ def test_requests_of_one_turn_travel_together_each_answered_as_it_ends_a_bad_one
     asyncio.run(main())
 
 
+def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
+    async def main():
+        engine = HFEngine(tiny_model(0), name="left")
+        server = EngineServer(engine, "127.0.0.1", 0)
+        url = await server.start()
+        try:
+            leaving = RemoteEngine(url)
+            await leaving.pause("keep")
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            orphans = [asyncio.ensure_future(leaving.generate(
+                GenerateRequest(request_id=f"o{i}", prompt_ids=[1, 2], params=params)))
+                for i in range(3)]  # fmt: skip
+            await asyncio.sleep(0.2)  # the exchange is open, its requests wait in the engine
+            await leaving.close()  # gone before any frame
+            for o in orphans:  # their callers are told at once, never left waiting
+                with pytest.raises(EngineError, match="this RemoteEngine was closed"):
+                    await asyncio.wait_for(o, 10)
+            staying = RemoteEngine(url)
+            await staying.resume()
+            done = await asyncio.wait_for(staying.generate(
+                GenerateRequest(request_id="s", prompt_ids=[3], params=params)), 30)  # fmt: skip
+            assert len(done.token_ids) == 4
+            stats = await staying.statistics()  # the orphans ended (aborted, or ran out)
+            assert stats.finished + stats.aborted == 4 and stats.running == 0
+            await staying.close()
+        finally:
+            await server.close()
+            engine.close()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_a_server_with_a_token_refuses_requests_without_it():
     async def main():
         engine = HFEngine(tiny_model(0), name="guarded")

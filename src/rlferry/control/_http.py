@@ -17,6 +17,7 @@ bytes or more), which every request must carry (``Authorization: Bearer TOKEN``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import struct
@@ -188,7 +189,9 @@ class EngineServer:
     async def _generate_many(self, request: web.Request) -> web.StreamResponse:
         """Every request of the body runs as its own ``generate``; each frame is written
         the moment its request ends. A request that fails fails alone (its frame says
-        why); a body that is not a list fails whole, before anything runs."""
+        why); a body that is not a list fails whole, before anything runs. A client that
+        went away gets no more frames (aiohttp cancels this handler when it sees the
+        connection close: the engine aborts the requests still running)."""
         items = msgspec.json.decode(await request.read() or b"null", type=list[msgspec.Raw])
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await response.prepare(request)
@@ -209,11 +212,19 @@ class EngineServer:
             except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
                 frame = _Frame(at=at, done_ns=time.monotonic_ns(), kind="RequestError",
                                message=f"{request.path}: request {at}: {err}")  # fmt: skip
+            if gone:
+                return
             body = encoder.encode(frame)
-            await response.write(_LENGTH.pack(len(body)) + body)  # one write: one frame
+            try:
+                await response.write(_LENGTH.pack(len(body)) + body)  # one write: one frame
+            except ConnectionResetError:  # the client went away: nobody reads the rest
+                gone.append(at)
 
+        gone: list[int] = []
         await asyncio.gather(*(one(at, raw) for at, raw in enumerate(items)))
-        await response.write_eof()
+        if not gone:
+            with contextlib.suppress(ConnectionResetError):  # it went away after the last
+                await response.write_eof()
         return response
 
     @staticmethod
@@ -375,6 +386,13 @@ class RemoteEngine:
             for future in left.values():
                 if not future.done():
                     future.set_exception(EngineError(self.name, f"{path}: {why}", gone=True))
+        finally:  # cancelled by close(): its callers are told, never left waiting
+            for future in left.values():
+                if not future.done():
+                    future.set_exception(self._closed(path))
+
+    def _closed(self, path: str) -> EngineError:
+        return EngineError(self.name, f"{path}: this RemoteEngine was closed (close())")
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._request("POST", "/pause", _Pause(mode))
@@ -415,7 +433,8 @@ class RemoteEngine:
         for task in list(self._streams):
             task.cancel()
         for _, future in self._batch:
-            future.cancel()
+            if not future.done():
+                future.set_exception(self._closed("/generate_many"))
         self._batch = []
         if self._session is not None:
             await self._session.close()
