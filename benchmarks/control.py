@@ -142,6 +142,24 @@ async def delivered_across(url: str, n: int) -> list[float]:
     return out
 
 
+async def delivered_framed(url: str, n: int) -> list[float]:
+    """As :func:`delivered_across`, through ``/generate_many`` (what ``RemoteEngine``
+    sends): the frame's ``done_ns`` against its arrival."""
+    from rlferry.control._http import _FRAME_DECODER, _LENGTH
+
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            body = msgspec.json.encode([one_token(i)])
+            async with session.post(url + "/generate_many", data=body) as resp:
+                (size,) = _LENGTH.unpack(await resp.content.readexactly(_LENGTH.size))
+                frame = _FRAME_DECODER.decode(await resp.content.readexactly(size))
+                got = time.monotonic_ns()
+                assert frame.completion is not None, frame
+                out.append((got - frame.done_ns) / 1e9)
+    return out
+
+
 def serve(model_dir: str, name: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
            "--name", name, *extra]  # fmt: skip
@@ -175,12 +193,15 @@ async def run_delivery(args: argparse.Namespace) -> str:
                     await s.post(url + "/generate", data=msgspec.json.encode(one_token(-1)))
                 ).read()
             across = await delivered_across(url, args.requests)
+            framed = await delivered_framed(url, args.requests)
             far_polled = await polled_far(url, max(10, args.requests // 10))
         finally:
             proc.terminate()
             proc.wait(30)
     rows.append(["pushed, in process (the engine's future)", *stats_ms(pushed)])
     rows.append(["pushed, across processes (HTTP response)", *stats_ms(across)])
+    rows.append(["pushed, across processes (a /generate_many frame, RemoteEngine's way)",
+                 *stats_ms(framed)])  # fmt: skip
     rows.append([f"polled every {_POLL * 1e3:.0f} ms, in process (baseline)", *stats_ms(polled)])
     rows.append([f"polled every {_POLL * 1e3:.0f} ms, across processes (baseline)",
                  *stats_ms(far_polled)])  # fmt: skip
