@@ -1,6 +1,7 @@
 """Engines in their own processes, driven over HTTP: completions pushed, deaths noticed."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,6 +46,18 @@ def serve(model_dir: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
     return proc, line.split()[1]
 
 
+@contextlib.asynccontextmanager
+async def in_process_server(name: str, token: str | None = None):
+    """An HFEngine of the tiny model served by an EngineServer in this process: its URL."""
+    engine = HFEngine(tiny_model(0), name=name)
+    server = EngineServer(engine, "127.0.0.1", 0, token=token)
+    try:
+        yield await server.start()
+    finally:
+        await server.close()
+        engine.close()
+
+
 def stop(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
     proc.wait(30)
@@ -80,28 +93,25 @@ def test_a_remote_engine_generates_what_the_same_engine_does_in_process(model_di
 
 def test_a_control_call_answers_while_more_generates_wait_than_a_connection_pool_holds():
     async def main():
-        engine = HFEngine(tiny_model(0), name="busy")
-        server = EngineServer(engine, "127.0.0.1", 0)
-        remote = RemoteEngine(await server.start())
-        try:
-            await remote.pause("keep")
-            params = SamplingParams(max_tokens=2, temperature=0.0)
-            parked = [
-                asyncio.ensure_future(remote.generate(
-                    GenerateRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3], params=params)
-                ))
-                for i in range(150)
-            ]  # fmt: skip
-            # behind 150 parked generates (aiohttp's default pool holds 100 connections)
-            assert await asyncio.wait_for(remote.is_paused(), 10)
-            await asyncio.wait_for(remote.resume(), 10)
-            done = await asyncio.wait_for(asyncio.gather(*parked), 60)
-            assert len({c.request_id for c in done}) == 150
-            assert all(len(c.token_ids) == 2 for c in done)
-        finally:
-            await remote.close()
-            await server.close()
-            engine.close()
+        async with in_process_server("busy") as url:
+            remote = RemoteEngine(url)
+            try:
+                await remote.pause("keep")
+                params = SamplingParams(max_tokens=2, temperature=0.0)
+                parked = [
+                    asyncio.ensure_future(remote.generate(
+                        GenerateRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3], params=params)
+                    ))
+                    for i in range(150)
+                ]  # fmt: skip
+                # behind 150 parked generates (aiohttp's default pool holds 100 connections)
+                assert await asyncio.wait_for(remote.is_paused(), 10)
+                await asyncio.wait_for(remote.resume(), 10)
+                done = await asyncio.wait_for(asyncio.gather(*parked), 60)
+                assert len({c.request_id for c in done}) == 150
+                assert all(len(c.token_ids) == 2 for c in done)
+            finally:
+                await remote.close()
 
     asyncio.run(main())
 
@@ -212,54 +222,48 @@ def test_serve_engine_nice_lowers_its_priority_and_a_bad_one_is_refused(model_di
 
 def test_requests_of_one_turn_travel_together_each_answered_as_it_ends_a_bad_one_alone():
     async def main():
-        engine = HFEngine(tiny_model(0), name="many")
-        server = EngineServer(engine, "127.0.0.1", 0)
-        remote = RemoteEngine(await server.start(), name="many")
-        sent: list[str] = []
+        async with in_process_server("many") as url:
+            remote = RemoteEngine(url, name="many")
+            sent: list[str] = []
 
-        async def on_request(session, context, params):  # what went over HTTP
-            sent.append(params.url.path)
+            async def on_request(session, context, params):  # what went over HTTP
+                sent.append(params.url.path)
 
-        try:
-            await remote.pause("keep")  # all start together when it resumes
-            trace = aiohttp.TraceConfig()
-            trace.on_request_start.append(on_request)
-            remote._client()._trace_configs.append(trace)
-            trace.freeze()
+            try:
+                await remote.pause("keep")  # all start together when it resumes
+                trace = aiohttp.TraceConfig()
+                trace.on_request_start.append(on_request)
+                remote._client()._trace_configs.append(trace)
+                trace.freeze()
 
-            def request(rid: str, n: int, prompt: list[int]) -> GenerateRequest:
-                params = SamplingParams(max_tokens=n, temperature=0.0)
-                return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params)
+                def request(rid: str, n: int, prompt: list[int]) -> GenerateRequest:
+                    params = SamplingParams(max_tokens=n, temperature=0.0)
+                    return GenerateRequest(request_id=rid, prompt_ids=prompt, params=params)
 
-            long = asyncio.ensure_future(remote.generate(request("long", 120, [1, 2])))
-            short = [asyncio.ensure_future(remote.generate(request(f"s{i}", 1, [3, i])))
-                     for i in range(4)]  # fmt: skip
-            bad = asyncio.ensure_future(remote.generate(request("bad", 1, [10**6])))
-            await asyncio.sleep(0.2)
-            assert sent == ["/generate_many"]  # six requests, one exchange
-            await remote.resume()
-            with pytest.raises(RequestError) as e:  # the refused request fails alone
-                await asyncio.wait_for(bad, 30)
-            assert "token id" in str(e.value) and e.value.engine == "many"
-            finished = await asyncio.wait_for(asyncio.gather(*short), 30)
-            assert [c.request_id for c in finished] == ["s0", "s1", "s2", "s3"]
-            # each was answered as it ended, not with the exchange: the long one still runs
-            assert await remote.abort_requests(["long"]) == 1
-            assert (await asyncio.wait_for(long, 60)).finish_reason == "abort"
-        finally:
-            await remote.close()
-            await server.close()
-            engine.close()
+                long = asyncio.ensure_future(remote.generate(request("long", 120, [1, 2])))
+                short = [asyncio.ensure_future(remote.generate(request(f"s{i}", 1, [3, i])))
+                         for i in range(4)]  # fmt: skip
+                bad = asyncio.ensure_future(remote.generate(request("bad", 1, [10**6])))
+                await asyncio.sleep(0.2)
+                assert sent == ["/generate_many"]  # six requests, one exchange
+                await remote.resume()
+                with pytest.raises(RequestError) as e:  # the refused request fails alone
+                    await asyncio.wait_for(bad, 30)
+                assert "token id" in str(e.value) and e.value.engine == "many"
+                finished = await asyncio.wait_for(asyncio.gather(*short), 30)
+                assert [c.request_id for c in finished] == ["s0", "s1", "s2", "s3"]
+                # each was answered as it ended, not with the exchange: the long one still runs
+                assert await remote.abort_requests(["long"]) == 1
+                assert (await asyncio.wait_for(long, 60)).finish_reason == "abort"
+            finally:
+                await remote.close()
 
     asyncio.run(main())
 
 
 def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
     async def main():
-        engine = HFEngine(tiny_model(0), name="left")
-        server = EngineServer(engine, "127.0.0.1", 0)
-        url = await server.start()
-        try:
+        async with in_process_server("left") as url:
             leaving = RemoteEngine(url)
             await leaving.pause("keep")
             params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -279,9 +283,6 @@ def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
             stats = await staying.statistics()  # the orphans ended (aborted, or ran out)
             assert stats.finished + stats.aborted == 4 and stats.running == 0
             await staying.close()
-        finally:
-            await server.close()
-            engine.close()
 
     with caplog.at_level("ERROR"):
         asyncio.run(main())
@@ -290,10 +291,7 @@ def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
 
 def test_a_server_with_a_token_refuses_requests_without_it():
     async def main():
-        engine = HFEngine(tiny_model(0), name="guarded")
-        server = EngineServer(engine, token=TOKEN)
-        url = await server.start()
-        try:
+        async with in_process_server("guarded", token=TOKEN) as url:
             stranger = RemoteEngine(url, name="guarded")
             with pytest.raises(SecurityError) as e:
                 await stranger.is_paused()
@@ -313,9 +311,6 @@ def test_a_server_with_a_token_refuses_requests_without_it():
             good = RemoteEngine(url, token=TOKEN)
             assert await good.is_paused() is False
             await good.close()
-        finally:
-            await server.close()
-            engine.close()
 
     asyncio.run(main())
     with pytest.raises(SecurityError) as e:
