@@ -386,8 +386,11 @@ class SlotBatch:
     def step_key(self) -> tuple[int, int]:
         """The (rows bucket, columns span) the next decode step runs on: the columns the
         longest row attends over, its new one included."""
+        bucket = self._bucket(len(self.rows))
+        if self._use_graphs:  # one span, the whole cache: no pass over the rows per step
+            return bucket, self.max_len
         longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
-        return self._bucket(len(self.rows)), self._span(longest)
+        return bucket, self._span(longest)
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         """The decode step over slots ``[0, b)`` and columns ``[0, w)`` (what a graph
