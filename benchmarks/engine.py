@@ -19,7 +19,9 @@ as the engine's decode thread. Three cases:
 
 Each row is ``--repeat`` timed runs after a warm-up; tokens/s is the tokens generated
 over the run's wall time (for the engine: from submitting the requests to the last
-completion); p50, p90 and max over the runs.
+completion); p50, p90 and max over the runs. ``model.generate`` runs on its own copy of
+the model, as transformers ships it (its SDPA attention, RMSNorm and rotary embedding),
+not the kernels the engine sets on the model it serves.
 
     python benchmarks/engine.py                  # CPU, small defaults (about a minute)
     python benchmarks/engine.py --device cuda --batch 64 --hidden 1024 --layers 16
@@ -30,10 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
+import copy
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
@@ -71,6 +76,23 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
     return [torch.randint(3, args.vocab, (int(n),), generator=g).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def stock_rotary(model: torch.nn.Module) -> Iterator[None]:
+    """transformers' own rotary embedding for ``model``'s family while inside: the engine
+    rotates q and k together for the whole process (``fuse_rotary``), and the baseline
+    runs as transformers ships it."""
+    module = sys.modules[type(model).__module__]
+    fused = getattr(module, "apply_rotary_pos_emb", None)
+    if fused is None:
+        yield
+        return
+    module.apply_rotary_pos_emb = getattr(fused, "rlferry_original", fused)
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = fused
+
+
 def hf_generate(
     model: torch.nn.Module, prompts: list[list[int]], new: int, sample: bool, stop: list[int]
 ) -> int:
@@ -83,7 +105,7 @@ def hf_generate(
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     device = next(model.parameters()).device
-    with torch.inference_mode():
+    with torch.inference_mode(), stock_rotary(model):
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
             min_new_tokens=None if stop else new, do_sample=sample, top_k=0, top_p=1.0,
@@ -136,6 +158,9 @@ async def main(args: argparse.Namespace) -> str:
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate")
     loop = asyncio.get_running_loop()
     length = args.prompt_len + args.new_tokens
+    # The baseline's own copy, made before the engine sets its attention and norms on
+    # ``model``: model.generate runs transformers' SDPA, RMSNorm and rotary embedding.
+    stock = copy.deepcopy(model)
     engine = HFEngine(model, name="bench", max_batch=args.batch, max_model_len=length)
     with pool, engine:
         for case, sample, stops in cases:
@@ -146,7 +171,7 @@ async def main(args: argparse.Namespace) -> str:
 
             async def hf(sample: bool = sample, stops: list[int] = stops) -> int:
                 return await loop.run_in_executor(
-                    pool, hf_generate, model, prompts, args.new_tokens, sample, stops
+                    pool, hf_generate, stock, prompts, args.new_tokens, sample, stops
                 )
 
             async def ours(params: SamplingParams = params) -> int:

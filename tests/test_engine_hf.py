@@ -510,3 +510,35 @@ def test_rotary_on_q_and_k_together_gives_transformers_values_bit_for_bit(family
         assert hasattr(module.apply_rotary_pos_emb, "rlferry_original")
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
+
+
+def test_a_decode_steps_span_follows_its_longest_row_as_rows_join_and_leave(model):
+    """The columns a step runs on are tracked without a pass over the rows per step: they
+    equal the span of the longest row (prompt and tokens) at every step."""
+    from rlferry.engines.hf._batch import Row
+    from rlferry.engines.hf._slots import SlotBatch
+
+    batch = SlotBatch(model, torch.device("cpu"), max_batch=4, max_len=160, graphs=False)
+
+    def row(rid, n, new):
+        return Row(req(rid, [1 + i % 60 for i in range(n)], max_tokens=new), None, None)
+
+    def check():
+        longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in batch.rows), default=1)
+        assert batch.step_key() == (batch._bucket(len(batch.rows)), batch._span(longest))
+
+    spans = set()
+    with torch.inference_mode():
+        batch.prefill([row("a", 10, 40), row("b", 60, 5)], 0)
+        for _ in range(8):  # b (the longest) leaves after 5 tokens: the span shrinks
+            check()
+            spans.add(batch.step_key()[1])
+            batch.decode(0)
+        batch.prefill([row("c", 100, 30)], 0)  # a longer one joins
+        for _ in range(30):
+            check()
+            spans.add(batch.step_key()[1])
+            batch.decode(0)
+        batch.remove(list(batch.rows))
+        check()
+    assert spans == {16, 32, 64, 128, 160}  # powers of two to 64, then its multiples

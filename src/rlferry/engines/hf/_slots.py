@@ -10,8 +10,11 @@ bucket, a power of two or every slot, that holds the rows): each row writes its 
 and value at its own column (``pos``), sees the columns before it through an additive
 mask, and its position id is its length.
 
-On CUDA each bucket's decode step is captured as a CUDA graph when the batch is made
-(so no step waits for a capture: 8 buckets up to 128 slots) and replayed; so is each
+A decode step runs on the columns its longest row reaches (a span: see ``_span``), not
+the whole cache. On CUDA each (rows bucket, span) decode step is captured as a CUDA graph
+when the batch is made (so no step waits for a capture) and replayed; the graphs of a
+rows bucket write their logits to one buffer (one per span would cost 155 MB each at 256
+rows of Qwen3's vocabulary). So is each
 prefill bucket (rows bucket x width bucket, a power of two from 16 columns, within the
 engine's ``max_prefill`` tokens): an eager prefill launched for tens of ms, and a weight
 update's pause waited for it. The inputs (ids, positions, masks), the cache and the
@@ -34,9 +37,10 @@ __all__ = ["GQA_SDPA", "SlotBatch", "SlotCache", "fuse_rms_norms", "fuse_rotary"
 
 GQA_SDPA = "rlferry_gqa_sdpa"
 """transformers' SDPA attention, but a one-token step of a grouped-query model reads the
-cache as it is: its query heads are viewed as groups of the KV heads (measured on an
-H100, Qwen3-0.6B shapes at 64 rows: transformers' SDPA copied the whole cache to repeat
-each KV head, 3.2 of a decode step's 9.3 ms of GPU time)."""
+cache as it is: through cuDNN's grouped-query attention where it runs (see
+:data:`_CUDNN_GQA`), else with its query heads viewed as groups of the KV heads (measured
+on an H100, Qwen3-0.6B shapes at 64 rows: transformers' SDPA copied the whole cache to
+repeat each KV head, 3.2 of a decode step's 9.3 ms of GPU time)."""
 
 
 def _gqa_sdpa(
@@ -52,12 +56,48 @@ def _gqa_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if (query.device, query.dtype) in _CUDNN_GQA:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+            )
+        return out.transpose(1, 2), None
     # Query head h reads KV head h // groups (transformers' repeat_kv): (b, kv, groups, dim).
     q = query.reshape(b, key.shape[1], groups, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, key, value, attn_mask=attention_mask, scale=scaling
     )
     return out.reshape(b, 1, heads, dim), None
+
+
+_CUDNN_GQA: set[tuple[torch.device, torch.dtype]] = set()
+"""Where a one-token step attends through cuDNN's grouped-query attention with a mask
+(measured on an H100 at 256 rows of 256 columns, Qwen3-0.6B shapes: 115 us a layer,
+against 147 us for the query heads viewed as groups of the KV heads)."""
+
+
+def _probe_cudnn_gqa(device: torch.device, dtype: torch.dtype) -> None:
+    """Add ``(device, dtype)`` to :data:`_CUDNN_GQA` if cuDNN runs such an attention there."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return
+    q = torch.zeros((2, 4, 1, 64), device=device, dtype=dtype)
+    kv = torch.zeros((2, 2, 16, 64), device=device, dtype=dtype)
+    mask = torch.zeros((2, 1, 1, 16), device=device, dtype=dtype)
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        warnings.simplefilter("ignore")  # torch says why no kernel fits: the answer is no
+        try:
+            torch.nn.functional.scaled_dot_product_attention(
+                q, kv, kv, attn_mask=mask, enable_gqa=True
+            )
+        except RuntimeError:  # "No available kernel": keep the view of the query heads
+            return
+    _CUDNN_GQA.add((device, dtype))
 
 
 def use_gqa_sdpa(model: Any) -> None:
@@ -68,6 +108,9 @@ def use_gqa_sdpa(model: Any) -> None:
     AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
     AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
     model.set_attn_implementation(GQA_SDPA)
+    first = next(model.parameters(), None)
+    if first is not None:
+        _probe_cudnn_gqa(first.device, first.dtype)
 
 
 _RMS_NORMS = frozenset(f"{m}RMSNorm" for m in (
@@ -233,8 +276,9 @@ class SlotBatch:
         # The cache's shapes, read from a one-token forward (a model's own head layout).
         with torch.inference_mode():
             probe: Any = DynamicCache(config=model.config)
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
-                  use_cache=True, **{self._kw: probe})  # fmt: skip
+            out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                        use_cache=True, **{self._kw: probe})  # fmt: skip
+        logits_like = out.logits[0, -1]
         shapes = [(lay.keys.shape, lay.keys.dtype) for lay in probe.layers]
         # slot max_batch: scratch, where a prefill's padding writes (no decode reads it)
         self.k = [torch.zeros((max_batch + 1, s[1], max_len, s[3]), dtype=d, device=device)
@@ -247,21 +291,26 @@ class SlotBatch:
                                device=device)  # fmt: skip
         self.mask[:, :, :, 0] = 0  # an empty slot sees column 0: no row of only -inf
         self._columns = torch.arange(max_len, device=device)
-        # decode steps by (rows bucket, columns bucket): the cache over slots [0, B) and
-        # columns [0, W), the graph, its output
+        # decode steps by (rows bucket, span): the cache over slots [0, B) and columns
+        # [0, W), the graph
         self._caches: dict[tuple[int, int], SlotCache] = {}
-        self._logits: dict[tuple[int, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # prefills by (rows bucket, width bucket): static inputs, the graph, its logits
         self._prefill_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._prefill_logits: dict[tuple[int, int], torch.Tensor] = {}
         self._use_graphs = graphs
+        # the longest row's columns at the next step: _reach + _steps (steps since start)
+        self._reach, self._steps = 1, 0
         self._pool: Any = None
         self._how: Sampling = _params([], device)
         self.max_batch = max_batch
+        rows = sorted({self._bucket(n) for n in range(1, max_batch + 1)})
+        # the logits of the decode graphs over slots [0, B), every span's, by B
+        self._logits = (
+            {b: logits_like.new_empty((b, len(logits_like))) for b in rows} if graphs else {}
+        )
         if self._use_graphs:  # every bucket now: a step never waits for a capture
-            rows = sorted({self._bucket(n) for n in range(1, max_batch + 1)})
             widths = sorted({self._width(n) for n in range(1, max_len + 1)})
             spans = sorted({self._span(n) for n in range(1, max_len + 1)})
             with torch.inference_mode():
@@ -292,16 +341,12 @@ class SlotBatch:
 
     def _span(self, n: int) -> int:
         """The columns a decode step whose longest row holds ``n`` runs on: powers of two
-        from 16 up to an eighth of ``max_len`` (at least 128), then its multiples (at most
+        from 16 up to an eighth of ``max_len`` (at least 64), then its multiples (at most
         12 spans). A step reads the keys and values of every column it runs on: over the
         whole cache, rows of 300 tokens in a cache of 2048 columns read 7x what they use.
 
-        Eager steps only (the CPU): replayed as CUDA graphs, every step runs on the whole
-        cache, the one layout measured on a GPU so far (a graph per span also keeps a
-        logits buffer per span: 155 MB each at 256 rows of Qwen3's vocabulary)."""
-        if self._use_graphs:
-            return self.max_len
-        step = max(128, 1 << (max(1, self.max_len // 8) - 1).bit_length())
+        """
+        step = max(64, 1 << (max(1, self.max_len // 8) - 1).bit_length())
         if n <= step:
             return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
         return min(-(-n // step) * step, self.max_len)
@@ -345,7 +390,9 @@ class SlotBatch:
         joined = _params(rows, self.device)
         tokens, logprobs = _sample(logits, joined, _uniforms(joined, self.device))
         self.ids[at] = tokens
-        return record(self, tokens, logprobs, version, first)
+        ended = record(self, tokens, logprobs, version, first)
+        self._reached()
+        return ended
 
     def _prefill_step(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
                       ) -> torch.Tensor:  # fmt: skip
@@ -376,21 +423,25 @@ class SlotBatch:
         u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
         if self._use_graphs:
             self._graphs[key].replay()
-            logits = self._logits[key][:n]
+            logits = self._logits[key[0]][:n]
         else:
             logits = self._step(key)[:n]
         tokens, logprobs = _sample(logits, self._how, u)
         self.ids[:n] = tokens
+        self._steps += 1  # every row is a token longer
         return record(self, tokens, logprobs, version, 0)
 
     def step_key(self) -> tuple[int, int]:
         """The (rows bucket, columns span) the next decode step runs on: the columns the
         longest row attends over, its new one included."""
-        bucket = self._bucket(len(self.rows))
-        if self._use_graphs:  # one span, the whole cache: no pass over the rows per step
-            return bucket, self.max_len
-        longest = max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
-        return bucket, self._span(longest)
+        return self._bucket(len(self.rows)), self._span(self._reach + self._steps)
+
+    def _reached(self) -> None:
+        """Set ``_reach`` after rows joined or left (a pass over the rows, never per step)."""
+        self._reach = (
+            max((len(r.request.prompt_ids) + len(r.tokens) for r in self.rows), default=1)
+            - self._steps
+        )
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         """The decode step over slots ``[0, b)`` and columns ``[0, w)`` (what a graph
@@ -418,7 +469,7 @@ class SlotBatch:
         (the warm-up and the capture leave the positions and the mask as they were)."""
         b = key[0]
         saved = (self.pos[:b].clone(), self.mask[:b].clone())
-        self._graphs[key], self._logits[key] = self._graph(lambda: self._step(key))
+        self._graphs[key], _ = self._graph(lambda: self._logits[b].copy_(self._step(key)))
         self.pos[:b], self.mask[:b] = saved
 
     def _capture_prefill(self, key: tuple[int, int]) -> None:
@@ -468,6 +519,7 @@ class SlotBatch:
         self.rows = self.rows[:n]
         self._free(n)
         self._how = _params(self.rows, self.device)
+        self._reached()
 
     def _free(self, start: int) -> None:
         """Slots from ``start`` on are empty: they see column 0 only, at position 0."""
@@ -480,3 +532,4 @@ class SlotBatch:
         self.rows = []
         self._free(0)
         self._how = _params([], self.device)
+        self._reached()
