@@ -478,7 +478,7 @@ def _family_model(family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_rms_norms_give_transformers_values_bit_for_bit(family):
-    from rlferry.engines.hf._slots import fuse_rms_norms
+    from rlferry.engines.hf._kernels import fuse_rms_norms
 
     model = _family_model(family)
     for p in model.parameters():  # norms of weights other than ones
@@ -497,7 +497,7 @@ def test_fused_rms_norms_give_transformers_values_bit_for_bit(family):
 def test_rotary_on_q_and_k_together_gives_transformers_values_bit_for_bit(family, monkeypatch):
     import sys
 
-    from rlferry.engines.hf._slots import fuse_rotary
+    from rlferry.engines.hf._kernels import fuse_rotary
 
     model = _family_model(family)
     model = model.to(torch.bfloat16).eval()

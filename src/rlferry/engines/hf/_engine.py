@@ -54,8 +54,9 @@ from rlferry.weights import (
 
 from ._batch import Batch, Row
 from ._bridge import Waiter
+from ._kernels import GQA_SDPA, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
 from ._model import NonFinite, check_finite, load_model
-from ._slots import GQA_SDPA, SlotBatch, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
+from ._slots import SlotBatch
 from ._thread import DecodeThread
 
 __all__ = ["HFEngine"]
@@ -111,7 +112,9 @@ class HFEngine(DecodeThread):
 
     On CUDA the engine turns off cuDNN's fused attention for the process (torch's flag is
     process-wide): it builds a plan per new shape, and a decode loop makes new shapes every
-    step (measured on an H100: 0.37x ``model.generate`` with it, 1.7-1.8x without).
+    step (measured on an H100: 0.37x ``model.generate`` with it, 1.7-1.8x without). The slot
+    cache's one-token steps still call it by name, on the few shapes of their buckets
+    and spans (one plan each, made when its graph is captured).
 
     End of life: :meth:`close` (or ``with``) stops the thread; requests in flight and
     calls waiting on the engine raise :class:`~rlferry.control.EngineError`, as does
