@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -48,26 +49,35 @@ from rlferry.engines.hf import HFEngine
 from _common import table
 
 
-def make_model(args: argparse.Namespace) -> torch.nn.Module:
+def make_model_config(args: argparse.Namespace) -> Any:
     import transformers
 
-    torch.manual_seed(0)
-    if args.model == "qwen3-0.6b":  # its shapes, random init
+    if args.model == "qwen3-0.6b":  # its shapes
         args.vocab = 151936
-        config = transformers.Qwen3Config(
+        return transformers.Qwen3Config(
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
             tie_word_embeddings=True, max_position_embeddings=4096,
         )  # fmt: skip
-        model = transformers.Qwen3ForCausalLM(config)
-        return model.to(args.device, getattr(torch, args.dtype)).eval()
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
         intermediate_size=args.hidden * 8 // 3, max_position_embeddings=4096,
     )  # fmt: skip
-    dtype = getattr(torch, args.dtype)
-    return transformers.LlamaForCausalLM(config).to(args.device, dtype).eval()
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    """A random-init model of ``--model``'s shapes on ``--device`` in ``--dtype``."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = make_model_config(args)
+    cls = (
+        transformers.Qwen3ForCausalLM
+        if args.model == "qwen3-0.6b"
+        else transformers.LlamaForCausalLM
+    )
+    return cls(config).to(args.device, getattr(torch, args.dtype)).eval()
 
 
 def make_prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -228,6 +238,56 @@ def decode_steps(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     return table([[str(args.batch), *ms, busy or "-"]], header)
 
 
+def attention(args: argparse.Namespace) -> str:
+    """One layer's attention of a one-token step over ``--batch`` rows of the slot cache's
+    layout (KV heads x ``--prompt-len`` columns, a float mask), per SDPA path: cuDNN's
+    grouped-query attention (the engine's where it runs), the query heads viewed as
+    groups of the KV heads on each backend, and the KV heads repeated (transformers'
+    ``repeat_kv``). p50 of 50 calls, each synchronized."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    cfg = make_model_config(args)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    b, w = args.batch, args.prompt_len
+    k, v = (torch.randn((b, kv, w, dim), device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn((b, heads, 1, dim), device=device, dtype=dtype)
+    mask = torch.zeros((b, 1, 1, w), device=device, dtype=dtype)
+    grouped = q.reshape(b, kv, heads // kv, dim)
+    n = heads // kv
+    cudnn, efficient, math = (
+        [SDPBackend.CUDNN_ATTENTION],
+        [SDPBackend.EFFICIENT_ATTENTION],
+        [SDPBackend.MATH],
+    )
+    cases = [
+        ("cuDNN, enable_gqa", cudnn, lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)),
+        ("cuDNN, grouped view", cudnn, lambda: sdpa(grouped, k, v, attn_mask=mask)),
+        ("memory-efficient, grouped view", efficient, lambda: sdpa(grouped, k, v, attn_mask=mask)),
+        ("math, grouped view", math, lambda: sdpa(grouped, k, v, attn_mask=mask)),
+        ("KV heads repeated (repeat_kv), default backends", None, lambda: sdpa(
+            q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), attn_mask=mask)),
+    ]  # fmt: skip
+    rows = []
+    for name, backends, fn in cases:
+        try:
+            with contextlib.nullcontext() if backends is None else sdpa_kernel(backends):
+                times = []
+                for i in range(51):
+                    t0 = time.perf_counter()
+                    fn()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if i:
+                        times.append(time.perf_counter() - t0)
+            rows.append([name, f"{statistics.median(times) * 1e6:,.0f}"])
+        except RuntimeError as e:  # this backend has no kernel for these inputs here
+            rows.append([name, f"not run: {str(e).splitlines()[0][:80]}"])
+    return table(rows, [f"attention, {b} rows x {w} columns, one layer", "p50 us"])
+
+
 def profile(batch: object, rows: int) -> str:
     """The GPU kernels of one decode step run eagerly (no graph), by CUDA time."""
     from torch.profiler import ProfilerActivity
@@ -258,6 +318,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="print one eager decode step's kernels")
+    p.add_argument(
+        "--attention", action="store_true",
+        help="only time one layer's attention per SDPA path (--batch rows, --prompt-len columns)",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -266,7 +330,8 @@ if __name__ == "__main__":
     import transformers
 
     print(
-        f"# HFEngine vs model.generate: {platform.node()}, torch {torch.__version__}, "
+        f"# {'SDPA paths' if args.attention else 'HFEngine vs model.generate'}: "
+        f"{platform.node()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {args.device} ({args.dtype}), "
         f"{torch.get_num_threads()} threads; batch {args.batch}, prompts "
         f"{args.prompt_len // 2}-{args.prompt_len} tokens, up to {args.new_tokens} new "
@@ -278,4 +343,4 @@ if __name__ == "__main__":
         )
         + f"; {args.repeat} runs\n"
     )
-    print(asyncio.run(main(args)))
+    print(attention(args) if args.attention else asyncio.run(main(args)))

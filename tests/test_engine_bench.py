@@ -21,3 +21,15 @@ def test_bench_engine_prints_a_table_against_model_generate():
     for case in ("greedy", "sampled", "sampled, stop tokens"):
         assert f"| model.generate, {case} |" in out.stdout
         assert f"| HFEngine (dynamic), {case} |" in out.stdout  # the CPU's cache
+
+
+def test_bench_engine_attention_times_the_sdpa_paths_this_machine_runs():
+    args = "--attention --batch 4 --prompt-len 16 --hidden 32 --heads 4"
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "engine.py"), *args.split()],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    lines = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines()}
+    assert "| math, grouped view |" in out.stdout
+    assert "not run" not in lines["math, grouped view"]  # the CPU runs math; says why not others
+    assert "not run" in lines["cuDNN, enable_gqa"]  # a CPU: the reason is printed
