@@ -13,8 +13,8 @@ mask, and its position id is its length.
 A decode step runs on the columns its longest row reaches (a span: see ``_span``), not
 the whole cache. On CUDA each (rows bucket, span) decode step is captured as a CUDA graph
 when the batch is made (so no step waits for a capture) and replayed; the graphs of a
-rows bucket write their logits to one buffer (one per span would cost 155 MB each at 256
-rows of Qwen3's vocabulary). So is each
+rows bucket write their logits to one buffer (one per span would cost 78 MB each at 256
+rows of Qwen3's vocabulary in bf16). So is each
 prefill bucket (rows bucket x width bucket, a power of two from 16 columns, within the
 engine's ``max_prefill`` tokens): an eager prefill launched for tens of ms, and a weight
 update's pause waited for it. The inputs (ids, positions, masks), the cache and the
@@ -192,8 +192,7 @@ class SlotBatch:
         from 16 up to an eighth of ``max_len`` (at least 64), then its multiples (at most
         12 spans). A step reads the keys and values of every column it runs on: over the
         whole cache, rows of 300 tokens in a cache of 2048 columns read 7x what they use.
-
-        """
+        On CUDA each span of each rows bucket has its graph."""
         step = max(64, 1 << (max(1, self.max_len // 8) - 1).bit_length())
         if n <= step:
             return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
