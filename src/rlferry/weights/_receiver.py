@@ -205,6 +205,13 @@ class WeightReceiver:
         """The last version committed, or None before the first."""
         return self._version
 
+    @property
+    def collective(self) -> bool:
+        """Whether the buckets come by a collective (NCCL or gloo broadcast): a load's
+        copies then run beside the collective of the next bucket, and should leave it its
+        SMs (False before the first push brings the transport)."""
+        return self._collective is not None
+
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
         """Block until ``self.version >= version``; False if ``timeout`` ran out first.
 

@@ -15,6 +15,7 @@ from ._boxes import extents, slices
 from ._copy import GroupedCopy
 from ._errors import ReceiverClosed, WeightSyncError
 from ._layouts import EngineLayout, TrainerLayout
+from ._pack import COLLECTIVE_PROGRAMS
 from ._plan import TensorSpec
 from ._receiver import WeightReceiver
 from ._report import ShardedReceiverStatistics
@@ -46,10 +47,14 @@ class _Copies:
     CUDA, one bulk copy on the CPU), which works on the tensors' addresses: ``moved`` says
     whether one of them changed since (a tensor's storage moved into shared memory by a
     zero-copy push of it, say), and then it must be built again. ``views``: every source
-    is a view of the bucket (else a reshape copied one: good for this push only)."""
+    is a view of the bucket (else a reshape copied one: good for this push only).
+    ``programs``: bounds the copy's grid (beside a collective: see :class:`GroupedCopy`)."""
 
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool) -> None:
-        self.copy = GroupedCopy(dsts, srcs)
+    def __init__(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool,
+        programs: int | None,
+    ) -> None:  # fmt: skip
+        self.copy = GroupedCopy(dsts, srcs, programs=programs)
         self.tensors = dsts + srcs
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.views = views
@@ -301,7 +306,11 @@ class ShardedReceiver:
                     src = src.reshape(dst.shape)
                 dsts.append(dst)
                 srcs.append(src)
-        return _Copies(dsts, srcs, views)
+        # Beside a collective (the next bucket arriving) the copy takes a bounded grid, as
+        # the sender's packs do (see GroupedCopy: on two H200s a full grid beside NCCL
+        # slowed a broadcast from 192 to 224 ms). Not yet timed on this path.
+        collective = link.receiver is not None and link.receiver.collective
+        return _Copies(dsts, srcs, views, COLLECTIVE_PROGRAMS if collective else None)
 
     def _link_commit(self, link: _Link, version: int) -> None:
         with self._cond:
