@@ -79,6 +79,9 @@ def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc():
     model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
     whole = sum(t.nbytes for t in model.state_dict().values())  # float32: the tiny preset's
     sent = run.summary["weights_bytes_per_rank"]
+    # the GPU busy share from NVML's samples, or why there is none (never a failed run)
+    share = run.summary.get("GPU busy, % of the run (NVML)")
+    assert (share is not None and 0 <= share <= 100) or run.summary["gpu_busy_why"]
     if torch.cuda.device_count() == 1:  # one rank beside the engines: it pushes everything
         assert sent == [whole]
     else:  # rank 1 on GPU 1: gathered to rank 0, which pushes (README: Limits)

@@ -32,6 +32,7 @@ import importlib.util
 import itertools
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ import torch
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
 from rlferry.queue import Queue
 
+from ._gpu import GpuBusy
+from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
     Processes,
     RayProcesses,
@@ -164,54 +167,6 @@ class DemoConfig:
         if self.max_staleness == 0:
             return f"sync (max_staleness=0{where})"
         return f"async (max_staleness={self.max_staleness}{where})"
-
-
-ENGINE_LEN = 64
-"""The engines' max_model_len: the task's prompt and answer fit in 16 tokens (a slot
-cache's decode step attends over every column it has: 2048 by default made the demo's
-forward passes on an H100 27 ms, where the engine benchmark's 192 take 6)."""
-CONTEXT_BYTES = 600 << 20
-"""A CUDA context and allocator slack per process, about."""
-
-
-def check_memory(config: DemoConfig, vocab_size: int) -> None:
-    """Refuse a CUDA run whose processes on GPU 0 would not fit in its free memory, with the
-    numbers and the flags that shrink it, before anything starts: each engine holds the
-    weights in the serving dtype and a slot KV cache; the trainer ranks there hold float32
-    weights, gradients and AdamW's two moments (16 bytes a parameter, over the ranks)."""
-    if config.device != "cuda":
-        return
-    from rlferry.engines.hf._slots import SlotBatch
-
-    from .model import _transformers, model_config
-
-    cfg = model_config(config.model, vocab_size)
-    tf = _transformers()
-    cls = tf.Qwen3ForCausalLM if config.model == "qwen3-0.6b" else tf.LlamaForCausalLM
-    with torch.device("meta"):
-        meta = cls(cfg)
-    params = sum(p.numel() for p in meta.parameters())
-    serve = 2 if config.model == "qwen3-0.6b" else 4  # bfloat16 or float32 on CUDA
-    max_batch = max(64, -(-config.groups_per_step * config.group_size // config.engines))
-    length = ENGINE_LEN
-    cache = SlotBatch.nbytes(meta.to(dtype=torch.bfloat16 if serve == 2 else None), max_batch,
-                             length)  # fmt: skip
-    colocated = config.layout == "colocated"
-    engines_there = config.engines if colocated else 1  # split: one engine a GPU, no rank
-    engine = serve * params + cache + CONTEXT_BYTES
-    dp = config.gpus()[1]
-    trainer = 16 * params // dp + CONTEXT_BYTES if colocated else 0
-    need = engines_there * engine + trainer
-    free, total = torch.cuda.mem_get_info(0)
-    if need > 0.9 * free:
-        gib = 2**30
-        raise ValueError(
-            f"device: the run needs about {need / gib:.1f} GiB on GPU 0 ({engines_there} "
-            f"engine(s) x ({serve * params / gib:.2f} GiB of weights + {cache / gib:.2f} GiB "
-            f"of KV cache) + a trainer rank's {16 * params // dp / gib:.2f} GiB), got "
-            f"{free / gib:.1f} GiB free of {total / gib:.1f} (use fewer --engines, a smaller "
-            "--model, or --layout split on 2 GPUs or more)"
-        )
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -337,6 +292,11 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         ranks = [conn for _, conn in procs.trainers]
         sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
         t_start = time.monotonic()
+        # NVML's samples of the run's GPUs (on Ray they are Ray's to place: not measured)
+        gpus = GpuBusy(range(engine_gpus + dp if config.layout == "split" else dp)) if (
+            config.device == "cuda" and not on_ray) else None  # fmt: skip
+        if gpus is not None:
+            stack.callback(gpus.close)
 
         async def engine_stats() -> list[Any]:  # one round trip to every engine at once
             return list(await asyncio.gather(*(e.statistics() for e in engines)))
@@ -386,6 +346,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     )
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(engine_stats())
+                if gpus is not None:
+                    gpus.read()
                 wall = time.monotonic() - t_start
                 row = StepRecord(
                     step=step, wall=wall, reward_mean=sum(rewards) / len(rewards),
@@ -410,6 +372,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     "engine: ms per forward pass": 1e3 * sum(e.step_seconds for e in ends)
                     / forwards,
                 })  # fmt: skip
+            if gpus is not None:
+                share = gpus.percent()
+                if share is not None:
+                    record.summary["GPU busy, % of the run (NVML)"] = share
+                else:
+                    record.summary["gpu_busy_why"] = gpus.why
             stats = coord.statistics()
             if stats.updates:  # where an update's time goes, ms per update
                 n = stats.updates / 1e3
@@ -542,6 +510,8 @@ def main(args: Any) -> Path:
                 bar.update(1)
 
             run = run_demo(config, progress)
+        if why := run.summary.get("gpu_busy_why"):
+            print(f"rlferry demo: the GPU busy share was not measured: {why}", file=sys.stderr)
         run.summary = {**summarize(run), **{k: v for k, v in run.summary.items()
                                              if isinstance(v, (int, float))}}  # fmt: skip
         runs.append(run)
