@@ -24,7 +24,9 @@ CPU: ``--transport shm``. One GPU: ``--device cuda --transport cuda_ipc`` (every
 process on that GPU). Several GPUs: ``--device cuda --transport broadcast
 --point-to-point`` (a GPU per process, trainer ranks first: each link a group of two,
 NCCL send and receive), against ``--mode gather`` (rank 0 then broadcasts to every
-engine rank: the rank-0 funnel).
+engine rank: the rank-0 funnel). With fewer GPUs than processes, ``--gpus K`` puts the
+trainer ranks on the first half of K GPUs and the engine ranks on the rest (point to
+point only; the funnel's groups would hold two ranks of one GPU).
 """
 
 from __future__ import annotations
@@ -88,18 +90,28 @@ def gather_layout(trainer: TrainerLayout) -> EngineLayout:
     return EngineLayout(trainer.specs, (tuple(params),))
 
 
+def gpu_of(args: argparse.Namespace, role: str, rank: int) -> int:
+    """With broadcast (NCCL): a GPU per process, the trainer ranks first, then the engine
+    ranks; with ``--gpus K`` the trainer ranks share the first K // 2 GPUs (round robin)
+    and the engine ranks the others, so that every link of two crosses GPUs."""
+    if not args.gpus:
+        return rank if role == "trainer" else args.senders + rank
+    half = args.gpus // 2
+    return rank % half if role == "trainer" else half + rank % (args.gpus - half)
+
+
 def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
-    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast (NCCL) a GPU each:
-    the trainer ranks first, then the engine ranks."""
+    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast see :func:`gpu_of`."""
     if args.device == "cpu":
         return "cpu"
     if args.transport != "broadcast":
         return "cuda:0"
-    gpu = rank if role == "trainer" else args.senders + rank
+    gpu = gpu_of(args, role, rank)
     if gpu >= torch.cuda.device_count():
         raise SystemExit(
-            f"--transport broadcast: expected a GPU per process ({args.senders} trainer and "
-            f"{args.receivers} engine ranks), got {torch.cuda.device_count()} GPUs"
+            f"--transport broadcast: expected GPU {gpu} for {role} rank {rank} "
+            f"({args.senders} trainer and {args.receivers} engine ranks, --gpus "
+            f"{args.gpus or 'one per process'}), got {torch.cuda.device_count()} GPUs"
         )
     return f"cuda:{gpu}"
 
@@ -303,8 +315,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="sharded: a link per (trainer rank, engine rank), only its bytes",
     )
+    p.add_argument(
+        "--gpus", type=int, default=0,
+        help="broadcast: share K GPUs (trainer ranks on the first half, engine ranks on the "
+        "rest; needs --point-to-point: an NCCL group takes one rank per GPU)",
+    )  # fmt: skip
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
+    if args.gpus and (args.gpus < 2 or args.mode != "sharded" or not args.point_to_point):
+        p.error(
+            f"--gpus: expected 2 or more with --mode sharded --point-to-point (links of two "
+            f"processes on two GPUs), got --gpus {args.gpus} --mode {args.mode}"
+            + ("" if args.point_to_point else " without --point-to-point")
+        )
     out = run(args)
     rest = sorted(out["seconds"][1:]) or out["seconds"]
     rows = [[

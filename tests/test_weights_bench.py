@@ -48,3 +48,23 @@ def test_bench_weights_sharded_prints_one_json_line_with_its_fields(tmp_path):
     assert sum(line["bytes_per_sender"]) == line["model_bytes"]  # each byte sent once
     assert len(line["bytes_per_sender"]) == 2
     assert "| senders | receivers | mode |" in run.stdout
+
+
+def test_bench_weights_sharded_on_fewer_gpus_puts_every_link_across_two():
+    import argparse
+
+    from weights_sharded import gpu_of
+
+    args = argparse.Namespace(gpus=2, senders=2, receivers=2)
+    assert [gpu_of(args, "trainer", r) for r in range(2)] == [0, 0]
+    assert [gpu_of(args, "engine", r) for r in range(2)] == [1, 1]
+    args = argparse.Namespace(gpus=0, senders=2, receivers=2)  # a GPU per process
+    assert [gpu_of(args, role, r) for role in ("trainer", "engine") for r in range(2)] == [
+        0, 1, 2, 3,
+    ]  # fmt: skip
+    wrong = ["--gpus", "2", "--mode", "gather", "--device", "cuda", "--transport", "broadcast"]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "weights_sharded.py"), *wrong],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--gpus: expected 2 or more with --mode sharded" in run.stderr
