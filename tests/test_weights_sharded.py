@@ -361,6 +361,8 @@ def test_one_sender_is_the_same_code_one_weight_sender_and_one_weight_receiver(r
 
 
 def _p2p_trainer(rank, transport, conn):
+    if transport == "mixed":  # each rank its own way: the one beside the engines by memory
+        transport = "shm" if rank == 0 else "broadcast"
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
     s = ShardedSender(
@@ -397,7 +399,7 @@ def _p2p_engine(rank, addresses, conn):
     r.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+@pytest.mark.parametrize("transport", ["shm", "broadcast", "mixed"])
 def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 2))
@@ -412,7 +414,9 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
                 c.send(v)
             pushed = [recv(c) for _, c in trainers]
             # beside a collective a load's copy leaves it SMs (a bounded grid); else full
-            grid = {COLLECTIVE_PROGRAMS} if transport == "broadcast" else {None}
+            grid = {"shm": {None}, "broadcast": {COLLECTIVE_PROGRAMS}}.get(
+                transport, {None, COLLECTIVE_PROGRAMS}
+            )
             assert [recv(c) for _, c in engines] == [(v, True, grid), (v, True, grid)]
             for s, (sent, stream, per) in enumerate(pushed):
                 links = {r: plan.link_bytes(s, r) for r in range(2)}
