@@ -156,3 +156,23 @@ def test_demo_settings_that_cannot_work_name_the_setting_and_the_fix():
         DemoConfig(layout="far")
     with pytest.raises(ValueError, match=r"^engine: expected 'hf' or 'vllm', got 'tgi'$"):
         DemoConfig(engine="tgi")
+
+
+def test_a_wrong_ray_address_fails_at_once_naming_it():
+    import socket
+
+    pytest.importorskip("ray", reason="needs Ray (the [ray] extra)")
+    from rlferry.rl._processes import check_ray_address
+
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+        # refused before Ray is joined (Ray itself waits minutes for a GCS not there)
+        with pytest.raises(ValueError, match=f"expected a running Ray head at '{dead}'"):
+            run_demo(DemoConfig(steps=1, launcher="ray", ray_address=dead))
+    with pytest.raises(ValueError, match="expected HOST:PORT of a running Ray head"):
+        check_ray_address("localhost")
+    with socket.socket() as s:  # one that listens is accepted
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_ray_address(f"ray://127.0.0.1:{s.getsockname()[1]}")

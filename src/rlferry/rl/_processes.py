@@ -214,6 +214,32 @@ class ActorConn:
         return self._ray.get(ref, timeout=timeout + START_TIMEOUT)
 
 
+RAY_CONNECT_TIMEOUT = 5.0
+"""How long a Ray head's address may take to accept a connection (Ray itself waits for a
+GCS that is not there for minutes)."""
+
+
+def check_ray_address(address: str) -> None:
+    """Raise ``ValueError`` unless ``address`` (``host:port`` or ``ray://host:port``; ``auto``
+    is Ray's to find) accepts a TCP connection within :data:`RAY_CONNECT_TIMEOUT`."""
+    if address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"ray_address: expected HOST:PORT of a running Ray head (as `ray start --head` "
+            f"prints it), ray://HOST:PORT or auto, got {address!r}"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT).close()
+    except OSError as e:
+        raise ValueError(
+            f"ray_address: expected a running Ray head at {address!r}, got no connection "
+            f"within {RAY_CONNECT_TIMEOUT:.0f} s ({e}); start one with `ray start --head`, "
+            "or drop --ray-address for a local Ray"
+        ) from None
+
+
 class RayProcesses:
     """The run's actors on Ray: the queue's services, the engines, the trainer ranks (one
     STRICT_PACK group: one node, as the ranks' gloo group and the shm weights need; on
@@ -228,6 +254,8 @@ class RayProcesses:
         self.job = job
         self.started = not ray.is_initialized()
         if self.started:  # a local Ray: logical CPUs for every actor, whatever the cores
+            if address:
+                check_ray_address(address)
             opts = {"address": address} if address else {"num_cpus": 16}
             ray.init(include_dashboard=False, log_to_driver=False, **opts)
         self.trainers: list[tuple[Any, ActorConn]] = []
