@@ -252,10 +252,10 @@ class RayProcesses:
 
         self._ray = ray
         self.job = job
+        if address:  # also when this process is connected already: it is told, not ignored
+            check_ray_address(address)
         self.started = not ray.is_initialized()
         if self.started:  # a local Ray: logical CPUs for every actor, whatever the cores
-            if address:
-                check_ray_address(address)
             opts = {"address": address} if address else {"num_cpus": 16}
             ray.init(include_dashboard=False, log_to_driver=False, **opts)
         self.trainers: list[tuple[Any, ActorConn]] = []
