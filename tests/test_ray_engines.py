@@ -215,3 +215,12 @@ def test_a_gpu_share_that_is_neither_a_fraction_nor_whole_is_refused(ray_cluster
     assert str(e.value) == (
         "gpus_per_engine: expected 0, a fraction of one GPU or a whole number, got 1.5"
     )
+
+
+def test_a_runtime_env_that_is_not_a_dict_is_refused_before_anything_starts(ray_cluster, model_dir):
+    with pytest.raises(ValueError) as e:
+        RayEngines.start("badenv", model_dir, runtime_env="VLLM_CPU_KVCACHE_SPACE=1")
+    assert str(e.value) == (
+        "runtime_env: expected a dict of Ray's runtime environment (e.g. {'env_vars': {...}}) "
+        "or None, got str"
+    )

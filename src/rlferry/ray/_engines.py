@@ -60,7 +60,10 @@ class EngineActor(Watched):
         if kind == "vllm":
             from rlferry.engines.vllm import VLLMEngine
 
-            self._engine: Any = VLLMEngine(model, name=name, **options)
+            async def build() -> Any:  # vLLM's AsyncLLM belongs to the loop it is made on
+                return VLLMEngine(model, name=name, **options)
+
+            self._engine: Any = wire_loop().run(build())
         else:
             from rlferry.engines.hf import HFEngine
 
@@ -230,6 +233,7 @@ class RayEngines(Placed):
         ready_timeout: float = READY_TIMEOUT,
         namespace: str | None = None,
         bundle: tuple[Any, int] | None = None,
+        runtime_env: dict[str, Any] | None = None,
     ) -> RayEngines:
         """Start ``engines`` engine actors of ``model`` (a directory every node can read).
 
@@ -243,6 +247,10 @@ class RayEngines(Placed):
         removes: every engine goes into that bundle, beside the caller's other actors
         there (a trainer rank that shares the engines' GPU, to push weights by cuda_ipc:
         the engines and the rank then see the same GPU, whatever the node has).
+
+        ``runtime_env``: Ray's runtime environment of the engine actors (e.g.
+        ``{"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "4"}}`` for settings vLLM reads from
+        the environment).
 
         Raises:
             LaunchError: the job's engines are running already, the bundles cannot be
@@ -258,6 +266,11 @@ class RayEngines(Placed):
         if type(g) not in (int, float) or g < 0 or (g > 1 and g != int(g)):
             raise ValueError(
                 f"gpus_per_engine: expected 0, a fraction of one GPU or a whole number, got {g!r}"
+            )
+        if runtime_env is not None and not isinstance(runtime_env, dict):
+            raise ValueError(
+                f"runtime_env: expected a dict of Ray's runtime environment (e.g. "
+                f"{{'env_vars': {{...}}}}) or None, got {type(runtime_env).__name__}"
             )
         ns = namespace_of(namespace)
         names = [actor_name(job, f"engine{i}") for i in range(engines)]
@@ -292,6 +305,7 @@ class RayEngines(Placed):
                 actors.append(cls_remote.options(
                     name=names[i], namespace=ns, num_cpus=cpus_per_engine,
                     num_gpus=gpus_per_engine, max_restarts=max_restarts, max_concurrency=1000,
+                    runtime_env=runtime_env,
                     scheduling_strategy=strategy(pg, placement_group_bundle_index=b),
                 ).remote(engine, model, f"engine{i}", token, dict(options or {})))  # fmt: skip
             urls = r.get([a.url.remote() for a in actors], timeout=ENGINE_START_TIMEOUT)
