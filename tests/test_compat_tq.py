@@ -197,6 +197,12 @@ def test_get_data_of_cleared_samples_raises_storage_key_not_found(client):
     )
 
 
+def test_a_client_made_with_transferqueues_positional_arguments_reaches_the_queue(client):
+    mine = tq.TransferQueueClient("mine", None, 2, 64)  # client_id, controller_info, zmq settings
+    mine.put(rows(3), partition_id="p")
+    assert client.get_partition_list() == ["p"]
+
+
 def test_a_closed_client_and_a_closed_system_say_so(client):
     tq.close()
     with pytest.raises(RuntimeError) as e:

@@ -21,6 +21,8 @@ fi
 case "$work" in "$(cd "$here/../.." && pwd)"/*)
   echo "TQ_UPSTREAM_DIR: expected a directory outside the source tree, got $work" >&2; exit 2;;
 esac
+# Their ray.init() attaches to any Ray already running on the machine: start a local one.
+export RAY_ADDRESS=local
 python -c "import ray" 2>/dev/null || {
   echo "tests/tq_upstream: their tests import ray: pip install ray" >&2; exit 2; }
 rm -rf "$work/wheel" "$work/src"

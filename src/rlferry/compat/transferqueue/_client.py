@@ -61,7 +61,15 @@ class AsyncTransferQueueClient:
     ``StorageKeyNotFoundError`` for a sample without the value asked for, ``ClientClosed``
     (a ``RuntimeError``) after ``close()``."""
 
-    def __init__(self, client_id: str, controller_info: Any = None, **_: Any) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        controller_info: Any = None,
+        zmq_io_threads: int | None = None,
+        zmq_max_sockets: int | None = None,
+    ) -> None:
+        """TransferQueue's signature; ``controller_info`` and the ZMQ settings are not used
+        (the client reaches the queue ``init()`` made)."""
         from ._interface import current_backend
 
         self.client_id = client_id
