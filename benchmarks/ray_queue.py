@@ -8,13 +8,23 @@ Ray: ``RayQueue.start(storage_units=2)`` on a local Ray, the client from
 ``rlferry.ray.queue(job)`` (same node: ipc://, shared memory, as embedded). For
 reference, the same services as plain processes (``rlferry serve queue``), no Ray.
 
+``--clients actors`` measures throughput as a job sees it: the clients are Ray actors
+(``--pairs`` producers and as many consumers, each its own process), and the embedded
+queue lives in this driver, reached by address, as a trainer process reaches a queue its
+driver embeds. Each producer puts ``--iterations`` batches; its consumer gets each one
+whole as it lands (a parked get) and acks it. Throughput: the bytes put and got over the
+time from the first actor's start to the last one's end; the two queues take turns,
+``--repeats`` runs each.
+
     python benchmarks/ray_queue.py [--iterations 20] [--rows 1024] [--fields 9] [--seq-len 1024]
+    python benchmarks/ray_queue.py --clients actors [--pairs 1] [--repeats 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import statistics
 import subprocess
@@ -105,14 +115,108 @@ def run(iterations: int, rows: int, fields: int, seq_len: int) -> str:
     return head + "\n\n" + table(rows_out, header)
 
 
+class _Client:
+    """A producer or a consumer in a process of its own (a Ray actor)."""
+
+    def __init__(self, role: str, rows: int, fields: int, seq_len: int) -> None:
+        torch.set_num_threads(1)
+        self.role = role
+        self.data = {f"field_{i}": torch.randn(rows, seq_len) for i in range(fields)}
+        self.rows = rows
+        self.clients: dict[str, Any] = {}  # kept between runs: steady state, pools warm
+
+    def run(self, where: str, tag: str, iterations: int) -> tuple[float, float, list[float]]:
+        """Put or get ``iterations`` batches; (start, end, each op's seconds)."""
+        if where not in self.clients:
+            if where.startswith("ipc://"):  # the driver's embedded queue, by its address
+                self.clients[where] = Queue.connect(where).client()
+            else:  # the queue of a Ray job, by its name
+                import rlferry.ray
+
+                self.clients[where] = rlferry.ray.queue(where)
+        client = self.clients[where]
+        names = list(self.data)
+        ops = []
+        start = time.time()
+        for it in range(iterations):
+            t = time.perf_counter()
+            if self.role == "producer":
+                client.put(f"{tag}_{it}", self.data, timeout=120)
+            else:
+                batch = client.get(f"{tag}_{it}", task="train", batch_size=self.rows,
+                                   fields=names, timeout=120)  # fmt: skip
+                client.ack(batch)
+                del batch
+            ops.append(time.perf_counter() - t)
+        return start, time.time(), ops
+
+
+def run_actors(iterations: int, rows: int, fields: int, seq_len: int, pairs: int,
+               repeats: int, units: int) -> str:  # fmt: skip
+    nbytes = rows * fields * seq_len * 4
+    ray.init(num_cpus=4 * pairs + 4, include_dashboard=False, log_to_driver=False)
+    actor = ray.remote(num_cpus=1)(_Client)
+    wall: dict[str, list[float]] = {"embedded": [], "ray": []}
+    ops: dict[tuple[str, str], list[float]] = {}
+    try:
+        with Queue.start(storage_units=units, tasks=("train",)) as emb, \
+                RayQueue.start("bench", storage_units=units, cpus_per_unit=1):  # fmt: skip
+            roles = ["producer", "consumer"] * pairs
+            clients = [actor.remote(r, rows, fields, seq_len) for r in roles]
+            where = {"embedded": emb.address, "ray": "bench"}
+            for n in range(repeats + 1):  # the first round of each warms up
+                for kind in ("embedded", "ray"):
+                    tag = f"{kind}{n}"
+                    out = ray.get([c.run.remote(where[kind], f"{tag}_{i // 2}", iterations)
+                                   for i, c in enumerate(clients)], timeout=600)  # fmt: skip
+                    if n == 0:
+                        continue
+                    wall[kind].append(max(e for _, e, _ in out) - min(s for s, _, _ in out))
+                    for role, (_, _, times) in zip(roles, out, strict=True):
+                        ops.setdefault((kind, role), []).extend(times)
+    finally:
+        ray.shutdown()
+    moved = 2 * pairs * iterations * nbytes  # put and got
+    emb_p50 = _stats(wall["embedded"])[0]
+    rows_out = []
+    for kind in ("embedded", "ray"):
+        p50, p90, mx = _stats(wall[kind])
+        put50 = _stats(ops[(kind, "producer")])[0]
+        get50 = _stats(ops[(kind, "consumer")])[0]
+        rows_out.append([
+            kind, f"{gbps(moved, p50):.2f}", f"{gbps(moved, mx):.2f}", f"{1e3 * p50:.0f}",
+            f"{1e3 * p90:.0f}", f"{1e3 * mx:.0f}", f"{1e3 * put50:.2f}", f"{1e3 * get50:.2f}",
+            f"{emb_p50 / p50:.3f}x",
+        ])  # fmt: skip
+    head = (f"{platform.node()}, {os.cpu_count()} cpus, ray {ray.__version__}: {pairs} producer "
+            f"and {pairs} consumer actor(s), {iterations} batches of {rows} x {fields} x "
+            f"{seq_len} float32 ({nbytes / 1e6:.1f} MB) each, {units} storage units, "
+            f"{repeats} runs per queue, taking turns")  # fmt: skip
+    header = ["queue", "GB/s (p50 run)", "GB/s (slowest)", "run p50 ms", "p90 ms", "max ms",
+              "put p50 ms", "get+ack p50 ms", "throughput vs embedded (p50)"]  # fmt: skip
+    return head + "\n\n" + table(rows_out, header)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/ray_queue.py", description=__doc__)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--fields", type=int, default=9)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument(
+        "--clients",
+        choices=["driver", "actors"],
+        default="driver",
+        help="driver: one client in this process; actors: clients as Ray actors",
+    )
+    p.add_argument("--pairs", type=int, default=1, help="actors: producer/consumer pairs")
+    p.add_argument("--repeats", type=int, default=7, help="actors: runs per queue")
+    p.add_argument("--units", type=int, default=2, help="actors: storage units of each queue")
     a = p.parse_args()
-    print(run(a.iterations, a.rows, a.fields, a.seq_len))
+    if a.clients == "actors":
+        print(run_actors(a.iterations, a.rows, a.fields, a.seq_len, a.pairs, a.repeats, a.units))
+    else:
+        print(run(a.iterations, a.rows, a.fields, a.seq_len))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
 """The queue on Ray: storage units as actors in a SPREAD placement group (one CPU bundle
-per node by default), the controller a named actor of the job beside unit 0. Clients
-find it by the job's name; the payload goes over rlferry's wire, never through Ray.
+per node by default), the controller in unit 0's actor, named for the job. Clients find
+it by the job's name; the payload goes over rlferry's wire, never through Ray.
+
+The controller shares unit 0's process as an embedded queue shares one process: a put
+that lands on unit 0 tells the controller in the process, not across one (on 2 cores
+that hop cost a put about 0.5 ms), and units of the controller's node reach it over
+ipc://. Unit 0 lives and dies with the controller (the queue's state dies with the
+controller in any case).
 
 Each service binds the node's address (for other nodes, with the job's secret) and an
 ipc:// path (for processes of its node, through shared memory, as an embedded queue).
@@ -61,25 +67,36 @@ class StorageActor(_Service):
         self._service = StorageService([f"tcp://{node_address()}:*", None], key)
         return await self._service.start()
 
-    def link(self, controller: str) -> None:
-        self._service.link(controller)
+    def link(self, controller: dict[str, str]) -> None:
+        """Tell the controller what this unit stores: over ipc:// from its node, else tcp."""
+        here = controller["ip"] == node_address()
+        self._service.link(controller["ipc"] if here else controller["address"])
 
 
-class ControllerActor(_Service):
-    """The controller as the job's named actor; it hands clients what they need
-    (:meth:`connection`), so no address or secret is passed by hand."""
+class ControllerActor(StorageActor):
+    """The controller and storage unit 0, the job's named actor; it hands clients what they
+    need (:meth:`connection`), so no address or secret is passed by hand."""
 
-    async def start(self, settings: dict[str, Any], units: list[str]) -> list[str]:
+    def __init__(self) -> None:
+        super().__init__()
+        self._controller: ControllerService | None = None
+
+    async def start_controller(self, settings: dict[str, Any], units: list[str]) -> list[str]:
         config = QueueConfig(bind=f"tcp://{node_address()}:*", **settings)
-        self._service = ControllerService(config, units, [config.bind, None])
+        self._controller = ControllerService(config, units, [config.bind, None])
         self._info = {"secret": config.secret}
-        return await self._service.start()
+        return await self._controller.start()
 
     def remember(self, info: dict[str, Any]) -> None:
         self._info.update(info)
 
     def connection(self) -> dict[str, Any]:
         return self._info
+
+    async def close(self) -> None:
+        if self._controller is not None:
+            await self._controller.close()
+        await super().close()
 
 
 def _remote(cls: type, **options: Any) -> Any:
@@ -97,7 +114,7 @@ class RayQueue(Placed):
 
     def __init__(self, job: str, namespace: str, actors: list[Any], names: list[str],
                  pg: Any, services: dict[str, dict[str, str]]) -> None:  # fmt: skip
-        super().__init__(names, actors, pg)  # the controller first, then unit 0, 1, ...
+        super().__init__(names, actors, pg)  # the controller (and unit 0), then unit 1, 2, ...
         self.job = job
         self.namespace = namespace
         self.services = services  # by tcp:// address: the actor's name, node, ip, ipc:// path
@@ -154,29 +171,30 @@ class RayQueue(Placed):
             )
         pg = place(bundles, "SPREAD", name=actor_name(job, "storage"),
                    what=f"job `{job}`: storage units", ready_timeout=ready_timeout)  # fmt: skip
-        names = [ctrl_name] + [actor_name(job, f"storage{i}") for i in range(len(bundles))]
+        # unit i in bundle i: unit 0 in the controller's actor, the others storage1, 2, ...
+        names = [ctrl_name] + [actor_name(job, f"storage{i}") for i in range(1, len(bundles))]
         actors: list[Any] = []
         try:
             strategy = r.util.scheduling_strategies.PlacementGroupSchedulingStrategy
             for i, bundle in enumerate(bundles):
                 actors.append(_remote(
-                    StorageActor, name=names[i + 1], namespace=ns, num_cpus=bundle.get("CPU", 0),
+                    ControllerActor if i == 0 else StorageActor, name=names[i], namespace=ns,
+                    num_cpus=bundle.get("CPU", 0),
                     scheduling_strategy=strategy(pg, placement_group_bundle_index=i),
                 ).remote())  # fmt: skip
             key = settings["secret"]
             units = _gather([a.start.remote(key) for a in actors], f"job `{job}`: storage units")
-            ctrl = _remote(ControllerActor, name=ctrl_name, namespace=ns, num_cpus=0,
-                           scheduling_strategy=strategy(pg, placement_group_bundle_index=0)
-                           ).remote()  # fmt: skip
-            actors.insert(0, ctrl)
-            (ctrl_addrs,) = _gather(
-                [ctrl.start.remote(settings, [u[0] for u in units])], f"job `{job}`: controller"
-            )
-            _gather([a.link.remote(ctrl_addrs[0]) for a in actors[1:]], f"job `{job}`: link")
+            ctrl = actors[0]
+            (ctrl_addrs,) = _gather([ctrl.start_controller.remote(settings, [u[0] for u in units])],
+                                    f"job `{job}`: controller")  # fmt: skip
             places = _gather([a.where.remote() for a in actors], f"job `{job}`: placement")
+            link = {"address": ctrl_addrs[0], "ipc": ctrl_addrs[1], "ip": places[0]["ip"]}
+            _gather([a.link.remote(link) for a in actors], f"job `{job}`: link")
             services = {
                 addrs[0]: {"name": name, "node": at["node"], "ip": at["ip"], "ipc": addrs[1]}
-                for name, addrs, at in zip(names, [ctrl_addrs, *units], places, strict=True)
+                for name, addrs, at in zip(
+                    [ctrl_name, *names], [ctrl_addrs, *units], [places[0], *places], strict=True
+                )
             }
             _gather([ctrl.remember.remote({"address": ctrl_addrs[0], "services": services})],
                     f"job `{job}`: controller")  # fmt: skip
