@@ -14,6 +14,7 @@ ipc:// path (for processes of its node, through shared memory, as an embedded qu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from typing import Any
@@ -25,6 +26,7 @@ from rlferry.queue import (
     QueueConfig,
     StorageService,
 )
+from rlferry.wire import wire_loop
 
 from ._common import (
     DEATH_GRACE,
@@ -47,6 +49,12 @@ __all__ = ["RayQueue", "async_queue", "queue"]
 _CALL_TIMEOUT = 60.0  # a launcher's call to an actor (start, connection) answers within this
 
 
+async def _on_wire_loop(coro: Any) -> Any:
+    """Run ``coro`` on rlferry's wire loop (where the services live, as in any process of
+    rlferry: not on Ray's actor loop, which also serves Ray's calls)."""
+    return await asyncio.wrap_future(wire_loop().submit(coro))
+
+
 class _Service(Watched):
     """What the queue's actors share: a service to close."""
 
@@ -56,7 +64,7 @@ class _Service(Watched):
 
     async def close(self) -> None:
         if self._service is not None:
-            await self._service.close()
+            await _on_wire_loop(self._service.close())
         self._closed.set()
 
 
@@ -64,13 +72,20 @@ class StorageActor(_Service):
     """A storage unit as an actor: :meth:`start` binds, :meth:`link` names the controller."""
 
     async def start(self, key: str) -> list[str]:
-        self._service = StorageService([f"tcp://{node_address()}:*", None], key)
-        return await self._service.start()
+        async def start() -> list[str]:
+            self._service = StorageService([f"tcp://{node_address()}:*", None], key)
+            return await self._service.start()
 
-    def link(self, controller: dict[str, str]) -> None:
+        return list(await _on_wire_loop(start()))
+
+    async def link(self, controller: dict[str, str]) -> None:
         """Tell the controller what this unit stores: over ipc:// from its node, else tcp."""
         here = controller["ip"] == node_address()
-        self._service.link(controller["ipc"] if here else controller["address"])
+
+        async def link() -> None:
+            self._service.link(controller["ipc"] if here else controller["address"])
+
+        await _on_wire_loop(link())
 
 
 class ControllerActor(StorageActor):
@@ -83,9 +98,13 @@ class ControllerActor(StorageActor):
 
     async def start_controller(self, settings: dict[str, Any], units: list[str]) -> list[str]:
         config = QueueConfig(bind=f"tcp://{node_address()}:*", **settings)
-        self._controller = ControllerService(config, units, [config.bind, None])
         self._info = {"secret": config.secret}
-        return await self._controller.start()
+
+        async def start() -> list[str]:
+            self._controller = ControllerService(config, units, [config.bind, None])
+            return await self._controller.start()
+
+        return list(await _on_wire_loop(start()))
 
     def remember(self, info: dict[str, Any]) -> None:
         self._info.update(info)
@@ -95,7 +114,7 @@ class ControllerActor(StorageActor):
 
     async def close(self) -> None:
         if self._controller is not None:
-            await self._controller.close()
+            await _on_wire_loop(self._controller.close())
         await super().close()
 
 
