@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +40,17 @@ def link_group(group: str, rank: int, receiver: int | None = None) -> str:
     rank ``receiver``): receivers join it by this name."""
     link = f"{group}/trainer{rank}"
     return link if receiver is None else f"{link}/engine{receiver}"
+
+
+class _Cut(NamedTuple):
+    """A piece of a stream as cut from this rank's shard of ``source`` (of ``shape``):
+    ``at`` its slices (None: the whole shard), sent as ``dtype`` under ``name``."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    at: tuple[slice, ...] | None
+    dtype: torch.dtype
 
 
 class _Plans:
@@ -112,6 +123,7 @@ class ShardedSender:
         self.group = group
         self.point_to_point = point_to_point
         self._plans = _Plans(trainer, engine)
+        self._cut_cache: dict[tuple[str, int], list[_Cut]] = {}
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
@@ -209,11 +221,11 @@ class ShardedSender:
         plan = self._plans.get()
         local = _local(named_tensors)
         if not self.point_to_point:
-            pieces = self._pieces(plan, plan.streams[self.rank], local)
+            pieces = self._pieces(plan, -1, local)
             if not pieces:
                 return PushReport(version, 0, 0.0, (), 0, 0, False)
             return self._links[-1].push(pieces, version=version, timeout=timeout)
-        streams = {r: self._pieces(plan, plan.link(self.rank, r)[0], local) for r in self._links}
+        streams = {r: self._pieces(plan, r, local) for r in self._links}
         return self._push_links(streams, version, timeout)
 
     def _push_links(
@@ -243,28 +255,46 @@ class ShardedSender:
             sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
         )  # fmt: skip
 
+    def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
+        """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
+        rank's shards: worked out once per plan and stream, not per push."""
+        key = (plan.fingerprint, receiver)
+        cuts = self._cut_cache.get(key)
+        if cuts is None:
+            owned = plan.trainer.owned[self.rank]
+            pieces: Iterable[Piece] = (
+                plan.streams[self.rank] if receiver < 0 else plan.link(self.rank, receiver)[0]
+            )
+            cuts = []
+            for p in pieces:
+                box = owned[p.source]
+                at = None if p.box == box else slices(relative(p.box, box))
+                cuts.append(_Cut(p.name, p.source, extents(box), at, p.dtype))
+            if len(self._cut_cache) > 2 * len(self._links):  # an old plan's: gone
+                self._cut_cache.clear()
+            self._cut_cache[key] = cuts
+        return cuts
+
     @torch.no_grad()
     def _pieces(
-        self, plan: ShardPlan, pieces: Iterable[Piece], local: dict[str, torch.Tensor]
+        self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
     ) -> list[tuple[str, torch.Tensor]]:
-        owned = plan.trainer.owned[self.rank]
         out = []
-        for p in pieces:
-            t = local.get(p.source)
-            box = owned[p.source]
+        for c in self._cuts(plan, receiver):
+            t = local.get(c.source)
             if t is None:
                 raise WeightSyncError(
-                    f"push: tensor `{p.source}`: expected it (trainer rank {self.rank} owns "
-                    f"{list(extents(box))} of it and receivers need them), got no such name"
+                    f"push: tensor `{c.source}`: expected it (trainer rank {self.rank} owns "
+                    f"{list(c.shape)} of it and receivers need them), got no such name"
                 )
-            if tuple(t.shape) != extents(box):
+            if tuple(t.shape) != c.shape:
                 raise WeightSyncError(
-                    f"push: tensor `{p.source}` on trainer rank {self.rank}: expected its local "
-                    f"shard of shape {list(extents(box))}, got {list(t.shape)} (the trainer "
+                    f"push: tensor `{c.source}` on trainer rank {self.rank}: expected its local "
+                    f"shard of shape {list(c.shape)}, got {list(t.shape)} (the trainer "
                     "layout does not describe this rank's tensors)"
                 )
-            v = t[slices(relative(p.box, box))] if p.box != box else t.detach()
-            out.append((p.name, v.to(p.dtype) if v.dtype != p.dtype else v))
+            v = t.detach() if c.at is None else t[c.at]
+            out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
         return out
 
     def statistics(self) -> ShardedSenderStatistics:

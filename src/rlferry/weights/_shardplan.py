@@ -90,6 +90,7 @@ class ShardPlan:
         self.copies = copies
         self.fingerprint = plan_fingerprint(trainer, engine)
         self._pieces = [{p.name: p for p in stream} for stream in streams]
+        self._links: dict[tuple[int, int], tuple[list[Piece], list[Copy]]] = {}
 
     @classmethod
     def build(cls, trainer: TrainerLayout, engine: EngineLayout) -> ShardPlan:
@@ -170,7 +171,14 @@ class ShardPlan:
 
     def link(self, sender: int, receiver: int) -> tuple[list[Piece], list[Copy]]:
         """A point-to-point link's own stream: exactly the boxes ``receiver`` needs of
-        ``sender``'s (each once), and the copies that read them."""
+        ``sender``'s (each once), and the copies that read them. Worked out once per link
+        (a plan never changes; every update asks again)."""
+        known = self._links.get((sender, receiver))
+        if known is None:
+            known = self._links[(sender, receiver)] = self._link(sender, receiver)
+        return known
+
+    def _link(self, sender: int, receiver: int) -> tuple[list[Piece], list[Copy]]:
         specs = {t.name: t for t in self.trainer.specs}
         pieces: dict[tuple[str, Box, torch.dtype], Piece] = {}
         copies = []
