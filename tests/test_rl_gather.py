@@ -18,6 +18,7 @@ def _port() -> int:
 
 
 def _rank(rank: int, port: int, out: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from rlferry.rl._gather import gathered
@@ -32,9 +33,10 @@ def _rank(rank: int, port: int, out: dict) -> None:
             intermediate_size=48, tie_word_embeddings=False,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
+        mesh = init_device_mesh("cpu", (2,))  # not CUDA's, if one is seen
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         want = [(n, t.full_tensor()) for n, t in model.state_dict().items()]
         for bucket_bytes in (1, 3000, 1 << 30):  # a tensor per bucket, some, all in one
             got = list(gathered(model, torch.float32, bucket_bytes=bucket_bytes))

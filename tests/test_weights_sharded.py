@@ -80,6 +80,7 @@ class TinyLlama(torch.nn.Module):
 
 def _fsdp_trainer(rank, world, port, kind, tmp, conn):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(
@@ -87,7 +88,7 @@ def _fsdp_trainer(rank, world, port, kind, tmp, conn):
     )
     torch.manual_seed(0)
     model = TinyLlama()
-    fully_shard(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))  # not CUDA's, if one is seen
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sd = model.state_dict()
     trainer = dtensor_layout(sd.items())

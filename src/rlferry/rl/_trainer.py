@@ -207,10 +207,14 @@ def _every_address(address: str, device: torch.device) -> list[str]:
 
 def _sharded(model: Any) -> Any:
     """FSDP2: each decoder layer its own unit (its parameters gathered for its forward
-    and backward only), then the rest of the model."""
+    and backward only), then the rest of the model. The mesh is on the model's device
+    type: FSDP2's default is CUDA wherever a GPU is visible, also for a CPU run over gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    kind = next(model.parameters()).device.type
+    mesh = init_device_mesh(kind, (dist.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
