@@ -235,6 +235,33 @@ TOO_LONG = (
 )
 
 
+class DiesAtPause(HFEngine):
+    """An engine that dies the moment the update pauses it (after the coordinator saw it
+    serve): closed, then paused as a closed engine is."""
+
+    async def pause(self, mode="keep"):
+        self.close()
+        return await super().pause(mode)
+
+
+def test_an_update_whose_every_engine_dies_at_pause_fails_there_without_running_the_push():
+    async def main():
+        with WeightSender(group="dies", transport="shm", receivers=2) as sender:
+            engines = [DiesAtPause(tiny_model(0), name=f"e{i}") for i in range(2)]
+            for engine in engines:
+                await engine.init_weight_transfer("dies", sender.address)
+            coord = Coordinator(engines, batch_size=2, max_staleness=1)
+            pushed = []  # a push would wait its whole timeout for receivers that never join
+            with pytest.raises(WeightUpdateError) as e:
+                await coord.update_weights(pushed.append, version=1, timeout=20)
+            await coord.close()
+            return pushed, e.value, coord.version
+
+    pushed, error, version = asyncio.run(main())
+    assert pushed == [] and version == 0
+    assert error.stage == "pause" and set(error.failures) == {"e0", "e1"}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_engine_refuses_a_bad_request_with_the_same_error_in_process_and_over_http(
     kind, model_dir
