@@ -88,6 +88,30 @@ def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc():
         assert sent == [whole, 0]
 
 
+@requires_cuda
+@pytest.mark.parametrize(("layout", "engines", "gpus"), [("colocated", 1, 2), ("split", 2, 4)])
+def test_on_several_gpus_the_demos_ranks_push_their_own_shards(layout, engines, gpus):
+    import torch
+
+    from rlferry.rl.model import make_model
+    from rlferry.rl.task import ReverseTask
+    from rlferry.weights import fsdp_layout, specs_of
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    config = DemoConfig(steps=2, engines=engines, max_staleness=1, groups_per_step=2,
+                        group_size=4, warm_steps=0, device="cuda", layout=layout)  # fmt: skip
+    assert config.gpus()[1] == 2
+    run = run_demo(config)
+    assert run.summary["engine_versions"] == [2] * engines
+    assert len(run.summary["weights_fingerprint"]) == 64  # bit for bit, checked by the run
+    model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
+    owned = fsdp_layout(specs_of(model.state_dict().items()), 2)
+    # rank 0 by cuda_ipc beside the engine (colocated) or NCCL (split), rank 1 by NCCL:
+    # each its own rows, nothing gathered
+    assert run.summary["weights_bytes_per_rank"] == [owned.owned_bytes(0), owned.owned_bytes(1)]
+
+
 def _session_processes(sid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

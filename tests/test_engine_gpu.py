@@ -5,6 +5,10 @@ same code without graphs on the CPU in test_engine_hf.py.
 """
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -73,3 +77,29 @@ def test_graphs_read_weights_loaded_in_place():
     assert before.token_ids == want_before
     assert after.token_ids == reference(trainer.cuda(), PROMPTS["a"], 16)[0]
     assert after.versions == [1] * 16
+
+
+def test_an_engine_on_the_second_gpu_captures_its_graphs_there():
+    """In a process of its own, as ``rlferry serve engine`` and the demo run engines (two
+    engines on two GPUs in one process: README, Limits)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    code = textwrap.dedent("""
+        import asyncio, torch
+        from rlferry.engines.hf import HFEngine
+        from test_engine_gpu import greedy
+        from test_engine_hf import PROMPTS, reference, tiny_model
+        model = tiny_model(0).to("cuda:1")  # the current device stays cuda:0
+        async def main():
+            with HFEngine(model, name="g1", max_batch=4) as engine:
+                return await engine.generate(greedy("a", PROMPTS["a"], 12))
+        out = asyncio.run(main())
+        assert torch.cuda.current_device() == 0
+        assert out.token_ids == reference(model, PROMPTS["a"], 12)[0], out.token_ids
+        print("same tokens")
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, env=env)  # fmt: skip
+    assert done.returncode == 0 and "same tokens" in done.stdout, done.stderr[-3000:]

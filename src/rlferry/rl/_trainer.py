@@ -11,15 +11,15 @@ a pipe:
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
   answer with the loss and its stats;
 - ``("push", version, seconds)`` (every rank): every rank pushes its own shards
-  through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU) and answers
-  once the engines loaded its part; nothing is gathered, no rank sends a byte it does
-  not own. Rank 0's sender describes the group (every rank's address, the layout) to
-  the engines, which are told its address only. Without ``sharded`` (CUDA: one rank on
-  one GPU, or ranks on several GPUs: the split layout's NCCL broadcast, cuda_ipc from
-  GPU 0 with a rank on GPU 1) the shards are gathered a bucket at a time
-  (``_gather.gathered``: one collective per bucket; the full state dict never exists at
-  once) and rank 0 pushes them through its ``WeightSender``, the others taking part in
-  the gathers. Each answers the bytes it sent;
+  through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU; on CUDA NCCL
+  broadcast to the engines, or cuda_ipc for rank 0 beside them) and answers once the
+  engines loaded its part; nothing is gathered, no rank sends a byte it does not own.
+  Rank 0's sender describes the group (every rank's address, the layout) to the
+  engines, which are told its address only. Without ``sharded`` (one rank on one GPU,
+  engines sharing GPU 0 with ranks on other GPUs, vLLM engines) the shards are gathered
+  a bucket at a time (``_gather.gathered``: one collective per bucket; the full state
+  dict never exists at once) and rank 0 pushes them through its ``WeightSender``, the
+  others taking part in the gathers. Each answers the bytes it sent;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
 - ``("stop",)``.
 """
@@ -175,8 +175,11 @@ def _sharded_sender(
     named = list(model.state_dict().items())
     trainer = dtensor_layout(named, s["dp"])
     engine = EngineLayout.whole(trainer.specs, receivers=s["engines"], dtype=serve)
+    transport = s["transport"]
+    if transport == "cuda_ipc" and rank > 0:  # colocated: only rank 0 shares the engine's GPU
+        transport = "broadcast"
     sender = ShardedSender(
-        group="demo", rank=rank, trainer=trainer, engine=engine, transport=s["transport"]
+        group="demo", rank=rank, trainer=trainer, engine=engine, transport=transport
     )
     try:
         addresses = _every_address(sender.address, device)

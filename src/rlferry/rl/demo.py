@@ -401,11 +401,17 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
 
 def _sharded(config: DemoConfig) -> bool:
     """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
-    (shm). On CUDA rank 0 pushes: on one GPU it is the only rank (nothing to shard; the
-    one-GPU path stays the one measured there), and ranks on other GPUs (the split
-    layout's broadcast, colocated on 2 GPUs or more) gather to it. vLLM engines join one
-    sender with vLLM's own receiver: rank 0 gathers and pushes for them."""
-    return config.engine != "vllm" and config.device == "cpu"
+    (shm), and on CUDA with two ranks or more where each rank can reach every engine: the
+    split layout (each rank's NCCL broadcast group holds the engines, a GPU each), or
+    colocated beside one engine (rank 0 by cuda_ipc, the others by NCCL). Engines sharing
+    GPU 0 cannot be in one NCCL group, so colocated with two engines or more rank 0
+    gathers and pushes; on one GPU rank 0 is the only rank. vLLM engines join one sender
+    with vLLM's own receiver: rank 0 gathers and pushes for them."""
+    if config.engine == "vllm":
+        return False
+    if config.device == "cpu":
+        return True
+    return config.gpus()[1] > 1 and (config.layout == "split" or config.engines == 1)
 
 
 def _pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:

@@ -334,15 +334,18 @@ class SlotBatch:
 
     def _graph(self, step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """``step`` captured as a CUDA graph (after one warm-up run on a side stream, as
-        CUDA graphs need) in the batch's memory pool; the graph and its output."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step()
+        CUDA graphs need) in the batch's memory pool; the graph and its output. On the
+        batch's device, whichever is current (``torch.cuda.graph`` captures on a stream of
+        the current device: on another GPU's, the capture of ``cuda:1`` kernels fails)."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = step()
         self._pool = graph.pool()
         return graph, out
 
