@@ -130,8 +130,9 @@ async def run_update(
             deadline, faults,
         )  # fmt: skip
         marks.append(time.monotonic())
-        if faults.ok(members):
-            report, raised = await _push(push, faults.ok(members), deadline, timeout, faults)
+        ready = faults.ok(members)
+        if ready:
+            report, raised = await _push(push, ready, deadline, timeout, faults)
         else:  # every engine failed before it: no receiver would join, so no push waits
             report, raised = None, True
         marks.append(time.monotonic())

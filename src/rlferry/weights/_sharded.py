@@ -123,7 +123,8 @@ class ShardedSender:
         self.group = group
         self.point_to_point = point_to_point
         self._plans = _Plans(trainer, engine)
-        self._cut_cache: dict[tuple[str, int], list[_Cut]] = {}
+        self._cut_plan: ShardPlan | None = None  # the plan the cuts below were made for
+        self._cut_cache: dict[int, list[_Cut]] = {}
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
@@ -258,8 +259,9 @@ class ShardedSender:
     def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
         rank's shards: worked out once per plan and stream, not per push."""
-        key = (plan.fingerprint, receiver)
-        cuts = self._cut_cache.get(key)
+        if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go
+            self._cut_plan, self._cut_cache = plan, {}
+        cuts = self._cut_cache.get(receiver)
         if cuts is None:
             owned = plan.trainer.owned[self.rank]
             pieces: Iterable[Piece] = (
@@ -270,9 +272,7 @@ class ShardedSender:
                 box = owned[p.source]
                 at = None if p.box == box else slices(relative(p.box, box))
                 cuts.append(_Cut(p.name, p.source, extents(box), at, p.dtype))
-            if len(self._cut_cache) > 2 * len(self._links):  # an old plan's: gone
-                self._cut_cache.clear()
-            self._cut_cache[key] = cuts
+            self._cut_cache[receiver] = cuts
         return cuts
 
     @torch.no_grad()
