@@ -51,6 +51,7 @@ from rlferry.weights import (
     Part,
     ShardedReceiver,
     ShardedSender,
+    ShardPlan,
     TensorSpec,
     TrainerLayout,
     WeightReceiver,
@@ -130,17 +131,20 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
     dev = device_of(args, "trainer", rank)
     owned = trainer.owned[rank].items()
     mine = {n: full_tensor(specs[n], dev)[slices(b)].clone() for n, b in owned}
-    kw = {"transport": args.transport, "device": dev}
+    kw = {"transport": args.transport, "device": dev, "bucket_bytes": _bucket(args)}
     if args.mode == "sharded":
         s = ShardedSender(
             group="bench", rank=rank, trainer=trainer, engine=engine,
             point_to_point=args.point_to_point, **kw,
         )  # fmt: skip
         conn.send(("address", s.addresses))
-        while (msg := conn.recv()) != "stop":
-            s.push(mine, version=msg, timeout=WAIT)
-            st = s.statistics()
-            conn.send(("pushed", st.stream_bytes, st.plans_computed))
+        with _Profile(args, "trainer", rank) as prof:
+            while (msg := conn.recv()) != "stop":
+                got = time.time()
+                prof.update(msg)
+                s.push(mine, version=msg, timeout=WAIT)
+                st = s.statistics()
+                conn.send(("pushed", st.stream_bytes, st.plans_computed, (got, time.time())))
         s.close()
         return
     # gather mode: every other rank sends its rows to rank 0, which pushes the whole model
@@ -192,10 +196,12 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
         n: torch.zeros(s.shape, dtype=s.dtype, device=dev)
         for n, s in engine.param_specs(rank).items()
     }
+    committed: dict[int, float] = {}  # version -> when it committed (wall clock)
     if args.mode == "sharded":
         r: Any = ShardedReceiver(
             group="bench", rank=rank, trainer=trainer, engine=engine, params=params,
             addresses=addresses, device=dev, point_to_point=args.point_to_point,
+            on_commit=lambda v: committed.__setitem__(v, time.time()),
         ).start(WAIT)  # fmt: skip
     else:  # today's receiver of the whole model, cutting its slices out as vLLM's loader does
         # each source tensor lies in one parameter of a rank (fused ones in several parts)
@@ -208,11 +214,14 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
 
         r = WeightReceiver(group="bench", address=addresses, load=load, device=dev).start(WAIT)
     conn.send(("ready", None))
-    while (msg := conn.recv()) != "stop":
-        assert r.wait_for(msg, WAIT)
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize(dev)
-        conn.send(("at", msg))
+    with _Profile(args, "engine", rank) as prof:
+        while (msg := conn.recv()) != "stop":
+            got = time.time()
+            prof.update(msg)
+            assert r.wait_for(msg, WAIT)
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize(dev)
+            conn.send(("at", msg, (got, committed.get(msg, 0.0), time.time())))
     specs = {s.name: s for s in trainer.specs}
     same = True
     for p in engine.receivers[rank]:
@@ -224,6 +233,114 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
     plans = r.statistics().plans_computed if args.mode == "sharded" else 0
     conn.send(("identical", same, plans))
     r.close()
+
+
+def _bound(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> None:
+    """The links' bound (``--mode bound``): NCCL's (gloo's) own batched send and receive of exactly
+    each point-to-point link's bytes (one buffer a link, every link at once), trainer
+    ranks ``0..S-1`` then engine ranks in one group; nothing packed, loaded or planned."""
+    import datetime
+
+    import torch.distributed as dist
+
+    trainer, engine = layouts(args)
+    plan = ShardPlan.build(trainer, engine)
+    s_n = args.senders
+    role, me = ("trainer", rank) if rank < s_n else ("engine", rank - s_n)
+    dev = torch.device(device_of(args, role, me))
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, s_n + args.receivers, rank == 0,
+                          timeout=datetime.timedelta(seconds=WAIT))  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=s_n + args.receivers,
+        device_id=dev if cuda else None,
+    )  # fmt: skip
+    if role == "trainer":
+        peers = {s_n + r: plan.link_bytes(me, r) for r in plan.receivers_of(me)}
+    else:
+        peers = {s: plan.link_bytes(s, me) for s in plan.senders_of(me)}
+    bufs = {p: torch.empty(n, dtype=torch.uint8, device=dev) for p, n in peers.items() if n}
+    op = dist.isend if role == "trainer" else dist.irecv
+    conn.send(("ready", None))
+    while (msg := conn.recv()) != "stop":
+        works = dist.batch_isend_irecv([dist.P2POp(op, b, p) for p, b in bufs.items()])
+        for w in works:
+            w.wait()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        conn.send(("pushed", sum(peers.values()), 0) if role == "trainer" else ("at", msg))
+    conn.send(("identical", True, 0))
+    dist.destroy_process_group()
+
+
+def _run_bound(args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """Time ``--mode bound`` as the other modes are timed: parent's send to last receipt."""
+    import socket
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = [_start(ctx, _bound, r, args, port) for r in range(args.senders + args.receivers)]
+    for _, c in procs:
+        _recv(c, "start")
+    trainers, engines = procs[: args.senders], procs[args.senders :]
+    seconds, sent = [], [0] * args.senders
+    for v in range(1, args.updates + 1):
+        t = time.perf_counter()
+        for _, c in procs:
+            c.send(v)
+        for _, c in engines:
+            assert _recv(c, f"receipt of round {v}") == v
+        seconds.append(time.perf_counter() - t)
+        for i, (_, c) in enumerate(trainers):
+            sent[i] = _recv(c, "send report")[0]
+    for _, c in procs:
+        c.send("stop")
+    for proc, c in procs:
+        _recv(c, "end")
+        proc.join(60)
+    return seconds, sent
+
+
+def _bucket(args: argparse.Namespace) -> int | None:
+    return args.bucket_mb << 20 if args.bucket_mb else None
+
+
+class _Profile:
+    """With ``--profile DIR``: this process's CPU and GPU activity over the last two
+    updates, as a Chrome trace ``DIR/ROLE-RANK.json`` (GPU kernels of every thread)."""
+
+    def __init__(self, args: argparse.Namespace, role: str, rank: int) -> None:
+        self.dir, self.first = args.profile, max(1, args.updates - 1)
+        self.path = f"{args.profile}/{role}-{rank}.json" if args.profile else ""
+        self.prof: Any = None
+
+    def update(self, version: int) -> None:
+        if self.dir and version == self.first:
+            from torch._C._profiler import _ExperimentalConfig
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(ProfilerActivity.CUDA)
+            try:  # the links' threads too (torch 2.7 and later)
+                config = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+            except TypeError:
+                config = _ExperimentalConfig()
+            self.prof = profile(activities=acts, experimental_config=config)
+            self.prof.__enter__()
+
+    def __enter__(self) -> _Profile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            os.makedirs(self.dir, exist_ok=True)
+            self.prof.export_chrome_trace(self.path)
 
 
 def _start(ctx: Any, target: Any, *args: Any) -> tuple[Any, Connection]:
@@ -241,8 +358,11 @@ def _recv(conn: Connection, what: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
     trainer, engine = layouts(args)
+    if args.mode == "bound":
+        seconds, sent = _run_bound(args)
+        return _result(args, trainer, engine, True, sent, 0, seconds)
+    ctx = mp.get_context("spawn")
     t0 = time.monotonic()
     trainers = [_start(ctx, _trainer, r, args) for r in range(args.senders)]
     addresses = [_recv(c, "trainer address") for _, c in trainers]
@@ -255,16 +375,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _recv(c, "engine start")
     print(f"[{time.monotonic() - t0:6.1f} s] started", file=sys.stderr, flush=True)
     seconds, sent, plans = [], [0] * args.senders, 0
+    phases: list[dict[str, float]] = []
     for v in range(1, args.updates + 1):
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         for _, c in trainers + engines:
             c.send(v)
-        for _, c in engines:
-            assert _recv(c, f"commit of version {v}") == v
+        ats = [_recv(c, f"commit of version {v}") for _, c in engines]
         seconds.append(time.perf_counter() - t)
+        assert all(a[0] == v for a in ats), ats
+        pushes = []
         for i, (_, c) in enumerate(trainers):
-            sent[i], p = _recv(c, "push report")
+            sent[i], p, *stamps = _recv(c, "push report")
             plans = max(plans, p)
+            pushes += stamps
+        phases.append(_phases(wall, pushes, [a[1] for a in ats]))
     for _, c in engines + trainers:
         c.send("stop")
     same = True
@@ -273,6 +397,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         same, plans = same and ok, max(plans, p)
     for proc, _ in engines + trainers:
         proc.join(60)
+    out = _result(args, trainer, engine, same, sent, plans, seconds)
+    out["phases_ms"] = {k: [round(p[k], 3) for p in phases] for k in phases[0]} if phases else {}
+    return out
+
+
+def _phases(sent: float, pushes: list[Any], commits: list[Any]) -> dict[str, float]:
+    """Where an update's time went (ms from the parent's send, wall clock): the trainer
+    ranks' receipt of it and the end of their pushes (the latest), the engine ranks'
+    commits (the latest) and their replies after a device synchronize."""
+    ms = lambda t: (t - sent) * 1e3  # noqa: E731
+    if not pushes:  # gather mode: its trainers report no times
+        return {}
+    return {
+        "trainer start": max(ms(a) for a, _ in pushes),
+        "push end": max(ms(b) for _, b in pushes),
+        "engine commit": max(ms(c) for _, c, _ in commits),
+        "engine reply": max(ms(d) for _, _, d in commits),
+    }
+
+
+def _result(
+    args: argparse.Namespace, trainer: TrainerLayout, engine: EngineLayout, same: bool,
+    sent: list[int], plans: int, seconds: list[float],
+) -> dict[str, Any]:  # fmt: skip
+    plan = ShardPlan.build(trainer, engine)
+    out = [sum(plan.link_bytes(s, r) for r in plan.receivers_of(s)) for s in range(args.senders)]
+    into = [sum(plan.link_bytes(s, r) for s in plan.senders_of(r)) for r in range(args.receivers)]
     return {
         "identical": same,
         "model_bytes": sum(s.nbytes for s in trainer.specs),
@@ -287,6 +438,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "transport": args.transport,
         "device": args.device,
         "point_to_point": args.point_to_point,
+        "bucket_bytes": _bucket(args),
+        "busiest_gpu_bytes": max(out + into),  # point to point: a GPU's bytes out or in
         "needed_bytes_per_receiver": [engine.needed_bytes(r) for r in range(args.receivers)],
         "machine": f"{platform.node()} {os.cpu_count()} cpus",
     }
@@ -303,7 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="qwen3-8b", help="qwen3-8b or qwen3-30b-a3b")
     p.add_argument("--scale", type=int, default=8, help="divide every width (8: ~256 MB)")
     p.add_argument("--updates", type=int, default=5)
-    p.add_argument("--mode", choices=["sharded", "gather"], default="sharded")
+    p.add_argument(
+        "--mode", choices=["sharded", "gather", "bound"], default="sharded",
+        help="bound: NCCL's own send/recv of each point-to-point link's bytes (GPUs)",
+    )  # fmt: skip
     p.add_argument(
         "--transport",
         default="shm",
@@ -320,6 +476,14 @@ def main(argv: list[str] | None = None) -> None:
         help="broadcast: share K GPUs (trainer ranks on the first half, engine ranks on the "
         "rest; needs --point-to-point: an NCCL group takes one rank per GPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--bucket-mb", type=int, default=0,
+        help="every sender's bucket size in MiB (default: the library's, from free memory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", metavar="DIR",
+        help="write each process's Chrome trace of the last two updates (CPU and GPU) to DIR",
+    )  # fmt: skip
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
     if args.gpus and (args.gpus < 2 or args.mode != "sharded" or not args.point_to_point):
@@ -328,17 +492,27 @@ def main(argv: list[str] | None = None) -> None:
             f"processes on two GPUs), got --gpus {args.gpus} --mode {args.mode}"
             + ("" if args.point_to_point else " without --point-to-point")
         )
+    if args.mode == "bound" and args.transport != "broadcast":
+        p.error(
+            "--mode bound: expected --transport broadcast (NCCL on GPUs, a GPU per process; "
+            f"gloo on the CPU), got --transport {args.transport}"
+        )
     out = run(args)
     rest = sorted(out["seconds"][1:]) or out["seconds"]
     rows = [[
         str(out["senders"]), str(out["receivers"]), out["mode"], f"{out['model_bytes'] / 1e6:.1f}",
         " / ".join(f"{b / 1e6:.1f}" for b in out["bytes_per_sender"]),
         f"{out['seconds'][0] * 1e3:.1f}", f"{statistics.median(rest) * 1e3:.1f}",
+        f"{rest[min(len(rest) - 1, int(0.9 * len(rest)))] * 1e3:.1f}",
         f"{rest[-1] * 1e3:.1f}", str(out["plans_computed"]), str(out["identical"]),
     ]]  # fmt: skip
     header = ["senders", "receivers", "mode", "model MB", "MB per sender", "first ms",
-              "p50 ms (later)", "max ms (later)", "plans", "identical"]  # fmt: skip
+              "p50 ms (later)", "p90 ms", "max ms", "plans", "identical"]  # fmt: skip
     print(table(rows, header))
+    phases = out.get("phases_ms") or {}
+    if phases and len(out["seconds"]) > 1:
+        line = ", ".join(f"{k} {statistics.median(v[1:]):.2f}" for k, v in phases.items() if v)
+        print(f"phases, ms from the parent's send (p50 of later updates): {line}")
     line = json.dumps(out)
     print(line)
     if args.json:

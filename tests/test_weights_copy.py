@@ -11,7 +11,7 @@ import torch
 
 from conftest import requires_cuda
 from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSender
-from rlferry.weights._copy import CHUNK_BYTES, chunk_table, triton_available
+from rlferry.weights._copy import CHUNK_BYTES, _inner, _offsets, chunk_table, triton_available
 from rlferry.weights._pack import BucketItems, Packer, Unpacker, bucketed
 from rlferry.weights._plan import Plan, TensorSpec
 
@@ -209,10 +209,63 @@ def test_on_cuda_pairs_the_kernel_does_not_take_fall_back_in_the_same_call():
            torch.zeros(3, device="cuda")]  # fmt: skip
     c = GroupedCopy(dst, src)
     assert (c.fused, c.fallback) == (1, 4)
-    assert c.why == "4 pairs by torch: the first (1): not contiguous (and 3 more)"
+    assert c.why == (
+        "4 pairs by torch: the first (1): strided, in runs of 4 bytes (not a multiple of 16) "
+        "(and 3 more)"
+    )
     c()
     torch.cuda.synchronize()
     assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src, strict=True))
+
+
+def test_a_strided_view_is_taken_as_its_runs_of_contiguous_elements_in_order():
+    t = torch.arange(6 * 8).reshape(6, 8)
+    cols = t[:, 2:6]  # a trainer rank's columns of a row-parallel weight
+    assert _inner(cols) == 4 and _inner(t) == 48 and _inner(t.t()) == 1
+    assert _offsets(cols, 4).tolist() == [0, 8, 16, 24, 32, 40]
+    assert _offsets(t, 48).tolist() == [0]
+    cube = torch.arange(4 * 3 * 8).reshape(4, 3, 8)[1:3, :, 4:]  # runs of 4, two outer dims
+    offs = _offsets(cube, 4)
+    flat = cube.reshape(-1).tolist()
+    assert [cube.flatten()[0].item() + o for o in offs.tolist()] == flat[::4]
+    one = torch.arange(16).reshape(4, 1, 4)[:, :, :2]  # a size-1 dim between
+    assert _inner(one) == 2 and _offsets(one, 2).tolist() == [0, 4, 8, 12]
+
+
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("programs", [None, 64])
+def test_on_cuda_strided_views_are_copied_by_the_kernel_in_runs(programs):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shard = torch.randn(1024, 6144, device="cuda", generator=g).bfloat16()  # a down_proj's rows
+    big = torch.zeros(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    cube = torch.randn(8, 64, 512, device="cuda", generator=g)
+    wide = torch.randn(16384, 1024, device="cuda", generator=g).bfloat16()
+    src = [
+        shard[:, 3072:],  # columns of a row shard, into a contiguous piece
+        torch.randn(1024, 2048, device="cuda", generator=g).bfloat16(),  # into columns
+        cube[2:6, :, 256:],  # runs of 1 KiB over two outer dims
+        torch.randn(4096, device="cuda", generator=g),  # contiguous, beside them
+        shard[:128, 8:72],  # runs of 128 bytes in 16 KiB: a table row each all the same
+        wide[:, :64],  # runs of 128 bytes in 2 MiB: too short, torch copies it
+    ]
+    dst = [torch.full((1024, 3072), 7.0, device="cuda", dtype=torch.bfloat16), big[1024:, 2048:],
+           torch.zeros(4, 64, 256, device="cuda"), torch.zeros(4096, device="cuda"),
+           torch.zeros(128, 64, device="cuda", dtype=torch.bfloat16),
+           torch.zeros(16384, 64, device="cuda", dtype=torch.bfloat16)]  # fmt: skip
+    c = GroupedCopy(dst, src, programs=programs)
+    assert (c.fused, c.strided, c.fallback) == (5, 4, 1)
+    assert c.why == (
+        "1 pairs by torch: the first (5): strided, in runs of 128 bytes (under 512, over "
+        "1048576 bytes)"
+    )
+    for _ in range(2):  # new values the second time: the table of runs stays valid
+        c()
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+        assert big[:1024].count_nonzero() == 0 and big[1024:, :2048].count_nonzero() == 0
+        for s in src:
+            s.copy_(torch.rand(s.shape, device="cuda", generator=g).mul(100).to(s.dtype))
 
 
 @requires_cuda

@@ -6,7 +6,11 @@ alone took 2.37x a flat copy of the same bytes on an H200 (many 3 MB expert
 tensors, small grids per launch). A :class:`GroupedCopy` is built once for a
 fixed set of pairs (shapes checked, a table of 16-byte aligned chunks made
 on the device) and then copies them all with one launch of a Triton kernel.
-The pairs are fixed across pushes (the plan is), so the table is too.
+The pairs are fixed across pushes (the plan is), so the table is too. A
+strided view (a trainer rank's columns of a row-parallel weight, say) is
+taken as its runs of contiguous bytes, a table row each: packing a sharded
+push's 616 pieces one ``copy_`` at a time kept an H200's trainer rank busy
+launching for 10-14 ms while its GPU idled.
 
 Triton is optional and imported only when a CUDA copy is built. CPU pairs of
 one dtype go through rlferry's bulk host copy (chunked over threads, streaming
@@ -28,6 +32,8 @@ from rlferry.wire._copy import BulkCopy, bytes_copy
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 
 CHUNK_BYTES = 512 << 10  # one table row: 32 programs of 16 KiB
+MIN_RUN_BYTES = 512  # a strided view of over SMALL_BYTES with shorter runs is copied by torch
+SMALL_BYTES = 1 << 20
 _ALIGN = 16
 
 
@@ -37,15 +43,18 @@ def triton_available() -> bool:
 
 
 def chunk_table(
-    src: Sequence[int], dst: Sequence[int], nbytes: Sequence[int], chunk: int = CHUNK_BYTES
+    src: Sequence[int] | torch.Tensor,
+    dst: Sequence[int] | torch.Tensor,
+    nbytes: Sequence[int] | torch.Tensor,
+    chunk: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """Rows ``(src address, dst address, 4-byte words)`` covering each pair, in order, in
     pieces of at most ``chunk`` bytes (int64, on the CPU; shape (rows, 3))."""
-    if not src:
+    if not len(src):
         return torch.zeros((0, 3), dtype=torch.int64)
-    s = torch.tensor(src, dtype=torch.int64)
-    d = torch.tensor(dst, dtype=torch.int64)
-    n = torch.tensor(nbytes, dtype=torch.int64)
+    s = torch.as_tensor(src, dtype=torch.int64)
+    d = torch.as_tensor(dst, dtype=torch.int64)
+    n = torch.as_tensor(nbytes, dtype=torch.int64)
     counts = (n + chunk - 1) // chunk
     pair = torch.repeat_interleave(torch.arange(len(n)), counts)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
@@ -54,15 +63,60 @@ def chunk_table(
     return torch.stack([s[pair] + off, d[pair] + off, words], dim=1)
 
 
+def _inner(t: torch.Tensor) -> int:
+    """How many elements at a time ``t`` holds contiguously (a product of its last sizes)."""
+    c = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if size == 1:
+            continue
+        if stride != c:
+            break
+        c *= size
+    return c
+
+
+def _offsets(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """The element offsets from ``t``'s first element of its runs of ``inner`` elements,
+    in ``t``'s order (int64, on the CPU); ``inner`` is a product of ``t``'s last sizes."""
+    sizes, strides = list(t.shape), list(t.stride())
+    n = 1
+    while n < inner:
+        n *= sizes.pop()
+        strides.pop()
+    off = torch.zeros(1, dtype=torch.int64)
+    for size, stride in zip(sizes, strides, strict=True):
+        off = (off[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return off
+
+
+def runs(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """The pair as runs the kernel copies: ``(source addresses, destination addresses, bytes
+    a run)``, or None when the kernel does not take it: another device or dtype, a lazy
+    conjugate or negative view, a destination that repeats an element, addresses not 16-byte
+    aligned or sizes not a multiple of 16 bytes, or a strided view of over SMALL_BYTES in
+    runs under MIN_RUN_BYTES (a table row each would cost more than torch's strided copy)."""
+    if not (d.is_cuda and s.device == d.device and s.dtype == d.dtype and d.numel() > 0):
+        return None
+    if d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
+        return None
+    if any(st == 0 and n > 1 for n, st in zip(d.shape, d.stride(), strict=True)):
+        return None
+    e = d.element_size()
+    inner = min(_inner(d), _inner(s))
+    run = inner * e
+    short = inner < d.numel() and run < MIN_RUN_BYTES and d.numel() * e > SMALL_BYTES
+    if run % _ALIGN or short:
+        return None
+    src = s.data_ptr() + _offsets(s, inner) * e
+    dst = d.data_ptr() + _offsets(d, inner) * e
+    if bool(((src | dst) % _ALIGN).any()):
+        return None
+    return src, dst, run
+
+
 def fusable(d: torch.Tensor, s: torch.Tensor) -> bool:
-    return (
-        d.is_cuda
-        and s.device == d.device
-        and s.dtype == d.dtype
-        and d.is_contiguous()
-        and s.is_contiguous()
-        and (d.data_ptr() | s.data_ptr() | d.numel() * d.element_size()) % _ALIGN == 0
-    )
+    """Whether the kernel copies the pair (contiguous, or strided in runs: see :func:`runs`)."""
+    return runs(d, s) is not None
 
 
 class GroupedCopy:
@@ -84,8 +138,9 @@ class GroupedCopy:
     Calling it copies on the current stream (on CUDA it returns before the
     copy is done, like ``copy_``). The table holds the tensors' addresses: the
     copy keeps references to both lists, so they stay alive; with
-    ``keep=False`` it keeps only the addresses and the caller must keep the
-    tensors alive, unmoved, while it calls (rlferry's own packer does).
+    ``keep=False`` it keeps only the addresses of the pairs it copies by address
+    (the pairs torch copies it keeps) and the caller must keep those tensors
+    alive, unmoved, while it calls (rlferry's own packer does).
 
     ``programs``: None launches a program per 16 KiB tile, the fastest when
     the copy has the GPU to itself; a number bounds the grid (each program
@@ -118,9 +173,10 @@ class GroupedCopy:
             )
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
             _check_pair(d, s, names[i] if names is not None else f"#{i}")
-        use_kernel = triton_available()
-        fused = [i for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
-                 if use_kernel and fusable(d, s) and d.numel() > 0]  # fmt: skip
+        use_kernel = triton_available() and any(d.is_cuda for d in dsts)
+        found = {i: runs(d, s) for i, (d, s) in enumerate(zip(dsts, srcs, strict=True))
+                 if use_kernel}  # fmt: skip
+        fused = [i for i, r in found.items() if r is not None]
         taken = set(fused)
         host = [i for i in range(len(dsts)) if i not in taken and bytes_copy(dsts[i], srcs[i])]
         taken.update(host)
@@ -134,19 +190,25 @@ class GroupedCopy:
         self._rest_dst = [dsts[i] for i in rest]
         self._rest_src = [srcs[i] for i in rest]
         self._kept = (dsts, srcs) if keep else None
-        self.src_ptrs = [srcs[i].data_ptr() for i in fused]
         self._table: torch.Tensor | None = None
         self._tiles = 0
+        self.strided = 0  # fused pairs taken as several runs
         if fused:
             from ._copy_kernel import BLOCK_WORDS
 
+            parts = [found[i] for i in fused]
+            self.strided = sum(len(p[0]) > 1 for p in parts if p is not None)
             table = chunk_table(
-                self.src_ptrs,
-                [dsts[i].data_ptr() for i in fused],
-                [dsts[i].numel() * dsts[i].element_size() for i in fused],
+                torch.cat([p[0] for p in parts if p is not None]),
+                torch.cat([p[1] for p in parts if p is not None]),
+                torch.cat([torch.full_like(p[0], p[2]) for p in parts if p is not None]),
             )
             self._table = table.to(dsts[fused[0]].device)
             self._tiles = CHUNK_BYTES // (4 * BLOCK_WORDS)
+            if self.strided and programs is None:
+                # short rows: a program per tile would launch mostly empty programs
+                sms = torch.cuda.get_device_properties(self._table.device).multi_processor_count
+                self.programs = 8 * sms
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -185,14 +247,26 @@ def _why(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[int], ke
         why = f"source on {s.device}, destination on {d.device}"
     elif s.dtype != d.dtype:
         why = f"dtype {s.dtype} copied into {d.dtype}"
-    elif not (d.is_contiguous() and s.is_contiguous()):
+    elif not d.is_cuda:  # on the CPU only pairs in order go as bytes
         why = "not contiguous"
     elif d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
         why = "a lazy conjugate or negative view"
     elif d.numel() == 0:
         why = "empty"
+    elif any(st == 0 and n > 1 for n, st in zip(d.shape, d.stride(), strict=True)):
+        why = "a destination that repeats an element"
     else:
-        why = "not 16-byte aligned"
+        run = min(_inner(d), _inner(s)) * d.element_size()
+        strided = not (d.is_contiguous() and s.is_contiguous())
+        if strided and run % _ALIGN:
+            why = f"strided, in runs of {run} bytes (not a multiple of {_ALIGN})"
+        elif strided and run < MIN_RUN_BYTES:
+            why = (
+                f"strided, in runs of {run} bytes (under {MIN_RUN_BYTES}, over {SMALL_BYTES} "
+                "bytes)"
+            )
+        else:
+            why = "not 16-byte aligned"
     more = f" (and {len(rest) - 1} more)" if len(rest) > 1 else ""
     return f"{len(rest)} pairs by torch: the first ({i}): {why}{more}"
 

@@ -37,14 +37,15 @@ def _copy_tiles(table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _copy_rows(table, rows, BLOCK: tl.constexpr, TILES: tl.constexpr):  # type: ignore[no-untyped-def]
-    """A bounded grid: each program copies rows p, p + programs, ... tile by tile."""
+def _copy_rows(table, rows, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A bounded grid: each program copies rows p, p + programs, ... tile by tile (as many
+    tiles as the row holds: a short row, a strided view's run, costs one)."""
     for c in range(tl.program_id(0), rows, tl.num_programs(0)):
         row = table + c * 3
         n = tl.multiple_of(tl.load(row + 2), 4)
         src = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.int32)), 16)
         dst = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.int32)), 16)
-        for t in range(TILES):
+        for t in range(0, tl.cdiv(n, BLOCK)):
             o = t * BLOCK + tl.arange(0, BLOCK)
             m = o < n
             v = tl.load(src + o, mask=m, cache_modifier=".cg")
@@ -63,4 +64,4 @@ def launch(
             _copy_tiles[(table.shape[0], tiles)](table, BLOCK=block, num_warps=_WARPS)
         else:
             grid = (min(programs, table.shape[0]),)
-            _copy_rows[grid](table, table.shape[0], BLOCK=block, TILES=tiles, num_warps=_WARPS)
+            _copy_rows[grid](table, table.shape[0], BLOCK=block, num_warps=_WARPS)

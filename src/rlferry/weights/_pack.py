@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire._copy import bytes_copy
-
-from ._copy import GroupedCopy, fusable, triton_available
+from ._copy import GroupedCopy, triton_available
 from ._errors import WeightSyncError
 from ._plan import Plan, iterate_checked
 from .transports._base import BucketBuffers
@@ -96,7 +94,8 @@ class Packer:
         )
         self._programs = COLLECTIVE_PROGRAMS if transport.collective else None
         self._copies: list[GroupedCopy | None] = [None] * plan.buckets
-        self._ptrs: list[list[int] | None] = [None] * plan.buckets
+        # by bucket: where its tensors sat on the last push (address, strides)
+        self._ptrs: list[list[tuple[int, tuple[int, ...]]] | None] = [None] * plan.buckets
 
     @torch.no_grad()
     def pack(self, k: int, tensors: list[Any]) -> None:
@@ -109,23 +108,22 @@ class Packer:
     def _pack_whole(self, k: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         """One grouped copy when the bucket's tensors sit where they sat on the last push
         (a state dict pushed again: the table is built on the second push and reused while
-        they stay), else one ``_foreach_copy_``."""
+        they stay; strided views, a sharded push's pieces, included), else one
+        ``_foreach_copy_``."""
         if not self._grouped:
             torch._foreach_copy_(dsts, srcs)
             return
-        ptrs = [t.data_ptr() for t in srcs]
+        ptrs = [(t.data_ptr(), t.stride()) for t in srcs]
         copy = self._copies[k]
-        if ptrs == self._ptrs[k] and all(t.is_contiguous() for t in srcs):
-            if copy is None and all(
-                fusable(d, t) or bytes_copy(d, t) for d, t in zip(dsts, srcs, strict=True)
-            ):
+        if ptrs == self._ptrs[k]:
+            if copy is None:
+                # the pairs the kernel (CUDA) or the bulk copy (CPU) takes go by address;
+                # the others by torch, from this push's views of the same memory
                 copy = GroupedCopy(dsts, srcs, keep=False, programs=self._programs)
                 self._copies[k] = copy
-            if copy is not None:
-                copy()
-                return
-        else:
-            self._ptrs[k], self._copies[k] = ptrs, None
+            copy()
+            return
+        self._ptrs[k], self._copies[k] = ptrs, None
         torch._foreach_copy_(dsts, srcs)
 
 
