@@ -262,8 +262,7 @@ def _why(dsts: list[torch.Tensor], srcs: list[torch.Tensor], rest: list[int], ke
             why = f"strided, in runs of {run} bytes (not a multiple of {_ALIGN})"
         elif strided and run < MIN_RUN_BYTES:
             why = (
-                f"strided, in runs of {run} bytes (under {MIN_RUN_BYTES}, over {SMALL_BYTES} "
-                "bytes)"
+                f"strided, in runs of {run} bytes (under {MIN_RUN_BYTES}, over {SMALL_BYTES} bytes)"
             )
         else:
             why = "not 16-byte aligned"
