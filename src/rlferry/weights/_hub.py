@@ -291,12 +291,14 @@ class Hub:
         more = f"; {len(ms)} of {wait_for} joined ({how})" if len(ms) < wait_for else ""
         return f"{head} ready in {within}: {seen}{more}"
 
-    async def start(self, push: Push) -> None:
-        """Send the plan (and buffers or group) to the members that need it."""
+    async def start(self, push: Push, streaming: bool = False) -> None:
+        """Send the plan (and buffers or group) to the members that need it; ``streaming``:
+        none needs any, so the stream starts at once (one hop less on every push)."""
         self.push = push
         for m in push.members:
             if m.key not in push.setups:
                 m.step = PLAN
+        push.streaming = streaming
         self._dispatch_all()
 
     async def planned(self, deadline: float) -> list[Member]:
