@@ -18,6 +18,7 @@ is today's single sender: exactly one WeightSender and one WeightReceiver.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -125,6 +126,10 @@ class ShardedSender:
         self._plans = _Plans(trainer, engine)
         self._cut_plan: ShardPlan | None = None  # the plan the cuts below were made for
         self._cut_cache: dict[int, list[_Cut]] = {}
+        # by stream: the last push's source addresses and the views cut from them (views
+        # of the same memory: reused while the same tensors are pushed, as a state dict is)
+        self._views: dict[int, tuple[list[Any] | None, list[tuple[str, torch.Tensor]]]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
@@ -232,21 +237,30 @@ class ShardedSender:
     def _push_links(
         self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
     ) -> PushReport:
-        """Every link's push at once (a thread each); the first error is raised once all ended."""
+        """Every link's push at once (the last in this thread, the others on the link
+        workers, kept from push to push); each push is bounded by ``timeout``; the first
+        error, by engine rank, is raised once all ended."""
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}
-
-        def one(r: int) -> None:
+        *others, last = streams
+        if others and self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                len(self._links) - 1, thread_name_prefix=f"rlferry-{self.group}-links"
+            )
+        futures = {
+            r: self._pool.submit(self._links[r].push, streams[r], version=version, timeout=timeout)
+            for r in others
+            if self._pool is not None
+        }
+        try:
+            reports[last] = self._links[last].push(streams[last], version=version, timeout=timeout)
+        except BaseException as e:
+            errors[last] = e
+        for r, f in futures.items():
             try:
-                reports[r] = self._links[r].push(streams[r], version=version, timeout=timeout)
+                reports[r] = f.result()
             except BaseException as e:
                 errors[r] = e
-
-        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in streams]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
         if errors:
             raise errors[min(errors)]
         rs = reports.values()
@@ -260,7 +274,7 @@ class ShardedSender:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
         rank's shards: worked out once per plan and stream, not per push."""
         if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go
-            self._cut_plan, self._cut_cache = plan, {}
+            self._cut_plan, self._cut_cache, self._views = plan, {}, {}
         cuts = self._cut_cache.get(receiver)
         if cuts is None:
             owned = plan.trainer.owned[self.rank]
@@ -279,8 +293,12 @@ class ShardedSender:
     def _pieces(
         self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
     ) -> list[tuple[str, torch.Tensor]]:
+        cuts = self._cuts(plan, receiver)
+        kept = self._views.get(receiver)
+        if kept is not None and kept[0] == _where(cuts, local):
+            return kept[1]  # the same tensors again (same memory and layout): the same views
         out = []
-        for c in self._cuts(plan, receiver):
+        for c in cuts:
             t = local.get(c.source)
             if t is None:
                 raise WeightSyncError(
@@ -295,6 +313,8 @@ class ShardedSender:
                 )
             v = t.detach() if c.at is None else t[c.at]
             out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
+        if all(local[c.source].dtype == c.dtype for c in cuts):  # views only: kept
+            self._views[receiver] = (_where(cuts, local), out)
         return out
 
     def statistics(self) -> ShardedSenderStatistics:
@@ -320,12 +340,27 @@ class ShardedSender:
         """Stop serving: receivers see this rank gone and keep their last whole version."""
         for w in self._links.values():
             w.close()
+        self._views = {}  # they hold the last pushed tensors' memory
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ShardedSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _where(cuts: list[_Cut], local: dict[str, torch.Tensor]) -> list[Any] | None:
+    """Where each cut's source lies (address, strides, shape, dtype), or None if one is
+    missing or would be cast (then its piece is a new tensor every push)."""
+    out: list[Any] = []
+    for c in cuts:
+        t = local.get(c.source)
+        if t is None or t.dtype != c.dtype:
+            return None
+        out.append((t.data_ptr(), t.stride(), t.shape))
+    return out
 
 
 def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:

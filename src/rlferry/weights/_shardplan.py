@@ -91,6 +91,7 @@ class ShardPlan:
         self.fingerprint = plan_fingerprint(trainer, engine)
         self._pieces = [{p.name: p for p in stream} for stream in streams]
         self._links: dict[tuple[int, int], tuple[list[Piece], list[Copy]]] = {}
+        self._link_bytes: dict[tuple[int, int], int] = {}
 
     @classmethod
     def build(cls, trainer: TrainerLayout, engine: EngineLayout) -> ShardPlan:
@@ -163,11 +164,14 @@ class ShardPlan:
     def link_bytes(self, sender: int, receiver: int) -> int:
         """Bytes receiver ``receiver`` takes from sender ``sender`` per update (what a
         point-to-point link carries)."""
-        pieces = self._pieces[sender]
-        return sum(
-            c.elements * pieces[c.piece].dtype.itemsize
-            for c in self.copies.get((sender, receiver), ())
-        )
+        n = self._link_bytes.get((sender, receiver))
+        if n is None:
+            pieces = self._pieces[sender]
+            n = self._link_bytes[(sender, receiver)] = sum(
+                c.elements * pieces[c.piece].dtype.itemsize
+                for c in self.copies.get((sender, receiver), ())
+            )
+        return n
 
     def link(self, sender: int, receiver: int) -> tuple[list[Piece], list[Copy]]:
         """A point-to-point link's own stream: exactly the boxes ``receiver`` needs of
