@@ -431,6 +431,8 @@ def _result(
         "plans_computed": plans,
         "updates": args.updates,
         "seconds": [round(s, 6) for s in seconds],
+        "model": args.model,
+        "scale": args.scale,
         "senders": args.senders,
         "receivers": args.receivers,
         "tp": args.tp or args.receivers,

@@ -43,7 +43,8 @@ def test_the_prediction_counts_every_link_of_the_full_plan():
     # 8 GPUs on one host: every link is NVLink; the busiest GPU sets the time
     busiest = max(*p.sender_bytes, *p.receiver_bytes)
     assert p.busiest_bytes == busiest
-    assert p.seconds == pytest.approx(busiest / 450e9)
+    assert p.link_seconds == pytest.approx(busiest / 450e9)
+    assert p.seconds == pytest.approx(busiest / 450e9 + 5.5e-3)  # and what an update costs
     assert "over nvlink" in p.busiest
 
 
@@ -51,7 +52,7 @@ def test_engines_on_other_hosts_are_reached_over_the_network():
     specs = tiny_specs()
     p = predict(specs, Cluster(fsdp=8, engines=2, engine_tp=4, network_GBps=50.0))
     assert "over network" in p.busiest
-    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9)
+    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + 5.5e-3)
 
 
 def test_trainer_tensor_parallelism_inside_fsdp_still_owns_every_byte_once():
@@ -76,7 +77,9 @@ def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
     p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2))
     lines = out.splitlines()
     assert lines[0].startswith(f"{cfg}: {len(tiny_specs())} tensors; trainer 4 GPUs (FSDP 4 x TP")
-    assert lines[-1] == f"predicted update time: {p.seconds * 1e3:.1f} ms"
+    assert lines[-1] == (
+        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and 5.5 ms an update)"
+    )
     assert lines[-2].startswith(f"busiest link: {p.busiest}")
     assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)
 
@@ -92,3 +95,11 @@ def test_a_name_that_is_no_configuration_class_is_refused():
         "rlferry plan-weights: config: expected a config.json path or a transformers "
         "configuration class name such as Qwen3MoeConfig, got 'NoSuchConfig'"
     )
+
+
+def test_an_update_costs_its_bytes_and_what_is_told_besides_them():
+    p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=0.0))
+    assert p.seconds == p.link_seconds == pytest.approx(p.busiest_bytes / 450e9)
+    with pytest.raises(ValueError) as e:
+        Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=-1.0)
+    assert str(e.value) == "Cluster.update_ms: expected a time >= 0, got -1.0"

@@ -9,7 +9,9 @@ the bytes. GPUs fill hosts of ``gpus_per_host`` in order, trainers first; a link
 within a host runs at ``nvlink_GBps``, across hosts at ``network_GBps`` (per GPU,
 each direction). The prediction is the busiest GPU's busiest link: its bytes over
 its bandwidth (every link runs at once, full duplex, no pipeline stalls, no
-casts or quantization timed).
+casts or quantization timed), plus what an update costs besides its bytes
+(``update_ms``: its messages, the first bucket's pack and the last one's load,
+measured with a 4 MB model).
 
 Layers with the same tensors (names without their layer number, shapes) are
 planned once and counted as many times: a 94-layer MoE is planned as one layer.
@@ -132,6 +134,10 @@ class Cluster:
     gpus_per_host: int = 8
     nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
     network_GBps: float = 50.0  # 400 Gb/s per GPU
+    # what an update costs besides its bytes (its messages, the first bucket's pack, the
+    # last one's load): a 4 MB update of 2 trainer ranks to a TP=2 engine took 5.6 ms on
+    # four H200s (benchmarks/RESULTS.md)
+    update_ms: float = 5.5
 
     def __post_init__(self) -> None:
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
@@ -141,6 +147,8 @@ class Cluster:
         for f in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}")
+        if not self.update_ms >= 0:
+            raise ValueError(f"Cluster.update_ms: expected a time >= 0, got {self.update_ms!r}")
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,8 @@ class Prediction:
     link_bytes: tuple[int, int, int]  # min, median, max of one link
     busiest: str  # which GPU and direction bounds the update
     busiest_bytes: int
-    seconds: float
+    link_seconds: float  # the busiest link's bytes over its bandwidth
+    seconds: float  # that and the cost of an update besides its bytes
 
     def text(self) -> str:
         s, r = self.sender_bytes, self.receiver_bytes
@@ -168,8 +177,10 @@ class Prediction:
             f"max {_size(max(s))}",
             f"per engine rank: min {_size(min(r))}, median {_size(statistics.median(r))}, "
             f"max {_size(max(r))}",
-            f"busiest link: {self.busiest}, {_size(self.busiest_bytes)}",
-            f"predicted update time: {self.seconds * 1e3:.1f} ms",
+            f"busiest link: {self.busiest}, {_size(self.busiest_bytes)} in "
+            f"{self.link_seconds * 1e3:.1f} ms",
+            f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link and "
+            f"{(self.seconds - self.link_seconds) * 1e3:.1f} ms an update)",
         ])  # fmt: skip
 
 
@@ -217,7 +228,8 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
         link_bytes=(links[0], links[len(links) // 2], links[-1]),
         busiest=f"{who} {i} {way} over {kind} ({bw[kind] / 1e9:g} GB/s)",
         busiest_bytes=worst,
-        seconds=worst / bw[kind],
+        link_seconds=worst / bw[kind],
+        seconds=worst / bw[kind] + c.update_ms / 1e3,
     )
 
 
@@ -286,6 +298,7 @@ def plan_weights(
     gpus_per_host: int = 8,
     nvlink_gbytes: float = 450.0,
     network_gbits: float = 400.0,
+    update_ms: float = 5.5,
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
@@ -298,12 +311,14 @@ def plan_weights(
         fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
         engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
         gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
+        update_ms=update_ms,
     )  # fmt: skip
     p = predict(specs, cluster)
     head = (
         f"{config}: {len(specs)} tensors; trainer {trainer_gpus} GPUs (FSDP "
         f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
         f"{engine_tp} ({engine_dtype}); {gpus_per_host} GPUs per host, NVLink "
-        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU"
+        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU, {update_ms:g} ms "
+        "an update"
     )
     return head + "\n" + p.text()

@@ -1,0 +1,72 @@
+"""The planner's prediction against measured sharded updates (issue 23's check).
+
+Reads the JSON lines of ``benchmarks/weights_sharded.py --json OUT`` and, for each
+point-to-point run and each ``--mode bound`` run on GPUs, predicts the update with
+``rlferry.weights.predict`` (the same plan code that moved the bytes) on a cluster of
+those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's own
+send and receive reached on that machine, not the nominal one), plus ``--update-ms``
+per update (what a 4 MB update took there). A bound run moves bytes only: it is
+predicted without the update's cost. Prints measured p50 (updates 2 on), predicted,
+and their ratio.
+
+    python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356 --update-ms 5.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from rlferry.weights import Cluster, TensorSpec, predict
+
+import _weights_engine as eng
+from _common import table
+
+
+def specs_of(run: dict) -> list[TensorSpec]:
+    """The run's model: its ``model`` and ``scale``, or the scale whose bytes it moved."""
+    model = run.get("model", "qwen3-8b")
+    scales = [run["scale"]] if "scale" in run else [1, 2, 4, 8, 16, 32, 64, 128]
+    for scale in scales:
+        specs = [TensorSpec(n, s, torch.bfloat16) for n, s in eng.model_shapes(model, scale)]
+        if sum(s.nbytes for s in specs) == run["model_bytes"]:
+            return specs
+    raise SystemExit(f"no scale of {model} has {run['model_bytes']} bytes (a run of another model)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/plan_check.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("runs", help="JSON lines of benchmarks/weights_sharded.py")
+    p.add_argument("--nvlink-gbytes", type=float, required=True, help="GB/s per GPU, measured")
+    p.add_argument("--update-ms", type=float, default=5.5)
+    a = p.parse_args(argv)
+    rows = []
+    with open(a.runs) as f:
+        runs = [json.loads(line) for line in f]
+    for run in runs:
+        bound = run["mode"] == "bound"
+        if run["device"] != "cuda" or not (bound or run.get("point_to_point")):
+            continue
+        tp = run["tp"]
+        cluster = Cluster(
+            fsdp=run["senders"], engines=run["receivers"] // tp, engine_tp=tp,
+            engine_dtype=torch.bfloat16, nvlink_GBps=a.nvlink_gbytes,
+            update_ms=0.0 if bound else a.update_ms,
+        )  # fmt: skip
+        pred = predict(specs_of(run), cluster).seconds
+        got = statistics.median(run["seconds"][1:])
+        rows.append([
+            f"{run['model_bytes'] / 1e6:,.1f}", f"{run['senders']} -> {run['receivers']} (TP {tp})",
+            "NCCL send/recv (bound)" if bound else "rlferry point to point",
+            f"{got * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{got / pred:.2f}",
+        ])  # fmt: skip
+    header = ["model MB", "ranks", "path", "measured p50 ms", "predicted ms", "measured/predicted"]
+    print(table(rows, header))
+
+
+if __name__ == "__main__":
+    main()
