@@ -156,8 +156,8 @@ def _plan_weights_parser(sub: Any) -> None:
                     help="GB/s per GPU and direction within a host (H100 NVLink: 450)")  # fmt: skip
     pw.add_argument("--network-gbits", type=float, default=400.0,
                     help="Gb/s per GPU and direction across hosts (default 400)")  # fmt: skip
-    pw.add_argument("--update-ms", type=float, default=5.5,
-                    help="what an update costs besides its bytes (default 5.5: a 4 MB update "
+    pw.add_argument("--update-ms", type=float, default=4.2,
+                    help="what an update costs besides its bytes (default 4.2: a 4 MB update "
                     "on four H200s)")  # fmt: skip
 
 
