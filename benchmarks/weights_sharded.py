@@ -231,8 +231,8 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
             want[slices(q.at)] = src.reshape(extents(q.at))
         same = same and torch.equal(want, params[p.name])
     plans = r.statistics().plans_computed if args.mode == "sharded" else 0
+    r.close()  # before the trainers close their links (their groups' stores go with them)
     conn.send(("identical", same, plans))
-    r.close()
 
 
 def _bound(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> None:
@@ -389,12 +389,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plans = max(plans, p)
             pushes += stamps
         phases.append(_phases(wall, pushes, [a[1] for a in ats]))
-    for _, c in engines + trainers:
+    for _, c in engines:
         c.send("stop")
     same = True
     for _, c in engines:
         ok, p = _recv(c, "check")
         same, plans = same and ok, max(plans, p)
+    for _, c in trainers:
+        c.send("stop")
     for proc, _ in engines + trainers:
         proc.join(60)
     out = _result(args, trainer, engine, same, sent, plans, seconds)
