@@ -84,12 +84,17 @@ def test_on_one_gpu_the_demos_rank_pushes_its_weights_by_cuda_ipc():
     assert (share is not None and 0 <= share <= 100) or run.summary["gpu_busy_why"]
     if torch.cuda.device_count() == 1:  # one rank beside the engines: it pushes everything
         assert sent == [whole]
-    else:  # rank 1 on GPU 1: gathered to rank 0, which pushes (README: Limits)
-        assert sent == [whole, 0]
+    else:  # rank 1 on GPU 1: a link per engine from each rank (point to point), its own rows
+        from rlferry.weights import fsdp_layout, specs_of
+
+        owned = fsdp_layout(specs_of(model.state_dict().items()), 2)
+        assert sent == [2 * owned.owned_bytes(0), 2 * owned.owned_bytes(1)]
 
 
 @requires_cuda
-@pytest.mark.parametrize(("layout", "engines", "gpus"), [("colocated", 1, 2), ("split", 2, 4)])
+@pytest.mark.parametrize(
+    ("layout", "engines", "gpus"), [("colocated", 1, 2), ("colocated", 2, 2), ("split", 2, 4)]
+)
 def test_on_several_gpus_the_demos_ranks_push_their_own_shards(layout, engines, gpus):
     import torch
 
@@ -107,9 +112,12 @@ def test_on_several_gpus_the_demos_ranks_push_their_own_shards(layout, engines, 
     assert len(run.summary["weights_fingerprint"]) == 64  # bit for bit, checked by the run
     model = make_model(config.model, ReverseTask().tokenizer.vocab_size, seed=0)
     owned = fsdp_layout(specs_of(model.state_dict().items()), 2)
-    # rank 0 by cuda_ipc beside the engine (colocated) or NCCL (split), rank 1 by NCCL:
-    # each its own rows, nothing gathered
-    assert run.summary["weights_bytes_per_rank"] == [owned.owned_bytes(0), owned.owned_bytes(1)]
+    # rank 0 by cuda_ipc beside the engines (colocated) or NCCL (split), rank 1 by NCCL:
+    # each its own rows, nothing gathered; engines sharing GPU 0 (colocated, 2) cannot be
+    # in one NCCL group: a link per engine from each rank, its rows once to each
+    per = engines if layout == "colocated" else 1
+    sent = run.summary["weights_bytes_per_rank"]
+    assert sent == [per * owned.owned_bytes(0), per * owned.owned_bytes(1)]
 
 
 def _session_processes(sid: int) -> list[int]:

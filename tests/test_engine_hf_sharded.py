@@ -22,6 +22,7 @@ from rlferry.weights import (
     fingerprint,
     fsdp_layout,
     specs_of,
+    tp_layout,
 )
 
 pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
@@ -140,3 +141,72 @@ def test_an_engine_whose_tensors_differ_from_the_trainer_layout_is_refused_at_jo
         engine.close()
         for s in senders:
             s.close()
+
+
+def test_point_to_point_each_engine_told_its_link_learns_its_rank_and_takes_every_rank():
+    # Engines that share a GPU cannot be in one NCCL group: each trainer rank then runs a
+    # link per engine (here shm; NCCL groups of two across GPUs). Rank 0 describes each
+    # of its links: the engine told it learns its rank and every rank's link to it.
+    trainer_state = tiny_model(1).state_dict()
+    specs = specs_of(trainer_state.items())
+    layout = fsdp_layout(specs, 2)
+    whole = EngineLayout.whole(specs, receivers=2)
+    senders = [
+        ShardedSender(group="p", rank=r, trainer=layout, engine=whole, transport="shm",
+                      point_to_point=True)
+        for r in range(2)
+    ]  # fmt: skip
+    engines = [HFEngine(tiny_model(0), name=f"e{i}") for i in range(2)]
+
+    async def main():
+        for s in senders:
+            assert sorted(s.addresses) == [0, 1] and s.address == ""
+        senders[0].describe_group([s.addresses for s in senders])
+        found = describe_group("p", senders[0].addresses[1])
+        assert (found.engine_rank, found.engines) == (1, 2)
+        assert found.addresses == (senders[0].addresses[1], senders[1].addresses[1])
+        await asyncio.gather(*(
+            e.init_weight_transfer("p", senders[0].addresses[i]) for i, e in enumerate(engines)
+        ))  # fmt: skip
+        shards = [_shards(trainer_state, layout, r) for r in range(2)]
+        for version in (1, 2):
+            for e in engines:
+                await e.pause("keep")
+                await e.start_weight_update()
+            reports = await _push_all(senders, shards, version)
+            for e in engines:
+                await e.finish_weight_update(version)
+                await e.resume()
+            # each rank sent its rows once to each engine, never the whole model
+            assert [r.bytes for r in reports] == [2 * layout.owned_bytes(r) for r in range(2)]
+        for e in engines:
+            assert await e.get_weight_version() == 2
+            assert await e.fingerprint() == fingerprint(trainer_state.items())
+
+    try:
+        asyncio.run(main())
+    finally:
+        for e in engines:
+            e.close()
+        for s in senders:
+            s.close()
+
+
+def test_point_to_point_links_are_described_only_for_engines_of_whole_tensors():
+    state = tiny_model(0).state_dict()
+    specs = specs_of(state.items())
+    layout = fsdp_layout(specs, 2)
+    sliced = tp_layout(specs, 2)
+    s = ShardedSender(group="q", rank=0, trainer=layout, engine=sliced, transport="shm",
+                      point_to_point=True)  # fmt: skip
+    try:
+        with pytest.raises(ValueError) as e:
+            s.describe_group([s.addresses, {0: "ipc:///a", 1: "ipc:///b"}])
+        assert str(e.value).startswith(
+            "describe_group: point to point, engine ranks learn only the trainer layout and "
+            "need every tensor whole; parameter `"
+        )
+        with pytest.raises(ValueError, match=r"expected every rank's addresses by engine rank"):
+            s.describe_group(["ipc:///a", "ipc:///b"])
+    finally:
+        s.close()

@@ -85,7 +85,7 @@ def answer(conn: Connection) -> dict[str, Any]:
     return dict(value)
 
 
-def start_trainers(procs: Processes, settings: dict[str, Any]) -> str | None:
+def start_trainers(procs: Processes, settings: dict[str, Any]) -> list[str] | None:
     ctx = mp.get_context("spawn")
     for rank in range(settings["dp"]):
         parent, child = ctx.Pipe()
@@ -301,7 +301,7 @@ class RayProcesses:
         self._closing.append(engines)
         return list(engines.engines)
 
-    def start_trainers(self, settings: dict[str, Any]) -> str | None:
+    def start_trainers(self, settings: dict[str, Any]) -> list[str] | None:
         from rlferry.ray import place
 
         r = self._ray

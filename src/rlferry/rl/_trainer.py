@@ -12,11 +12,12 @@ a pipe:
   answer with the loss and its stats;
 - ``("push", version, seconds)`` (every rank): every rank pushes its own shards
   through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU; on CUDA NCCL
-  broadcast to the engines, or cuda_ipc for rank 0 beside them) and answers once the
-  engines loaded its part; nothing is gathered, no rank sends a byte it does not own.
-  Rank 0's sender describes the group (every rank's address, the layout) to the
-  engines, which are told its address only. Without ``sharded`` (one rank on one GPU,
-  engines sharing GPU 0 with ranks on other GPUs, vLLM engines) the shards are gathered
+  broadcast to the engines, or cuda_ipc for rank 0 beside them; ``settings["p2p"]``: a
+  link per engine, for engines sharing GPU 0) and answers once the engines loaded its
+  part; nothing is gathered, no rank sends a byte it does not own. Rank 0's sender
+  describes the group (every rank's address, the layout) to the engines, which are
+  told its address only (point to point: its link to each). Without ``sharded`` (one
+  rank on one GPU, vLLM engines) the shards are gathered
   a bucket at a time (``_gather.gathered``: one collective per bucket; the full state
   dict never exists at once) and rank 0 pushes them through its ``WeightSender``, the
   others taking part in the gathers. Each answers the bytes it sent;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 import signal
 import threading
@@ -100,8 +102,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     else:
         client = Queue.connect(s["queue"]).client()
     gc.freeze()  # torch, transformers, the model: kept for good, no longer scanned by the GC
-    address = sender.address if sender is not None and rank == 0 else None
-    conn.send(("ready", {"sender": address, "pid": os.getpid()}))
+    # what each engine is told to join: rank 0's address (point to point: its link to it)
+    told = None
+    if sender is not None and rank == 0:
+        n = s["engines"]
+        told = [sender.addresses[e] for e in range(n)] if s.get("p2p") else [sender.address] * n
+    conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
     while True:
         cmd = conn.recv()
@@ -169,7 +175,10 @@ def _sharded_sender(
     """This rank's ``ShardedSender``: the layout read from the model's DTensors (FSDP2:
     rows of every parameter; a plain model on one rank: all of it), the engines' needs
     every tensor whole in the serving dtype. Rank 0's also describes the group: every
-    rank's address, gathered over the ranks' group as bytes (no pickle)."""
+    rank's address (point to point: its address per engine), gathered over the ranks'
+    group as bytes (JSON, no pickle). Point to point (``s["p2p"]``: engines sharing GPU 0
+    cannot be in one NCCL group) each rank has a link per engine: a group of two over
+    NCCL, or cuda_ipc from rank 0 beside them."""
     from rlferry.weights import EngineLayout, ShardedSender, dtensor_layout
 
     named = list(model.state_dict().items())
@@ -178,11 +187,17 @@ def _sharded_sender(
     transport = s["transport"]
     if transport == "cuda_ipc" and rank > 0:  # colocated: only rank 0 shares the engine's GPU
         transport = "broadcast"
+    p2p = bool(s.get("p2p"))
     sender = ShardedSender(
-        group="demo", rank=rank, trainer=trainer, engine=engine, transport=transport
-    )
+        group="demo", rank=rank, trainer=trainer, engine=engine, transport=transport,
+        point_to_point=p2p,
+    )  # fmt: skip
     try:
-        addresses = _every_address(sender.address, device)
+        mine = json.dumps(sender.addresses) if p2p else sender.address
+        every = _every_address(mine, device)
+        addresses: list[Any] = (
+            [{int(e): a for e, a in json.loads(x).items()} for x in every] if p2p else every
+        )
         if rank == 0:
             sender.describe_group(addresses)
     except BaseException:
@@ -192,7 +207,7 @@ def _sharded_sender(
 
 
 def _every_address(address: str, device: torch.device) -> list[str]:
-    """Every rank's ``address``, by rank: two all-gathers (lengths, then the bytes)."""
+    """Every rank's ``address`` (a str), by rank: two all-gathers (lengths, then the bytes)."""
     world = dist.get_world_size()
     if world == 1:
         return [address]

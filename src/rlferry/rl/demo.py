@@ -14,10 +14,10 @@ every step:
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
 4. the coordinator pauses the engines, every trainer rank pushes its own shards through
-   its ``ShardedSender`` (shm on the CPU; nothing is gathered), the engines commit once
-   every rank's part loaded, resume. On CUDA trainer rank 0 pushes through its
-   ``WeightSender`` (cuda_ipc beside the engines, NCCL broadcast in the split layout):
-   on one GPU it is the only rank; on more, the shards are gathered to it.
+   its ``ShardedSender`` (shm on the CPU; on CUDA cuda_ipc beside the engines and NCCL
+   from other GPUs; nothing is gathered), the engines commit once every rank's part
+   loaded, resume. On one GPU trainer rank 0, the only rank, pushes through its
+   ``WeightSender``; vLLM engines get the shards gathered to rank 0.
 
 With ``max_staleness=0`` nothing generates while the trainer trains: synchronous RL.
 """
@@ -232,6 +232,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "transport": "shm" if config.device == "cpu" else
                          "broadcast" if config.layout == "split" else "cuda_ipc",
             "dtype": serve_dtype, "dp": dp, "sharded": _sharded(config),
+            "p2p": _point_to_point(config),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
@@ -266,8 +267,10 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         engines = started if on_ray else [
             RemoteEngine(url, name=f"engine{i}") for i, url in enumerate(started)
         ]  # fmt: skip
-        if sender is not None:
-            await asyncio.gather(*(e.init_weight_transfer("demo", sender) for e in engines))
+        if sender is not None:  # each engine told rank 0's address (point to point: its link)
+            await asyncio.gather(*(
+                e.init_weight_transfer("demo", at) for e, at in zip(engines, sender, strict=True)
+            ))  # fmt: skip
         batch = config.groups_per_step * config.group_size
         coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness)
         prompts: dict[int, Any] = {}
@@ -401,17 +404,26 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
 
 def _sharded(config: DemoConfig) -> bool:
     """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
-    (shm), and on CUDA with two ranks or more where each rank can reach every engine: the
-    split layout (each rank's NCCL broadcast group holds the engines, a GPU each), or
-    colocated beside one engine (rank 0 by cuda_ipc, the others by NCCL). Engines sharing
-    GPU 0 cannot be in one NCCL group, so colocated with two engines or more rank 0
-    gathers and pushes; on one GPU rank 0 is the only rank. vLLM engines join one sender
-    with vLLM's own receiver: rank 0 gathers and pushes for them."""
+    (shm), and on CUDA with two ranks or more: the split layout (each rank's NCCL
+    broadcast group holds the engines, a GPU each), colocated beside one engine (rank 0
+    by cuda_ipc, the others by NCCL), colocated beside several (point to point: see
+    :func:`_point_to_point`). On one GPU rank 0 is the only rank. vLLM engines join one
+    sender with vLLM's own receiver: rank 0 gathers and pushes for them."""
     if config.engine == "vllm":
         return False
-    if config.device == "cpu":
-        return True
-    return config.gpus()[1] > 1 and (config.layout == "split" or config.engines == 1)
+    return config.device == "cpu" or config.gpus()[1] > 1
+
+
+def _point_to_point(config: DemoConfig) -> bool:
+    """Whether each rank has a link per engine: colocated on CUDA beside two engines or
+    more, which share GPU 0 and so cannot be in one NCCL group (a link is a group of two,
+    or cuda_ipc from rank 0 on their GPU)."""
+    return (
+        _sharded(config)
+        and config.device == "cuda"
+        and config.layout == "colocated"
+        and config.engines > 1
+    )
 
 
 def _pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:

@@ -28,19 +28,27 @@ __all__ = ["SenderGroup", "describe_group", "described"]
 @dataclass(frozen=True)
 class SenderGroup:
     """The senders of ``group``: ``addresses[r]`` is trainer rank ``r``'s, ``trainer``
-    the layout they send from. Both None: one :class:`WeightSender` on its own."""
+    the layout they send from. Both None: one :class:`WeightSender` on its own. Point to
+    point: ``engine_rank`` is the asker's, of ``engines`` engine ranks each needing every
+    tensor whole, and ``addresses[r]`` rank ``r``'s link to it ("": none)."""
 
     group: str
     addresses: tuple[str, ...] | None
     trainer: TrainerLayout | None
+    engine_rank: int | None = None
+    engines: int = 0
 
     @property
     def sharded(self) -> bool:
         return self.trainer is not None
 
 
-def described(group: str, addresses: Sequence[str], trainer: TrainerLayout) -> Described:
-    """The ``Described`` reply for ``group``: its ranks' addresses and their layout."""
+def described(
+    group: str, addresses: Sequence[str], trainer: TrainerLayout, engine_rank: int = -1,
+    engines: int = 0,
+) -> Described:  # fmt: skip
+    """The ``Described`` reply for ``group``: its ranks' addresses and their layout (point
+    to point: each rank's link to engine rank ``engine_rank`` of ``engines``)."""
     if len(addresses) != trainer.ranks:
         raise ValueError(
             f"addresses: expected one per trainer rank ({trainer.ranks}), got {len(addresses)}"
@@ -50,6 +58,8 @@ def described(group: str, addresses: Sequence[str], trainer: TrainerLayout) -> D
         list(addresses),
         [(s.name, list(s.shape), dtype_name(s.dtype)) for s in trainer.specs],
         [{n: list(b) for n, b in owned.items()} for owned in trainer.owned],
+        engine_rank,
+        engines,
     )
 
 
@@ -70,7 +80,14 @@ def _group_of(reply: Described, address: str) -> SenderGroup:
             f"the sender at {address} described group {reply.group!r} with "
             f"{len(reply.senders)} addresses for {trainer.ranks} trainer ranks"
         )
-    return SenderGroup(reply.group, tuple(reply.senders), trainer)
+    if reply.engine_rank < 0:
+        return SenderGroup(reply.group, tuple(reply.senders), trainer)
+    if not 0 <= reply.engine_rank < reply.engines:
+        raise WeightSyncError(
+            f"the sender at {address} described group {reply.group!r} with engine rank "
+            f"{reply.engine_rank} of {reply.engines}"
+        )
+    return SenderGroup(reply.group, tuple(reply.senders), trainer, reply.engine_rank, reply.engines)
 
 
 def describe_group(

@@ -110,12 +110,17 @@ class Describe(msgspec.Struct, frozen=True, tag="describe"):
 class Described(msgspec.Struct, frozen=True, tag="described"):
     """The senders of ``group``: each trainer rank's address, by rank, and the trainer
     layout (each tensor's name, shape and dtype; per rank, the box of each tensor it
-    owns). No senders: one sender that pushes whatever it is given (a WeightSender)."""
+    owns). No senders: one sender that pushes whatever it is given (a WeightSender).
+    Point to point (``engine_rank`` >= 0): the address asked is rank 0's link to engine
+    rank ``engine_rank`` of ``engines`` (each a replica needing every tensor whole), and
+    ``senders`` are every rank's link to that engine rank ("": none)."""
 
     group: str
     senders: list[str] = []
     specs: list[tuple[str, list[int], str]] = []
     owned: list[dict[str, list[tuple[int, int]]]] = []
+    engine_rank: int = -1
+    engines: int = 0
 
 
 class StoreReply(msgspec.Struct, frozen=True, tag="stored"):

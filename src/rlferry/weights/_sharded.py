@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._boxes import extents, relative, slices
+from ._boxes import extents, full_box, relative, slices
 from ._errors import WeightSyncError
 from ._group import described
 from ._layouts import EngineLayout, TrainerLayout
@@ -151,7 +151,7 @@ class ShardedSender:
             else {r: self._links[-1].address for r in wanted}
         )
         self.address: str = "" if point_to_point else self._links[-1].address
-        self._group_addresses: list[str] | None = None  # described at self.address
+        self._group_addresses: list[Any] | None = None  # described at rank 0's address(es)
 
     def plan(self) -> ShardPlan:
         """The plan of the current layouts (computed on first use and on a change)."""
@@ -181,31 +181,59 @@ class ShardedSender:
                     "ShardedSender for other engine ranks)"
                 )
 
-    def describe_group(self, addresses: Sequence[str]) -> None:
-        """Let a receiver that knows only this rank's :attr:`address` find every rank:
-        ``addresses[r]`` is rank ``r``'s ``address``. An engine told one address (its
+    def describe_group(self, addresses: Sequence[str] | Sequence[Mapping[int, str]]) -> None:
+        """Let a receiver that knows only one address of rank 0 find every rank:
+        ``addresses[r]`` is rank ``r``'s :attr:`address` (point to point: its
+        :attr:`addresses`, by engine rank). An engine told one address (its
         ``init_weight_transfer(group, address)``) asks it for the group's addresses and the
-        trainer layout (:func:`describe_group`) and joins every rank it needs. Rank 0
-        does this once all ranks' senders are up; later layouts are described too."""
+        trainer layout (:func:`describe_group`) and joins every rank it needs. Point to
+        point, engine rank ``e`` is told rank 0's ``addresses[e]`` and learns its rank and
+        every rank's link to it; each engine rank must then need every tensor whole (a
+        replica, as ``EngineLayout.whole`` lays it out). Rank 0 does this once all ranks'
+        senders are up; later layouts are described too."""
+        given: list[Any] = list(addresses)
         if self.point_to_point:
+            self._describe_links(given)
+        else:
+            if not all(isinstance(a, str) and a for a in given):
+                raise ValueError(
+                    "describe_group.addresses: expected every rank's address (a str), got "
+                    f"{given!r}"
+                )
+            if len(given) <= self.rank or given[self.rank] != self.address:
+                raise ValueError(
+                    f"describe_group.addresses: expected this rank's address {self.address!r} "
+                    f"at index {self.rank}, got {given!r} (give ShardedSender.address of "
+                    "every rank, by rank)"
+                )
+            self._links[-1]._describe_as(described(self.group, given, self._plans.trainer))
+        self._group_addresses = given
+
+    def _describe_links(self, addresses: list[Any]) -> None:
+        if not all(isinstance(a, Mapping) for a in addresses) or (
+            len(addresses) <= self.rank or dict(addresses[self.rank]) != self.addresses
+        ):
             raise ValueError(
-                "describe_group: a point-to-point sender has an address per engine rank, not "
-                "one to describe the group at (give receivers the addresses themselves)"
+                f"describe_group.addresses: expected every rank's addresses by engine rank "
+                f"(ShardedSender.addresses, point to point), this rank's {self.addresses!r} at "
+                f"index {self.rank}, got {addresses!r}"
             )
-        addresses = list(addresses)
-        if not all(isinstance(a, str) and a for a in addresses):
+        engine = self._plans.engine
+        split = next(
+            (p.name for ps in engine.receivers for p in ps
+             if len(p.parts) != 1 or p.parts[0].box != full_box(p.shape)),
+            None,
+        )  # fmt: skip
+        if split is not None:
             raise ValueError(
-                "describe_group.addresses: expected every rank's address (a str), got "
-                f"{addresses!r}"
+                f"describe_group: point to point, engine ranks learn only the trainer layout "
+                f"and need every tensor whole; parameter `{split}` is a slice (give TP engine "
+                "ranks their layout and addresses themselves)"
             )
-        if len(addresses) <= self.rank or addresses[self.rank] != self.address:
-            raise ValueError(
-                f"describe_group.addresses: expected this rank's address {self.address!r} at "
-                f"index {self.rank}, got {addresses!r} (give ShardedSender.address of every "
-                "rank, by rank)"
-            )
-        self._links[-1]._describe_as(described(self.group, addresses, self._plans.trainer))
-        self._group_addresses = addresses
+        n = len(engine.receivers)
+        for e, link in self._links.items():
+            mine = [str(a.get(e, "")) for a in addresses]
+            link._describe_as(described(self.group, mine, self._plans.trainer, e, n))
 
     def push(
         self,

@@ -344,7 +344,9 @@ class HFEngine(DecodeThread):
         order); the rank 0 of ``ShardedSender`` ranks (each trainer rank sending its own
         shards) describes every rank and the trainer layout, and a ``ShardedReceiver``
         joins every rank, the model's tensors whole (``EngineLayout.whole`` in their
-        dtypes): a version is served once every rank's part of it loaded."""
+        dtypes): a version is served once every rank's part of it loaded. Point to
+        point, ``address`` is rank 0's link to this engine's rank: it learns its rank and
+        joins every rank's link to it."""
         with self._cond:
             self._alive()
         found = await asyncio.to_thread(
@@ -360,12 +362,17 @@ class HFEngine(DecodeThread):
             )  # fmt: skip
         else:
             dtypes = {n: t.dtype for n, t in self._tensors.items()}
+            p2p = found.engine_rank is not None  # a link of its own from every rank
+            rank = found.engine_rank if found.engine_rank is not None else 0
             recv = ShardedReceiver(
-                group=group, rank=0, trainer=found.trainer,
-                engine=EngineLayout.whole(found.trainer.specs, dtype=dtypes),
-                params=self._tensors, addresses=list(found.addresses),
+                group=group, rank=rank, trainer=found.trainer,
+                engine=EngineLayout.whole(
+                    found.trainer.specs, receivers=found.engines if p2p else 1, dtype=dtypes
+                ),
+                params=self._tensors,
+                addresses={r: a for r, a in enumerate(found.addresses) if a},
                 on_commit=self._on_commit, name=self.name, device=device, secret=secret,
-                around_load=self._load,
+                around_load=self._load, point_to_point=p2p,
             )  # fmt: skip
         await asyncio.to_thread(recv.start, timeout)
         with self._cond:
