@@ -114,11 +114,6 @@ def runs(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return src, dst, run
 
 
-def fusable(d: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether the kernel copies the pair (contiguous, or strided in runs: see :func:`runs`)."""
-    return runs(d, s) is not None
-
-
 class GroupedCopy:
     """``dst[i].copy_(src[i])`` for every pair, the CUDA pairs by one Triton launch.
 

@@ -118,7 +118,8 @@ class Packer:
         if ptrs == self._ptrs[k]:
             if copy is None:
                 # the pairs the kernel (CUDA) or the bulk copy (CPU) takes go by address;
-                # the others by torch, from this push's views of the same memory
+                # the others by torch, from the views this copy was built with (the same
+                # memory while the addresses match, as checked each push)
                 copy = GroupedCopy(dsts, srcs, keep=False, programs=self._programs)
                 self._copies[k] = copy
             copy()

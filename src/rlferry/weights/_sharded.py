@@ -128,7 +128,7 @@ class ShardedSender:
         self._cut_cache: dict[int, list[_Cut]] = {}
         # by stream: the last push's source addresses and the views cut from them (views
         # of the same memory: reused while the same tensors are pushed, as a state dict is)
-        self._views: dict[int, tuple[list[Any] | None, list[tuple[str, torch.Tensor]]]] = {}
+        self._views: dict[int, tuple[list[Any], list[tuple[str, torch.Tensor]]]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
@@ -280,9 +280,9 @@ class ShardedSender:
             for r in others
             if self._pool is not None
         }
-        try:
+        try:  # an interrupt (Ctrl-C) goes up at once; the other links end by their timeout
             reports[last] = self._links[last].push(streams[last], version=version, timeout=timeout)
-        except BaseException as e:
+        except Exception as e:
             errors[last] = e
         for r, f in futures.items():
             try:
@@ -322,8 +322,9 @@ class ShardedSender:
         self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
     ) -> list[tuple[str, torch.Tensor]]:
         cuts = self._cuts(plan, receiver)
+        where = _where(cuts, local)
         kept = self._views.get(receiver)
-        if kept is not None and kept[0] == _where(cuts, local):
+        if kept is not None and where is not None and kept[0] == where:
             return kept[1]  # the same tensors again (same memory and layout): the same views
         out = []
         for c in cuts:
@@ -341,8 +342,8 @@ class ShardedSender:
                 )
             v = t.detach() if c.at is None else t[c.at]
             out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
-        if all(local[c.source].dtype == c.dtype for c in cuts):  # views only: kept
-            self._views[receiver] = (_where(cuts, local), out)
+        if where is not None:  # views only (nothing cast): kept
+            self._views[receiver] = (where, out)
         return out
 
     def statistics(self) -> ShardedSenderStatistics:
