@@ -92,8 +92,9 @@ def test_a_name_that_is_no_configuration_class_is_refused():
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        "rlferry plan-weights: config: expected a config.json path or a transformers "
-        "configuration class name such as Qwen3MoeConfig, got 'NoSuchConfig'"
+        "rlferry plan-weights: config: expected a config.json path, a transformers "
+        "configuration class name such as Qwen3MoeConfig or a preset (qwen3-235b-a22b, "
+        "kimi-k2), got 'NoSuchConfig'"
     )
 
 

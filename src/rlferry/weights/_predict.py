@@ -66,8 +66,8 @@ def model_specs(
         cls = getattr(transformers, config, None)
         if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
             raise ValueError(
-                f"config: expected a config.json path or a transformers configuration class "
-                f"name such as Qwen3MoeConfig, got {config!r}"
+                f"config: expected a config.json path, a transformers configuration class "
+                f"name such as Qwen3MoeConfig or a preset ({', '.join(PRESETS)}), got {config!r}"
             )
         cfg = cls(**overrides)
     with torch.device("meta"):
