@@ -459,6 +459,17 @@ def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
     )
 
 
+def push_threads(senders, shards, version):
+    """Every rank's push of ``version`` at once (each in a thread, as ranks push)."""
+    pushes = [threading.Thread(target=s.push, args=(shards[r],),
+                               kwargs={"version": version, "timeout": WAIT})
+              for r, s in enumerate(senders)]  # fmt: skip
+    for t in pushes:
+        t.start()
+    for t in pushes:
+        t.join()
+
+
 def test_a_receivers_tensors_moved_into_shared_memory_between_updates_still_get_every_byte():
     # A receiver's copies work on its tensors' addresses; share_memory_() moves a tensor's
     # storage (a zero-copy push of those same tensors onwards does it): the copies are built
@@ -479,13 +490,7 @@ def test_a_receivers_tensors_moved_into_shared_memory_between_updates_still_get_
             for r in range(2):
                 for n, b in trainer.owned[r].items():
                     shards[r][n].copy_(values[n][slices(b)])
-            pushes = [threading.Thread(target=s.push, args=(shards[r],),
-                                       kwargs={"version": version})
-                      for r, s in enumerate(senders)]  # fmt: skip
-            for t in pushes:
-                t.start()
-            for t in pushes:
-                t.join()
+            push_threads(senders, shards, version)
             assert recv.wait_for(version, timeout=WAIT)
             assert all(torch.equal(params[n], values[n]) for n in full)
             if version == 1:
@@ -493,6 +498,54 @@ def test_a_receivers_tensors_moved_into_shared_memory_between_updates_still_get_
                 for t in params.values():
                     t.share_memory_()
                 assert all(t.data_ptr() != before[n] for n, t in params.items())
+    finally:
+        recv.close()
+        for s in senders:
+            s.close()
+
+
+@pytest.mark.parametrize(("transport", "point_to_point"), [("shm", False), ("broadcast", True)])
+def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport, point_to_point):
+    # A rank's views of its tensors are kept while the same tensors come again (same
+    # addresses, strides, shapes, dtypes: checked once a push), and its links then skip
+    # their per-tensor checks (broadcast: the push starts streaming in the hop that picks
+    # its receivers). Other tensors of the same layout, or a tensor whose storage was
+    # swapped, must be cut again: their bytes arrive, never the old memory's.
+    full = {f"layers.0.mlp.{p}_proj.weight": torch.randn(32, 16) for p in ("up", "gate")}
+    specs = specs_of(full.items())
+    trainer, engine = fsdp_layout(specs, 2), EngineLayout.whole(specs)
+    senders = [ShardedSender(group="other", rank=r, trainer=trainer, engine=engine,
+                             transport=transport, point_to_point=point_to_point)
+               for r in range(2)]  # fmt: skip
+    params = {n: torch.zeros(s.shape) for n, s in engine.param_specs(0).items()}
+    addresses = [s.addresses if point_to_point else s.address for s in senders]
+    recv = ShardedReceiver(group="other", rank=0, trainer=trainer, engine=engine, params=params,
+                           addresses=addresses, point_to_point=point_to_point).start()  # fmt: skip
+
+    def shards_of(values):
+        return [{n: values[n][slices(b)].clone() for n, b in trainer.owned[r].items()}
+                for r in range(2)]  # fmt: skip
+
+    shards = shards_of(full)
+    try:
+        for version in range(1, 7):
+            values = {n: t + version for n, t in full.items()}
+            if version in (1, 2, 5):  # the same tensors, new values in place
+                for r in range(2):
+                    for n, b in trainer.owned[r].items():
+                        shards[r][n].copy_(values[n][slices(b)])
+            elif version in (3, 6):  # other tensors of the same layout
+                shards = shards_of(values)
+            else:  # the same tensor objects, their storages swapped
+                for r, new in enumerate(shards_of(values)):
+                    for n, t in shards[r].items():
+                        t.data = new[n]
+            push_threads(senders, shards, version)
+            assert recv.wait_for(version, timeout=WAIT)
+            assert all(torch.equal(params[n], values[n]) for n in full), version
+        link = senders[0].statistics()
+        groups = [w.groups_formed for w in link.per_receiver.values()] if point_to_point else []
+        assert groups == ([1] if point_to_point else [])  # the group formed once, kept
     finally:
         recv.close()
         for s in senders:

@@ -256,11 +256,19 @@ class Hub:
 
     # -- a push, step by step (called from the pushing thread through the loop) -----------
     async def begin(
-        self, push_args: dict[str, Any], wait_for: int, deadline: float
-    ) -> list[Member]:
+        self,
+        push_args: dict[str, Any],
+        wait_for: int,
+        deadline: float,
+        fast: Callable[[list[Member]], Push | None] | None = None,
+    ) -> tuple[list[Member], Push | None]:
         """The members that take part: every idle one, once ``wait_for`` are (and every one
         that just joined asked for work, or its grace ran out); raises ``PushTimeout``
-        naming who was seen doing what if too few are ready by ``deadline``."""
+        naming who was seen doing what if too few are ready by ``deadline``.
+
+        ``fast(members)``: the push, if these members need nothing before the stream (they
+        hold the plan and the group): it starts streaming here, in the same hop, and is
+        returned; else None, and the sender sets the members up and calls :meth:`start`."""
 
         def enough() -> bool:
             ms = self.members.values()
@@ -276,7 +284,10 @@ class Hub:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
             m.step, m.want, m.late = IDLE, None, False
             m.version = push_args["version"]
-        return members
+        push = fast(members) if fast is not None else None
+        if push is not None:
+            await self.start(push, streaming=True)
+        return members, push
 
     def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:
         ms = list(self.members.values())

@@ -7,7 +7,7 @@ so a push costs the copies and not the building of thousands of views.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import ItemsView, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,15 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 def bucketed(plan: Plan, named: Iterable[Any], checked: bool) -> Iterator[tuple[int, list[Any]]]:
     """``(k, tensors)`` for each bucket as soon as its last tensor came; ``tensors`` is
     indexed by tensor number, and a tensor is dropped once its last bucket is yielded."""
+    if not checked and isinstance(named, (list, tuple, ItemsView)):  # all here: no walk
+        if len(named) != len(plan.specs):
+            raise WeightSyncError(
+                f"the push gave {len(named)} tensors, its layout has {len(plan.specs)}"
+            )
+        tensors = [t for _, t in named]
+        for k in range(plan.buckets):
+            yield k, tensors
+        return
     _, last_of, done = plan.order
     store: list[Any] = [None] * len(plan.specs)
     k, n = 0, plan.buckets
@@ -96,11 +105,17 @@ class Packer:
         self._copies: list[GroupedCopy | None] = [None] * plan.buckets
         # by bucket: where its tensors sat on the last push (address, strides)
         self._ptrs: list[list[tuple[int, tuple[int, ...]]] | None] = [None] * plan.buckets
+        # set by the sender for each push: the same tensors as the last push (its caller
+        # checked their memory), so a bucket's grouped copy is used without checking again
+        self.same = False
 
     @torch.no_grad()
     def pack(self, k: int, tensors: list[Any]) -> None:
         dsts, idx = self._whole[k]
-        if dsts:
+        copy = self._copies[k]
+        if self.same and copy is not None:
+            copy()
+        elif dsts:
             self._pack_whole(k, dsts, [tensors[i] for i in idx])
         for region, i, start, length in self._parts[k]:
             region.copy_(_bytes_of(tensors[i])[start : start + length])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,10 @@ from .transports._base import CollectiveSender, MailboxSender, checksum
 __all__ = ["WeightSender"]
 
 _MiB = 1 << 20
+
+
+# re-iterable inputs streamed as they are (a bucket's tensors are taken without a walk)
+_WHOLE = (list, tuple, ItemsView)
 
 
 def default_bucket_bytes(device: torch.device, largest: int) -> int:
@@ -162,6 +166,7 @@ class WeightSender:
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._plan: Plan | None = None
+        self._planned_for: Any = None  # the pairs object the plan was last checked against
         self._packer: Packer | None = None
         self._device: torch.device | None = self.config.device
         self._first = True
@@ -216,6 +221,18 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
+        return self._locked_push(named_tensors, version, timeout, layout, same=False)
+
+    def _push_same(self, named: list[Any], version: int, timeout: float) -> PushReport:
+        """:meth:`push` of the list object pushed last, whose tensors the caller checked are
+        the same ones (same memory, same layout): the per-tensor checks are skipped (a
+        ShardedSender's link, pushed again the views it keeps)."""
+        return self._locked_push(named, version, timeout, None, same=True)
+
+    def _locked_push(
+        self, named_tensors: Iterable[Any], version: int, timeout: float,
+        layout: Iterable[tuple[str, Any]] | None, same: bool,
+    ) -> PushReport:  # fmt: skip
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:
@@ -224,13 +241,13 @@ class WeightSender:
                 "closed (make a new WeightSender)"
             )
         with self._lock:
-            kept = self._plan, self._packer, self._device
+            kept = self._plan, self._planned_for, self._packer, self._device
             self._moving = False
             try:
-                return self._push(named_tensors, version, timeout, layout)
+                return self._push(named_tensors, version, timeout, layout, same)
             except BaseException as e:
                 if not self._moving:  # it failed before any bucket moved: it leaves nothing
-                    self._plan, self._packer, self._device = kept
+                    self._plan, self._planned_for, self._packer, self._device = kept
                     if self._mailbox is not None:
                         self._mailbox.abandon()
                 if isinstance(e, WeightSyncError):
@@ -243,17 +260,28 @@ class WeightSender:
         version: int,
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
+        same: bool,
     ) -> PushReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
-        named, plan, checked = self._layout(named, layout)
+        if same and self._plan is not None and named is self._planned_for:
+            plan, checked = self._plan, False
+        else:
+            same = False
+            named, plan, checked = self._layout(named, layout)
         seq = next(self._seq)
         wait_for = self.config.receivers if self._first else 1
         run = self._loop.run
         args = {"seq": seq, "version": version, "timeout": timeout}
-        members = run(self._hub.begin(args, wait_for, deadline))
+        fast = self._fast(plan, seq, version) if not self._first else None
+        members, push = run(self._hub.begin(args, wait_for, deadline, fast))
         self._first = False
         mail, coll = self._mailbox, self._collective
+        if push is not None:  # the members hold the plan and the group: streaming already
+            self._moving = True
+            assert coll is not None and self._packer is not None
+            self._packer.same = same
+            return self._finish(push, plan, named, checked, t0, deadline)
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
@@ -272,9 +300,11 @@ class WeightSender:
         )  # fmt: skip
         if not setups:  # every member holds the plan and the buffers: stream at once
             self._moving = True
+        if self._packer is not None:
+            self._packer.same = same
         run(self._hub.start(push, streaming=not setups))
-        try:
-            if setups:
+        if setups:
+            try:
                 if coll is not None:
                     coll.form(deadline)
                 rejected = run(self._hub.planned(deadline))
@@ -290,6 +320,58 @@ class WeightSender:
                             mail.receiver_attached(m.key, m.handles)
                 self._moving = True
                 run(self._hub.stream())
+            except BaseException as e:
+                raised = self._aborted(e, push, deadline)
+                if raised is e:
+                    raise
+                raise raised from None
+        return self._finish(push, plan, named, checked, t0, deadline, direct)
+
+    def _fast(
+        self, plan: Plan, seq: int, version: int
+    ) -> Callable[[list[Member]], Push | None] | None:
+        """For the hub, run on the wire loop once the members are known: this push, if they
+        need no setup (they hold ``plan`` and the broadcast group is theirs), else None.
+        Only a collective transport whose packer is ready for ``plan`` takes this path (one
+        hop less than begin, setup, start): None when it cannot."""
+        coll, packer = self._collective, self._packer
+        if coll is None or packer is None or packer.plan is not plan:
+            return None
+        if packer.generation != self._transport.generation:
+            return None
+
+        def fast(members: list[Member]) -> Push | None:
+            if any(m.plan != plan.fingerprint or m.verify for m in members):
+                return None
+            if not coll.has_group([m.key for m in members]):
+                return None
+            return Push(seq, version, None, plan.fingerprint, members, {}, True, False)
+
+        return fast
+
+    def _aborted(self, e: BaseException, push: Push, deadline: float) -> BaseException:
+        """Abort ``push`` after ``e``; the error to raise (naming the members that failed)."""
+        coll, version = self._collective, push.version
+        reason = f"the sender failed: {type(e).__name__}: {e}"
+        if coll is not None:
+            coll.broken()
+        self._loop.run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
+        self._loop.loop.call_soon_threadsafe(self._hub.done)
+        if isinstance(e, WeightSyncError) and not e.failures:
+            failed = [m for m in push.members if m.error is not None]
+            more = f"; {self._failures_text(failed)}" if failed else ""
+            return _error_class(failed, type(e))(
+                f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
+            )
+        return e
+
+    def _finish(
+        self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
+        deadline: float, direct: list[torch.Tensor] | None = None,
+    ) -> PushReport:  # fmt: skip
+        """Stream the buckets of a started push and wait for the members' commits."""
+        mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
+        try:
             if direct is not None:
                 assert mail is not None
                 mail.ready()
@@ -300,27 +382,19 @@ class WeightSender:
                 coll.stream(plan, buckets, self._packer, verify, deadline)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
-            p = run(self._hub.finish(deadline))
+            p = self._loop.run(self._hub.finish(deadline))
         except BaseException as e:
-            reason = f"the sender failed: {type(e).__name__}: {e}"
-            if coll is not None:
-                coll.broken()
-            run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
-            self._loop.loop.call_soon_threadsafe(self._hub.done)
-            if isinstance(e, WeightSyncError) and not e.failures:
-                failed = [m for m in members if m.error is not None]
-                more = f"; {self._failures_text(failed)}" if failed else ""
-                raise _error_class(failed, type(e))(
-                    f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
-                ) from None
-            raise
+            raised = self._aborted(e, push, deadline)
+            if raised is e:
+                raise
+            raise raised from None
         self._loop.loop.call_soon_threadsafe(self._hub.done)
         seconds = time.perf_counter() - t0
         self._last_seconds = seconds
         ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
         failed = [m for m in p.members if m.error is not None]
         report = PushReport(
-            version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, plan_sent
+            version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, push.plan is not None
         )
         self._stats["pushes"] += 1
         self._stats["bytes"] += plan.nbytes
@@ -340,7 +414,7 @@ class WeightSender:
 
     def _layout(
         self, named: Iterable[Any], layout: Iterable[tuple[str, Any]] | None
-    ) -> tuple[Iterator[Any], Plan, bool]:
+    ) -> tuple[Iterable[Any], Plan, bool]:
         """The data to stream, its plan, and whether each tensor must still be checked."""
         one_shot = isinstance(named, Iterator)
         if layout is None and one_shot and self._plan is None:
@@ -350,7 +424,7 @@ class WeightSender:
         first = next(it, None)
         if first is None:
             raise WeightSyncError("push: expected at least one named tensor, got none")
-        data = itertools.chain([first], it)
+        data = named if isinstance(named, _WHOLE) else itertools.chain([first], it)
         if self._device is None:
             t = first[1]
             self._device = t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
@@ -358,6 +432,7 @@ class WeightSender:
         if layout is None and one_shot:
             assert self._plan is not None
             return data, self._plan, True
+        self._planned_for = named if layout is None and not one_shot else None
         if self._plan is None or not _same_layout(source, self._plan.specs):
             specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in _key_of(source)]
             largest = max(s.nbytes for s in specs)

@@ -126,9 +126,11 @@ class ShardedSender:
         self._plans = _Plans(trainer, engine)
         self._cut_plan: ShardPlan | None = None  # the plan the cuts below were made for
         self._cut_cache: dict[int, list[_Cut]] = {}
-        # by stream: the last push's source addresses and the views cut from them (views
-        # of the same memory: reused while the same tensors are pushed, as a state dict is)
-        self._views: dict[int, tuple[list[Any], list[tuple[str, torch.Tensor]]]] = {}
+        # by stream, the views cut from the last push's tensors (views of the same memory:
+        # pushed again while the same tensors are pushed, as a state dict is), and where
+        # those tensors were (address, strides, shape, dtype by name: checked once a push)
+        self._views: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._where: list[Any] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
@@ -254,13 +256,26 @@ class ShardedSender:
         """
         plan = self._plans.get()
         local = _local(named_tensors)
+        where = _where(local)
+        if plan is not self._cut_plan or where != self._where:
+            self._views = {}  # other tensors (or a new plan): the views are cut again
+        self._where = where
         if not self.point_to_point:
             pieces = self._pieces(plan, -1, local)
             if not pieces:
                 return PushReport(version, 0, 0.0, (), 0, 0, False)
-            return self._links[-1].push(pieces, version=version, timeout=timeout)
+            return self._push_link(-1, pieces, version, timeout)
         streams = {r: self._pieces(plan, r, local) for r in self._links}
         return self._push_links(streams, version, timeout)
+
+    def _push_link(
+        self, r: int, pieces: list[tuple[str, torch.Tensor]], version: int, timeout: float
+    ) -> PushReport:
+        """Link ``r``'s push; the views kept from the last push go without their checks."""
+        link = self._links[r]
+        if self._views.get(r) is pieces:
+            return link._push_same(pieces, version, timeout)
+        return link.push(pieces, version=version, timeout=timeout)
 
     def _push_links(
         self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
@@ -276,12 +291,12 @@ class ShardedSender:
                 len(self._links) - 1, thread_name_prefix=f"rlferry-{self.group}-links"
             )
         futures = {
-            r: self._pool.submit(self._links[r].push, streams[r], version=version, timeout=timeout)
+            r: self._pool.submit(self._push_link, r, streams[r], version, timeout)
             for r in others
             if self._pool is not None
         }
         try:  # an interrupt (Ctrl-C) goes up at once; the other links end by their timeout
-            reports[last] = self._links[last].push(streams[last], version=version, timeout=timeout)
+            reports[last] = self._push_link(last, streams[last], version, timeout)
         except Exception as e:
             errors[last] = e
         for r, f in futures.items():
@@ -302,7 +317,7 @@ class ShardedSender:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
         rank's shards: worked out once per plan and stream, not per push."""
         if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go
-            self._cut_plan, self._cut_cache, self._views = plan, {}, {}
+            self._cut_plan, self._cut_cache = plan, {}
         cuts = self._cut_cache.get(receiver)
         if cuts is None:
             owned = plan.trainer.owned[self.rank]
@@ -321,12 +336,12 @@ class ShardedSender:
     def _pieces(
         self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
     ) -> list[tuple[str, torch.Tensor]]:
-        cuts = self._cuts(plan, receiver)
-        where = _where(cuts, local)
         kept = self._views.get(receiver)
-        if kept is not None and where is not None and kept[0] == where:
-            return kept[1]  # the same tensors again (same memory and layout): the same views
+        if kept is not None:
+            return kept  # the same tensors again (same memory and layout): the same views
+        cuts = self._cuts(plan, receiver)
         out = []
+        cast = False
         for c in cuts:
             t = local.get(c.source)
             if t is None:
@@ -341,9 +356,10 @@ class ShardedSender:
                     "layout does not describe this rank's tensors)"
                 )
             v = t.detach() if c.at is None else t[c.at]
+            cast = cast or v.dtype != c.dtype
             out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
-        if where is not None:  # views only (nothing cast): kept
-            self._views[receiver] = (where, out)
+        if not cast:  # views only (a cast makes a new tensor each push): kept
+            self._views[receiver] = out
         return out
 
     def statistics(self) -> ShardedSenderStatistics:
@@ -380,16 +396,15 @@ class ShardedSender:
         self.close()
 
 
-def _where(cuts: list[_Cut], local: dict[str, torch.Tensor]) -> list[Any] | None:
-    """Where each cut's source lies (address, strides, shape, dtype), or None if one is
-    missing or would be cast (then its piece is a new tensor every push)."""
-    out: list[Any] = []
-    for c in cuts:
-        t = local.get(c.source)
-        if t is None or t.dtype != c.dtype:
-            return None
-        out.append((t.data_ptr(), t.stride(), t.shape))
-    return out
+def _where(local: dict[str, torch.Tensor]) -> list[Any]:
+    """Where each tensor lies (name, address, strides, shape, dtype): one pass over the
+    push's tensors, for every stream (views cut from them stay valid while it is equal)."""
+    return [
+        (n, t.data_ptr(), t.stride(), t.shape, t.dtype)
+        if isinstance(t, torch.Tensor)
+        else (n, id(t))
+        for n, t in local.items()
+    ]
 
 
 def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:

@@ -45,22 +45,24 @@ _Op = tuple[tuple[slice, ...], torch.Tensor, bool]  # piece region, destination 
 class _Copies:
     """A bucket's copies into this rank's tensors, one :class:`GroupedCopy` (one launch on
     CUDA, one bulk copy on the CPU), which works on the tensors' addresses: ``moved`` says
-    whether one of them changed since (a tensor's storage moved into shared memory by a
-    zero-copy push of it, say), and then it must be built again. ``views``: every source
-    is a view of the bucket (else a reshape copied one: good for this push only).
-    ``programs``: bounds the copy's grid (beside a collective: see :class:`GroupedCopy`)."""
+    whether a destination's changed since (its storage moved into shared memory by a
+    zero-copy push of it, say), and then it must be built again. The sources are views of
+    the receiver's buffers, fixed while the bucket's list is the same object (the list
+    this is kept by). ``views``: every source is a view of the bucket (else a reshape
+    copied one: good for this push only). ``programs``: bounds the copy's grid (beside a
+    collective: see :class:`GroupedCopy`)."""
 
     def __init__(
         self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool,
         programs: int | None,
     ) -> None:  # fmt: skip
         self.copy = GroupedCopy(dsts, srcs, programs=programs)
-        self.tensors = dsts + srcs
-        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.dsts = dsts
+        self.addresses = [t.data_ptr() for t in dsts]
         self.views = views
 
     def moved(self) -> bool:
-        return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses, strict=True))
+        return any(t.data_ptr() != a for t, a in zip(self.dsts, self.addresses, strict=True))
 
 
 class ShardedReceiver:

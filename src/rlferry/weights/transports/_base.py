@@ -163,6 +163,11 @@ class CollectiveSender(SenderTransport):
         """A descriptor per receiver ``keys`` when the group must be (re)formed, else None."""
 
     @abc.abstractmethod
+    def has_group(self, keys: list[bytes]) -> bool:
+        """Whether the group is formed with exactly these receivers (in this order): a push to
+        them needs no setup (read on the wire loop, while the pushing thread waits)."""
+
+    @abc.abstractmethod
     def current(self, key: bytes) -> dict[str, Any]:
         """The descriptor of the current group, for receiver ``key`` (already a member)."""
 

@@ -153,7 +153,7 @@ class BroadcastSender(CollectiveSender):
         self, keys: list[bytes], timeout: float, device: torch.device
     ) -> dict[bytes, dict[str, Any]] | None:
         """A descriptor per member when the group must be (re)formed, else None."""
-        if self._pg is not None and keys == self._members:
+        if self.has_group(keys):
             return None
         if self._pg is not None:
             _abort(self._pg)
@@ -183,6 +183,9 @@ class BroadcastSender(CollectiveSender):
             for r, k in enumerate(keys)
         }
         return self._descs
+
+    def has_group(self, keys: list[bytes]) -> bool:
+        return self._pg is not None and keys == self._members
 
     def _make_store(self, timeout: float) -> Any:
         if self.kv is None:
