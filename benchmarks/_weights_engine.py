@@ -213,13 +213,14 @@ class _Shim:
 def _ipc_receive(conn: Connection, shapes: Shapes, params: dict[str, torch.Tensor], bucket: int,
                  reopen: bool) -> None:  # fmt: skip
     views = _Views(Plan.build(specs_of(shapes), bucket))
-    cached = None if reopen else [_open(f) for f in conn.recv()]
+    dev = torch.cuda.current_device()
+    cached = None if reopen else [_open(f, dev) for f in conn.recv()]
     while True:
         msg = conn.recv()
         if msg is None:
             return
         k, b, fields = msg
-        buf = _open(fields) if reopen else cached[b]  # type: ignore[index]
+        buf = _open(fields, dev) if reopen else cached[b]  # type: ignore[index]
         names, src = views.views(k, buf)
         torch._foreach_copy_([params[n] for n in names], src)
         torch.cuda.current_stream().synchronize()

@@ -182,10 +182,24 @@ def _cma_write(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, i
                            f"({os.strerror(err)})")  # fmt: skip
 
 
-def run_nixl(shapes: eng.Shapes, state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
-    """One WRITE request for every tensor, reposted per update; timing and what was seen."""
+def write_request(
+    agent: Any, tensors: list[torch.Tensor], metadata: bytes, descs: Any, mem: str
+) -> tuple[str, Any, Any, Any]:
+    """The remote agent's name, one prepared WRITE of ``tensors`` (registered by
+    ``agent``) into the remote's ``descs`` (memory type ``mem``: DRAM or VRAM), pair by
+    pair (each post passes its own notification), and the two prepared lists (to
+    release after the request)."""
     import numpy as np
 
+    name = agent.add_remote_agent(metadata)
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tensors)
+    remote = agent.prep_xfer_dlist(name, descs, mem)
+    idx = np.arange(len(tensors), dtype=np.int32)
+    return name, agent.make_prepped_xfer("WRITE", local, idx, remote, idx, b""), local, remote
+
+
+def run_nixl(shapes: eng.Shapes, state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
+    """One WRITE request for every tensor, reposted per update; timing and what was seen."""
     engine = NixlEngine(shapes)
     tensors = list(state.values())
     want = eng.fingerprint(tensors)
@@ -194,11 +208,7 @@ def run_nixl(shapes: eng.Shapes, state: dict[str, torch.Tensor], repeat: int) ->
         t0 = time.perf_counter()
         reg = agent.register_memory(tensors)
         metadata, descs, engine_register_s = engine.call("metadata")
-        name = agent.add_remote_agent(metadata)
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", tensors)
-        remote = agent.prep_xfer_dlist(name, descs, "DRAM")
-        idx = np.arange(len(tensors), dtype=np.int32)
-        handle = agent.make_prepped_xfer("WRITE", local, idx, remote, idx, b"")
+        name, handle, local, remote = write_request(agent, tensors, metadata, descs, "DRAM")
         setup_s = time.perf_counter() - t0
         backend = agent.query_xfer_backend(handle)
         times, posts, polls, immediate = [], [], [], 0
@@ -227,9 +237,11 @@ def run_nixl(shapes: eng.Shapes, state: dict[str, torch.Tensor], repeat: int) ->
         pairs = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
         dests = [(a, n) for a, n, _ in descs]
         cma = []
+        pid = engine.proc.pid
+        assert pid is not None  # started
         for v in range(1 + repeat):
             t0 = time.perf_counter()
-            _cma_write(engine.proc.pid, pairs, dests)
+            _cma_write(pid, pairs, dests)
             cma.append(time.perf_counter() - t0)
             if engine.call("fingerprint") != want:
                 raise RuntimeError(f"cma: after write {v} the engine's parameters differ")

@@ -102,7 +102,10 @@ def gpu_of(args: argparse.Namespace, role: str, rank: int) -> int:
 
 
 def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
-    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast see :func:`gpu_of`."""
+    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast see :func:`gpu_of`.
+    Called first in every process of the run: it also sets ``--switch-interval``."""
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.device == "cpu":
         return "cpu"
     if args.transport != "broadcast":
@@ -446,6 +449,7 @@ def _result(
         "busiest_gpu_bytes": max(out + into),  # point to point: a GPU's bytes out or in
         "needed_bytes_per_receiver": [engine.needed_bytes(r) for r in range(args.receivers)],
         "machine": f"{platform.node()} {os.cpu_count()} cpus",
+        "switch_interval": args.switch_interval or sys.getswitchinterval(),
     }
 
 
@@ -487,6 +491,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--profile", metavar="DIR",
         help="write each process's Chrome trace of the last two updates (CPU and GPU) to DIR",
+    )  # fmt: skip
+    p.add_argument(
+        "--switch-interval", type=float, default=0.0, metavar="S",
+        help="sys.setswitchinterval(S) in every trainer and engine process (Python's default: "
+        "0.005): how long a thread that wants the GIL waits for one that does not let go",
     )  # fmt: skip
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
