@@ -121,3 +121,26 @@ def test_broadcast_a_push_past_its_timeout_raises_push_timeout_and_the_next_form
     assert s.statistics().groups_formed == 2
     r.close()
     s.close()
+
+
+def test_broadcast_a_bad_tensor_in_the_first_bucket_fails_that_push_and_the_next_works(sender):
+    # From the second push on, bucket 0 is packed while the loop picks the receivers and
+    # starts their stream: a tensor that fails its check there must abort that started
+    # push (the receiver keeps its version), and the next push must work.
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    for v in (1, 2):
+        sender.push(sd.items(), version=v, timeout=60)
+    layout = list(sd.items())
+    bad = ((n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(sd.items()))
+    with pytest.raises(WeightSyncError) as err:
+        sender.push(bad, version=3, timeout=30, layout=layout)
+    assert str(err.value).startswith("push of version 3: named tensor 0: expected `")
+    assert r.version == 2
+    for t in sd.values():
+        if t.dtype.is_floating_point:
+            t.add_(1)
+    assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
+    assert r.version == 4 and e.equals(sd)
+    r.close()

@@ -274,14 +274,32 @@ class WeightSender:
         run = self._loop.run
         args = {"seq": seq, "version": version, "timeout": timeout}
         fast = self._fast(plan, seq, version) if not self._first else None
-        members, push = run(self._hub.begin(args, wait_for, deadline, fast))
+        begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+        buckets: Iterator[tuple[int, list[Any]]] | None = None
+        if fast is not None:  # bucket 0 is packed while the loop picks the members
+            assert self._packer is not None
+            self._packer.same = same
+            rest = bucketed(plan, named, checked)
+            try:
+                first = next(rest)
+                self._packer.pack(*first)
+            except BaseException as e:  # a push the hub started must be aborted, not left
+                started = begun.result()[1]
+                raised = e if started is None else self._aborted(e, started, deadline)
+                if raised is e:
+                    raise
+                raise raised from None
+            buckets = itertools.chain([first], rest)
+        try:
+            members, push = begun.result()
+        except BaseException:
+            begun.cancel()
+            raise
         self._first = False
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
             self._moving = True
-            assert coll is not None and self._packer is not None
-            self._packer.same = same
-            return self._finish(push, plan, named, checked, t0, deadline)
+            return self._finish(push, plan, named, checked, t0, deadline, buckets, packed=True)
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
@@ -325,7 +343,7 @@ class WeightSender:
                 if raised is e:
                     raise
                 raise raised from None
-        return self._finish(push, plan, named, checked, t0, deadline, direct)
+        return self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
 
     def _fast(
         self, plan: Plan, seq: int, version: int
@@ -367,9 +385,12 @@ class WeightSender:
 
     def _finish(
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
-        deadline: float, direct: list[torch.Tensor] | None = None,
+        deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
+        packed: bool = False, direct: list[torch.Tensor] | None = None,
     ) -> PushReport:  # fmt: skip
-        """Stream the buckets of a started push and wait for the members' commits."""
+        """Stream the buckets of a started push and wait for the members' commits.
+        ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
+        buffer 0 if the push went the fast way; else packed again)."""
         mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
         try:
             if direct is not None:
@@ -378,8 +399,8 @@ class WeightSender:
                 # receivers read the tensors in place: every bucket is ready, in one answer
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
-                buckets = bucketed(plan, named, checked)
-                coll.stream(plan, buckets, self._packer, verify, deadline)
+                buckets = buckets or bucketed(plan, named, checked)
+                coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             p = self._loop.run(self._hub.finish(deadline))

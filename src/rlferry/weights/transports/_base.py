@@ -183,9 +183,10 @@ class CollectiveSender(SenderTransport):
         packer: Any,
         verify: bool,
         deadline: float,
+        packed: bool = False,
     ) -> None:
-        """Pack and send every bucket (then the checksums if ``verify``); raises
-        ``WeightSyncError`` if the group broke."""
+        """Pack and send every bucket (then the checksums if ``verify``); ``packed``:
+        bucket 0 is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:

@@ -262,6 +262,7 @@ class BroadcastSender(CollectiveSender):
         packer: Any,
         verify: bool,
         deadline: float,
+        packed: bool = False,
     ) -> None:
         pg, opts = self._pg, _options()
         if pg is None:
@@ -275,7 +276,8 @@ class BroadcastSender(CollectiveSender):
                 b = k % 2
                 if works[b] is not None:
                     _wait(works[b], None if nccl else deadline - time.monotonic())
-                packer.pack(k, tensors)
+                if k or not packed:
+                    packer.pack(k, tensors)
                 view = self._bufs[b][: plan.bucket_used[k]]
                 if verify:
                     sums.append(checksum(view))
