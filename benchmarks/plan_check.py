@@ -9,7 +9,7 @@ per update (what a 4 MB update took there). A bound run moves bytes only: it is
 predicted without the update's cost. Prints measured p50 (updates 2 on), predicted,
 and their ratio.
 
-    python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356 --update-ms 4.2
+    python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from rlferry.weights import Cluster, TensorSpec, predict
+from rlferry.weights._predict import UPDATE_MS
 
 import _weights_engine as eng
 from _common import table
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("runs", help="JSON lines of benchmarks/weights_sharded.py")
     p.add_argument("--nvlink-gbytes", type=float, required=True, help="GB/s per GPU, measured")
-    p.add_argument("--update-ms", type=float, default=4.2)
+    p.add_argument(
+        "--update-ms", type=float, default=UPDATE_MS,
+        help=f"what an update costs besides its bytes (default {UPDATE_MS}: the library's)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     rows = []
     with open(a.runs) as f:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlferry.weights import Cluster, ShardPlan, fsdp_layout, predict, tp_layout
-from rlferry.weights._predict import model_specs, representatives, trainer_layout
+from rlferry.weights._predict import UPDATE_MS, model_specs, representatives, trainer_layout
 
 pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def test_the_prediction_counts_every_link_of_the_full_plan():
     busiest = max(*p.sender_bytes, *p.receiver_bytes)
     assert p.busiest_bytes == busiest
     assert p.link_seconds == pytest.approx(busiest / 450e9)
-    assert p.seconds == pytest.approx(busiest / 450e9 + 4.2e-3)  # and what an update costs
+    assert p.seconds == pytest.approx(busiest / 450e9 + UPDATE_MS / 1e3)  # and an update's cost
     assert "over nvlink" in p.busiest
 
 
@@ -52,7 +52,7 @@ def test_engines_on_other_hosts_are_reached_over_the_network():
     specs = tiny_specs()
     p = predict(specs, Cluster(fsdp=8, engines=2, engine_tp=4, network_GBps=50.0))
     assert "over network" in p.busiest
-    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + 4.2e-3)
+    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + UPDATE_MS / 1e3)
 
 
 def test_trainer_tensor_parallelism_inside_fsdp_still_owns_every_byte_once():
@@ -78,7 +78,8 @@ def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
     lines = out.splitlines()
     assert lines[0].startswith(f"{cfg}: {len(tiny_specs())} tensors; trainer 4 GPUs (FSDP 4 x TP")
     assert lines[-1] == (
-        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and 4.2 ms an update)"
+        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and {UPDATE_MS:g} ms "
+        "an update)"
     )
     assert lines[-2].startswith(f"busiest link: {p.busiest}")
     assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)

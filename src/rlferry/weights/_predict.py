@@ -37,6 +37,11 @@ from ._tp import tp_layout, tp_split_dim
 
 __all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
 
+# What an update costs besides its bytes (its messages, the first bucket's pack, the last
+# one's load): a 4 MB update of 2 trainer ranks to a TP=2 engine took 3.5 ms on four
+# H200s (one trainer rank to one engine rank: 2.4 ms; benchmarks/RESULTS.md, session 14).
+UPDATE_MS = 3.5
+
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -134,10 +139,8 @@ class Cluster:
     gpus_per_host: int = 8
     nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
     network_GBps: float = 50.0  # 400 Gb/s per GPU
-    # what an update costs besides its bytes (its messages, the first bucket's pack, the
-    # last one's load): a 4 MB update of 2 trainer ranks to a TP=2 engine took 4.2 ms on
-    # four H200s (benchmarks/RESULTS.md)
-    update_ms: float = 4.2
+    # what an update costs besides its bytes: see UPDATE_MS
+    update_ms: float = UPDATE_MS
 
     def __post_init__(self) -> None:
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
@@ -298,7 +301,7 @@ def plan_weights(
     gpus_per_host: int = 8,
     nvlink_gbytes: float = 450.0,
     network_gbits: float = 400.0,
-    update_ms: float = 4.2,
+    update_ms: float = UPDATE_MS,
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
