@@ -81,6 +81,27 @@ def test_broadcast_a_new_receiver_forms_a_new_group(sender):
     r1.close()
 
 
+def test_broadcast_a_receiver_that_left_between_pushes_forms_a_new_group_of_the_others():
+    # Pushes to receivers that hold the plan and the group start the fast way (in the hop
+    # that picks them); one that left changes who is picked, and the push must form a
+    # group of the others instead of streaming to the old one.
+    sender = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    r0, r1 = join(sender, engines[0], "r0"), join(sender, engines[1], "r1")
+    for v in (1, 2):
+        assert sender.push(sd.items(), version=v, timeout=60).receivers == ("r0", "r1")
+    r1.close()
+    for t in sd.values():
+        if t.dtype.is_floating_point:
+            t.add_(1)
+    assert sender.push(sd.items(), version=3, timeout=60).receivers == ("r0",)
+    assert engines[0].equals(sd) and r0.version == 3 and r1.version == 2
+    assert sender.statistics().groups_formed == 2
+    r0.close()
+    sender.close()
+
+
 def test_broadcast_verify_sends_the_checksums_as_a_last_collective(sender):
     sd = state()
     e = Engine(sd)
