@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -285,10 +285,9 @@ class WeightSender:
                 self._packer.pack(*first)
             except BaseException as e:  # a push the hub started must be aborted, not left
                 started = begun.result()[1]
-                raised = e if started is None else self._aborted(e, started, deadline)
-                if raised is e:
+                if started is None:
                     raise
-                raise raised from None
+                self._fail(e, started, deadline)
             buckets = itertools.chain([first], rest)
         try:
             members, push = begun.result()
@@ -339,10 +338,7 @@ class WeightSender:
                 self._moving = True
                 run(self._hub.stream())
             except BaseException as e:
-                raised = self._aborted(e, push, deadline)
-                if raised is e:
-                    raise
-                raise raised from None
+                self._fail(e, push, deadline)
         return self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
 
     def _fast(
@@ -367,8 +363,9 @@ class WeightSender:
 
         return fast
 
-    def _aborted(self, e: BaseException, push: Push, deadline: float) -> BaseException:
-        """Abort ``push`` after ``e``; the error to raise (naming the members that failed)."""
+    def _fail(self, e: BaseException, push: Push, deadline: float) -> NoReturn:
+        """Abort ``push`` after ``e`` and raise: ``e`` itself, or, for a WeightSyncError that
+        names nobody, one naming the members that failed."""
         coll, version = self._collective, push.version
         reason = f"the sender failed: {type(e).__name__}: {e}"
         if coll is not None:
@@ -378,10 +375,10 @@ class WeightSender:
         if isinstance(e, WeightSyncError) and not e.failures:
             failed = [m for m in push.members if m.error is not None]
             more = f"; {self._failures_text(failed)}" if failed else ""
-            return _error_class(failed, type(e))(
+            raise _error_class(failed, type(e))(
                 f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
-            )
-        return e
+            ) from None
+        raise e
 
     def _finish(
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
@@ -405,10 +402,7 @@ class WeightSender:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             p = self._loop.run(self._hub.finish(deadline))
         except BaseException as e:
-            raised = self._aborted(e, push, deadline)
-            if raised is e:
-                raise
-            raise raised from None
+            self._fail(e, push, deadline)
         self._loop.loop.call_soon_threadsafe(self._hub.done)
         seconds = time.perf_counter() - t0
         self._last_seconds = seconds
