@@ -1,6 +1,7 @@
 """Request/reply sockets: replies, timeouts, closed and broken channels, secrets, shared memory."""
 
 import asyncio
+import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
@@ -151,6 +152,50 @@ def test_close_wakes_a_waiting_request(server):
     asyncio.run(scenario())
 
 
+def test_sync_close_from_another_thread_ends_a_wait_at_once(server):
+    c = Client(server.address)
+    rid = c.send("hang")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.wait, rid, 30)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=0.2)  # it waits on its socket...
+        c.close()  # ...until another thread closes the client
+        with pytest.raises(ChannelClosed, match="was closed"):
+            waiting.result(timeout=5)
+
+
+def test_sync_requests_in_flight_are_collected_in_any_order_and_unread_replies_dropped(server):
+    with Client(server.address) as c:
+        a, b = c.send("a"), c.send({"b": torch.ones(1 << 18)})  # b is large: shared memory
+        c.send("dropped", reply=False)
+        assert torch.equal(c.wait(b, 10)["b"], torch.ones(1 << 18))
+        assert c.wait(a, 10) == "a"
+        assert c.request("after", timeout=10) == "after"
+        with pytest.raises(RequestTimeout):
+            c.wait(c.send("hang"), 0.1)
+        assert c.request("after a timeout", timeout=10) == "after a timeout"
+
+
+def test_sync_close_sends_its_farewell_first():
+    seen = []
+
+    async def note(value, peer):
+        seen.append(value)
+        return "bye" if value == "farewell" else value
+
+    srv = Server(note)
+    address = wire_loop().run(srv.start())
+    try:
+        c = Client(address)
+        assert c.request("hello", timeout=10) == "hello"
+        c.close(farewell="farewell")
+        assert seen == ["hello", "farewell"]
+        with pytest.raises(ChannelClosed, match="is closed"):
+            c.request("again", timeout=1)
+    finally:
+        wire_loop().run(srv.close())
+
+
 def _serve_forever(transport, conn):
     async def main():
         srv = Server(echo, default_address(transport))
@@ -168,9 +213,10 @@ def test_killed_server_raises_peer_gone_not_a_hang(transport):
     proc.start()
     assert parent.poll(60)
     address = parent.recv()
-    with Client(address) as c:
+    with Client(address) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert c.request("ping", timeout=30) == "ping"
-        fut = wire_loop().submit(c._client.request("hang", timeout=30))
+        rid = c.send("hang")
+        fut = pool.submit(c.wait, rid, 30)
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(PeerGone, match="disconnected"):
             fut.result(timeout=20)

@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._messages import StoreOp
+from rlferry.weights._messages import Join, StoreOp, encode
 from rlferry.weights.transports._rendezvous import CallStore, KeyValue, loopback_store
+from rlferry.wire import Client, RemoteError
 from test_weights import Engine, state
 
 SECRET = "a shared secret of 32 bytes long"
@@ -115,12 +116,17 @@ def test_a_receiver_without_the_secret_cannot_join_the_group():
 
 def test_a_store_request_to_a_sender_without_a_secret_is_refused():
     s = WeightSender(group="g", transport="broadcast", receivers=1, bucket_bytes=256 << 10)
-    r = WeightReceiver(group="g", address=s.address, load=lambda items: None, name="r0").start()
-    with pytest.raises(WeightSyncError) as e:
-        r._store_call(StoreOp("get", "x", timeout=1))
-    assert "store request: this sender's group does not meet on its control channel" in str(e.value)
-    r.close()
-    s.close()
+    try:
+        with Client(s.address) as c:  # a receiver's requests, as its serving thread sends them
+            c.request(encode(Join("g", "", "r0", socket.gethostname(), os.getpid())), timeout=10)
+            with pytest.raises(RemoteError) as e:
+                c.request(encode(StoreOp("get", "x", timeout=1)), timeout=10)
+        assert e.value.kind == "WeightSyncError"
+        assert "store request: this sender's group does not meet on its control channel" in str(
+            e.value
+        )
+    finally:
+        s.close()
 
 
 # -- the store itself --------------------------------------------------------------------------

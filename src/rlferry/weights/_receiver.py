@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import itertools
 import logging
 import os
@@ -17,13 +15,12 @@ import msgspec
 import torch
 
 from rlferry.wire import (
-    AsyncClient,
     ChannelClosed,
+    Client,
     PeerGone,
     RemoteError,
     RequestTimeout,
     WireError,
-    wire_loop,
 )
 
 from ._config import ReceiverConfig
@@ -126,9 +123,10 @@ class WeightReceiver:
         self._transport: ReceiverTransport | None = None
         self._mailbox: MailboxReceiver | None = None  # the transport, if a mailbox
         self._collective: CollectiveReceiver | None = None  # the transport, if a collective
-        self._loop = wire_loop()
-        self._client: AsyncClient | None = None
-        self._prefetch: concurrent.futures.Future[Any] | None = None
+        # the serving thread's own socket to the sender: its messages go without a hop to
+        # the wire loop's thread and back (they are most of a small push's time)
+        self._client: Client | None = None
+        self._prefetch: bytes | None = None  # the request that asked for the next bucket
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._version: int | None = None
@@ -159,7 +157,7 @@ class WeightReceiver:
             )
         if self._thread is not None:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
-        self._client = AsyncClient(self.config.address, secret=self.config.secret)
+        self._client = Client(self.config.address, secret=self.config.secret)
         welcome = self._join(timeout)
         tr = self._transport = make_receiver(welcome.transport)
         self._mailbox = tr if isinstance(tr, MailboxReceiver) else None
@@ -175,25 +173,25 @@ class WeightReceiver:
         c = self.config
         join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify)
         try:
-            reply = decode_reply(self._loop.run(self._client.request(encode(join), timeout)))
+            reply = decode_reply(self._client.request(encode(join), timeout))
         except RemoteError as e:
-            self._loop.run(self._client.close())
+            self._client.close()
             raise WeightSyncError(
                 f"receiver `{self.name}` cannot join group {c.group!r} at {c.address}: {e.message}"
             ) from None
         except PeerGone as e:
-            self._loop.run(self._client.close())
+            self._client.close()
             raise SenderGone(
                 f"receiver `{self.name}` cannot reach the sender at {c.address}: {e}"
             ) from None
         except RequestTimeout:
-            self._loop.run(self._client.close())
+            self._client.close()
             raise SenderGone(
                 f"receiver `{self.name}`: no answer from the sender at {c.address} within "
                 f"{timeout:g} s (is the sender running, and is this its address?)"
             ) from None
         except WireError as e:
-            self._loop.run(self._client.close())
+            self._client.close()
             raise WeightSyncError(
                 f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
             ) from None
@@ -258,10 +256,9 @@ class WeightReceiver:
         self._stop(ReceiverClosed, f"it is closed (at version {self._version})")
         if self._client is not None:
             # Leave first: the sender drops us now, not when it sees the socket go (and
-            # if the sender is gone already, there is nobody to tell).
-            with contextlib.suppress(WireError):
-                self._loop.run(self._client.request(encode(Leave()), 5.0))
-            self._loop.run(self._client.close())
+            # if the sender is gone already, there is nobody to tell). A wait of the
+            # serving thread ends at once.
+            self._client.close(farewell=encode(Leave()))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
         if self._transport is not None:
@@ -290,14 +287,26 @@ class WeightReceiver:
         )
 
     # -- the loop -----------------------------------------------------------------
-    def _send(self, ack: Ack) -> concurrent.futures.Future[Any]:
+    def _send(self, ack: Ack) -> bytes:
         assert self._client is not None
-        return self._loop.submit(self._client.request(encode(ack), None))
+        return self._client.send(encode(ack))
 
     def _note(self, ack: Ack) -> None:
-        """A bare acknowledgement: sent, its (empty) answer not waited for."""
-        fut = self._send(msgspec.structs.replace(ack, park=False))
-        fut.add_done_callback(_log_failure)
+        """A bare acknowledgement: sent, its (empty) answer not waited for. If it cannot go
+        (the sender went away, the receiver closed), the wait that follows says so."""
+        assert self._client is not None
+        try:
+            self._client.send(encode(msgspec.structs.replace(ack, park=False)), reply=False)
+        except WireError as e:
+            log.debug("receiver %s: an acknowledgement was not sent: %s", self.name, e)
+
+    def _ask_ahead(self, ack: Ack) -> None:
+        """Ask for the next bucket now (it comes while this one loads); if the ask cannot
+        go, the serving loop's next send meets the same error."""
+        try:
+            self._prefetch = self._send(ack)
+        except WireError as e:
+            log.debug("receiver %s: the next bucket was not asked for: %s", self.name, e)
 
     def _serve(self) -> None:
         """The background thread: serve until stopped, then say why to every waiter."""
@@ -320,10 +329,14 @@ class WeightReceiver:
         dev = self.config.device
         if dev is not None and dev.type == "cuda":
             torch.cuda.set_device(dev)
-        fut = self._send(Ack(0, IDLE))
+        assert self._client is not None
+        ask: Ack | None = Ack(0, IDLE)  # the next request to send (None: ``rid`` is sent)
+        rid = b""
         while not self._closed:
             try:
-                msg = decode_reply(fut.result())
+                if ask is not None:
+                    rid, ask = self._send(ask), None
+                msg = decode_reply(self._client.wait(rid))
             except ChannelClosed:
                 return None
             except PeerGone as e:
@@ -339,15 +352,15 @@ class WeightReceiver:
                     self._join(30.0)
                 except WeightSyncError as e2:
                     return type(e2), f"the sender dropped it and it could not join again: {e2}"
-                fut = self._send(Ack(0, IDLE))
+                ask = Ack(0, IDLE)
                 continue
             self._prefetch = None
             ack = self._handle(msg)
             if self._prefetch is not None:  # the next bucket is already asked for
                 self._note(ack)
-                fut = self._prefetch
+                rid = self._prefetch
             else:
-                fut = self._send(ack)
+                ask = ack
         return None
 
     def _handle(self, msg: Any) -> Ack:
@@ -420,7 +433,7 @@ class WeightReceiver:
         """One rendezvous store operation, sent to the sender over the control channel."""
         assert self._client is not None
         try:
-            reply = decode_reply(self._loop.run(self._client.request(encode(op), op.timeout + 10)))
+            reply = decode_reply(self._client.request(encode(op), op.timeout + 10))
         except WireError as e:
             raise WeightSyncError(f"the sender did not answer a store request: {e}") from None
         if not isinstance(reply, StoreReply):
@@ -446,7 +459,7 @@ class WeightReceiver:
         if first == 0 and self._push_start == 0.0:
             self._push_start = time.perf_counter()
         if last + 1 < plan.buckets:  # ask for the next bucket now: it comes while these load
-            self._prefetch = self._send(Ack(msg.seq, first - 1, want=last + 1))
+            self._ask_ahead(Ack(msg.seq, first - 1, want=last + 1))
         for k in range(first, last + 1):
             failed = self._load_bucket(msg, k)
             if failed is not None:
@@ -511,11 +524,6 @@ class WeightReceiver:
         self._last_seconds = time.perf_counter() - self._push_start
         self._push_start = 0.0
         return Ack(seq, DONE)
-
-
-def _log_failure(fut: concurrent.futures.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.debug("an acknowledgement was lost: %s", fut.exception())
 
 
 class _nullctx:

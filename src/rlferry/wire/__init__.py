@@ -4,7 +4,7 @@ Every plane of rlferry speaks through this package. Nothing is pickled.
 """
 
 from ._address import default_address, is_local
-from ._clients import AsyncClient, Client
+from ._clients import AsyncClient
 from ._codec import encode
 from ._decode import decode
 from ._errors import (
@@ -20,6 +20,7 @@ from ._refs import TensorRef
 from ._shm import shared_copies, shared_empty
 from ._sockets import Server
 from ._strings import PackedStrings, pack_strings
+from ._sync_client import Client
 
 __all__ = [
     "AsyncClient",

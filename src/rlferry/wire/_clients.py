@@ -1,5 +1,5 @@
-"""The clients of a :class:`~._sockets.Server`: :class:`AsyncClient` (asyncio) and
-:class:`Client` (sync, its own loop on the wire's thread).
+"""The asyncio client of a :class:`~._sockets.Server`, and what it shares with the sync
+:class:`~._sync_client.Client`: how a client's socket is made, and how a reply is read.
 
 A request is the codec's frames behind an 8-byte request id; the reply adds a status
 byte. A client watches its socket's monitor: when the peer disconnects, every waiting
@@ -35,7 +35,6 @@ from ._errors import (
     SecurityError,
     WireError,
 )
-from ._loop import wire_loop
 from ._shm import exports, pack_bulk, unpack_bulk
 from ._sockets import (
     _CONTROL,
@@ -50,10 +49,91 @@ from ._sockets import (
     shared_context,
 )
 
-__all__ = ["CONNECT_TIMEOUT", "AsyncClient", "Client"]
+__all__ = ["CONNECT_TIMEOUT", "AsyncClient"]
 
 CONNECT_TIMEOUT = 10.0
 """Seconds a client waits for its first handshake before its requests fail as never answered."""
+
+
+_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+)
+
+
+def dealer(ctx: zmq.Context[Any], address: str, secret: str | bytes | None) -> tuple[Any, Any]:
+    """A client's socket, connected to ``address``, and its monitor: every client is made
+    here (options, CURVE keys from ``secret``); a missing ipc:// socket file fails now."""
+    path = ipc_path(address)
+    if path is not None and not os.path.exists(path):
+        raise PeerGone(
+            f"no server at {address}: its socket file does not exist (is the server "
+            "running, and is this the address it printed?)"
+        )
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for opt, val in _SOCKOPTS.items():
+        sock.setsockopt(opt, val)
+    if secret is not None:
+        keys = curve_keys(secret)
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+    monitor = sock.get_monitor_socket(_EVENTS, addr=_monitor_address())
+    sock.connect(address)
+    return sock, monitor
+
+
+def refusal(kind: int, address: str, secret: object) -> SecurityError | None:
+    """The error of a handshake the server refused, or None for a plain disconnect."""
+    if kind not in _FAILED:
+        return None
+    why = (  # the client cannot tell these two apart: the handshake just fails
+        "this client's secret differs from the server's, or the server has none "
+        "(pass the secret the server was started with, or none)"
+    )
+    if secret is None:
+        why = "the server requires a secret and this client has none (pass secret=)"
+    return SecurityError(f"{address} refused this client's handshake: {why}")
+
+
+def gone_after(kind: int, address: str, secret: object, before: WireError | None) -> WireError:
+    """Why requests fail after the monitor's event ``kind`` (a refusal, or a disconnect;
+    a refusal stays the reason through the disconnect that follows it)."""
+    refused = refusal(kind, address, secret)
+    if refused is not None:
+        return refused
+    if isinstance(before, SecurityError):
+        return before
+    return PeerGone(f"{address} disconnected (the server closed or died)")
+
+
+def never_answered(address: str, seconds: float | None) -> PeerGone:
+    return PeerGone(
+        f"{address} never answered within {seconds:g} s (no server listens there: is it "
+        "running, and is this the address it printed?)"
+    )
+
+
+def reply_value(frames: list[Any], owe: Callable[[int], None]) -> Any:
+    """The value of a reply's frames (after its id): its views of the server's shared
+    memory, if any, owe a release when they die. Raises the handler's error as
+    :class:`RemoteError`, a malformed message as :class:`WireError`."""
+    body = frames[2:]
+    if frames[1].bytes:
+        body = unpack_bulk(frames[1].bytes, body, _peer_pid(frames[-1]), owe)
+    value = decode(body)
+    if frames[0].bytes == _ERR:
+        raise RemoteError(str(value[0]), str(value[1]))
+    return value
 
 
 class AsyncClient:
@@ -102,30 +182,7 @@ class AsyncClient:
             raise ChannelClosed(f"client of {self.address} is closed")
         if self._sock is not None:
             return self._sock
-        path = ipc_path(self.address)
-        if path is not None and not os.path.exists(path):
-            raise PeerGone(
-                f"no server at {self.address}: its socket file does not exist (is the server "
-                "running, and is this the address it printed?)"
-            )
-        sock = shared_context().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        for opt, val in _SOCKOPTS.items():
-            sock.setsockopt(opt, val)
-        if self._secret is not None:
-            keys = curve_keys(self._secret)
-            sock.curve_serverkey = keys.server_public
-            sock.curve_publickey = keys.client_public
-            sock.curve_secretkey = keys.client_secret
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED,
-            addr=_monitor_address(),
-        )
-        sock.connect(self.address)
+        sock, monitor = dealer(shared_context(), self.address, self._secret)
         self._sock = sock
         self._releases = _Releases(self._send_release)
         self._tasks = [
@@ -139,10 +196,7 @@ class AsyncClient:
 
     def _never_answered(self) -> None:
         if not self._connected and self._gone is None:
-            self._gone = PeerGone(
-                f"{self.address} never answered within {self._connect_timeout:g} s (no server "
-                "listens there: is it running, and is this the address it printed?)"
-            )
+            self._gone = never_answered(self.address, self._connect_timeout)
             self._fail_all(self._gone)
 
     async def _send_release(self, peer: bytes, ids: list[int]) -> None:
@@ -172,19 +226,14 @@ class AsyncClient:
                 log.warning("dropped a malformed release message")
             return
         fut = self._pending.pop(frames[0].bytes, None)
+        if fut is None or fut.done():  # timed out or cancelled meanwhile
+            fut = None
         try:
-            body = frames[3:]
-            if frames[2].bytes:
-                body = unpack_bulk(frames[2].bytes, body, _peer_pid(frames[-1]), self._owe)
-            if fut is None or fut.done():
-                return  # timed out or cancelled meanwhile; the views go, the release goes
-            value = decode(body)
-            if frames[1].bytes == _ERR:
-                fut.set_exception(RemoteError(str(value[0]), str(value[1])))
-            else:
+            value = reply_value(frames[1:], self._owe)  # a late reply's views go at once
+            if fut is not None:
                 fut.set_result(value)
-        except WireError as e:
-            if fut is not None and not fut.done():
+        except WireError as e:  # RemoteError too
+            if fut is not None:
                 fut.set_exception(e)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
@@ -199,13 +248,7 @@ class AsyncClient:
                         self._on_state(True)
                     continue
                 exports.peer_gone(self._key)
-                refused = self._refusal(kind)
-                if refused is not None:
-                    self._gone = refused
-                elif not isinstance(self._gone, SecurityError):  # a refusal ends in a disconnect
-                    self._gone = PeerGone(
-                        f"{self.address} disconnected (the server closed or died)"
-                    )
+                self._gone = gone_after(kind, self.address, self._secret, self._gone)
                 self._fail_all(self._gone)
                 if self._on_state is not None:
                     self._on_state(False)
@@ -213,23 +256,6 @@ class AsyncClient:
             return
         finally:
             monitor.close(0)
-
-    def _refusal(self, kind: int) -> SecurityError | None:
-        """The error of a handshake the server refused, or None for a plain disconnect."""
-        failed = (
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-        )
-        if kind not in failed:
-            return None
-        why = (  # the client cannot tell these two apart: the handshake just fails
-            "this client's secret differs from the server's, or the server has none "
-            "(pass the secret the server was started with, or none)"
-        )
-        if self._secret is None:
-            why = "the server requires a secret and this client has none (pass secret=)"
-        return SecurityError(f"{self.address} refused this client's handshake: {why}")
 
     def _fail_all(self, exc: WireError) -> None:
         pending, self._pending = self._pending, {}
@@ -263,10 +289,7 @@ class AsyncClient:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             if not self._connected:
-                raise PeerGone(
-                    f"{self.address} never answered within {timeout} s (no server listens "
-                    "there: is it running, and is this the address it printed?)"
-                ) from None
+                raise never_answered(self.address, timeout) from None
             raise RequestTimeout(f"no reply from {self.address} within {timeout} s") from None
         finally:
             self._pending.pop(rid, None)
@@ -284,33 +307,3 @@ class AsyncClient:
             self._sock.disable_monitor()
             self._sock.close(0)
             self._sock = None
-
-
-class Client:
-    """The sync client: :class:`AsyncClient` driven on the process's wire loop.
-
-    Safe to share between threads. Same errors as :class:`AsyncClient`.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        secret: str | bytes | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-    ) -> None:
-        self._loop = wire_loop()
-        self._client = AsyncClient(address, secret=secret, connect_timeout=connect_timeout)
-        self.address = address
-
-    def request(self, value: Any, timeout: float | None = None) -> Any:
-        return self._loop.run(self._client.request(value, timeout))
-
-    def close(self) -> None:
-        self._loop.run(self._client.close())
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
