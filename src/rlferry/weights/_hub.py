@@ -17,6 +17,7 @@ each one that joined and what it was seen doing.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ class Push:
     streaming: bool = False
     aborted: str | None = None
     checksums: list[int | None] = field(default_factory=list)
+    # set on the loop when every member has settled: the pushing thread waits on it
+    # itself, without a hop to the loop and back
+    settled: threading.Event = field(default_factory=threading.Event)
 
 
 class Hub:
@@ -188,6 +192,12 @@ class Hub:
             m.step = ack.step
         if ack.checksums:
             m.checksums = ack.checksums
+        self._settle(p)
+
+    @staticmethod
+    def _settle(p: Push | None) -> None:
+        if p is not None and not p.settled.is_set() and all(m.settled for m in p.members):
+            p.settled.set()
 
     def disconnected(self, peer: bytes) -> None:
         m = self.members.pop(peer, None)
@@ -201,6 +211,7 @@ class Hub:
         if m.parked is not None and not m.parked.done():
             m.parked.cancel()
         self.on_leave(m.key)
+        self._settle(self.push)
         self._changed.set()
 
     def _grace_over(self, m: Member) -> None:
@@ -311,6 +322,7 @@ class Hub:
                 m.step = PLAN
         push.streaming = streaming
         self._dispatch_all()
+        self._settle(push)  # members that left meanwhile
 
     async def planned(self, deadline: float) -> list[Member]:
         """Wait for every plan acknowledgement; the members that failed (rejected, gone, late)."""
@@ -349,6 +361,9 @@ class Hub:
         return [m.key for m in p.members if m.error is None]
 
     async def finish(self, deadline: float) -> Push:
+        """The push once every member settled; at the deadline, the ones that did not are
+        marked late. (A pushing thread waits on ``push.settled`` first: this is the hop
+        that names the late ones.)"""
         p = self.push
         assert p is not None
         await self.until(lambda: all(m.settled for m in p.members), deadline)
@@ -369,6 +384,7 @@ class Hub:
             if not m.settled and m.step < step:
                 m.error = f"{what} within the push's timeout"
                 m.seq, m.late = -1, True  # later acks of this push are ignored
+        self._settle(p)
 
     def done(self) -> None:
         self.push = None

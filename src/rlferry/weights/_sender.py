@@ -400,7 +400,11 @@ class WeightSender:
                 coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
-            p = self._loop.run(self._hub.finish(deadline))
+            # every member's commit wakes this thread from the loop at once; at the
+            # deadline, the loop names the late ones
+            p = push
+            if not push.settled.wait(max(0.0, deadline - time.monotonic())):
+                p = self._loop.run(self._hub.finish(deadline))
         except BaseException as e:
             self._fail(e, push, deadline)
         self._loop.loop.call_soon_threadsafe(self._hub.done)
