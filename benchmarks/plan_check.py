@@ -5,9 +5,10 @@ point-to-point run and each ``--mode bound`` run on GPUs, predicts the update wi
 ``rlferry.weights.predict`` (the same plan code that moved the bytes) on a cluster of
 those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's own
 send and receive reached on that machine, not the nominal one), plus ``--update-ms``
-per update (what a 4 MB update took there). A bound run moves bytes only: it is
-predicted without the update's cost. Prints measured p50 (updates 2 on), predicted,
-and their ratio.
+per update and ``--link-ms`` per further link of a rank (what 4 MB updates took
+there). A bound run moves bytes only: it is predicted without the update's cost. A
+run whose ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's bytes.
+Prints measured p50 (updates 2 on), predicted, and their ratio.
 
     python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356
 """
@@ -21,7 +22,7 @@ import statistics
 import torch
 
 from rlferry.weights import Cluster, TensorSpec, predict
-from rlferry.weights._predict import UPDATE_MS
+from rlferry.weights._predict import LINK_MS, UPDATE_MS
 
 import _weights_engine as eng
 from _common import table
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
         "--update-ms", type=float, default=UPDATE_MS,
         help=f"what an update costs besides its bytes (default {UPDATE_MS}: the library's)",
     )  # fmt: skip
+    p.add_argument(
+        "--link-ms", type=float, default=LINK_MS,
+        help=f"and per further link of a rank (default {LINK_MS}: the library's)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     rows = []
     with open(a.runs) as f:
@@ -59,12 +64,17 @@ def main(argv: list[str] | None = None) -> None:
         cluster = Cluster(
             fsdp=run["senders"], engines=run["receivers"] // tp, engine_tp=tp,
             engine_dtype=torch.bfloat16, nvlink_GBps=a.nvlink_gbytes,
-            update_ms=0.0 if bound else a.update_ms,
+            update_ms=0.0 if bound else a.update_ms, link_ms=0.0 if bound else a.link_ms,
         )  # fmt: skip
-        pred = predict(specs_of(run), cluster).seconds
+        p = predict(specs_of(run), cluster)
+        pred = p.seconds
+        if run.get("gpus"):  # ranks shared GPUs: the busiest GPU's bytes bound it
+            pred += run["busiest_gpu_bytes"] / (a.nvlink_gbytes * 1e9) - p.link_seconds
         got = statistics.median(run["seconds"][1:])
         rows.append([
-            f"{run['model_bytes'] / 1e6:,.1f}", f"{run['senders']} -> {run['receivers']} (TP {tp})",
+            f"{run['model_bytes'] / 1e6:,.1f}",
+            f"{run['senders']} -> {run['receivers']} (TP {tp})"
+            + (f", {run['gpus']} GPUs" if run.get("gpus") else ""),
             "NCCL send/recv (bound)" if bound else "rlferry point to point",
             f"{got * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{got / pred:.2f}",
         ])  # fmt: skip

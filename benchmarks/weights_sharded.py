@@ -429,6 +429,13 @@ def _result(
     plan = ShardPlan.build(trainer, engine)
     out = [sum(plan.link_bytes(s, r) for r in plan.receivers_of(s)) for s in range(args.senders)]
     into = [sum(plan.link_bytes(s, r) for s in plan.senders_of(r)) for r in range(args.receivers)]
+    if args.gpus:  # ranks that share a GPU share its links
+        by_gpu: dict[tuple[str, int], int] = {}
+        for role, per_rank in (("trainer", out), ("engine", into)):
+            for k, b in enumerate(per_rank):
+                key = (role, gpu_of(args, role, k))
+                by_gpu[key] = by_gpu.get(key, 0) + b
+        out, into = list(by_gpu.values()), []
     return {
         "identical": same,
         "model_bytes": sum(s.nbytes for s in trainer.specs),
@@ -445,6 +452,7 @@ def _result(
         "transport": args.transport,
         "device": args.device,
         "point_to_point": args.point_to_point,
+        "gpus": args.gpus or None,
         "bucket_bytes": _bucket(args),
         "busiest_gpu_bytes": max(out + into),  # point to point: a GPU's bytes out or in
         "needed_bytes_per_receiver": [engine.needed_bytes(r) for r in range(args.receivers)],

@@ -157,8 +157,11 @@ def _plan_weights_parser(sub: Any) -> None:
     pw.add_argument("--network-gbits", type=float, default=400.0,
                     help="Gb/s per GPU and direction across hosts (default 400)")  # fmt: skip
     pw.add_argument("--update-ms", type=float, default=None,
-                    help="what an update costs besides its bytes (default 3.5: a 4 MB update "
-                    "of 2 trainer ranks to a TP=2 engine on four H200s)")  # fmt: skip
+                    help="what an update costs besides its bytes with one link a rank "
+                    "(default 1.5: a 4 MB update of one rank to one on H200s)")  # fmt: skip
+    pw.add_argument("--link-ms", type=float, default=None,
+                    help="and for each more link of the rank with the most (default 1.3: "
+                    "2 ranks to a TP=2 engine took 2.8 ms)")  # fmt: skip
 
 
 def _plan_weights(a: Any) -> None:
@@ -170,7 +173,8 @@ def _plan_weights(a: Any) -> None:
             trainer_dtype=a.trainer_dtype, engines=a.engines, engine_tp=a.engine_tp,
             engine_dtype=a.engine_dtype, gpus_per_host=a.gpus_per_host,
             nvlink_gbytes=a.nvlink_gbytes, network_gbits=a.network_gbits,
-            **({} if a.update_ms is None else {"update_ms": a.update_ms}),
+            **{k: v for k, v in (("update_ms", a.update_ms), ("link_ms", a.link_ms))
+               if v is not None},
         )  # fmt: skip
     except (ValueError, ImportError, OSError) as e:
         print(f"rlferry plan-weights: {e}", file=sys.stderr)

@@ -10,8 +10,10 @@ within a host runs at ``nvlink_GBps``, across hosts at ``network_GBps`` (per GPU
 each direction). The prediction is the busiest GPU's busiest link: its bytes over
 its bandwidth (every link runs at once, full duplex, no pipeline stalls, no
 casts or quantization timed), plus what an update costs besides its bytes
-(``update_ms``: its messages, the first bucket's pack and the last one's load,
-measured with a 4 MB model).
+(its messages, the first bucket's pack and the last one's load: ``update_ms`` with
+one link per rank, and ``link_ms`` more for each further link of the rank with
+the most, whose pushes share one process; both measured with a 4 MB model, where
+nothing hides them).
 
 Layers with the same tensors (names without their layer number, shapes) are
 planned once and counted as many times: a 94-layer MoE is planned as one layer.
@@ -38,9 +40,11 @@ from ._tp import tp_layout, tp_split_dim
 __all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
 
 # What an update costs besides its bytes (its messages, the first bucket's pack, the last
-# one's load): a 4 MB update of 2 trainer ranks to a TP=2 engine took 3.5 ms on four
-# H200s (one trainer rank to one engine rank: 2.4 ms; benchmarks/RESULTS.md, session 14).
-UPDATE_MS = 3.5
+# one's load), on H200 hosts (benchmarks/RESULTS.md, session 15): a 4 MB update of one
+# trainer rank to one engine rank took 1.5 ms; of 2 ranks to a TP=2 engine (two links a
+# rank) 2.8 ms.
+UPDATE_MS = 1.5
+LINK_MS = 1.3  # for each link of a rank past its first
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -139,8 +143,9 @@ class Cluster:
     gpus_per_host: int = 8
     nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
     network_GBps: float = 50.0  # 400 Gb/s per GPU
-    # what an update costs besides its bytes: see UPDATE_MS
+    # what an update costs besides its bytes: see UPDATE_MS and LINK_MS
     update_ms: float = UPDATE_MS
+    link_ms: float = LINK_MS
 
     def __post_init__(self) -> None:
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
@@ -150,8 +155,9 @@ class Cluster:
         for f in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}")
-        if not self.update_ms >= 0:
-            raise ValueError(f"Cluster.update_ms: expected a time >= 0, got {self.update_ms!r}")
+        for f in ("update_ms", "link_ms"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"Cluster.{f}: expected a time >= 0, got {getattr(self, f)!r}")
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,7 @@ class Prediction:
     sender_bytes: tuple[int, ...]  # per trainer rank, over all its links
     receiver_bytes: tuple[int, ...]  # per engine rank
     links: int  # (sender, receiver) pairs that carry bytes
+    rank_links: int  # the most links one rank (trainer or engine) has
     link_bytes: tuple[int, int, int]  # min, median, max of one link
     busiest: str  # which GPU and direction bounds the update
     busiest_bytes: int
@@ -183,7 +190,8 @@ class Prediction:
             f"busiest link: {self.busiest}, {_size(self.busiest_bytes)} in "
             f"{self.link_seconds * 1e3:.1f} ms",
             f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link and "
-            f"{(self.seconds - self.link_seconds) * 1e3:.1f} ms an update)",
+            f"{(self.seconds - self.link_seconds) * 1e3:.1f} ms an update, for up to "
+            f"{self.rank_links} links a rank)",
         ])  # fmt: skip
 
 
@@ -222,17 +230,23 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
     sender = [sum(b for (s, _), b in per_link.items() if s == k) for k in range(n_send)]
     receiver = [sum(b for (_, r), b in per_link.items() if r == k) for k in range(n_recv)]
     links = sorted(per_link.values())
+    rank_links = max(
+        max(sum(1 for s, _ in per_link if s == k) for k in range(n_send)),
+        max(sum(1 for _, r in per_link if r == k) for k in range(n_recv)),
+    )
+    fixed = c.update_ms + c.link_ms * (rank_links - 1)
     return Prediction(
         model_bytes=sum(s.nbytes for s in specs),
         sent_bytes=sum(links),
         sender_bytes=tuple(sender),
         receiver_bytes=tuple(receiver),
         links=len(links),
+        rank_links=rank_links,
         link_bytes=(links[0], links[len(links) // 2], links[-1]),
         busiest=f"{who} {i} {way} over {kind} ({bw[kind] / 1e9:g} GB/s)",
         busiest_bytes=worst,
         link_seconds=worst / bw[kind],
-        seconds=worst / bw[kind] + c.update_ms / 1e3,
+        seconds=worst / bw[kind] + fixed / 1e3,
     )
 
 
@@ -302,6 +316,7 @@ def plan_weights(
     nvlink_gbytes: float = 450.0,
     network_gbits: float = 400.0,
     update_ms: float = UPDATE_MS,
+    link_ms: float = LINK_MS,
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
@@ -314,7 +329,7 @@ def plan_weights(
         fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
         engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
         gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
-        update_ms=update_ms,
+        update_ms=update_ms, link_ms=link_ms,
     )  # fmt: skip
     p = predict(specs, cluster)
     head = (
@@ -322,6 +337,6 @@ def plan_weights(
         f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
         f"{engine_tp} ({engine_dtype}); {gpus_per_host} GPUs per host, NVLink "
         f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU, {update_ms:g} ms "
-        "an update"
+        f"an update and {link_ms:g} ms for each more link of a rank"
     )
     return head + "\n" + p.text()
