@@ -137,3 +137,62 @@ def test_the_first_push_with_too_few_receivers_says_how_many_joined():
     )
     r0.close()
     s.close()
+
+
+# -- a push confirmed through the group: the acknowledgements still owed ----------------------
+
+
+def _hub_scenario(ack_b_after: float | None, grace: float, monkeypatch):
+    """Two members take part in a push that ends confirmed (through the group) before
+    member b's acknowledgement came; the next push begins. Returns who it went to and how
+    long its begin waited. ``ack_b_after``: when b's acknowledgement comes (None: never)."""
+    import asyncio
+
+    import rlferry.weights._hub as hub_module
+    from rlferry.weights._hub import Hub, Push
+    from rlferry.weights._messages import DONE, IDLE, Ack, Stream, decode_reply
+
+    monkeypatch.setattr(hub_module, "JOIN_GRACE", grace)
+
+    async def scenario():
+        hub = Hub("g", "broadcast")
+        for peer in (b"a", b"b"):
+            await hub.handle(encode(Join("g", "", peer.decode(), HOST, 1)), peer)
+        parked = {
+            p: asyncio.ensure_future(hub.handle(encode(Ack(0, IDLE)), p)) for p in hub.members
+        }
+        args = {"seq": 1, "version": 1, "timeout": 10}
+        deadline = time.monotonic() + 10
+        members, _ = await hub.begin(args, 2, deadline)
+        await hub.start(Push(1, 1, None, "fp", members, {}, True, False), streaming=True)
+        for p in parked:
+            assert isinstance(decode_reply(await parked[p]), Stream)
+        parked[b"a"] = asyncio.ensure_future(hub.handle(encode(Ack(1, DONE)), b"a"))
+        await asyncio.sleep(0)  # allowed: a's acknowledgement reaches the hub
+        hub.done(confirmed=True)  # b confirmed through the group; its acknowledgement is owed
+        if ack_b_after is not None:
+            asyncio.get_running_loop().call_later(
+                ack_b_after,
+                lambda: parked.__setitem__(
+                    b"b", asyncio.ensure_future(hub.handle(encode(Ack(1, DONE)), b"b"))
+                ),
+            )
+        t0 = time.monotonic()
+        members, _ = await hub.begin({**args, "seq": 2, "version": 2}, 1, deadline)
+        waited = time.monotonic() - t0
+        for f in parked.values():
+            f.cancel()
+        return sorted(m.name for m in members), waited
+
+    return asyncio.run(scenario())
+
+
+def test_the_next_push_waits_for_an_owed_acknowledgement_and_takes_that_member(monkeypatch):
+    names, waited = _hub_scenario(ack_b_after=0.3, grace=5.0, monkeypatch=monkeypatch)
+    assert names == ["a", "b"]  # b took part: its group is kept, not formed anew without it
+    assert 0.25 <= waited < 5.0
+
+
+def test_an_acknowledgement_owed_past_the_grace_holds_up_the_next_push_no_longer(monkeypatch):
+    names, waited = _hub_scenario(ack_b_after=None, grace=0.3, monkeypatch=monkeypatch)
+    assert names == ["a"] and 0.25 <= waited < 5.0
