@@ -28,7 +28,7 @@ def test_broadcast_delivers_every_push_to_every_receiver(n):
     s = WeightSender(group="g", transport="broadcast", receivers=n, bucket_bytes=256 << 10)
     engines = [Engine(sd) for _ in range(n)]
     rs = [join(s, e, f"r{i}") for i, e in enumerate(engines)]
-    for v in range(1, 6):  # back to back: each push waits for the last one's acknowledgements
+    for v in (1, 2):
         for t in sd.values():
             if t.dtype.is_floating_point:
                 t.add_(1)

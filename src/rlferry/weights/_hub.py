@@ -73,9 +73,6 @@ class Member:
         self.late = False  # missed the push's timeout
         self.handles: list[bytes] = []
         self.checksums: list[int] = []
-        # confirmed its commit through the group, its acknowledgement not here yet: the
-        # next push waits for it (JOIN_GRACE at most), so that it takes part
-        self.owing = False
 
     @property
     def idle(self) -> bool:
@@ -155,7 +152,6 @@ class Hub:
             self.members.pop(peer, None)
             self._leave(m, "closed its receiver")
             return encode(Noted())
-        m.owing = False
         self._acked(m, msg)
         if not msg.park:
             self._changed.set()
@@ -288,7 +284,7 @@ class Hub:
         def enough() -> bool:
             ms = self.members.values()
             return sum(m.idle for m in ms) >= wait_for and not any(
-                (m.fresh and m.awaited) or m.owing for m in ms
+                m.fresh and m.awaited for m in ms
             )
 
         await self.until(enough, deadline)
@@ -390,21 +386,8 @@ class Hub:
                 m.seq, m.late = -1, True  # later acks of this push are ignored
         self._settle(p)
 
-    def done(self, confirmed: bool = False) -> None:
-        """The push is over; ``confirmed``: every member committed it (said through the
-        group), and the acknowledgements of those not heard from yet are owed."""
-        p, self.push = self.push, None
-        if confirmed and p is not None:
-            loop = asyncio.get_running_loop()
-            for m in p.members:
-                if not m.settled:
-                    m.owing = True
-                    loop.call_later(JOIN_GRACE, self._owed, m)
-
-    def _owed(self, m: Member) -> None:
-        if m.owing:
-            m.owing = False
-            self._changed.set()
+    def done(self) -> None:
+        self.push = None
 
 
 def _doing(m: Member) -> str:

@@ -505,16 +505,11 @@ class WeightReceiver:
         def on_bucket(k: int, buf: torch.Tensor) -> None:
             self._load(k)
 
-        coll = self._collective
-        assert coll is not None
-        error = coll.stream(plan, on_bucket, msg.verify)
-        ack = (
-            self._failed(msg.seq, 0, f"{error}, version {msg.version}")
-            if error is not None
-            else self._commit(msg.seq, msg.version)
-        )
-        coll.confirm(ack.error is None)  # the sender's push ends on this; the ack says why
-        return ack
+        assert self._collective is not None
+        error = self._collective.stream(plan, on_bucket, msg.verify)
+        if error is not None:
+            return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
+        return self._commit(msg.seq, msg.version)
 
     def _commit(self, seq: int, version: int) -> Ack:
         if self.config.on_commit is not None:

@@ -389,7 +389,6 @@ class WeightSender:
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
         mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
-        confirmed = False  # every member committed, as the group said
         try:
             if direct is not None:
                 assert mail is not None
@@ -398,24 +397,21 @@ class WeightSender:
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                confirmed = coll.stream(plan, buckets, self._packer, verify, deadline, packed)
+                coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             # every member's commit wakes this thread from the loop at once; at the
             # deadline, the loop names the late ones
             p = push
-            if not confirmed and not push.settled.wait(max(0.0, deadline - time.monotonic())):
+            if not push.settled.wait(max(0.0, deadline - time.monotonic())):
                 p = self._loop.run(self._hub.finish(deadline))
         except BaseException as e:
             self._fail(e, push, deadline)
-        self._loop.loop.call_soon_threadsafe(self._hub.done, confirmed)
+        self._loop.loop.call_soon_threadsafe(self._hub.done)
         seconds = time.perf_counter() - t0
         self._last_seconds = seconds
-        if confirmed:
-            ok, failed = tuple(m.name for m in p.members), []
-        else:
-            ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
-            failed = [m for m in p.members if m.error is not None]
+        ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
+        failed = [m for m in p.members if m.error is not None]
         report = PushReport(
             version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, push.plan is not None
         )

@@ -184,11 +184,9 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> bool:
+    ) -> None:
         """Pack and send every bucket (then the checksums if ``verify``); ``packed``:
-        bucket 0 is in buffer 0 already. Returns once every receiver confirmed (through
-        the group) that it committed or failed: whether all committed. Raises
-        ``WeightSyncError`` if the group broke."""
+        bucket 0 is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:
@@ -263,11 +261,6 @@ class CollectiveReceiver(ReceiverTransport):
         self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
     ) -> str | None:
         """Receive every bucket, calling ``on_bucket`` on each; the first error, or None."""
-
-    @abc.abstractmethod
-    def confirm(self, committed: bool) -> None:
-        """After every ``stream``: tell the sender, through the group, whether this receiver
-        committed the push (its push ends on this). A broken group is left."""
 
     @abc.abstractmethod
     def leave(self) -> None:

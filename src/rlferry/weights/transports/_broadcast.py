@@ -14,12 +14,6 @@ bucket k is in flight; each receiver posts the broadcast of bucket k+1 before
 loading bucket k. On CUDA every wait is a stream wait (the collectives run on
 NCCL's own stream, the loads on the receiver's load stream), so no CPU waits
 for the GPU until the receiver's commit.
-
-The push ends through the group too: once it committed (or failed), each
-receiver gives a status to a last collective, a reduce to the sender (the
-largest: 0 when every receiver committed). The sender returns on it, one GPU
-hop after the last commit, without waiting for the acknowledgements that go
-over the control channel (a failure's reason comes that way).
 """
 
 from __future__ import annotations
@@ -74,14 +68,6 @@ def _make_group(
     gopts._devices = [gloo_device(host)]
     gopts._timeout = td
     return dist.ProcessGroupGloo(pstore, rank, world, gopts)
-
-
-def _status_options() -> Any:
-    """The reduce of every receiver's status to the sender (rank 0): the largest wins."""
-    opts = dist.ReduceOptions()
-    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-    opts.rootRank = 0
-    return opts
 
 
 def _bind_host(bind: str | None) -> str:
@@ -277,18 +263,16 @@ class BroadcastSender(CollectiveSender):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> bool:
+    ) -> None:
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
         nccl = self._bufs[0].is_cuda
-        dev = self._bufs[0].device
         works: list[Any] = [None, None]
         sums: list[int] = []
-        k, failure, what = -1, "", ""
+        k, failure = -1, ""
         try:
             for k, tensors in buckets:
-                what = f"the broadcast of bucket {k} of {plan.buckets}"
                 b = k % 2
                 if works[b] is not None:
                     _wait(works[b], None if nccl else deadline - time.monotonic())
@@ -299,16 +283,13 @@ class BroadcastSender(CollectiveSender):
                     sums.append(checksum(view))
                 works[b] = pg.broadcast([view], opts)
             if verify:
-                t = torch.tensor(sums, dtype=torch.int64, device=dev)
+                t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
                 works.append(pg.broadcast([t], opts))
-            what = "the receivers' confirmation of their commit"
-            status = torch.zeros(1, dtype=torch.int32, device=dev)
-            works.append(pg.reduce([status], _status_options()))
             for w in works:
                 if w is not None:
                     _wait(w, None if nccl else deadline - time.monotonic())
             if nccl:
-                _settled(pg, works, torch.cuda.current_stream(dev))
+                _settled(pg, works, torch.cuda.current_stream(self._bufs[0].device))
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
         if failure:  # out of the except block: no traceback keeps the group alive
@@ -316,9 +297,13 @@ class BroadcastSender(CollectiveSender):
             del pg
             self.broken()
             if time.monotonic() >= deadline:  # gloo's wait ran out: the push's timeout
-                raise PushTimeout(f"{what} did not finish within the push's timeout: {failure}")
-            raise WeightSyncError(f"{what} failed: {failure}")
-        return int(status.item()) == 0
+                raise PushTimeout(
+                    f"the broadcast of bucket {k} of {plan.buckets} did not finish within the "
+                    f"push's timeout: {failure}"
+                )
+            raise WeightSyncError(
+                f"the broadcast of bucket {k} of {plan.buckets} failed: {failure}"
+            )
 
     def close(self) -> None:
         if self._pg is not None:
@@ -458,25 +443,6 @@ class BroadcastReceiver(CollectiveReceiver):
             self.leave()
             return f"the broadcast broke: {failure}"
         return error
-
-    def confirm(self, committed: bool) -> None:
-        pg = self._pg
-        if pg is None:  # the group broke during the stream: the sender saw it break too
-            return
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
-        dev = self._bufs[0].device if self._bufs else torch.device("cpu")
-        failure = ""
-        with ctx:
-            try:
-                status = torch.full((1,), 0 if committed else 1, dtype=torch.int32, device=dev)
-                work = pg.reduce([status], _status_options())
-                _wait(work, None if self._stream is not None else self._timeout)
-            except RuntimeError as e:
-                failure = _first_line(e)
-        if failure:  # the sender died or gave up: its push failed already
-            log.info("the confirmation of a commit did not reach the sender: %s", failure)
-            del pg
-            self.leave()
 
     def leave(self) -> None:
         if self._pg is not None:
