@@ -24,7 +24,6 @@ from rlferry.weights import (
     tp_layout,
 )
 from rlferry.weights._boxes import slices
-from rlferry.weights._pack import COLLECTIVE_PROGRAMS
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")
@@ -394,9 +393,7 @@ def _p2p_engine(rank, addresses, conn):
     while (v := conn.recv()) != "stop":
         assert r.wait_for(v, WAIT)
         want = expected_params(engine, rank, full_weights(specs, v))
-        # the grids of the copies kept for the next push
-        grids = {c.copy.programs for link in r._links.values() for c in link.copies.values()}
-        conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want), grids))
+        conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want)))
     r.close()
 
 
@@ -414,11 +411,7 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
             for _, c in [*trainers, *engines]:
                 c.send(v)
             pushed = [recv(c) for _, c in trainers]
-            # beside a collective a load's copy leaves it SMs (a bounded grid); else full
-            grid = {"shm": {None}, "broadcast": {COLLECTIVE_PROGRAMS}}.get(
-                transport, {None, COLLECTIVE_PROGRAMS}
-            )
-            assert [recv(c) for _, c in engines] == [(v, True, grid), (v, True, grid)]
+            assert [recv(c) for _, c in engines] == [(v, True), (v, True)]
             for s, (sent, stream, per) in enumerate(pushed):
                 links = {r: plan.link_bytes(s, r) for r in range(2)}
                 assert per == {r: v * b for r, b in links.items()}  # each link: its rank's bytes
