@@ -297,6 +297,29 @@ def test_ipc_large_frames_travel_in_shared_memory_and_the_segment_is_reused():
         wire_loop().run(srv.close())
 
 
+@pytest.mark.skipif(not SHM, reason="shared-memory frames need Linux memfd")
+def test_a_sync_clients_dropped_large_reply_goes_back_to_the_server():
+    big = torch.randn(1 << 20)
+
+    async def give(value, peer):
+        return {"x": big} if value == "big" else 0
+
+    srv = Server(give, default_address("ipc"))
+    address = wire_loop().run(srv.start())
+    try:
+        with Client(address) as c:
+            before = exports.statistics()["exports"]
+            got = c.request("big", timeout=10)
+            assert torch.equal(got["x"], big)
+            assert exports.statistics()["exports"] == before + 1  # lent to this client
+            del got  # the views die: a release is owed, sent with the client's next message
+            c.request("sync", timeout=10)
+            c.request("sync", timeout=10)
+            assert exports.statistics()["exports"] == before
+    finally:
+        wire_loop().run(srv.close())
+
+
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_servers_made_and_closed_in_a_row_all_answer(transport):
     # Regression: monitors named after a reused fd collided with a closed socket's monitor
