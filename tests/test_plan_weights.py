@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from rlferry.weights import Cluster, ShardPlan, fsdp_layout, predict, tp_layout
-from rlferry.weights._predict import UPDATE_MS, model_specs, representatives, trainer_layout
+from rlferry.weights._predict import (
+    LINK_MS,
+    UPDATE_MS,
+    model_specs,
+    representatives,
+    trainer_layout,
+)
 
 pytest.importorskip("transformers")
 
@@ -44,7 +50,12 @@ def test_the_prediction_counts_every_link_of_the_full_plan():
     busiest = max(*p.sender_bytes, *p.receiver_bytes)
     assert p.busiest_bytes == busiest
     assert p.link_seconds == pytest.approx(busiest / 450e9)
-    assert p.seconds == pytest.approx(busiest / 450e9 + UPDATE_MS / 1e3)  # and an update's cost
+    # every trainer rank sends to each of the 4 engine ranks, each engine rank hears from 4
+    per_rank = [sum(1 for s, _ in links if s == k) for k in range(4)]
+    per_rank += [sum(1 for _, r in links if r == k) for k in range(4)]
+    assert p.rank_links == max(per_rank) == 4
+    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)  # an update's cost, and each more link's
+    assert p.seconds == pytest.approx(busiest / 450e9 + fixed / 1e3)
     assert "over nvlink" in p.busiest
 
 
@@ -52,7 +63,8 @@ def test_engines_on_other_hosts_are_reached_over_the_network():
     specs = tiny_specs()
     p = predict(specs, Cluster(fsdp=8, engines=2, engine_tp=4, network_GBps=50.0))
     assert "over network" in p.busiest
-    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + UPDATE_MS / 1e3)
+    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)
+    assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + fixed / 1e3)
 
 
 def test_trainer_tensor_parallelism_inside_fsdp_still_owns_every_byte_once():
@@ -77,9 +89,10 @@ def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
     p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2))
     lines = out.splitlines()
     assert lines[0].startswith(f"{cfg}: {len(tiny_specs())} tensors; trainer 4 GPUs (FSDP 4 x TP")
+    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)
     assert lines[-1] == (
-        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and {UPDATE_MS:g} ms "
-        "an update)"
+        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and {fixed:.1f} ms "
+        f"an update, for up to {p.rank_links} links a rank)"
     )
     assert lines[-2].startswith(f"busiest link: {p.busiest}")
     assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)
@@ -100,8 +113,12 @@ def test_a_name_that_is_no_configuration_class_is_refused():
 
 
 def test_an_update_costs_its_bytes_and_what_is_told_besides_them():
-    p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=0.0))
+    p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=0.0, link_ms=0.0))
     assert p.seconds == p.link_seconds == pytest.approx(p.busiest_bytes / 450e9)
-    with pytest.raises(ValueError) as e:
-        Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=-1.0)
-    assert str(e.value) == "Cluster.update_ms: expected a time >= 0, got -1.0"
+    one = predict(tiny_specs(), Cluster(fsdp=1, engines=1, engine_tp=1, link_ms=7.0))
+    assert one.rank_links == 1  # one link a rank: the further-link cost does not apply
+    assert one.seconds == pytest.approx(one.link_seconds + UPDATE_MS / 1e3)
+    for field in ("update_ms", "link_ms"):
+        with pytest.raises(ValueError) as e:
+            Cluster(fsdp=4, engines=2, engine_tp=2, **{field: -1.0})
+        assert str(e.value) == f"Cluster.{field}: expected a time >= 0, got -1.0"
