@@ -174,6 +174,11 @@ def test_sync_requests_in_flight_are_collected_in_any_order_and_unread_replies_d
         with pytest.raises(RequestTimeout):
             c.wait(c.send("hang"), 0.1)
         assert c.request("after a timeout", timeout=10) == "after a timeout"
+        read, unread = c.send("once"), c.send("never", reply=False)
+        assert c.wait(read, 10) == "once"
+        for rid in (read, unread):  # a reply is read once; an unawaited one never
+            with pytest.raises(ValueError, match="wait: expected the id of a request sent"):
+                c.wait(rid, 10)
 
 
 def test_sync_close_sends_its_farewell_first():

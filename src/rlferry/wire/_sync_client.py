@@ -114,6 +114,11 @@ class Client:
         return reply_value(frames[1:], self._owe)
 
     def _wait(self, rid: bytes, timeout: float | None, interruptible: bool) -> list[zmq.Frame]:
+        if rid not in self._pending and rid not in self._replies and not self._closing:
+            raise ValueError(
+                f"wait: expected the id of a request sent with a reply awaited and not read "
+                f"yet, got {rid!r} (each reply is read once; send(..., reply=False) drops it)"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while rid not in self._replies:
