@@ -99,16 +99,9 @@ class Client:
             return rid
 
     def wait(self, rid: bytes, timeout: float | None = None) -> Any:
-        """The reply of the request :meth:`send` returned ``rid`` for.
-
-        Raises:
-            RequestTimeout: no reply within ``timeout`` seconds (None: no limit).
-            PeerGone: the server disconnected while we waited, or never answered.
-            SecurityError: the server refused this client's secret.
-            ChannelClosed: this client was closed.
-            RemoteError: the server's handler raised.
-            WireError: the reply cannot be read.
-        """
+        """The reply of the request :meth:`send` returned ``rid`` for (``timeout``: seconds,
+        None for no limit). Raises as :meth:`AsyncClient.request` does, and ``ValueError``
+        for an id whose reply nobody awaits."""
         with self._lock:
             frames = self._wait(rid, timeout, interruptible=True)
         return reply_value(frames[1:], self._owe)
