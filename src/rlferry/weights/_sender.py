@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -22,7 +22,7 @@ from ._report import PushReport, SenderStatistics
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender, checksum
 
-__all__ = ["WeightSender"]
+__all__ = ["WeightSender", "run_steps"]
 
 _MiB = 1 << 20
 
@@ -48,6 +48,15 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
     if bucket < largest <= free // 8:
         bucket = largest
     return -(-bucket // 256) * 256
+
+
+def run_steps(steps: Generator[None, None, PushReport]) -> PushReport:
+    """Run a push's steps (:meth:`WeightSender._steps`) to the end, in this thread."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
 
 
 def _same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
@@ -221,18 +230,30 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
-        return self._locked_push(named_tensors, version, timeout, layout, same=False)
+        return run_steps(self._steps(named_tensors, version, timeout, layout, same=False))
 
     def _push_same(self, named: list[Any], version: int, timeout: float) -> PushReport:
         """:meth:`push` of the list object pushed last, whose tensors the caller checked are
         the same ones (same memory, same layout): the per-tensor checks are skipped (a
         ShardedSender's link, pushed again the views it keeps)."""
-        return self._locked_push(named, version, timeout, None, same=True)
+        return run_steps(self._steps(named, version, timeout, None, same=True))
 
-    def _locked_push(
+    def _ready(self) -> bool:
+        """Whether the next push of the same tensors can start streaming in the hop that
+        picks its members (see ``_fast``): a collective transport with the plan packed."""
+        packer = self._packer
+        return (
+            not self._first and self._collective is not None and packer is not None
+            and packer.plan is self._plan and packer.generation == self._transport.generation
+        )  # fmt: skip
+
+    def _steps(
         self, named_tensors: Iterable[Any], version: int, timeout: float,
         layout: Iterable[tuple[str, Any]] | None, same: bool,
-    ) -> PushReport:  # fmt: skip
+    ) -> Generator[None, None, PushReport]:  # fmt: skip
+        """The push, as steps: it yields where it would wait for the loop or between
+        buckets' sends, so that one thread can drive several links' pushes at once (a
+        :class:`ShardedSender`'s, point to point); :func:`run_steps` runs one."""
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:
@@ -244,7 +265,7 @@ class WeightSender:
             kept = self._plan, self._planned_for, self._packer, self._device
             self._moving = False
             try:
-                return self._push(named_tensors, version, timeout, layout, same)
+                return (yield from self._push(named_tensors, version, timeout, layout, same))
             except BaseException as e:
                 if not self._moving:  # it failed before any bucket moved: it leaves nothing
                     self._plan, self._planned_for, self._packer, self._device = kept
@@ -261,7 +282,7 @@ class WeightSender:
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
         same: bool,
-    ) -> PushReport:
+    ) -> Generator[None, None, PushReport]:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         if same and self._plan is not None and named is self._planned_for:
@@ -289,6 +310,7 @@ class WeightSender:
                     raise
                 self._fail(e, started, deadline)
             buckets = itertools.chain([first], rest)
+            yield  # the other links' begin and first pack, before this one's answer
         try:
             members, push = begun.result()
         except BaseException:
@@ -298,7 +320,8 @@ class WeightSender:
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
             self._moving = True
-            return self._finish(push, plan, named, checked, t0, deadline, buckets, packed=True)
+            steps = self._finish(push, plan, named, checked, t0, deadline, buckets, True)
+            return (yield from steps)
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
@@ -339,7 +362,8 @@ class WeightSender:
                 run(self._hub.stream())
             except BaseException as e:
                 self._fail(e, push, deadline)
-        return self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
+        steps = self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
+        return (yield from steps)
 
     def _fast(
         self, plan: Plan, seq: int, version: int
@@ -384,7 +408,7 @@ class WeightSender:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None,
-    ) -> PushReport:  # fmt: skip
+    ) -> Generator[None, None, PushReport]:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
@@ -397,7 +421,7 @@ class WeightSender:
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                coll.stream(plan, buckets, self._packer, verify, deadline, packed)
+                yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             # every member's commit wakes this thread from the loop at once; at the

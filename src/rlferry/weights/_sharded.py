@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -280,9 +280,32 @@ class ShardedSender:
     def _push_links(
         self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
     ) -> PushReport:
-        """Every link's push at once (the last in this thread, the others on the link
-        workers, kept from push to push); each push is bounded by ``timeout``; the first
-        error, by engine rank, is raised once all ended."""
+        """Every link's push at once, each bounded by ``timeout``; the first error, by
+        engine rank, is raised once all ended. Links that stream at once (the same views
+        to receivers that hold the plan and the group: every push after the first) are
+        driven from this thread, their steps in turn: each begin goes to the loop before
+        any waits, and their buckets' packs and sends interleave. Else (a first push, a
+        new plan) each link runs on a thread of its own: their groups form side by side."""
+        links = self._links
+        if all(self._views.get(r) is streams[r] and links[r]._ready() for r in streams):
+            steps = {r: links[r]._steps(streams[r], version, timeout, None, True) for r in streams}
+            reports, errors = _drive(steps)
+        else:
+            reports, errors = self._on_threads(streams, version, timeout)
+        if errors:
+            raise errors[min(errors)]
+        rs = reports.values()
+        return PushReport(
+            version, sum(x.bytes for x in rs), max((x.seconds for x in rs), default=0.0),
+            tuple(n for x in rs for n in x.receivers), sum(x.tensors for x in rs),
+            sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
+        )  # fmt: skip
+
+    def _on_threads(
+        self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
+    ) -> tuple[dict[int, PushReport], dict[int, BaseException]]:
+        """Each link's push on a thread of its own (the last in this thread, the others on
+        the link workers, kept from push to push)."""
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}
         *others, last = streams
@@ -304,14 +327,7 @@ class ShardedSender:
                 reports[r] = f.result()
             except BaseException as e:
                 errors[r] = e
-        if errors:
-            raise errors[min(errors)]
-        rs = reports.values()
-        return PushReport(
-            version, sum(x.bytes for x in rs), max((x.seconds for x in rs), default=0.0),
-            tuple(n for x in rs for n in x.receivers), sum(x.tensors for x in rs),
-            sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
-        )  # fmt: skip
+        return reports, errors
 
     def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
@@ -394,6 +410,32 @@ class ShardedSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drive(
+    steps: dict[int, Generator[None, None, PushReport]],
+) -> tuple[dict[int, PushReport], dict[int, BaseException]]:
+    """Run every link's push steps in turn, in this thread, until each ended: its report
+    or its error, by engine rank. An interrupt closes the pushes still running (each
+    aborts its own) and goes up."""
+    reports: dict[int, PushReport] = {}
+    errors: dict[int, BaseException] = {}
+    live = dict(steps)
+    try:
+        while live:
+            for r, step in list(live.items()):
+                try:
+                    next(step)
+                except StopIteration as done:
+                    reports[r] = done.value
+                    del live[r]
+                except Exception as e:
+                    errors[r] = e
+                    del live[r]
+    finally:
+        for step in live.values():
+            step.close()
+    return reports, errors
 
 
 def _where(local: dict[str, torch.Tensor]) -> list[Any]:
