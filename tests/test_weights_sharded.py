@@ -420,6 +420,130 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
         stop(*engines, *trainers)
 
 
+def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
+    """Once a rank's links stream at once, one thread drives them all: an engine rank whose
+    load raises fails its link (named) and the other commits; the next push works for both."""
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    sender = ShardedSender(
+        group="one-fails", rank=0, trainer=trainer, engine=engine, transport="broadcast",
+        bucket_bytes=16 << 10, point_to_point=True,
+    )  # fmt: skip
+    fail_at = {0: 3}  # engine rank 0's load raises in the push of version 3 (its link first)
+
+    def load_of(rank):
+        def around(load, items):
+            if fail_at.get(rank) == sender_version[0]:
+                raise RuntimeError("the engine ran out of memory")
+            load(items)
+
+        return around
+
+    sender_version = [0]
+    params = [
+        {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(r).items()}
+        for r in range(2)
+    ]
+    receivers = [
+        ShardedReceiver(
+            group="one-fails", rank=r, trainer=trainer, engine=engine, params=params[r],
+            addresses=[sender.addresses], point_to_point=True, around_load=load_of(r),
+        ).start(WAIT)
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        for v in (1, 2, 3, 4):
+            sender_version[0] = v
+            full = full_weights(specs, v)
+            if v == 3:
+                with pytest.raises(WeightSyncError) as e:
+                    sender.push(full, version=v, timeout=WAIT)
+                assert list(e.value.failures) == ["engine-rank-0<-trainer0"]
+                assert "the engine ran out of memory" in str(e.value)
+                links = sender.statistics().per_receiver  # the other link's push went on
+                assert (links[1].pushes, links[1].failed_pushes) == (3, 0)
+            else:
+                sent = sender.push(full, version=v, timeout=WAIT).bytes
+                assert sent == sum(sender.plan().link_bytes(0, r) for r in range(2))
+            assert receivers[1].wait_for(v, WAIT)
+            assert receivers[0].version == (2 if v == 3 else v)
+            for r in range(2):
+                want = expected_params(engine, r, full_weights(specs, receivers[r].version))
+                assert all(torch.equal(params[r][n], want[n]) for n in want if r == 1 or v != 3)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works():
+    """Ctrl-C while one thread drives a rank's links: every link's push is aborted (none is
+    left streaming), each engine rank holds a whole version, and the next push works."""
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    sender = ShardedSender(
+        group="interrupted", rank=0, trainer=trainer, engine=engine, transport="broadcast",
+        point_to_point=True,
+    )  # fmt: skip
+    entered, gate = threading.Event(), threading.Event()
+    pushing = [0]
+
+    def held(load, items):  # engine rank 0 holds version 3's load until the push was interrupted
+        if pushing[0] == 3:
+            entered.set()
+            assert gate.wait(WAIT)
+        load(items)
+
+    params = [
+        {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(r).items()}
+        for r in range(2)
+    ]
+    receivers = [
+        ShardedReceiver(
+            group="interrupted", rank=r, trainer=trainer, engine=engine, params=params[r],
+            addresses=[sender.addresses], point_to_point=True,
+            around_load=held if r == 0 else None,
+        ).start(WAIT)
+        for r in range(2)
+    ]  # fmt: skip
+    armed = [False]
+
+    def interrupt(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def kill_when_held():
+        assert entered.wait(WAIT)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        for v in (1, 2):
+            pushing[0] = v
+            sender.push(full_weights(specs, v), version=v, timeout=WAIT)
+        pushing[0], armed[0] = 3, True
+        killer = threading.Thread(target=kill_when_held)
+        killer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sender.push(full_weights(specs, 3), version=3, timeout=WAIT)
+        armed[0] = False
+        gate.set()
+        killer.join(WAIT)
+        pushing[0] = 4
+        sender.push(full_weights(specs, 4), version=4, timeout=WAIT)
+        for r in range(2):
+            assert receivers[r].wait_for(4, WAIT)
+            want = expected_params(engine, r, full_weights(specs, 4))
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        gate.set()
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
 def _placements(port, conn):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

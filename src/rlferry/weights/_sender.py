@@ -304,13 +304,13 @@ class WeightSender:
             try:
                 first = next(rest)
                 self._packer.pack(*first)
+                buckets = itertools.chain([first], rest)
+                yield  # the other links' begin and first pack, before this one's answer
             except BaseException as e:  # a push the hub started must be aborted, not left
-                started = begun.result()[1]
+                started = begun.result()[1]  # (closed here: the driver was interrupted)
                 if started is None:
                     raise
                 self._fail(e, started, deadline)
-            buckets = itertools.chain([first], rest)
-            yield  # the other links' begin and first pack, before this one's answer
         try:
             members, push = begun.result()
         except BaseException:
