@@ -667,3 +667,53 @@ def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport,
         recv.close()
         for s in senders:
             s.close()
+
+
+@pytest.mark.parametrize(("transport", "point_to_point"), [("shm", False), ("broadcast", True)])
+def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_works(
+    transport, point_to_point
+):
+    # Pushed after the links stream at once (point to point: the begins go to the loop
+    # while the tensors are checked), a bad tensor fails the push with its name, shape and
+    # the fix; the engine rank keeps its last whole version and the next push works.
+    full = {f"layers.0.mlp.{p}_proj.weight": torch.randn(32, 16) for p in ("up", "gate")}
+    specs = specs_of(full.items())
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    sender = ShardedSender(group="bad", rank=0, trainer=trainer, engine=engine,
+                           transport=transport, point_to_point=point_to_point)  # fmt: skip
+    address = sender.addresses if point_to_point else sender.address
+    params = [{n: torch.zeros(s.shape) for n, s in engine.param_specs(r).items()} for r in (0, 1)]
+    receivers = [
+        ShardedReceiver(group="bad", rank=r, trainer=trainer, engine=engine, params=params[r],
+                        addresses=[address], point_to_point=point_to_point).start(WAIT)
+        for r in (0, 1)
+    ]  # fmt: skip
+    up, gate = (f"layers.0.mlp.{p}_proj.weight" for p in ("up", "gate"))
+    try:
+        for v in (1, 2):
+            sender.push({n: t + v for n, t in full.items()}, version=v, timeout=WAIT)
+        with pytest.raises(WeightSyncError) as e:
+            sender.push({up: full[up], gate: torch.zeros(16, 32)}, version=3, timeout=WAIT)
+        assert str(e.value).startswith(
+            f"push: tensor `{gate}` on trainer rank 0: expected its local shard of shape "
+            "[32, 16], got [16, 32] (the trainer layout does not describe this rank's tensors)"
+        )
+        with pytest.raises(WeightSyncError) as e:
+            sender.push({up: full[up]}, version=3, timeout=WAIT)
+        assert str(e.value).startswith(
+            f"push: tensor `{gate}`: expected it (trainer rank 0 owns [32, 16] of it and "
+            "receivers need them), got no such name"
+        )
+        for r in (0, 1):
+            assert receivers[r].version == 2
+            want = expected_params(engine, r, {n: t + 2 for n, t in full.items()})
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+        sender.push({n: t + 3 for n, t in full.items()}, version=3, timeout=WAIT)
+        for r in (0, 1):
+            assert receivers[r].wait_for(3, WAIT)
+            want = expected_params(engine, r, {n: t + 3 for n, t in full.items()})
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

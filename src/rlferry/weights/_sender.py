@@ -50,7 +50,7 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
     return -(-bucket // 256) * 256
 
 
-def run_steps(steps: Generator[None, None, PushReport]) -> PushReport:
+def run_steps(steps: Generator[None, Any, PushReport]) -> PushReport:
     """Run a push's steps (:meth:`WeightSender._steps`) to the end, in this thread."""
     try:
         while True:
@@ -250,7 +250,7 @@ class WeightSender:
     def _steps(
         self, named_tensors: Iterable[Any], version: int, timeout: float,
         layout: Iterable[tuple[str, Any]] | None, same: bool,
-    ) -> Generator[None, None, PushReport]:  # fmt: skip
+    ) -> Generator[None, Any, PushReport]:  # fmt: skip
         """The push, as steps: it yields where it would wait for the loop or between
         buckets' sends, so that one thread can drive several links' pushes at once (a
         :class:`ShardedSender`'s, point to point); :func:`run_steps` runs one."""
@@ -282,7 +282,7 @@ class WeightSender:
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
         same: bool,
-    ) -> Generator[None, None, PushReport]:
+    ) -> Generator[None, Any, PushReport]:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         if same and self._plan is not None and named is self._planned_for:
@@ -297,20 +297,29 @@ class WeightSender:
         fast = self._fast(plan, seq, version) if not self._first else None
         begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
         buckets: Iterator[tuple[int, list[Any]]] | None = None
-        if fast is not None:  # bucket 0 is packed while the loop picks the members
-            assert self._packer is not None
-            self._packer.same = same
-            rest = bucketed(plan, named, checked)
-            try:
+        try:
+            # the other links' begins go to the loop before any pack; a driver that checked
+            # the tensors meanwhile hands other ones of the same layout, (named, same)
+            handed = yield
+            if handed is not None:
+                named, same = handed
+                self._planned_for = named
+            if fast is not None:  # bucket 0 is packed while the loop picks the members
+                assert self._packer is not None
+                self._packer.same = same
+                rest = bucketed(plan, named, checked)
                 first = next(rest)
                 self._packer.pack(*first)
                 buckets = itertools.chain([first], rest)
-                yield  # the other links' begin and first pack, before this one's answer
-            except BaseException as e:  # a push the hub started must be aborted, not left
-                started = begun.result()[1]  # (closed here: the driver was interrupted)
-                if started is None:
-                    raise
-                self._fail(e, started, deadline)
+                yield  # the other links' first packs, before this one's answer
+        except BaseException as e:  # a push the hub started must be aborted, not left
+            if fast is None:
+                begun.cancel()
+                raise
+            started = begun.result()[1]  # (closed here: the driver was interrupted)
+            if started is None:
+                raise
+            self._fail(e, started, deadline)
         try:
             members, push = begun.result()
         except BaseException:
@@ -408,7 +417,7 @@ class WeightSender:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None,
-    ) -> Generator[None, None, PushReport]:  # fmt: skip
+    ) -> Generator[None, Any, PushReport]:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""

@@ -255,6 +255,8 @@ class ShardedSender:
                 shape is not the one the layout gives this rank.
         """
         plan = self._plans.get()
+        if self.point_to_point and self._joint(plan):
+            return self._push_joint(plan, named_tensors, version, timeout)
         local = _local(named_tensors)
         where = _where(local)
         if plan is not self._cut_plan or where != self._where:
@@ -277,21 +279,56 @@ class ShardedSender:
             return link._push_same(pieces, version, timeout)
         return link.push(pieces, version=version, timeout=timeout)
 
+    def _joint(self, plan: ShardPlan) -> bool:
+        """Whether every link streams at once if its views are the same: a push after the
+        first, of the plan the views were cut for, every link's views kept."""
+        return plan is self._cut_plan and all(
+            r in self._views and w._ready() for r, w in self._links.items()
+        )
+
+    def _push_joint(
+        self, plan: ShardPlan, named: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        version: int, timeout: float,
+    ) -> PushReport:  # fmt: skip
+        """Every link's push driven from this thread, their steps in turn (each begin goes
+        to the loop before any waits, their buckets' packs and sends interleave). Where
+        the tensors lie is checked while the loop starts the links: other tensors (moved,
+        or new objects) are cut again and handed to the links before their first pack; a
+        tensor the plan needs missing or of another shape aborts every link's push."""
+        steps = {
+            r: w._steps(self._views[r], version, timeout, None, True)
+            for r, w in self._links.items()
+        }
+        reports: dict[int, PushReport] = {}
+        errors: dict[int, BaseException] = {}
+        handed: dict[int, Any] = {}
+        try:
+            _drive_one_step(steps, reports, errors)  # the begins go to the loop
+            local = _local(named)
+            where = _where(local)
+            if where != self._where:
+                self._views, self._where = {}, where
+                handed = {r: (self._pieces(plan, r, local), False) for r in steps}
+        except BaseException:
+            for step in steps.values():
+                step.close()
+            raise
+        _drive(steps, reports, errors, handed)
+        return self._joined(version, reports, errors)
+
     def _push_links(
         self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
     ) -> PushReport:
-        """Every link's push at once, each bounded by ``timeout``; the first error, by
-        engine rank, is raised once all ended. Links that stream at once (the same views
-        to receivers that hold the plan and the group: every push after the first) are
-        driven from this thread, their steps in turn: each begin goes to the loop before
-        any waits, and their buckets' packs and sends interleave. Else (a first push, a
-        new plan) each link runs on a thread of its own: their groups form side by side."""
-        links = self._links
-        if all(self._views.get(r) is streams[r] and links[r]._ready() for r in streams):
-            steps = {r: links[r]._steps(streams[r], version, timeout, None, True) for r in streams}
-            reports, errors = _drive(steps)
-        else:
-            reports, errors = self._on_threads(streams, version, timeout)
+        """Every link's push at once, each bounded by ``timeout``, each on a thread of its
+        own (a first push, a new plan, other tensors: their groups form side by side);
+        the first error, by engine rank, is raised once all ended."""
+        reports, errors = self._on_threads(streams, version, timeout)
+        return self._joined(version, reports, errors)
+
+    @staticmethod
+    def _joined(
+        version: int, reports: dict[int, PushReport], errors: dict[int, BaseException]
+    ) -> PushReport:
         if errors:
             raise errors[min(errors)]
         rs = reports.values()
@@ -412,30 +449,41 @@ class ShardedSender:
         self.close()
 
 
+def _drive_one_step(
+    steps: dict[int, Generator[None, Any, PushReport]],
+    reports: dict[int, PushReport],
+    errors: dict[int, BaseException],
+    handed: Mapping[int, Any] | None = None,
+) -> None:
+    """Advance every link's push by one step (``handed[r]``: what link ``r``'s step is
+    sent); a push that ended leaves ``steps`` for ``reports`` or ``errors``."""
+    for r, step in list(steps.items()):
+        try:
+            step.send(handed.get(r) if handed else None)
+        except StopIteration as done:
+            reports[r] = done.value
+            del steps[r]
+        except Exception as e:
+            errors[r] = e
+            del steps[r]
+
+
 def _drive(
-    steps: dict[int, Generator[None, None, PushReport]],
-) -> tuple[dict[int, PushReport], dict[int, BaseException]]:
+    steps: dict[int, Generator[None, Any, PushReport]],
+    reports: dict[int, PushReport],
+    errors: dict[int, BaseException],
+    handed: Mapping[int, Any] | None = None,
+) -> None:
     """Run every link's push steps in turn, in this thread, until each ended: its report
-    or its error, by engine rank. An interrupt closes the pushes still running (each
-    aborts its own) and goes up."""
-    reports: dict[int, PushReport] = {}
-    errors: dict[int, BaseException] = {}
-    live = dict(steps)
+    or its error, by engine rank (``handed``: what each is sent first). An interrupt
+    closes the pushes still running (each aborts its own) and goes up."""
     try:
-        while live:
-            for r, step in list(live.items()):
-                try:
-                    next(step)
-                except StopIteration as done:
-                    reports[r] = done.value
-                    del live[r]
-                except Exception as e:
-                    errors[r] = e
-                    del live[r]
+        while steps:
+            _drive_one_step(steps, reports, errors, handed)
+            handed = None
     finally:
-        for step in live.values():
+        for step in steps.values():
             step.close()
-    return reports, errors
 
 
 def _where(local: dict[str, torch.Tensor]) -> list[Any]:
