@@ -21,7 +21,6 @@ stores); without Triton and for other pairs the kernel does not take (see
 from __future__ import annotations
 
 import importlib.util
-import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -31,8 +30,6 @@ import torch
 from rlferry.wire._copy import BulkCopy, bytes_copy
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
-
-log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 512 << 10  # one table row: 32 programs of 16 KiB
 MIN_RUN_BYTES = 512  # a strided view of over SMALL_BYTES with shorter runs is copied by torch
@@ -190,8 +187,6 @@ class GroupedCopy:
         self._kept = (dsts, srcs) if keep else None
         self._table: torch.Tensor | None = None
         self._tiles = 0
-        self._launches = 0  # the kernel's; on the second, it is captured as a CUDA graph
-        self._graph: torch.cuda.CUDAGraph | None = None
         self.strided = 0  # fused pairs taken as several runs
         if fused:
             from ._copy_kernel import BLOCK_WORDS
@@ -212,27 +207,14 @@ class GroupedCopy:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if self._graph is not None:
-            self._graph.replay()
-        elif self._table is not None:
-            self._launch(self._table)
+        if self._table is not None:
+            from ._copy_kernel import launch
+
+            launch(self._table, self._tiles, programs=self.programs)
         if self._host is not None:
             self._host()
         if self._rest_dst:
             torch._foreach_copy_(self._rest_dst, self._rest_src)
-
-    def _launch(self, table: torch.Tensor) -> None:
-        """Launch the kernel; a copy called a second time is captured as a CUDA graph, and
-        later calls replay it (a copy called once, never kept, is not captured)."""
-        from ._copy_kernel import capture, launch
-
-        launch(table, self._tiles, programs=self.programs)
-        self._launches += 1
-        if self._launches == 2:
-            try:
-                self._graph = capture(table, self._tiles, programs=self.programs)
-            except RuntimeError as e:  # no graphs here: every call launches, as before
-                log.info("grouped copy: launched each time, not captured as a CUDA graph: %s", e)
 
 
 def _check_pair(d: Any, s: Any, name: str) -> None:

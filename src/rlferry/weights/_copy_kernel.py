@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_WORDS", "capture", "launch"]
+__all__ = ["BLOCK_WORDS", "launch"]
 
 BLOCK_WORDS = 4096  # 16 KiB per program: 256 threads, four 16-byte loads each
 _WARPS = 8
@@ -65,20 +65,3 @@ def launch(
         else:
             grid = (min(programs, table.shape[0]),)
             _copy_rows[grid](table, table.shape[0], BLOCK=block, num_warps=_WARPS)
-
-
-def capture(
-    table: torch.Tensor, tiles: int, block: int = BLOCK_WORDS, programs: int | None = None
-) -> torch.cuda.CUDAGraph:
-    """:func:`launch` as a CUDA graph, whose ``replay()`` copies on the current stream: about
-    5 us of host time against 80 for Triton's launch (399 pairs, an H100 host), on every
-    pack and load of a bucket. Captured on a side stream, this thread's calls only (other
-    threads' CUDA work goes on), after one launch (the kernel is compiled and loaded)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(table.device), torch.cuda.stream(torch.cuda.Stream(table.device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            launch(table, tiles, block, programs)
-        finally:
-            graph.capture_end()
-    return graph

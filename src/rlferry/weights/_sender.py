@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -22,7 +22,7 @@ from ._report import PushReport, SenderStatistics
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender, checksum
 
-__all__ = ["WeightSender", "run_steps"]
+__all__ = ["WeightSender"]
 
 _MiB = 1 << 20
 
@@ -48,15 +48,6 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
     if bucket < largest <= free // 8:
         bucket = largest
     return -(-bucket // 256) * 256
-
-
-def run_steps(steps: Generator[None, Any, PushReport]) -> PushReport:
-    """Run a push's steps (:meth:`WeightSender._steps`) to the end, in this thread."""
-    try:
-        while True:
-            next(steps)
-    except StopIteration as done:
-        return done.value
 
 
 def _same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
@@ -230,30 +221,18 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
-        return run_steps(self._steps(named_tensors, version, timeout, layout, same=False))
+        return self._locked_push(named_tensors, version, timeout, layout, same=False)
 
     def _push_same(self, named: list[Any], version: int, timeout: float) -> PushReport:
         """:meth:`push` of the list object pushed last, whose tensors the caller checked are
         the same ones (same memory, same layout): the per-tensor checks are skipped (a
         ShardedSender's link, pushed again the views it keeps)."""
-        return run_steps(self._steps(named, version, timeout, None, same=True))
+        return self._locked_push(named, version, timeout, None, same=True)
 
-    def _ready(self) -> bool:
-        """Whether the next push of the same tensors can start streaming in the hop that
-        picks its members (see ``_fast``): a collective transport with the plan packed."""
-        packer = self._packer
-        return (
-            not self._first and self._collective is not None and packer is not None
-            and packer.plan is self._plan and packer.generation == self._transport.generation
-        )  # fmt: skip
-
-    def _steps(
+    def _locked_push(
         self, named_tensors: Iterable[Any], version: int, timeout: float,
         layout: Iterable[tuple[str, Any]] | None, same: bool,
-    ) -> Generator[None, Any, PushReport]:  # fmt: skip
-        """The push, as steps: it yields where it would wait for the loop or between
-        buckets' sends, so that one thread can drive several links' pushes at once (a
-        :class:`ShardedSender`'s, point to point); :func:`run_steps` runs one."""
+    ) -> PushReport:  # fmt: skip
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:
@@ -265,7 +244,7 @@ class WeightSender:
             kept = self._plan, self._planned_for, self._packer, self._device
             self._moving = False
             try:
-                return (yield from self._push(named_tensors, version, timeout, layout, same))
+                return self._push(named_tensors, version, timeout, layout, same)
             except BaseException as e:
                 if not self._moving:  # it failed before any bucket moved: it leaves nothing
                     self._plan, self._planned_for, self._packer, self._device = kept
@@ -282,7 +261,7 @@ class WeightSender:
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
         same: bool,
-    ) -> Generator[None, Any, PushReport]:
+    ) -> PushReport:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         if same and self._plan is not None and named is self._planned_for:
@@ -297,29 +276,19 @@ class WeightSender:
         fast = self._fast(plan, seq, version) if not self._first else None
         begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
         buckets: Iterator[tuple[int, list[Any]]] | None = None
-        try:
-            # the other links' begins go to the loop before any pack; a driver that checked
-            # the tensors meanwhile hands other ones of the same layout, (named, same)
-            handed = yield
-            if handed is not None:
-                named, same = handed
-                self._planned_for = named
-            if fast is not None:  # bucket 0 is packed while the loop picks the members
-                assert self._packer is not None
-                self._packer.same = same
-                rest = bucketed(plan, named, checked)
+        if fast is not None:  # bucket 0 is packed while the loop picks the members
+            assert self._packer is not None
+            self._packer.same = same
+            rest = bucketed(plan, named, checked)
+            try:
                 first = next(rest)
                 self._packer.pack(*first)
-                buckets = itertools.chain([first], rest)
-                yield  # the other links' first packs, before this one's answer
-        except BaseException as e:  # a push the hub started must be aborted, not left
-            if fast is None:
-                begun.cancel()
-                raise
-            started = begun.result()[1]  # (closed here: the driver was interrupted)
-            if started is None:
-                raise
-            self._fail(e, started, deadline)
+            except BaseException as e:  # a push the hub started must be aborted, not left
+                started = begun.result()[1]
+                if started is None:
+                    raise
+                self._fail(e, started, deadline)
+            buckets = itertools.chain([first], rest)
         try:
             members, push = begun.result()
         except BaseException:
@@ -329,8 +298,7 @@ class WeightSender:
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
             self._moving = True
-            steps = self._finish(push, plan, named, checked, t0, deadline, buckets, True)
-            return (yield from steps)
+            return self._finish(push, plan, named, checked, t0, deadline, buckets, packed=True)
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
@@ -371,8 +339,7 @@ class WeightSender:
                 run(self._hub.stream())
             except BaseException as e:
                 self._fail(e, push, deadline)
-        steps = self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
-        return (yield from steps)
+        return self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
 
     def _fast(
         self, plan: Plan, seq: int, version: int
@@ -417,7 +384,7 @@ class WeightSender:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None,
-    ) -> Generator[None, Any, PushReport]:  # fmt: skip
+    ) -> PushReport:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
@@ -430,7 +397,7 @@ class WeightSender:
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
+                coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
             # every member's commit wakes this thread from the loop at once; at the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -255,8 +255,6 @@ class ShardedSender:
                 shape is not the one the layout gives this rank.
         """
         plan = self._plans.get()
-        if self.point_to_point and self._joint(plan):
-            return self._push_joint(plan, named_tensors, version, timeout)
         local = _local(named_tensors)
         where = _where(local)
         if plan is not self._cut_plan or where != self._where:
@@ -279,70 +277,12 @@ class ShardedSender:
             return link._push_same(pieces, version, timeout)
         return link.push(pieces, version=version, timeout=timeout)
 
-    def _joint(self, plan: ShardPlan) -> bool:
-        """Whether every link streams at once if its views are the same: a push after the
-        first, of the plan the views were cut for, every link's views kept."""
-        return plan is self._cut_plan and all(
-            r in self._views and w._ready() for r, w in self._links.items()
-        )
-
-    def _push_joint(
-        self, plan: ShardPlan, named: Mapping[str, Any] | Iterable[tuple[str, Any]],
-        version: int, timeout: float,
-    ) -> PushReport:  # fmt: skip
-        """Every link's push driven from this thread, their steps in turn (each begin goes
-        to the loop before any waits, their buckets' packs and sends interleave). Where
-        the tensors lie is checked while the loop starts the links: other tensors (moved,
-        or new objects) are cut again and handed to the links before their first pack; a
-        tensor the plan needs missing or of another shape aborts every link's push."""
-        steps = {
-            r: w._steps(self._views[r], version, timeout, None, True)
-            for r, w in self._links.items()
-        }
-        reports: dict[int, PushReport] = {}
-        errors: dict[int, BaseException] = {}
-        handed: dict[int, Any] = {}
-        try:
-            _drive_one_step(steps, reports, errors)  # the begins go to the loop
-            local = _local(named)
-            where = _where(local)
-            if where != self._where:
-                self._views, self._where = {}, where
-                handed = {r: (self._pieces(plan, r, local), False) for r in steps}
-        except BaseException:
-            for step in steps.values():
-                step.close()
-            raise
-        _drive(steps, reports, errors, handed)
-        return self._joined(version, reports, errors)
-
     def _push_links(
         self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
     ) -> PushReport:
-        """Every link's push at once, each bounded by ``timeout``, each on a thread of its
-        own (a first push, a new plan, other tensors: their groups form side by side);
-        the first error, by engine rank, is raised once all ended."""
-        reports, errors = self._on_threads(streams, version, timeout)
-        return self._joined(version, reports, errors)
-
-    @staticmethod
-    def _joined(
-        version: int, reports: dict[int, PushReport], errors: dict[int, BaseException]
-    ) -> PushReport:
-        if errors:
-            raise errors[min(errors)]
-        rs = reports.values()
-        return PushReport(
-            version, sum(x.bytes for x in rs), max((x.seconds for x in rs), default=0.0),
-            tuple(n for x in rs for n in x.receivers), sum(x.tensors for x in rs),
-            sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
-        )  # fmt: skip
-
-    def _on_threads(
-        self, streams: dict[int, list[tuple[str, torch.Tensor]]], version: int, timeout: float
-    ) -> tuple[dict[int, PushReport], dict[int, BaseException]]:
-        """Each link's push on a thread of its own (the last in this thread, the others on
-        the link workers, kept from push to push)."""
+        """Every link's push at once (the last in this thread, the others on the link
+        workers, kept from push to push); each push is bounded by ``timeout``; the first
+        error, by engine rank, is raised once all ended."""
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}
         *others, last = streams
@@ -364,7 +304,14 @@ class ShardedSender:
                 reports[r] = f.result()
             except BaseException as e:
                 errors[r] = e
-        return reports, errors
+        if errors:
+            raise errors[min(errors)]
+        rs = reports.values()
+        return PushReport(
+            version, sum(x.bytes for x in rs), max((x.seconds for x in rs), default=0.0),
+            tuple(n for x in rs for n in x.receivers), sum(x.tensors for x in rs),
+            sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
+        )  # fmt: skip
 
     def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
@@ -447,43 +394,6 @@ class ShardedSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _drive_one_step(
-    steps: dict[int, Generator[None, Any, PushReport]],
-    reports: dict[int, PushReport],
-    errors: dict[int, BaseException],
-    handed: Mapping[int, Any] | None = None,
-) -> None:
-    """Advance every link's push by one step (``handed[r]``: what link ``r``'s step is
-    sent); a push that ended leaves ``steps`` for ``reports`` or ``errors``."""
-    for r, step in list(steps.items()):
-        try:
-            step.send(handed.get(r) if handed else None)
-        except StopIteration as done:
-            reports[r] = done.value
-            del steps[r]
-        except Exception as e:
-            errors[r] = e
-            del steps[r]
-
-
-def _drive(
-    steps: dict[int, Generator[None, Any, PushReport]],
-    reports: dict[int, PushReport],
-    errors: dict[int, BaseException],
-    handed: Mapping[int, Any] | None = None,
-) -> None:
-    """Run every link's push steps in turn, in this thread, until each ended: its report
-    or its error, by engine rank (``handed``: what each is sent first). An interrupt
-    closes the pushes still running (each aborts its own) and goes up."""
-    try:
-        while steps:
-            _drive_one_step(steps, reports, errors, handed)
-            handed = None
-    finally:
-        for step in steps.values():
-            step.close()
 
 
 def _where(local: dict[str, torch.Tensor]) -> list[Any]:

@@ -184,11 +184,9 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> Iterator[None]:
-        """Pack and send every bucket (then the checksums if ``verify``), yielding once a
-        bucket's send is issued (a caller that drives several links' streams from one
-        thread takes them in turn); ``packed``: bucket 0 is in buffer 0 already. Raises
-        ``WeightSyncError`` if the group broke."""
+    ) -> None:
+        """Pack and send every bucket (then the checksums if ``verify``); ``packed``:
+        bucket 0 is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:

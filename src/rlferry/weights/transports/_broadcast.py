@@ -263,7 +263,7 @@ class BroadcastSender(CollectiveSender):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> Iterator[None]:
+    ) -> None:
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
@@ -282,7 +282,6 @@ class BroadcastSender(CollectiveSender):
                 if verify:
                     sums.append(checksum(view))
                 works[b] = pg.broadcast([view], opts)
-                yield
             if verify:
                 t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
                 works.append(pg.broadcast([t], opts))
