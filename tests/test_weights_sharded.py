@@ -421,8 +421,8 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
 
 
 def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
-    """Once a rank's links stream at once, one thread drives them all: an engine rank whose
-    load raises fails its link (named) and the other commits; the next push works for both."""
+    """A rank's links push side by side: an engine rank whose load raises fails its link
+    (named) and the other link's push goes on and commits; the next push works for both."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
     sender = ShardedSender(
@@ -477,8 +477,8 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
 
 
 def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works():
-    """Ctrl-C while one thread drives a rank's links: every link's push is aborted (none is
-    left streaming), each engine rank holds a whole version, and the next push works."""
+    """Ctrl-C while a rank pushes its links: it goes up at once, no link is left streaming,
+    each engine rank holds a whole version, and the next push works."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
     sender = ShardedSender(
@@ -673,9 +673,9 @@ def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport,
 def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_works(
     transport, point_to_point
 ):
-    # Pushed after the links stream at once (point to point: the begins go to the loop
-    # while the tensors are checked), a bad tensor fails the push with its name, shape and
-    # the fix; the engine rank keeps its last whole version and the next push works.
+    # Pushed after the links stream at once (the views kept, their checks skipped), a bad
+    # tensor fails the push with its name, shape and the fix, before anything moves; the
+    # engine ranks keep their last whole version and the next push works.
     full = {f"layers.0.mlp.{p}_proj.weight": torch.randn(32, 16) for p in ("up", "gate")}
     specs = specs_of(full.items())
     trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
@@ -713,6 +713,53 @@ def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_w
             assert receivers[r].wait_for(3, WAIT)
             want = expected_params(engine, r, {n: t + 3 for n, t in full.items()})
             assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("point_to_point", [False, True])
+def test_new_tensors_where_moved_ones_were_are_cut_again_never_sent_from_the_old_memory(
+    point_to_point,
+):
+    # Over shm a push reads a rank's tensors in place: the first one moves their storages
+    # into shared memory, and their old memory is freed. New tensors of the next push are
+    # often allocated right there; the rank must compare them with where its views lie now
+    # (the shared memory), not where the tensors were when cut, or it sends the old bytes
+    # (it did: a receiver committed version 2 holding version 1's bytes).
+    full = {f"layers.{i}.mlp.{p}_proj.weight": torch.randn(64, 32)
+            for i in range(3) for p in ("up", "gate")}  # fmt: skip
+    specs = specs_of(full.items())
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    sender = ShardedSender(group="moved", rank=0, trainer=trainer, engine=engine,
+                           point_to_point=point_to_point)  # fmt: skip
+    address = sender.addresses if point_to_point else sender.address
+    params = [{n: torch.zeros(s.shape) for n, s in engine.param_specs(r).items()} for r in (0, 1)]
+    receivers = [
+        ShardedReceiver(group="moved", rank=r, trainer=trainer, engine=engine, params=params[r],
+                        addresses=[address], point_to_point=point_to_point).start(WAIT)
+        for r in (0, 1)
+    ]  # fmt: skip
+    memory = bytearray(4 * sum(t.numel() for t in full.values()))
+
+    def at_the_same_place(v):  # new tensors each push, over the same memory: where the
+        # last push's tensors were before it moved them (as a freed allocation is reused)
+        flat, out, at = torch.frombuffer(memory, dtype=torch.float32), {}, 0
+        for n, t in full.items():
+            out[n] = flat[at : at + t.numel()].view(t.shape).copy_(t + v)
+            at += t.numel()
+        return out
+
+    try:
+        for v in range(1, 9):
+            values = at_the_same_place(v)
+            sender.push(values, version=v, timeout=WAIT)
+            for r in (0, 1):
+                assert receivers[r].wait_for(v, WAIT)
+                want = expected_params(engine, r, values)
+                assert all(torch.equal(params[r][n], want[n]) for n in want), (v, r)
+            del values
     finally:
         for r in receivers:
             r.close()

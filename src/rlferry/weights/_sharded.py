@@ -132,6 +132,7 @@ class ShardedSender:
         self._views: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._where: list[Any] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
+        self._moves = transport == "shm" and zero_copy  # a push may move tensors' storages
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
@@ -260,13 +261,24 @@ class ShardedSender:
         if plan is not self._cut_plan or where != self._where:
             self._views = {}  # other tensors (or a new plan): the views are cut again
         self._where = where
-        if not self.point_to_point:
-            pieces = self._pieces(plan, -1, local)
-            if not pieces:
-                return PushReport(version, 0, 0.0, (), 0, 0, False)
-            return self._push_link(-1, pieces, version, timeout)
-        streams = {r: self._pieces(plan, r, local) for r in self._links}
-        return self._push_links(streams, version, timeout)
+        try:
+            if not self.point_to_point:
+                pieces = self._pieces(plan, -1, local)
+                if not pieces:
+                    return PushReport(version, 0, 0.0, (), 0, 0, False)
+                report = self._push_link(-1, pieces, version, timeout)
+            else:
+                streams = {r: self._pieces(plan, r, local) for r in self._links}
+                report = self._push_links(streams, version, timeout)
+        except BaseException:
+            self._views, self._where = {}, None  # cut again next time
+            raise
+        if self._moves:
+            # the push read the tensors in place and moved their storages into shared
+            # memory: where they lie now (new tensors allocated where they were must not
+            # match, or the kept views would send the old bytes)
+            self._where = _where(local)
+        return report
 
     def _push_link(
         self, r: int, pieces: list[tuple[str, torch.Tensor]], version: int, timeout: float
