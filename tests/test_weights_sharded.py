@@ -702,7 +702,8 @@ def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_w
             sender.push({up: full[up]}, version=3, timeout=WAIT)
         assert str(e.value).startswith(
             f"push: tensor `{gate}`: expected it (trainer rank 0 owns [32, 16] of it and "
-            "receivers need them), got no such name"
+            "receivers need them), got no such name (push this rank's tensors under the "
+            "trainer layout's names)"
         )
         for r in (0, 1):
             assert receivers[r].version == 2

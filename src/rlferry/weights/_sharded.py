@@ -359,7 +359,8 @@ class ShardedSender:
             if t is None:
                 raise WeightSyncError(
                     f"push: tensor `{c.source}`: expected it (trainer rank {self.rank} owns "
-                    f"{list(c.shape)} of it and receivers need them), got no such name"
+                    f"{list(c.shape)} of it and receivers need them), got no such name (push "
+                    "this rank's tensors under the trainer layout's names)"
                 )
             if tuple(t.shape) != c.shape:
                 raise WeightSyncError(
