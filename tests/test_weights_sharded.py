@@ -420,16 +420,40 @@ def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
         stop(*engines, *trainers)
 
 
+def one_rank_to_tp2(group, specs, around_load=(None, None), **sender_kw):
+    """One trainer rank and the two ranks of a TP=2 engine, in this process: the engine
+    layout, the sender, each engine rank's tensors and its started receiver."""
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    sender = ShardedSender(group=group, rank=0, trainer=trainer, engine=engine, **sender_kw)
+    p2p = sender_kw.get("point_to_point", False)
+    params = [{n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(r).items()}
+              for r in (0, 1)]  # fmt: skip
+    receivers = []
+    try:
+        for r in (0, 1):
+            receivers.append(ShardedReceiver(
+                group=group, rank=r, trainer=trainer, engine=engine, params=params[r],
+                addresses=[sender.addresses if p2p else sender.address], point_to_point=p2p,
+                around_load=around_load[r],
+            ).start(WAIT))  # fmt: skip
+    except BaseException:
+        close_all(sender, receivers)
+        raise
+    return engine, sender, params, receivers
+
+
+def close_all(sender, receivers):
+    for r in receivers:
+        r.close()
+    sender.close()
+
+
 def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
     """A rank's links push side by side: an engine rank whose load raises fails its link
     (named) and the other link's push goes on and commits; the next push works for both."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
-    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
-    sender = ShardedSender(
-        group="one-fails", rank=0, trainer=trainer, engine=engine, transport="broadcast",
-        bucket_bytes=16 << 10, point_to_point=True,
-    )  # fmt: skip
     fail_at = {0: 3}  # engine rank 0's load raises in the push of version 3 (its link first)
+    sender_version = [0]
 
     def load_of(rank):
         def around(load, items):
@@ -439,18 +463,10 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
 
         return around
 
-    sender_version = [0]
-    params = [
-        {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(r).items()}
-        for r in range(2)
-    ]
-    receivers = [
-        ShardedReceiver(
-            group="one-fails", rank=r, trainer=trainer, engine=engine, params=params[r],
-            addresses=[sender.addresses], point_to_point=True, around_load=load_of(r),
-        ).start(WAIT)
-        for r in range(2)
-    ]  # fmt: skip
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "one-fails", specs, (load_of(0), load_of(1)), transport="broadcast",
+        bucket_bytes=16 << 10, point_to_point=True,
+    )  # fmt: skip
     try:
         for v in (1, 2, 3, 4):
             sender_version[0] = v
@@ -471,20 +487,14 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
                 want = expected_params(engine, r, full_weights(specs, receivers[r].version))
                 assert all(torch.equal(params[r][n], want[n]) for n in want if r == 1 or v != 3)
     finally:
-        for r in receivers:
-            r.close()
-        sender.close()
+        close_all(sender, receivers)
 
 
 def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works():
-    """Ctrl-C while a rank pushes its links: it goes up at once, no link is left streaming,
-    each engine rank holds a whole version, and the next push works."""
+    """Ctrl-C while a rank pushes its links: it goes up at once (a link still pushing ends on
+    its own, within its timeout), each engine rank holds a whole version, and the next push
+    works."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
-    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
-    sender = ShardedSender(
-        group="interrupted", rank=0, trainer=trainer, engine=engine, transport="broadcast",
-        point_to_point=True,
-    )  # fmt: skip
     entered, gate = threading.Event(), threading.Event()
     pushing = [0]
 
@@ -494,18 +504,9 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
             assert gate.wait(WAIT)
         load(items)
 
-    params = [
-        {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(r).items()}
-        for r in range(2)
-    ]
-    receivers = [
-        ShardedReceiver(
-            group="interrupted", rank=r, trainer=trainer, engine=engine, params=params[r],
-            addresses=[sender.addresses], point_to_point=True,
-            around_load=held if r == 0 else None,
-        ).start(WAIT)
-        for r in range(2)
-    ]  # fmt: skip
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "interrupted", specs, (held, None), transport="broadcast", point_to_point=True
+    )
     armed = [False]
 
     def interrupt(signum, frame):
@@ -539,9 +540,7 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
     finally:
         signal.signal(signal.SIGUSR1, before)
         gate.set()
-        for r in receivers:
-            r.close()
-        sender.close()
+        close_all(sender, receivers)
 
 
 def _placements(port, conn):
@@ -678,16 +677,9 @@ def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_w
     # engine ranks keep their last whole version and the next push works.
     full = {f"layers.0.mlp.{p}_proj.weight": torch.randn(32, 16) for p in ("up", "gate")}
     specs = specs_of(full.items())
-    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
-    sender = ShardedSender(group="bad", rank=0, trainer=trainer, engine=engine,
-                           transport=transport, point_to_point=point_to_point)  # fmt: skip
-    address = sender.addresses if point_to_point else sender.address
-    params = [{n: torch.zeros(s.shape) for n, s in engine.param_specs(r).items()} for r in (0, 1)]
-    receivers = [
-        ShardedReceiver(group="bad", rank=r, trainer=trainer, engine=engine, params=params[r],
-                        addresses=[address], point_to_point=point_to_point).start(WAIT)
-        for r in (0, 1)
-    ]  # fmt: skip
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "bad", specs, transport=transport, point_to_point=point_to_point
+    )
     up, gate = (f"layers.0.mlp.{p}_proj.weight" for p in ("up", "gate"))
     try:
         for v in (1, 2):
@@ -715,9 +707,7 @@ def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_w
             want = expected_params(engine, r, {n: t + 3 for n, t in full.items()})
             assert all(torch.equal(params[r][n], want[n]) for n in want)
     finally:
-        for r in receivers:
-            r.close()
-        sender.close()
+        close_all(sender, receivers)
 
 
 @pytest.mark.parametrize("point_to_point", [False, True])
@@ -732,16 +722,9 @@ def test_new_tensors_where_moved_ones_were_are_cut_again_never_sent_from_the_old
     full = {f"layers.{i}.mlp.{p}_proj.weight": torch.randn(64, 32)
             for i in range(3) for p in ("up", "gate")}  # fmt: skip
     specs = specs_of(full.items())
-    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
-    sender = ShardedSender(group="moved", rank=0, trainer=trainer, engine=engine,
-                           point_to_point=point_to_point)  # fmt: skip
-    address = sender.addresses if point_to_point else sender.address
-    params = [{n: torch.zeros(s.shape) for n, s in engine.param_specs(r).items()} for r in (0, 1)]
-    receivers = [
-        ShardedReceiver(group="moved", rank=r, trainer=trainer, engine=engine, params=params[r],
-                        addresses=[address], point_to_point=point_to_point).start(WAIT)
-        for r in (0, 1)
-    ]  # fmt: skip
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "moved", specs, point_to_point=point_to_point
+    )
     memory = bytearray(4 * sum(t.numel() for t in full.values()))
 
     def at_the_same_place(v):  # new tensors each push, over the same memory: where the
@@ -762,6 +745,4 @@ def test_new_tensors_where_moved_ones_were_are_cut_again_never_sent_from_the_old
                 assert all(torch.equal(params[r][n], want[n]) for n in want), (v, r)
             del values
     finally:
-        for r in receivers:
-            r.close()
-        sender.close()
+        close_all(sender, receivers)
