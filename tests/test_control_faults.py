@@ -398,12 +398,16 @@ def test_an_engine_that_dies_mid_generation_is_loud_once_and_its_samples_go_on(
             coord = Coordinator(f.engines, batch_size=16, max_staleness=1)
             with caplog.at_level(logging.DEBUG):
                 # As long as the engines allow (128 tokens), and the kill as early as it can
-                # be: e1 must not end its samples before it dies, also when its process has
-                # a core and e0's has not (CI once saw 60-token samples end on e1 first)
+                # be: e1 must not end its samples before it dies. The clock is a 1-token
+                # request to e1 itself: it ends a step or two after e1 took it, however slow
+                # e0 is (CI saw e1 end 60-token samples first, then 120-token ones while a
+                # clock placed by the coordinator waited on e0, starved of a core)
                 long = SamplingParams(max_tokens=120, temperature=0.0)
                 pending = [await coord.submit([4, 5], long, n=4, group=k) for k in range(2)]
-                clock = await coord.submit([1, 2], SamplingParams(max_tokens=1))
-                await clock  # every sample is under way
+                clock = GenerateRequest(
+                    request_id="clock", prompt_ids=[1, 2], params=SamplingParams(max_tokens=1)
+                )
+                await asyncio.wait_for(f.engines[1].generate(clock), 60)
                 f.kill("e1")
                 groups = await asyncio.wait_for(asyncio.gather(*pending), 60)
                 assert all(len(c.token_ids) == 120 for g in groups for c in g.completions)
