@@ -273,7 +273,7 @@ class ShardedSender:
         except BaseException:
             self._views, self._where = {}, None  # cut again next time
             raise
-        if self._moves:
+        if self._moves and _moved(local, where):
             # the push read the tensors in place and moved their storages into shared
             # memory: where they lie now (new tensors allocated where they were must not
             # match, or the kept views would send the old bytes)
@@ -418,6 +418,15 @@ def _where(local: dict[str, torch.Tensor]) -> list[Any]:
         else (n, id(t))
         for n, t in local.items()
     ]
+
+
+def _moved(local: dict[str, torch.Tensor], where: list[Any]) -> bool:
+    """Whether a tensor's storage moved since ``where`` was taken (addresses only: the
+    cheap part of :func:`_where`, checked after every push that may move them)."""
+    return any(
+        isinstance(t, torch.Tensor) and t.data_ptr() != w[1]
+        for t, w in zip(local.values(), where, strict=True)
+    )
 
 
 def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
