@@ -5,10 +5,12 @@ point-to-point run and each ``--mode bound`` run on GPUs, predicts the update wi
 ``rlferry.weights.predict`` (the same plan code that moved the bytes) on a cluster of
 those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's own
 send and receive reached on that machine, not the nominal one), plus ``--update-ms``
-per update and ``--link-ms`` per further link of a rank (what 4 MB updates took
-there). A bound run moves bytes only: it is predicted without the update's cost. A
-run whose ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's bytes.
-Prints measured p50 (updates 2 on), predicted, and their ratio.
+per update, ``--link-ms`` per further link of a rank at either end and ``--bucket-ms``
+per further bucket (the library's, or what the machine's one-rank-to-one 4 MB update
+took: ``--update-ms``). A run with ``--bucket-mb`` is predicted with its buckets. A
+bound run moves bytes only: it is predicted without the update's cost. A run whose
+ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's bytes. Prints
+measured p50 (updates 2 on), predicted, and their ratio.
 
     python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356
 """
@@ -16,13 +18,14 @@ Prints measured p50 (updates 2 on), predicted, and their ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
 import torch
 
 from rlferry.weights import Cluster, TensorSpec, predict
-from rlferry.weights._predict import LINK_MS, UPDATE_MS
+from rlferry.weights._predict import BUCKET_MS, LINK_MS, UPDATE_MS
 
 import _weights_engine as eng
 from _common import table
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument(
         "--link-ms", type=float, default=LINK_MS,
-        help=f"and per further link of a rank (default {LINK_MS}: the library's)",
+        help=f"and per further link of a rank, at either end (default {LINK_MS}: the library's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bucket-ms", type=float, default=BUCKET_MS,
+        help=f"and per further bucket of a rank (default {BUCKET_MS}: the library's)",
     )  # fmt: skip
     a = p.parse_args(argv)
     rows = []
@@ -65,8 +72,13 @@ def main(argv: list[str] | None = None) -> None:
             fsdp=run["senders"], engines=run["receivers"] // tp, engine_tp=tp,
             engine_dtype=torch.bfloat16, nvlink_GBps=a.nvlink_gbytes,
             update_ms=0.0 if bound else a.update_ms, link_ms=0.0 if bound else a.link_ms,
+            bucket_ms=0.0 if bound else a.bucket_ms,
         )  # fmt: skip
         p = predict(specs_of(run), cluster)
+        if run.get("bucket_bytes") and not bound:  # its buckets: the budget that makes them
+            links = max(p.trainer_links, p.engine_links)
+            cluster = dataclasses.replace(cluster, buffer_bytes=2 * links * run["bucket_bytes"])
+            p = predict(specs_of(run), cluster)
         pred = p.seconds
         if run.get("gpus"):  # ranks shared GPUs: the busiest GPU's bytes bound it
             pred += run["busiest_gpu_bytes"] / (a.nvlink_gbytes * 1e9) - p.link_seconds
@@ -74,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([
             f"{run['model_bytes'] / 1e6:,.1f}",
             f"{run['senders']} -> {run['receivers']} (TP {tp})"
-            + (f", {run['gpus']} GPUs" if run.get("gpus") else ""),
+            + (f", {run['gpus']} GPUs" if run.get("gpus") else "")
+            + (f", {run['bucket_bytes'] >> 20} MiB buckets" if run.get("bucket_bytes") else ""),
             "NCCL send/recv (bound)" if bound else "rlferry point to point",
             f"{got * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{got / pred:.2f}",
         ])  # fmt: skip

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from rlferry.weights import Cluster, ShardPlan, fsdp_layout, predict, tp_layout
+from rlferry.weights import Cluster, ShardPlan, TensorSpec, fsdp_layout, predict, tp_layout
 from rlferry.weights._predict import (
+    BUCKET_MS,
     LINK_MS,
     UPDATE_MS,
     model_specs,
@@ -51,10 +52,11 @@ def test_the_prediction_counts_every_link_of_the_full_plan():
     assert p.busiest_bytes == busiest
     assert p.link_seconds == pytest.approx(busiest / 450e9)
     # every trainer rank sends to each of the 4 engine ranks, each engine rank hears from 4
-    per_rank = [sum(1 for s, _ in links if s == k) for k in range(4)]
-    per_rank += [sum(1 for _, r in links if r == k) for k in range(4)]
-    assert p.rank_links == max(per_rank) == 4
-    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)  # an update's cost, and each more link's
+    assert p.trainer_links == max(sum(1 for s, _ in links if s == k) for k in range(4)) == 4
+    assert p.engine_links == max(sum(1 for _, r in links if r == k) for k in range(4)) == 4
+    # an update's cost, and each more link's at either end; the tiny links take a bucket each
+    fixed = UPDATE_MS + LINK_MS * (4 - 1 + 4 - 1)
+    assert p.buckets == 4 and p.bucket_seconds == 0.0
     assert p.seconds == pytest.approx(busiest / 450e9 + fixed / 1e3)
     assert "over nvlink" in p.busiest
 
@@ -63,7 +65,7 @@ def test_engines_on_other_hosts_are_reached_over_the_network():
     specs = tiny_specs()
     p = predict(specs, Cluster(fsdp=8, engines=2, engine_tp=4, network_GBps=50.0))
     assert "over network" in p.busiest
-    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)
+    fixed = UPDATE_MS + LINK_MS * (p.trainer_links - 1 + p.engine_links - 1)
     assert p.seconds == pytest.approx(p.busiest_bytes / 50e9 + fixed / 1e3)
 
 
@@ -89,12 +91,16 @@ def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
     p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2))
     lines = out.splitlines()
     assert lines[0].startswith(f"{cfg}: {len(tiny_specs())} tensors; trainer 4 GPUs (FSDP 4 x TP")
-    fixed = UPDATE_MS + LINK_MS * (p.rank_links - 1)
+    fixed = UPDATE_MS + LINK_MS * (p.trainer_links - 1 + p.engine_links - 1)
     assert lines[-1] == (
-        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link and {fixed:.1f} ms "
-        f"an update, for up to {p.rank_links} links a rank)"
+        f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link, {fixed:.1f} ms "
+        f"for up to 4 links a trainer rank and 4 an engine rank, 0.0 ms for the buckets)"
     )
-    assert lines[-2].startswith(f"busiest link: {p.busiest}")
+    assert lines[-2] == (
+        f"buffers: at most {p.buffer_bytes / 1e3:.2f} kB a rank; buckets: at most 4 a rank "
+        "an update"
+    )
+    assert lines[-3].startswith(f"busiest link: {p.busiest}")
     assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)
 
 
@@ -116,9 +122,36 @@ def test_an_update_costs_its_bytes_and_what_is_told_besides_them():
     p = predict(tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2, update_ms=0.0, link_ms=0.0))
     assert p.seconds == p.link_seconds == pytest.approx(p.busiest_bytes / 450e9)
     one = predict(tiny_specs(), Cluster(fsdp=1, engines=1, engine_tp=1, link_ms=7.0))
-    assert one.rank_links == 1  # one link a rank: the further-link cost does not apply
+    assert one.trainer_links == one.engine_links == 1  # the further-link cost does not apply
     assert one.seconds == pytest.approx(one.link_seconds + UPDATE_MS / 1e3)
-    for field in ("update_ms", "link_ms"):
+    for field in ("update_ms", "link_ms", "bucket_ms"):
         with pytest.raises(ValueError) as e:
             Cluster(fsdp=4, engines=2, engine_tp=2, **{field: -1.0})
         assert str(e.value) == f"Cluster.{field}: expected a time >= 0, got -1.0"
+
+
+def test_many_links_a_rank_share_its_buffers_in_more_smaller_buckets_which_cost_time():
+    # row-parallel weights: every trainer rank owns rows, every TP rank needs columns
+    specs = [
+        TensorSpec(f"model.layers.{i}.mlp.down_proj.weight", (4096, 4096), torch.bfloat16)
+        for i in range(64)
+    ]
+    kw = {"fsdp": 8, "engines": 1, "engine_tp": 8, "engine_dtype": torch.bfloat16}
+    roomy = predict(specs, Cluster(**kw, buffer_bytes=64 << 30))
+    tight = predict(specs, Cluster(**kw, buffer_bytes=64 << 20))
+    # 8 links a rank at either end, 32 MiB each (512 x 512 of 64 tensors): in a roomy
+    # budget a bucket a link; 64 MiB for 8 links makes 4 MiB buckets, 8 a link
+    assert roomy.trainer_links == roomy.engine_links == 8
+    assert roomy.link_bytes == (32 << 20,) * 3
+    assert roomy.buckets == 8 and roomy.bucket_seconds == 0.0
+    assert tight.buckets == 64
+    assert tight.bucket_seconds == pytest.approx(56 * BUCKET_MS / 1e3)
+    assert tight.buffer_bytes == 8 * 2 * (4 << 20) == 64 << 20
+    assert roomy.buffer_bytes == 8 * 2 * (32 << 20)
+    assert tight.seconds - roomy.seconds == pytest.approx(56 * BUCKET_MS / 1e3)
+    with pytest.raises(ValueError) as e:
+        Cluster(**kw, buffer_bytes=2 << 20)
+    assert str(e.value) == (
+        "Cluster.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
+        "smallest bucket), got 2097152"
+    )

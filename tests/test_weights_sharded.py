@@ -746,3 +746,46 @@ def test_new_tensors_where_moved_ones_were_are_cut_again_never_sent_from_the_old
             del values
     finally:
         close_all(sender, receivers)
+
+
+def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
+    """Without ``bucket_bytes`` each link's buckets are cut so that the rank with the most
+    links keeps its buffers within ``buffer_bytes``; every byte still arrives. A given
+    ``bucket_bytes`` is used as it is; a budget below two 1 MiB buffers is refused."""
+    specs = llama_specs(layers=2, hidden=256, inter=512, vocab=256, kv=128)  # 5.8 MB
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "budget", specs, zero_copy=False, point_to_point=True, buffer_bytes=8 << 20
+    )  # 2 links a rank at most: 2 MiB buckets
+    try:
+        full = full_weights(specs, 1)
+        report = sender.push(full, version=1, timeout=WAIT)
+        links = sender.statistics().per_receiver
+        assert [links[r].bucket_bytes for r in (0, 1)] == [2 << 20, 2 << 20]
+        assert sum(links[r].buffer_bytes for r in (0, 1)) == 8 << 20
+        assert (
+            report.buckets
+            == sum(-(-sender.plan().link_bytes(0, r) // (2 << 20)) for r in (0, 1))
+            > 2
+        )  # more than a bucket a link
+        for r in (0, 1):
+            assert receivers[r].wait_for(1, WAIT)
+            want = expected_params(engine, r, full)
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        close_all(sender, receivers)
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "budget-given", specs, zero_copy=False, point_to_point=True, buffer_bytes=8 << 20,
+        bucket_bytes=3 << 20,
+    )  # fmt: skip
+    try:
+        sender.push(full_weights(specs, 1), version=1, timeout=WAIT)
+        assert [sender.statistics().per_receiver[r].bucket_bytes for r in (0, 1)] == [3 << 20] * 2
+    finally:
+        close_all(sender, receivers)
+    trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
+    with pytest.raises(ValueError) as e:
+        ShardedSender(group="g", rank=0, trainer=trainer, engine=engine, buffer_bytes=2 << 20)
+    assert str(e.value) == (
+        "ShardedSender.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
+        "smallest bucket), got 2097152"
+    )

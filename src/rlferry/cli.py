@@ -160,8 +160,14 @@ def _plan_weights_parser(sub: Any) -> None:
                     help="what an update costs besides its bytes with one link a rank "
                     "(default 1.5: a 4 MB update of one rank to one on H200s)")  # fmt: skip
     pw.add_argument("--link-ms", type=float, default=None,
-                    help="and for each more link of the rank with the most (default 1.3: "
-                    "2 ranks to a TP=2 engine took 2.8 ms)")  # fmt: skip
+                    help="and for each more link of the trainer rank with the most, "
+                    "and again of the engine rank with the most (default 0.55)")  # fmt: skip
+    pw.add_argument("--bucket-ms", type=float, default=None,
+                    help="and for each more bucket of the rank with the most "
+                    "(default 0.09)")  # fmt: skip
+    pw.add_argument("--buffer-gib", type=float, default=None,
+                    help="what a rank's link buffers may take together (ShardedSender's "
+                    "buffer_bytes; default 4): more makes fewer, larger buckets")  # fmt: skip
 
 
 def _plan_weights(a: Any) -> None:
@@ -173,7 +179,8 @@ def _plan_weights(a: Any) -> None:
             trainer_dtype=a.trainer_dtype, engines=a.engines, engine_tp=a.engine_tp,
             engine_dtype=a.engine_dtype, gpus_per_host=a.gpus_per_host,
             nvlink_gbytes=a.nvlink_gbytes, network_gbits=a.network_gbits,
-            **{k: v for k, v in (("update_ms", a.update_ms), ("link_ms", a.link_ms))
+            **{k: v for k, v in (("update_ms", a.update_ms), ("link_ms", a.link_ms),
+                                 ("bucket_ms", a.bucket_ms), ("buffer_gib", a.buffer_gib))
                if v is not None},
         )  # fmt: skip
     except (ValueError, ImportError, OSError) as e:

@@ -8,12 +8,22 @@ in ``engine_dtype``. The plan is :class:`ShardPlan`'s, the same code that moves
 the bytes. GPUs fill hosts of ``gpus_per_host`` in order, trainers first; a link
 within a host runs at ``nvlink_GBps``, across hosts at ``network_GBps`` (per GPU,
 each direction). The prediction is the busiest GPU's busiest link: its bytes over
-its bandwidth (every link runs at once, full duplex, no pipeline stalls, no
-casts or quantization timed), plus what an update costs besides its bytes
-(its messages, the first bucket's pack and the last one's load: ``update_ms`` with
-one link per rank, and ``link_ms`` more for each further link of the rank with
-the most, whose pushes share one process; both measured with a 4 MB model, where
-nothing hides them).
+its bandwidth (every link runs at once, full duplex, no casts or quantization
+timed), plus what an update costs besides its bytes, measured on four H200s
+(benchmarks/RESULTS.md, session 17):
+
+- ``update_ms``: an update of one trainer rank to one engine rank (its messages, the
+  first bucket's pack and the last one's load), with a 4 MB model, where nothing
+  hides it;
+- ``link_ms`` for each further link of the trainer rank with the most links, and
+  again for each further link of the engine rank with the most (each link's pushes
+  and loads run in threads of one process, one at a time in its interpreter: 1 to 4
+  links a side, and 4 x 4, measured within 20%);
+- ``bucket_ms`` for each further bucket of the rank that handles the most (every
+  link's bucket after its first; its host work is done one bucket at a time). A
+  rank's links share ``buffer_bytes`` of buffers (two of a bucket each, at both
+  ends: :func:`link_bucket_caps`), so many links a rank mean small buckets, many of
+  them: the memory against time trade the prediction shows.
 
 Layers with the same tensors (names without their layer number, shapes) are
 planned once and counted as many times: a 94-layer MoE is planned as one layer.
@@ -34,17 +44,21 @@ import torch
 from ._boxes import Box, chunk_bounds, full_box, volume
 from ._layouts import TrainerLayout
 from ._plan import TensorSpec
+from ._sharded import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES, bucket_cap
 from ._shardplan import ShardPlan
 from ._tp import tp_layout, tp_split_dim
 
 __all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
 
-# What an update costs besides its bytes (its messages, the first bucket's pack, the last
-# one's load), on H200 hosts (benchmarks/RESULTS.md, session 15): a 4 MB update of one
-# trainer rank to one engine rank took 1.5 ms; of 2 ranks to a TP=2 engine (two links a
-# rank) 2.8 ms.
+# What an update costs besides its bytes, on H200 hosts (benchmarks/RESULTS.md, sessions
+# 15 and 17): a 4 MB update of one trainer rank to one engine rank took 1.5-1.7 ms; each
+# further link of a rank 0.4-0.7 ms more, at either end (1 to 4 links a side); each
+# further bucket of a rank 0.09 ms (4.1 GB one rank to one in 4 to 256 MiB buckets).
 UPDATE_MS = 1.5
-LINK_MS = 1.3  # for each link of a rank past its first
+LINK_MS = 0.55  # for each link of the trainer rank with the most, past its first; again
+# for the engine rank with the most
+BUCKET_MS = 0.09  # for each bucket of the rank with the most, past each link's first
+MAX_BUCKET_BYTES = 256 << 20  # a link's default bucket on a GPU at most (WeightSender's)
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -143,9 +157,11 @@ class Cluster:
     gpus_per_host: int = 8
     nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
     network_GBps: float = 50.0  # 400 Gb/s per GPU
-    # what an update costs besides its bytes: see UPDATE_MS and LINK_MS
+    # what an update costs besides its bytes: see UPDATE_MS, LINK_MS and BUCKET_MS
     update_ms: float = UPDATE_MS
     link_ms: float = LINK_MS
+    bucket_ms: float = BUCKET_MS
+    buffer_bytes: int = LINK_BUFFER_BYTES  # a rank's link buffers together (ShardedSender's)
 
     def __post_init__(self) -> None:
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
@@ -155,9 +171,14 @@ class Cluster:
         for f in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}")
-        for f in ("update_ms", "link_ms"):
+        for f in ("update_ms", "link_ms", "bucket_ms"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"Cluster.{f}: expected a time >= 0, got {getattr(self, f)!r}")
+        if type(self.buffer_bytes) is not int or self.buffer_bytes < 2 * MIN_BUCKET_BYTES:
+            raise ValueError(
+                f"Cluster.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} (two "
+                f"buffers of the smallest bucket), got {self.buffer_bytes!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -169,12 +190,17 @@ class Prediction:
     sender_bytes: tuple[int, ...]  # per trainer rank, over all its links
     receiver_bytes: tuple[int, ...]  # per engine rank
     links: int  # (sender, receiver) pairs that carry bytes
-    rank_links: int  # the most links one rank (trainer or engine) has
+    trainer_links: int  # the most links one trainer rank has
+    engine_links: int  # the most links one engine rank has
     link_bytes: tuple[int, int, int]  # min, median, max of one link
+    buckets: int  # the most buckets one rank handles an update (all its links')
+    buffer_bytes: int  # the most one rank's link buffers take
     busiest: str  # which GPU and direction bounds the update
     busiest_bytes: int
     link_seconds: float  # the busiest link's bytes over its bandwidth
-    seconds: float  # that and the cost of an update besides its bytes
+    fixed_seconds: float  # the update's cost for its links, besides the buckets
+    bucket_seconds: float  # the further buckets of the rank with the most
+    seconds: float  # all three
 
     def text(self) -> str:
         s, r = self.sender_bytes, self.receiver_bytes
@@ -189,9 +215,12 @@ class Prediction:
             f"max {_size(max(r))}",
             f"busiest link: {self.busiest}, {_size(self.busiest_bytes)} in "
             f"{self.link_seconds * 1e3:.1f} ms",
-            f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link and "
-            f"{(self.seconds - self.link_seconds) * 1e3:.1f} ms an update, for up to "
-            f"{self.rank_links} links a rank)",
+            f"buffers: at most {_size(self.buffer_bytes)} a rank; buckets: at most "
+            f"{self.buckets} a rank an update",
+            f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link, "
+            f"{self.fixed_seconds * 1e3:.1f} ms for up to {self.trainer_links} links a "
+            f"trainer rank and {self.engine_links} an engine rank, "
+            f"{self.bucket_seconds * 1e3:.1f} ms for the buckets)",
         ])  # fmt: skip
 
 
@@ -230,23 +259,41 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
     sender = [sum(b for (s, _), b in per_link.items() if s == k) for k in range(n_send)]
     receiver = [sum(b for (_, r), b in per_link.items() if r == k) for k in range(n_recv)]
     links = sorted(per_link.values())
-    rank_links = max(
-        max(sum(1 for s, _ in per_link if s == k) for k in range(n_send)),
-        max(sum(1 for _, r in per_link if r == k) for k in range(n_recv)),
-    )
-    fixed = c.update_ms + c.link_ms * (rank_links - 1)
+    t_n = [0] * n_send  # links a rank
+    e_n = [0] * n_recv
+    for s, r in per_link:
+        t_n[s] += 1
+        e_n[r] += 1
+    fixed = (c.update_ms + c.link_ms * (max(t_n) - 1 + max(e_n) - 1)) / 1e3
+    # each link's buckets, small enough that every rank's buffers fit buffer_bytes (as
+    # ShardedSender makes them), counted at both ends: a rank's buckets and buffers
+    buckets: dict[tuple[int, int], int] = defaultdict(int)  # by (0: trainer, 1: engine; rank)
+    buffers: dict[tuple[int, int], int] = defaultdict(int)
+    for (s, r), b in per_link.items():
+        bucket = min(MAX_BUCKET_BYTES, bucket_cap(c.buffer_bytes, max(t_n[s], e_n[r])))
+        for end in ((0, s), (1, r)):
+            buckets[end] += -(-b // bucket)
+            buffers[end] += 2 * min(bucket, b)
+    # the rank with the most buckets past each link's first (those are in update_ms)
+    ends = (t_n, e_n)
+    most = max(n - ends[side][k] for (side, k), n in buckets.items())
     return Prediction(
         model_bytes=sum(s.nbytes for s in specs),
         sent_bytes=sum(links),
         sender_bytes=tuple(sender),
         receiver_bytes=tuple(receiver),
         links=len(links),
-        rank_links=rank_links,
+        trainer_links=max(t_n),
+        engine_links=max(e_n),
         link_bytes=(links[0], links[len(links) // 2], links[-1]),
+        buckets=max(buckets.values()),
+        buffer_bytes=max(buffers.values()),
         busiest=f"{who} {i} {way} over {kind} ({bw[kind] / 1e9:g} GB/s)",
         busiest_bytes=worst,
         link_seconds=worst / bw[kind],
-        seconds=worst / bw[kind] + fixed / 1e3,
+        fixed_seconds=fixed,
+        bucket_seconds=most * c.bucket_ms / 1e3,
+        seconds=worst / bw[kind] + fixed + most * c.bucket_ms / 1e3,
     )
 
 
@@ -317,11 +364,18 @@ def plan_weights(
     network_gbits: float = 400.0,
     update_ms: float = UPDATE_MS,
     link_ms: float = LINK_MS,
+    bucket_ms: float = BUCKET_MS,
+    buffer_gib: float = LINK_BUFFER_BYTES / 2**30,
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
         raise ValueError(
             f"--trainer-tp: expected a divisor of --trainer-gpus {trainer_gpus}, got {trainer_tp!r}"
+        )
+    if not buffer_gib * 2**30 >= 2 * MIN_BUCKET_BYTES:
+        raise ValueError(
+            f"--buffer-gib: expected at least {2 * MIN_BUCKET_BYTES / 2**30:g} (two buffers of "
+            f"the smallest bucket, {MIN_BUCKET_BYTES >> 20} MiB), got {buffer_gib!r}"
         )
     cls, values = preset_or_config(config, parse_overrides(overrides))
     specs = model_specs(cls, values, _dtype("--trainer-dtype", trainer_dtype))
@@ -329,14 +383,16 @@ def plan_weights(
         fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
         engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
         gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
-        update_ms=update_ms, link_ms=link_ms,
+        update_ms=update_ms, link_ms=link_ms, bucket_ms=bucket_ms,
+        buffer_bytes=int(buffer_gib * 2**30) // 256 * 256,
     )  # fmt: skip
     p = predict(specs, cluster)
     head = (
         f"{config}: {len(specs)} tensors; trainer {trainer_gpus} GPUs (FSDP "
         f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
         f"{engine_tp} ({engine_dtype}); {gpus_per_host} GPUs per host, NVLink "
-        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU, {update_ms:g} ms "
-        f"an update and {link_ms:g} ms for each more link of a rank"
+        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU; {update_ms:g} ms "
+        f"an update, {link_ms:g} ms for each more link of a rank, {bucket_ms:g} ms for each "
+        f"more bucket; {buffer_gib:g} GiB of link buffers a rank"
     )
     return head + "\n" + p.text()

@@ -169,6 +169,7 @@ class WeightSender:
         self._planned_for: Any = None  # the pairs object the plan was last checked against
         self._packer: Packer | None = None
         self._device: torch.device | None = self.config.device
+        self._bucket_cap: int | None = None  # the largest default bucket (see _cap_buckets)
         self._first = True
         self._moving = False  # the push in progress got past its plan: buckets may move
         self._closed = False
@@ -177,6 +178,15 @@ class WeightSender:
 
     async def _make_hub(self) -> Hub:
         return Hub(self.config.group, self.config.transport)
+
+    def _cap_buckets(self, cap: int) -> None:
+        """Make the default bucket at most ``cap`` bytes (a multiple of 256): a
+        :class:`ShardedSender` shares its rank's buffer budget among its links. A cap
+        below the current plan's buckets takes effect at the next push (planned anew)."""
+        with self._lock:
+            self._bucket_cap = cap
+            if self._plan is not None and self._plan.bucket_bytes > cap:
+                self._plan = None
 
     def _describe_as(self, description: Described) -> None:
         """Answer a ``Describe`` of ``description.group`` with it: this sender is rank 0
@@ -456,6 +466,8 @@ class WeightSender:
             specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in _key_of(source)]
             largest = max(s.nbytes for s in specs)
             bucket = self.config.bucket_bytes or default_bucket_bytes(self._device, largest)
+            if not self.config.bucket_bytes and self._bucket_cap is not None:
+                bucket = min(bucket, self._bucket_cap)
             self._plan = Plan.build(specs, bucket)
             self._packer = None
         return data, self._plan, layout is not None

@@ -19,6 +19,7 @@ is today's single sender: exactly one WeightSender and one WeightReceiver.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -33,7 +34,37 @@ from ._report import PushReport, ShardedSenderStatistics
 from ._sender import WeightSender
 from ._shardplan import Piece, ShardPlan
 
-__all__ = ["ShardedSender", "link_group"]
+__all__ = ["LINK_BUFFER_BYTES", "ShardedSender", "bucket_cap", "link_bucket_caps", "link_group"]
+
+# What a rank's link buffers may take together by default (every link has two bucket
+# buffers at each end): 4 GiB keeps up to 8 links a rank at the single sender's 256 MiB
+# buckets (every run measured); a rank with more links gets smaller buckets, in steps of
+# MIN_BUCKET_BYTES (the size shm rounds its buffers to) and never below it. Unbounded, an
+# engine rank hearing from 256 trainer ranks held two buffers of up to 256 MiB for each.
+LINK_BUFFER_BYTES = 4 << 30
+MIN_BUCKET_BYTES = 2 << 20
+
+
+def bucket_cap(budget: int, links: int) -> int:
+    """The largest bucket of a link whose busier end has ``links`` links: their two buffers
+    each fit ``budget`` together (never below ``MIN_BUCKET_BYTES``: more buckets cost
+    time, see ``rlferry plan-weights``)."""
+    step = MIN_BUCKET_BYTES
+    return max(step, budget // (2 * max(1, links)) // step * step)
+
+
+def link_bucket_caps(
+    plan: ShardPlan, rank: int, point_to_point: bool, budget: int = LINK_BUFFER_BYTES
+) -> dict[int, int]:
+    """The largest bucket of each of trainer rank ``rank``'s links (by engine rank; -1: its
+    shared stream), so that every rank's buffers stay within ``budget``: a link's two
+    buffers at each end, counted against the rank of either end with the most links (an
+    engine rank hears from every trainer rank it needs bytes from)."""
+    cap = functools.partial(bucket_cap, budget)
+    receivers = plan.receivers_of(rank)
+    if point_to_point:
+        return {r: cap(max(len(receivers), len(plan.senders_of(r)))) for r in receivers}
+    return {-1: cap(max((len(plan.senders_of(r)) for r in receivers), default=1))}
 
 
 def link_group(group: str, rank: int, receiver: int | None = None) -> str:
@@ -102,6 +133,13 @@ class ShardedSender:
     carrying exactly that rank's bytes (over ``broadcast``, a group of two: NCCL or
     gloo send and receive, the links' pushes running side by side); the receivers
     must say so too. ``addresses`` maps each engine rank to the address it joins.
+
+    ``buffer_bytes``: what the bucket buffers of a rank's links may take together, at
+    either end (default 4 GiB): without ``bucket_bytes``, each link's buckets are made
+    small enough that the rank with the most links, trainer or engine, stays within it
+    (:func:`link_bucket_caps`; give every rank the same). Smaller buckets cost time
+    (``rlferry plan-weights`` shows both); an engine rank that hears from 256 trainer
+    ranks would otherwise hold two 256 MiB buffers for each.
     """
 
     def __init__(
@@ -119,8 +157,15 @@ class ShardedSender:
         secret: str | bytes | None = None,
         zero_copy: bool = True,
         point_to_point: bool = False,
+        buffer_bytes: int = LINK_BUFFER_BYTES,
     ) -> None:
         self.rank = _check_rank("ShardedSender", rank, trainer.ranks, "trainer")
+        if type(buffer_bytes) is not int or buffer_bytes < 2 * MIN_BUCKET_BYTES:
+            raise ValueError(
+                f"ShardedSender.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} "
+                f"(two buffers of the smallest bucket), got {buffer_bytes!r}"
+            )
+        self.buffer_bytes = buffer_bytes
         self.group = group
         self.point_to_point = point_to_point
         self._plans = _Plans(trainer, engine)
@@ -148,6 +193,7 @@ class ShardedSender:
         except BaseException:
             self.close()
             raise
+        self._cap_links()
         self.addresses: dict[int, str] = (
             {r: w.address for r, w in self._links.items()}
             if point_to_point
@@ -175,6 +221,7 @@ class ShardedSender:
         self._plans.set(trainer, engine)
         if self._group_addresses is not None:
             self.describe_group(self._group_addresses)
+        self._cap_links()
         if self.point_to_point:
             now = self._plans.get().receivers_of(self.rank)
             if now != sorted(self._links):
@@ -183,6 +230,14 @@ class ShardedSender:
                     f"rank {self.rank} serves point to point, got {now} (make a new "
                     "ShardedSender for other engine ranks)"
                 )
+
+    def _cap_links(self) -> None:
+        """Each link's largest default bucket, for the current plan (see ``buffer_bytes``)."""
+        plan = self._plans.get()
+        caps = link_bucket_caps(plan, self.rank, self.point_to_point, self.buffer_bytes)
+        for r, link in self._links.items():
+            if r in caps:
+                link._cap_buckets(caps[r])
 
     def describe_group(self, addresses: Sequence[str] | Sequence[Mapping[int, str]]) -> None:
         """Let a receiver that knows only one address of rank 0 find every rank:
