@@ -155,3 +155,16 @@ def test_many_links_a_rank_share_its_buffers_in_more_smaller_buckets_which_cost_
         "Cluster.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
         "smallest bucket), got 2097152"
     )
+
+
+def test_a_buffer_budget_below_two_smallest_buckets_is_refused_by_name():
+    out = subprocess.run(
+        [sys.executable, "-m", "rlferry.cli", "plan-weights", "--config", "kimi-k2",
+         "--trainer-gpus", "4", "--engines", "1", "--engine-tp", "2", "--buffer-gib", "0.001"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "rlferry plan-weights: --buffer-gib: expected at least 0.00390625 (two buffers of the "
+        "smallest bucket, 2 MiB), got 0.001"
+    )
