@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -187,6 +187,7 @@ class GroupedCopy:
         self._kept = (dsts, srcs) if keep else None
         self._table: torch.Tensor | None = None
         self._tiles = 0
+        self._launch: Callable[[], None] | None = None  # the kernel's launch, once made
         self.strided = 0  # fused pairs taken as several runs
         if fused:
             from ._copy_kernel import BLOCK_WORDS
@@ -208,9 +209,12 @@ class GroupedCopy:
     @torch.no_grad()
     def __call__(self) -> None:
         if self._table is not None:
-            from ._copy_kernel import launch
+            if self._launch is None:
+                from ._copy_kernel import launcher
 
-            launch(self._table, self._tiles, programs=self.programs)
+                self._launch = launcher(self._table, self._tiles, programs=self.programs)
+            else:
+                self._launch()
         if self._host is not None:
             self._host()
         if self._rest_dst:
