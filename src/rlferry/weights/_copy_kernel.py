@@ -70,9 +70,9 @@ def launcher(
     The first launch goes through Triton's JIT, which compiles the kernel (or finds it
     compiled) and returns it; the later ones call that compiled kernel's own launcher
     with the same grid and arguments, skipping the JIT's argument binding and cache
-    lookup (80 us of host time a launch on an H100 host: a bucket's pack and its load
-    each launch once). A Triton whose compiled kernel takes its arguments otherwise
-    keeps launching through the JIT."""
+    lookup: 18-31 us of host time a grouped copy of 399 pairs against 45-49 us on an H100
+    host (Triton 3.6); a bucket's pack and its load each launch once. A Triton whose
+    compiled kernel takes its arguments otherwise keeps launching through the JIT."""
     dev = table.device
     fn: Any
     args: tuple[Any, ...]
