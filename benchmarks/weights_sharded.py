@@ -10,6 +10,9 @@ version (``ShardedReceiver``); its time runs from the parent's "push" to the las
 engine's commit. At the end every engine compares its parameters with the full
 state dict, sliced as it wants them (``identical``).
 
+``--mode bound`` and ``--mode batched`` are the floors (``_weights_floor``): the links'
+bytes in one communicator of every rank, bare or with rlferry's pack and load.
+
 ``--mode gather`` is today's way, in the same harness: the other trainer ranks first
 send their rows to rank 0 (through the same transport, rank 0 the one receiver of
 them; its own rows it copies), then rank 0 pushes the whole model through one
@@ -120,6 +123,30 @@ def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
     return f"cuda:{gpu}"
 
 
+def local_shards(
+    args: argparse.Namespace, trainer: TrainerLayout, rank: int, dev: str
+) -> dict[str, torch.Tensor]:
+    """Trainer rank ``rank``'s rows of every tensor, on ``dev``."""
+    specs = {s.name: s for s in trainer.specs}
+    owned = trainer.owned[rank].items()
+    return {n: full_tensor(specs[n], dev)[slices(b)].clone() for n, b in owned}
+
+
+def expected_params(
+    args: argparse.Namespace, engine: EngineLayout, trainer: TrainerLayout, rank: int, dev: str
+) -> dict[str, torch.Tensor]:
+    """What engine rank ``rank``'s parameters must hold: its parts of the full tensors."""
+    specs = {s.name: s for s in trainer.specs}
+    out = {}
+    for p in engine.receivers[rank]:
+        want = torch.zeros(p.shape, dtype=p.dtype, device=dev)
+        for q in p.parts:
+            src = full_tensor(specs[q.source], dev)[slices(q.box)]
+            want[slices(q.at)] = src.reshape(extents(q.at))
+        out[p.name] = want
+    return out
+
+
 def layouts(args: argparse.Namespace) -> tuple[TrainerLayout, EngineLayout]:
     specs = specs_for(args)
     tp = args.tp or args.receivers
@@ -132,8 +159,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
     trainer, engine = layouts(args)
     specs = {s.name: s for s in trainer.specs}
     dev = device_of(args, "trainer", rank)
-    owned = trainer.owned[rank].items()
-    mine = {n: full_tensor(specs[n], dev)[slices(b)].clone() for n, b in owned}
+    mine = local_shards(args, trainer, rank, dev)
     kw = {"transport": args.transport, "device": dev, "bucket_bytes": _bucket(args)}
     if args.mode == "sharded":
         s = ShardedSender(
@@ -225,87 +251,11 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
             if dev.startswith("cuda"):
                 torch.cuda.synchronize(dev)
             conn.send(("at", msg, (got, committed.get(msg, 0.0), time.time())))
-    specs = {s.name: s for s in trainer.specs}
-    same = True
-    for p in engine.receivers[rank]:
-        want = torch.zeros(p.shape, dtype=p.dtype, device=dev)
-        for q in p.parts:
-            src = full_tensor(specs[q.source], dev)[slices(q.box)]
-            want[slices(q.at)] = src.reshape(extents(q.at))
-        same = same and torch.equal(want, params[p.name])
+    want = expected_params(args, engine, trainer, rank, dev)
+    same = all(torch.equal(want[n], params[n]) for n in want)
     plans = r.statistics().plans_computed if args.mode == "sharded" else 0
     r.close()  # before the trainers close their links (their groups' stores go with them)
     conn.send(("identical", same, plans))
-
-
-def _bound(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> None:
-    """The links' bound (``--mode bound``): NCCL's (gloo's) own batched send and receive of exactly
-    each point-to-point link's bytes (one buffer a link, every link at once), trainer
-    ranks ``0..S-1`` then engine ranks in one group; nothing packed, loaded or planned."""
-    import datetime
-
-    import torch.distributed as dist
-
-    trainer, engine = layouts(args)
-    plan = ShardPlan.build(trainer, engine)
-    s_n = args.senders
-    role, me = ("trainer", rank) if rank < s_n else ("engine", rank - s_n)
-    dev = torch.device(device_of(args, role, me))
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(dev)
-    store = dist.TCPStore("127.0.0.1", port, s_n + args.receivers, rank == 0,
-                          timeout=datetime.timedelta(seconds=WAIT))  # fmt: skip
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=s_n + args.receivers,
-        device_id=dev if cuda else None,
-    )  # fmt: skip
-    if role == "trainer":
-        peers = {s_n + r: plan.link_bytes(me, r) for r in plan.receivers_of(me)}
-    else:
-        peers = {s: plan.link_bytes(s, me) for s in plan.senders_of(me)}
-    bufs = {p: torch.empty(n, dtype=torch.uint8, device=dev) for p, n in peers.items() if n}
-    op = dist.isend if role == "trainer" else dist.irecv
-    conn.send(("ready", None))
-    while (msg := conn.recv()) != "stop":
-        works = dist.batch_isend_irecv([dist.P2POp(op, b, p) for p, b in bufs.items()])
-        for w in works:
-            w.wait()
-        if cuda:
-            torch.cuda.synchronize(dev)
-        conn.send(("pushed", sum(peers.values()), 0) if role == "trainer" else ("at", msg))
-    conn.send(("identical", True, 0))
-    dist.destroy_process_group()
-
-
-def _run_bound(args: argparse.Namespace) -> tuple[list[float], list[int]]:
-    """Time ``--mode bound`` as the other modes are timed: parent's send to last receipt."""
-    import socket
-
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    procs = [_start(ctx, _bound, r, args, port) for r in range(args.senders + args.receivers)]
-    for _, c in procs:
-        _recv(c, "start")
-    trainers, engines = procs[: args.senders], procs[args.senders :]
-    seconds, sent = [], [0] * args.senders
-    for v in range(1, args.updates + 1):
-        t = time.perf_counter()
-        for _, c in procs:
-            c.send(v)
-        for _, c in engines:
-            assert _recv(c, f"receipt of round {v}") == v
-        seconds.append(time.perf_counter() - t)
-        for i, (_, c) in enumerate(trainers):
-            sent[i] = _recv(c, "send report")[0]
-    for _, c in procs:
-        c.send("stop")
-    for proc, c in procs:
-        _recv(c, "end")
-        proc.join(60)
-    return seconds, sent
 
 
 def _bucket(args: argparse.Namespace) -> int | None:
@@ -362,9 +312,11 @@ def _recv(conn: Connection, what: str) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer, engine = layouts(args)
-    if args.mode == "bound":
-        seconds, sent = _run_bound(args)
-        return _result(args, trainer, engine, True, sent, 0, seconds)
+    if args.mode in ("bound", "batched"):
+        from _weights_floor import run_floor
+
+        seconds, sent, same = run_floor(args)
+        return _result(args, trainer, engine, same, sent, 0, seconds)
     ctx = mp.get_context("spawn")
     t0 = time.monotonic()
     trainers = [_start(ctx, _trainer, r, args) for r in range(args.senders)]
@@ -473,8 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=int, default=8, help="divide every width (8: ~256 MB)")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument(
-        "--mode", choices=["sharded", "gather", "bound"], default="sharded",
-        help="bound: NCCL's own send/recv of each point-to-point link's bytes (GPUs)",
+        "--mode", choices=["sharded", "gather", "bound", "batched"], default="sharded",
+        help="bound: NCCL's own send/recv of each point-to-point link's bytes (GPUs); "
+        "batched: the same with rlferry's pack and load around it, no control plane",
     )  # fmt: skip
     p.add_argument(
         "--transport",
@@ -513,10 +466,10 @@ def main(argv: list[str] | None = None) -> None:
             f"processes on two GPUs), got --gpus {args.gpus} --mode {args.mode}"
             + ("" if args.point_to_point else " without --point-to-point")
         )
-    if args.mode == "bound" and args.transport != "broadcast":
+    if args.mode in ("bound", "batched") and args.transport != "broadcast":
         p.error(
-            "--mode bound: expected --transport broadcast (NCCL on GPUs, a GPU per process; "
-            f"gloo on the CPU), got --transport {args.transport}"
+            f"--mode {args.mode}: expected --transport broadcast (NCCL on GPUs, a GPU per "
+            f"process; gloo on the CPU), got --transport {args.transport}"
         )
     out = run(args)
     rest = sorted(out["seconds"][1:]) or out["seconds"]
