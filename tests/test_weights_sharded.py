@@ -782,6 +782,21 @@ def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
         assert [sender.statistics().per_receiver[r].bucket_bytes for r in (0, 1)] == [3 << 20] * 2
     finally:
         close_all(sender, receivers)
+    # one shared stream: each engine rank hears from this one rank, so half the budget
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "budget-shared", specs, zero_copy=False, buffer_bytes=8 << 20
+    )
+    try:
+        full = full_weights(specs, 2)
+        sender.push(full, version=2, timeout=WAIT)
+        link = sender.statistics().link
+        assert link is not None and (link.bucket_bytes, link.buffer_bytes) == (4 << 20, 8 << 20)
+        for r in (0, 1):
+            assert receivers[r].wait_for(2, WAIT)
+            want = expected_params(engine, r, full)
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        close_all(sender, receivers)
     trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
     with pytest.raises(ValueError) as e:
         ShardedSender(group="g", rank=0, trainer=trainer, engine=engine, buffer_bytes=2 << 20)
