@@ -478,6 +478,9 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
                 assert "the engine ran out of memory" in str(e.value)
                 links = sender.statistics().per_receiver  # the other link's push went on
                 assert (links[1].pushes, links[1].failed_pushes) == (3, 0)
+                # each end of a link holds two buffers of its bucket (the engine rank's own)
+                made = receivers[1].statistics().links[0].buffer_bytes
+                assert made == links[1].buffer_bytes == 2 * (16 << 10)
             else:
                 sent = sender.push(full, version=v, timeout=WAIT).bytes
                 assert sent == sum(sender.plan().link_bytes(0, r) for r in range(2))

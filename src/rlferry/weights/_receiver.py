@@ -284,6 +284,7 @@ class WeightReceiver:
             groups_joined=t.groups_joined if t is not None else 0,
             last_error=self._last_error,
             stopped=self._stopped[1] if self._stopped is not None else None,
+            buffer_bytes=t.buffer_bytes if t is not None else 0,
         )
 
     # -- the loop -----------------------------------------------------------------

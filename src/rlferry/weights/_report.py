@@ -53,7 +53,9 @@ class ReceiverStatistics:
     """A receiver's counters. ``buffers_opened`` counts buffer mappings (shm) or
     IPC handles (cuda_ipc) it opened: once per layout, not once per push.
     ``last_error``: the last push it failed, and why. ``stopped``: None while it
-    serves; else why it serves no more (closed, the sender gone, its thread failed)."""
+    serves; else why it serves no more (closed, the sender gone, its thread failed).
+    ``buffer_bytes``: the bucket buffers it made (broadcast; shm and cuda_ipc map the
+    sender's, counted by the sender's statistics)."""
 
     group: str
     name: str
@@ -66,6 +68,7 @@ class ReceiverStatistics:
     groups_joined: int
     last_error: str | None
     stopped: str | None = None
+    buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)

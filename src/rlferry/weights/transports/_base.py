@@ -202,6 +202,12 @@ class ReceiverTransport(abc.ABC):
     opened: int = 0  # buffers mapped, IPC handles opened or bucket buffers made, ever
     groups_joined: int = 0  # collective: groups joined, ever
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bucket buffers this receiver made (a collective's own; a mailbox maps the
+        sender's, which its statistics count)."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Unmap the buffers (or leave the group)."""

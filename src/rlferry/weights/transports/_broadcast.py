@@ -384,6 +384,10 @@ class BroadcastReceiver(CollectiveReceiver):
             return device
         return torch.device("cpu")
 
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._bufs)
+
     def buffers(self, nbytes: int) -> list[torch.Tensor]:
         dev = self._stream.device if self._stream is not None else torch.device("cpu")
         if not (self._bufs and self._bufs[0].numel() >= nbytes):
