@@ -805,5 +805,5 @@ def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
         ShardedSender(group="g", rank=0, trainer=trainer, engine=engine, buffer_bytes=2 << 20)
     assert str(e.value) == (
         "ShardedSender.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
-        "smallest bucket), got 2097152"
+        "smallest bucket), got 2097152 (bytes, as an int: 4 << 30 is 4 GiB)"
     )

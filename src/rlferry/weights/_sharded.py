@@ -163,7 +163,8 @@ class ShardedSender:
         if type(buffer_bytes) is not int or buffer_bytes < 2 * MIN_BUCKET_BYTES:
             raise ValueError(
                 f"ShardedSender.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} "
-                f"(two buffers of the smallest bucket), got {buffer_bytes!r}"
+                f"(two buffers of the smallest bucket), got {buffer_bytes!r} (bytes, as an "
+                "int: 4 << 30 is 4 GiB)"
             )
         self.buffer_bytes = buffer_bytes
         self.group = group
