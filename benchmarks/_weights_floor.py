@@ -5,14 +5,16 @@ ranks), each rank's links in one batched send or receive a round.
 ``--mode bound``: NCCL's (gloo's) own batched send and receive of exactly each
 point-to-point link's bytes, one buffer a link; nothing packed, loaded or planned.
 
-``--mode batched``: the same with rlferry's data path around it: a trainer rank packs
-every link's pieces (views of its shards, cut as the plan says) into its link buffers
-with one grouped copy, then sends; an engine rank receives, then copies its parts of
-every link's pieces into its parameters with one grouped copy. Whole links, one buffer
-each (no buckets: buffers as large as the links). Its engines check their parameters at
-the end, as the sharded mode's do. What a design with one communicator and one batched
-round a rank per update could reach; the parent's message starts each round (no
-rlferry message).
+``--mode batched``: the same with rlferry's data path around it, in rounds of
+``--bucket-mb`` (default 256, rlferry's bucket on a GPU): a trainer rank packs a round's
+pieces of every link (views of its shards, cut as the plan says) with one grouped copy
+and sends them in one batched round, the next round's pack running beside the sends; an
+engine rank receives each round and copies its parts of the round's pieces into its
+parameters with one grouped copy, beside the next round's receive. A whole buffer a
+link (no buffer reused: the floor, not a memory budget). Its engines check their
+parameters at the end, as the sharded mode's do. What a design with one communicator
+and one batched round a rank and bucket could reach; the parent's message starts an
+update (no rlferry message).
 """
 
 from __future__ import annotations
@@ -49,6 +51,57 @@ def _view(buf: torch.Tensor, at: int, piece: Any) -> torch.Tensor:
     return buf[at : at + piece.nbytes].view(piece.dtype).view(extents(piece.box))
 
 
+_Rounds = tuple[list[dict[int, torch.Tensor]], list[GroupedCopy | None], dict[str, torch.Tensor]]
+
+
+def _batched(
+    args: argparse.Namespace, plan: ShardPlan, trainer: Any, engine: Any, role: str, me: int,
+    peers: list[int], dev: torch.device,
+) -> _Rounds:  # fmt: skip
+    """A whole buffer a link (the floor: no buffer reused, no memory budget), its pieces
+    laid out in order; a piece belongs to the round of ``--bucket-mb`` (default 256) its
+    offset falls in, and a round moves each link's range of its pieces. Returns each
+    round's ranges by peer (views of the link buffers), its grouped copy (the pack of its
+    pieces, or their load) and, for an engine rank, its parameters."""
+    bucket = (args.bucket_mb or 256) << 20
+    mine = local_shards(args, trainer, me, str(dev)) if role == "trainer" else {}
+    params = (
+        {n: torch.zeros(s.shape, dtype=s.dtype, device=dev)
+         for n, s in engine.param_specs(me).items()}
+        if role == "engine" else {}
+    )  # fmt: skip
+    ranges: dict[int, dict[int, torch.Tensor]] = {}  # round -> peer -> its bytes
+    pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for p in peers:
+        pieces, cps = plan.link(me, p) if role == "trainer" else plan.link(p, me)
+        offsets, size = _layout_of(pieces)
+        buf = torch.empty(size, dtype=torch.uint8, device=dev)
+        views = {q.name: _view(buf, at, q) for q, at in zip(pieces, offsets, strict=True)}
+        round_of = {q.name: at // bucket for q, at in zip(pieces, offsets, strict=True)}
+        ends = [*offsets[1:], size]
+        for k in sorted(set(round_of.values())):
+            at = [i for i, q in enumerate(pieces) if round_of[q.name] == k]
+            ranges.setdefault(k, {})[p] = buf[offsets[at[0]] : ends[at[-1]]]
+        if role == "trainer":
+            owned = trainer.owned[me]
+            for q in pieces:
+                src = mine[q.source][slices(relative(q.box, owned[q.source]))]
+                d, s_ = pairs.setdefault(round_of[q.name], ([], []))
+                d.append(views[q.name])
+                s_.append(src if src.dtype == q.dtype else src.to(q.dtype))
+        else:
+            for c in cps:
+                dst = params[c.param][slices(c.at)]
+                src = views[c.piece][slices(c.within)]
+                d, s_ = pairs.setdefault(round_of[c.piece], ([], []))
+                d.append(dst)
+                same = extents(c.within) == tuple(dst.shape)
+                s_.append(src if same else src.reshape(dst.shape))
+    keys = sorted(ranges)
+    copies = [GroupedCopy(*pairs[k]) if k in pairs else None for k in keys]
+    return [ranges[k] for k in keys], copies, params
+
+
 def _floor(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> None:
     trainer, engine = layouts(args)
     plan = ShardPlan.build(trainer, engine)
@@ -65,53 +118,41 @@ def _floor(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> 
         device_id=dev if cuda else None,
     )  # fmt: skip
     peers = plan.receivers_of(me) if role == "trainer" else plan.senders_of(me)
-    links = {p: plan.link(me, p) if role == "trainer" else plan.link(p, me) for p in peers}
-    bufs: dict[int, torch.Tensor] = {}
-    dsts: list[torch.Tensor] = []
-    srcs: list[torch.Tensor] = []
-    mine = local_shards(args, trainer, me, str(dev)) if role == "trainer" else {}
-    params = (
-        {n: torch.zeros(s.shape, dtype=s.dtype, device=dev)
-         for n, s in engine.param_specs(me).items()}
-        if role == "engine" else {}
-    )  # fmt: skip
-    for p, (pieces, copies) in links.items():
-        offsets, size = _layout_of(pieces)
-        buf = bufs[p] = torch.empty(size, dtype=torch.uint8, device=dev)
-        views = {q.name: _view(buf, at, q) for q, at in zip(pieces, offsets, strict=True)}
-        if role == "trainer":
-            owned = trainer.owned[me]
-            for q in pieces:
-                src = mine[q.source][slices(relative(q.box, owned[q.source]))]
-                dsts.append(views[q.name])
-                srcs.append(src if src.dtype == q.dtype else src.to(q.dtype))
-        else:
-            for c in copies:
-                dst = params[c.param][slices(c.at)]
-                src = views[c.piece][slices(c.within)]
-                dsts.append(dst)
-                same = extents(c.within) == tuple(dst.shape)
-                srcs.append(src if same else src.reshape(dst.shape))
-    copy = GroupedCopy(dsts, srcs) if args.mode == "batched" and dsts else None
+    peer_rank = {p: p if role == "engine" else s_n + p for p in peers}
     op = dist.isend if role == "trainer" else dist.irecv
-    sent = sum(b.numel() for b in bufs.values()) if args.mode == "batched" else 0
-    if args.mode == "bound":  # exactly each link's bytes
-        sizes = {p: plan.link_bytes(me, p) if role == "trainer" else 0 for p in peers}
-        sent = sum(sizes.values())
+    # by round: each link's bytes of it, and the grouped copy of its pieces (pack or load)
+    rounds: list[dict[int, torch.Tensor]] = []
+    copies: list[GroupedCopy | None] = []
+    sent = 0
+    if args.mode == "bound":  # exactly each link's bytes, one round
+        sizes = {p: plan.link_bytes(me, p) if role == "trainer" else plan.link_bytes(p, me)
+                 for p in peers}  # fmt: skip
+        rounds = [{p: torch.empty(n, dtype=torch.uint8, device=dev) for p, n in sizes.items() if n}]
+        copies = [None]
+        sent = sum(sizes.values()) if role == "trainer" else 0
+        params: dict[str, torch.Tensor] = {}
+    else:
+        rounds, copies, params = _batched(args, plan, trainer, engine, role, me, peers, dev)
+        if role == "trainer":
+            sent = sum(b.numel() for links in rounds for b in links.values())
     conn.send(("ready", None))
     while (msg := conn.recv()) != "stop":
-        if copy is not None and role == "trainer":
-            copy()  # pack every link's pieces
-        ops = [dist.P2POp(op, b, p if role == "engine" else s_n + p) for p, b in bufs.items()]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
-        if copy is not None and role == "engine":
-            copy()  # load every link's pieces
+        works = []
+        for links, copy in zip(rounds, copies, strict=True):
+            if copy is not None and role == "trainer":
+                copy()  # pack this round's pieces of every link
+            ops = [dist.P2POp(op, b, peer_rank[p]) for p, b in links.items()]
+            works.append(dist.batch_isend_irecv(ops) if ops else [])
+        for ws, copy in zip(works, copies, strict=True):
+            for w in ws:
+                w.wait()
+            if copy is not None and role == "engine":
+                copy()  # load this round's pieces of every link
         if cuda:
             torch.cuda.synchronize(dev)
         conn.send(("pushed", sent, 0) if role == "trainer" else ("at", msg))
     same = True
-    if role == "engine" and copy is not None:
+    if role == "engine" and args.mode == "batched":
         want = expected_params(args, engine, trainer, me, str(dev))
         same = all(torch.equal(want[n], params[n]) for n in want)
     conn.send(("identical", same, 0))
