@@ -17,8 +17,9 @@ timed), plus what an update costs besides its bytes, measured on four H200s
   hides it;
 - ``link_ms`` for each further link of the trainer rank with the most links, and
   again for each further link of the engine rank with the most (each link's pushes
-  and loads run in threads of one process, one at a time in its interpreter: 1 to 4
-  links a side, and 4 x 4, measured within 20%);
+  and loads run in threads of one process, one at a time in its interpreter; within
+  20% at 1 to 3 links a side with a GPU a rank and at 4 a side with two ranks a GPU;
+  ranks that share a GPU more take turns on it and are slower than this);
 - ``bucket_ms`` for each further bucket of the rank that handles the most (every
   link's bucket after its first; its host work is done one bucket at a time). A
   rank's links share ``buffer_bytes`` of buffers (two of a bucket each, at both
@@ -52,7 +53,7 @@ __all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
 
 # What an update costs besides its bytes, on H200 hosts (benchmarks/RESULTS.md, sessions
 # 15 and 17): a 4 MB update of one trainer rank to one engine rank took 1.5-1.7 ms; each
-# further link of a rank 0.4-0.7 ms more, at either end (1 to 4 links a side); each
+# further link of a rank 0.3-0.7 ms more, at either end (1 to 4 links a side); each
 # further bucket of a rank 0.09 ms (4.1 GB one rank to one in 4 to 256 MiB buckets).
 UPDATE_MS = 1.5
 LINK_MS = 0.55  # for each link of the trainer rank with the most, past its first; again
