@@ -442,6 +442,14 @@ def one_rank_to_tp2(group, specs, around_load=(None, None), **sender_kw):
     return engine, sender, params, receivers
 
 
+def assert_hold(engine, receivers, params, full, version):
+    """Every engine rank reached ``version`` and holds its parts of ``full`` exactly."""
+    for r, receiver in enumerate(receivers):
+        assert receiver.wait_for(version, WAIT)
+        want = expected_params(engine, r, full)
+        assert all(torch.equal(params[r][n], want[n]) for n in want)
+
+
 def close_all(sender, receivers):
     for r in receivers:
         r.close()
@@ -770,10 +778,7 @@ def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
             == sum(-(-sender.plan().link_bytes(0, r) // (2 << 20)) for r in (0, 1))
             > 2
         )  # more than a bucket a link
-        for r in (0, 1):
-            assert receivers[r].wait_for(1, WAIT)
-            want = expected_params(engine, r, full)
-            assert all(torch.equal(params[r][n], want[n]) for n in want)
+        assert_hold(engine, receivers, params, full, 1)
     finally:
         close_all(sender, receivers)
     engine, sender, params, receivers = one_rank_to_tp2(
@@ -794,10 +799,7 @@ def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
         sender.push(full, version=2, timeout=WAIT)
         link = sender.statistics().link
         assert link is not None and (link.bucket_bytes, link.buffer_bytes) == (4 << 20, 8 << 20)
-        for r in (0, 1):
-            assert receivers[r].wait_for(2, WAIT)
-            want = expected_params(engine, r, full)
-            assert all(torch.equal(params[r][n], want[n]) for n in want)
+        assert_hold(engine, receivers, params, full, 2)
     finally:
         close_all(sender, receivers)
     trainer, engine = fsdp_layout(specs, 1), tp_layout(specs, 2)
