@@ -93,7 +93,8 @@ def launcher(
         log.debug("grouped copy: launching through Triton's JIT (%s)", e)
         return jit
     # the compiled kernel's launcher takes the runtime arguments alone (Triton < 3.3) or
-    # every argument, constexprs included: the first that parses is the one
+    # every argument, constexprs included: the first that parses is the one (a list it
+    # does not parse launches nothing; the one it does copies the same bytes again)
     for given in (args, (*args, block)):
         try:
             with torch.cuda.device(dev):
