@@ -123,7 +123,8 @@ def test_receiver_of_another_group_cannot_join(sender):
         r.start(timeout=10)
     assert str(e.value) == (
         f"receiver `r0` cannot join group 'eval' at {sender.address}: "
-        "group: expected 'rollout' (this sender's), got 'eval'"
+        "group: expected 'rollout' (this sender's), got 'eval' (give the group the sender "
+        "was made with)"
     )
 
 

@@ -124,7 +124,8 @@ class Hub:
         if isinstance(msg, Join):
             if msg.group != self.group:
                 raise WeightSyncError(
-                    f"group: expected {self.group!r} (this sender's), got {msg.group!r}"
+                    f"group: expected {self.group!r} (this sender's), got {msg.group!r} (give "
+                    "the group the sender was made with)"
                 )
             if msg.transport and msg.transport != self.transport:
                 raise WeightSyncError(
@@ -174,7 +175,8 @@ class Hub:
             return Described(group)  # one sender on its own
         known = [g for g in (d.group if d else None, self.group) if g is not None]
         raise WeightSyncError(
-            f"group: expected {' or '.join(map(repr, known))} (this sender's), got {group!r}"
+            f"group: expected {' or '.join(map(repr, known))} (this sender's), got {group!r} "
+            "(give the group the sender was made with)"
         )
 
     def _acked(self, m: Member, ack: Ack) -> None:
