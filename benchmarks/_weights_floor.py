@@ -5,6 +5,16 @@ ranks), each rank's links in one batched send or receive a round.
 ``--mode bound``: NCCL's (gloo's) own batched send and receive of exactly each
 point-to-point link's bytes, one buffer a link; nothing packed, loaded or planned.
 
+``--mode control``: ``batched`` with the least control a version needs: each trainer rank
+tells each engine rank it feeds that version v starts (a ZeroMQ message), every engine
+rank's one thread waits for all its trainer ranks' messages, receives and loads the
+rounds, then tells each of them it committed; a trainer rank's update ends with its
+engine ranks' commits. The parent starts only the trainer ranks. What a one-communicator
+design would take with a real start and commit (one thread a rank, no plan checks).
+
+Every rank prints the device memory it took outside torch's allocator (NCCL's
+communicator and its connections to its peers) once the updates ran.
+
 ``--mode batched``: the same with rlferry's data path around it, in rounds of
 ``--bucket-mb`` (default 256, rlferry's bucket on a GPU): a trainer rank packs a round's
 pieces of every link (views of its shards, cut as the plan says) with one grouped copy
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import os
 import socket
 import time
 from multiprocessing.connection import Connection
@@ -33,7 +44,17 @@ import torch.distributed as dist
 from rlferry.weights import GroupedCopy, ShardPlan
 from rlferry.weights._boxes import extents, relative, slices
 
-from weights_sharded import WAIT, _recv, _start, device_of, expected_params, layouts, local_shards
+from weights_sharded import (
+    WAIT,
+    _recv,
+    _start,
+    device_of,
+    expected_params,
+    layouts,
+    local_shards,
+    outside_before,
+    report_outside,
+)
 
 _ALIGN = 256
 
@@ -111,6 +132,7 @@ def _floor(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> 
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.set_device(dev)
+    free, reserved = outside_before(dev)
     store = dist.TCPStore("127.0.0.1", port, s_n + args.receivers, rank == 0,
                           timeout=datetime.timedelta(seconds=WAIT))  # fmt: skip
     dist.init_process_group(
@@ -135,28 +157,100 @@ def _floor(rank: int, args: argparse.Namespace, port: int, conn: Connection) -> 
         rounds, copies, params = _batched(args, plan, trainer, engine, role, me, peers, dev)
         if role == "trainer":
             sent = sum(b.numel() for links in rounds for b in links.values())
+    ctl = _Control(port, role, me, peers) if args.mode == "control" else None
     conn.send(("ready", None))
-    while (msg := conn.recv()) != "stop":
-        works = []
-        for links, copy in zip(rounds, copies, strict=True):
-            if copy is not None and role == "trainer":
-                copy()  # pack this round's pieces of every link
-            ops = [dist.P2POp(op, b, peer_rank[p]) for p, b in links.items()]
-            works.append(dist.batch_isend_irecv(ops) if ops else [])
-        for ws, copy in zip(works, copies, strict=True):
-            for w in ws:
-                w.wait()
-            if copy is not None and role == "engine":
-                copy()  # load this round's pieces of every link
-        if cuda:
-            torch.cuda.synchronize(dev)
-        conn.send(("pushed", sent, 0) if role == "trainer" else ("at", msg))
+    if ctl is not None and role == "engine":  # started by its trainer ranks, not the parent
+        for _ in range(args.updates):
+            v = ctl.starts()
+            _rounds(rounds, copies, role, op, peer_rank, cuda, dev)
+            ctl.tell(v)
+            conn.send(("at", v))
+        assert conn.recv() == "stop"
+    else:
+        while (msg := conn.recv()) != "stop":
+            if ctl is not None:
+                ctl.tell(msg)
+            _rounds(rounds, copies, role, op, peer_rank, cuda, dev)
+            if ctl is not None:
+                ctl.commits(msg)
+            conn.send(("pushed", sent, 0) if role == "trainer" else ("at", msg))
+    report_outside(
+        dev, free, reserved, f"{role} rank {me} ({len(peers)} peers, --mode {args.mode})"
+    )
     same = True
-    if role == "engine" and args.mode == "batched":
+    if role == "engine" and args.mode != "bound":
         want = expected_params(args, engine, trainer, me, str(dev))
         same = all(torch.equal(want[n], params[n]) for n in want)
     conn.send(("identical", same, 0))
+    if ctl is not None:
+        ctl.close()
     dist.destroy_process_group()
+
+
+def _rounds(
+    rounds: list[dict[int, torch.Tensor]], copies: list[GroupedCopy | None], role: str,
+    op: Any, peer_rank: dict[int, int], cuda: bool, dev: torch.device,
+) -> None:  # fmt: skip
+    """One update's rounds: pack, one batched send or receive a round, load; then the
+    device is synchronized."""
+    works = []
+    for links, copy in zip(rounds, copies, strict=True):
+        if copy is not None and role == "trainer":
+            copy()  # pack this round's pieces of every link
+        ops = [dist.P2POp(op, b, peer_rank[p]) for p, b in links.items()]
+        works.append(dist.batch_isend_irecv(ops) if ops else [])
+    for ws, copy in zip(works, copies, strict=True):
+        for w in ws:
+            w.wait()
+        if copy is not None and role == "engine":
+            copy()  # load this round's pieces of every link
+    if cuda:
+        torch.cuda.synchronize(dev)
+
+
+class _Control:
+    """``--mode control``'s messages: a PULL socket a rank (ipc://, named by the run's
+    port), a PUSH socket to each peer. A trainer rank tells its engine ranks a version
+    starts, and they tell it they committed it."""
+
+    def __init__(self, port: int, role: str, me: int, peers: list[int]) -> None:
+        import zmq
+
+        other = "engine" if role == "trainer" else "trainer"
+        path = lambda r, k: f"ipc:///tmp/rlferry-floor-{port}-{r}{k}"  # noqa: E731
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(path(role, me))
+        self._own = path(role, me)[len("ipc://") :]
+        self._push = []
+        for p in peers:
+            s = self._ctx.socket(zmq.PUSH)
+            s.connect(path(other, p))
+            self._push.append(s)
+        self._peers = len(peers)
+
+    def tell(self, version: int) -> None:
+        msg = version.to_bytes(8, "little")
+        for s in self._push:
+            s.send(msg)
+
+    def _gather(self) -> int:
+        got = {int.from_bytes(self._pull.recv(), "little") for _ in range(self._peers)}
+        assert len(got) == 1, got
+        return got.pop()
+
+    def starts(self) -> int:
+        """The version every trainer rank of this engine rank started (blocks for them)."""
+        return self._gather()
+
+    def commits(self, version: int) -> None:
+        """Blocks until every engine rank this trainer rank feeds committed ``version``."""
+        assert self._gather() == version
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+        if os.path.exists(self._own):
+            os.unlink(self._own)
 
 
 def run_floor(args: argparse.Namespace) -> tuple[list[float], list[int], bool]:
@@ -174,7 +268,7 @@ def run_floor(args: argparse.Namespace) -> tuple[list[float], list[int], bool]:
     seconds, sent = [], [0] * args.senders
     for v in range(1, args.updates + 1):
         t = time.perf_counter()
-        for _, c in procs:
+        for _, c in trainers if args.mode == "control" else procs:
             c.send(v)
         for _, c in engines:
             assert _recv(c, f"receipt of round {v}") == v

@@ -10,7 +10,7 @@ version (``ShardedReceiver``); its time runs from the parent's "push" to the las
 engine's commit. At the end every engine compares its parameters with the full
 state dict, sliced as it wants them (``identical``).
 
-``--mode bound`` and ``--mode batched`` are the floors (``_weights_floor``): the links'
+``--mode bound``, ``batched`` and ``control`` are the floors (``_weights_floor``): the links'
 bytes in one communicator of every rank, bare or with rlferry's pack and load.
 
 ``--mode gather`` is today's way, in the same harness: the other trainer ranks first
@@ -161,6 +161,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
     dev = device_of(args, "trainer", rank)
     mine = local_shards(args, trainer, rank, dev)
     kw = {"transport": args.transport, "device": dev, "bucket_bytes": _bucket(args)}
+    before = outside_before(dev)
     if args.mode == "sharded":
         s = ShardedSender(
             group="bench", rank=rank, trainer=trainer, engine=engine,
@@ -174,6 +175,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
                 s.push(mine, version=msg, timeout=WAIT)
                 st = s.statistics()
                 conn.send(("pushed", st.stream_bytes, st.plans_computed, (got, time.time())))
+        report_outside(dev, *before, f"trainer rank {rank} ({len(s.addresses)} links)")
         s.close()
         return
     # gather mode: every other rank sends its rows to rank 0, which pushes the whole model
@@ -226,6 +228,7 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
         for n, s in engine.param_specs(rank).items()
     }
     committed: dict[int, float] = {}  # version -> when it committed (wall clock)
+    before = outside_before(dev)
     if args.mode == "sharded":
         r: Any = ShardedReceiver(
             group="bench", rank=rank, trainer=trainer, engine=engine, params=params,
@@ -254,8 +257,36 @@ def _engine(rank: int, args: argparse.Namespace, addresses: Any, conn: Connectio
     want = expected_params(args, engine, trainer, rank, dev)
     same = all(torch.equal(want[n], params[n]) for n in want)
     plans = r.statistics().plans_computed if args.mode == "sharded" else 0
+    report_outside(
+        dev,
+        *before,
+        f"engine rank {rank} ({len(r.statistics().links)} links)"
+        if args.mode == "sharded"
+        else f"engine rank {rank}",
+    )
     r.close()  # before the trainers close their links (their groups' stores go with them)
     conn.send(("identical", same, plans))
+
+
+def outside_before(dev: Any) -> tuple[int, int]:
+    """The device's free memory and torch's reserved memory, before a rank's links exist."""
+    dev = torch.device(dev)
+    if dev.type != "cuda":
+        return 0, 0
+    return torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
+
+
+def report_outside(dev: Any, free: int, reserved: int, who: str) -> None:
+    """Print what the device lost since :func:`outside_before` outside torch's allocator
+    (NCCL's communicators and their connections; a GPU a process, else others' count)."""
+    dev = torch.device(dev)
+    if dev.type == "cuda":
+        taken = (free - torch.cuda.mem_get_info(dev)[0]) - (
+            torch.cuda.memory_reserved(dev) - reserved
+        )
+        print(
+            f"{who}: {taken / 2**20:.0f} MiB outside torch's allocator", file=sys.stderr, flush=True
+        )
 
 
 def _bucket(args: argparse.Namespace) -> int | None:
@@ -312,7 +343,7 @@ def _recv(conn: Connection, what: str) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer, engine = layouts(args)
-    if args.mode in ("bound", "batched"):
+    if args.mode in ("bound", "batched", "control"):
         from _weights_floor import run_floor
 
         seconds, sent, same = run_floor(args)
@@ -425,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=int, default=8, help="divide every width (8: ~256 MB)")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument(
-        "--mode", choices=["sharded", "gather", "bound", "batched"], default="sharded",
+        "--mode", choices=["sharded", "gather", "bound", "batched", "control"], default="sharded",
         help="bound: NCCL's own send/recv of each point-to-point link's bytes (GPUs); "
         "batched: the same with rlferry's pack and load around it, no control plane",
     )  # fmt: skip
@@ -466,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
             f"processes on two GPUs), got --gpus {args.gpus} --mode {args.mode}"
             + ("" if args.point_to_point else " without --point-to-point")
         )
-    if args.mode in ("bound", "batched") and args.transport != "broadcast":
+    if args.mode in ("bound", "batched", "control") and args.transport != "broadcast":
         p.error(
             f"--mode {args.mode}: expected --transport broadcast (NCCL on GPUs, a GPU per "
             f"process; gloo on the CPU), got --transport {args.transport}"

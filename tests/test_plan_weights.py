@@ -16,6 +16,12 @@ from rlferry.weights._predict import (
     representatives,
     trainer_layout,
 )
+from rlferry.weights._sharded import (
+    NCCL_CTA_BYTES,
+    NCCL_LINK_BYTES,
+    NCCL_PEER_BYTES,
+    NCCL_PROCESS_BYTES,
+)
 
 pytest.importorskip("transformers")
 
@@ -96,9 +102,11 @@ def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
         f"predicted update time: {p.seconds * 1e3:.1f} ms (the busiest link, {fixed:.1f} ms "
         f"for up to 4 links a trainer rank and 4 an engine rank, 0.0 ms for the buckets)"
     )
+    # NCCL's own, and 4 links a rank, each at NCCL's choice of blocks, to GPUs of the host
+    assert p.nccl_bytes == NCCL_PROCESS_BYTES + 4 * (NCCL_LINK_BYTES + NCCL_PEER_BYTES)
     assert lines[-2] == (
-        f"buffers: at most {p.buffer_bytes / 1e3:.2f} kB a rank; buckets: at most 4 a rank "
-        "an update"
+        f"buffers: at most {p.buffer_bytes / 1e3:.2f} kB a rank; NCCL's own for its links: "
+        f"about {p.nccl_bytes / 1e9:.2f} GB a rank; buckets: at most 4 a rank an update"
     )
     assert lines[-3].startswith(f"busiest link: {p.busiest}")
     assert any(line.startswith("sent: ") and f"over {p.links} links" in line for line in lines)
@@ -156,6 +164,13 @@ def test_many_links_a_rank_share_its_buffers_in_more_smaller_buckets_which_cost_
     assert tight.buffer_bytes == 8 * 2 * (4 << 20) == 64 << 20
     assert roomy.buffer_bytes == 8 * 2 * (32 << 20)
     assert tight.seconds - roomy.seconds == pytest.approx(56 * BUCKET_MS / 1e3)
+    # NCCL's memory does not depend on the buffers: 8 links a rank, NCCL's own blocks;
+    # at 16 links a rank they share 32 blocks, 2 a link
+    # (the trainer's host is not the engine's: no GPU of a rank's host is reached)
+    assert roomy.nccl_bytes == tight.nccl_bytes == NCCL_PROCESS_BYTES + 8 * NCCL_LINK_BYTES
+    many = predict(specs, Cluster(fsdp=16, engines=1, engine_tp=16, engine_dtype=torch.bfloat16))
+    assert many.trainer_links == many.engine_links == 16
+    assert many.nccl_bytes == NCCL_PROCESS_BYTES + 16 * 2 * NCCL_CTA_BYTES
     with pytest.raises(ValueError) as e:
         Cluster(**kw, buffer_bytes=2 << 20)
     assert str(e.value) == (

@@ -52,4 +52,8 @@ def test_the_group_descriptor_carries_the_senders_nccl_priority(high):
     s = WeightSender(group="g", transport="broadcast", nccl_high_priority=high)
     desc = s._transport.group_for([b"a"], 10.0, torch.device("cuda", 0))
     assert desc[b"a"]["backend"] == "nccl" and desc[b"a"]["high_priority"] is high
+    assert desc[b"a"]["max_ctas"] == 0  # NCCL's own choice unless a ShardedSender caps it
+    s._cap_ctas(6)
+    desc = s._transport.group_for([b"b"], 10.0, torch.device("cuda", 0))
+    assert desc[b"b"]["max_ctas"] == 6
     s.close()

@@ -24,6 +24,7 @@ from rlferry.weights import (
     tp_layout,
 )
 from rlferry.weights._boxes import slices
+from rlferry.weights._sharded import link_ctas
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")
@@ -809,3 +810,21 @@ def test_a_ranks_links_share_its_buffer_budget_in_smaller_buckets():
         "ShardedSender.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
         "smallest bucket), got 2097152 (bytes, as an int: 4 << 30 is 4 GiB)"
     )
+
+
+def test_a_ranks_many_point_to_point_links_share_nccls_thread_blocks():
+    """Point to point over broadcast, a link whose busier end has more than 8 links takes
+    at most the NCCL blocks of ``link_ctas`` (NCCL's memory for a group grows with them:
+    about 9 MiB a block); fewer links, and a shared stream, leave NCCL its own choice."""
+    assert [link_ctas(n) for n in (1, 2, 8, 9, 11, 16, 256)] == [0, 0, 0, 3, 2, 2, 2]
+    specs = llama_specs(layers=1, hidden=64, inter=128, vocab=96, kv=32)
+    engine = tp_layout(specs, 2)
+    for fsdp, p2p, want in ((1, True, 0), (16, True, 2), (16, False, 0)):
+        with ShardedSender(
+            group=f"ctas-{fsdp}-{p2p}", rank=0, trainer=fsdp_layout(specs, fsdp), engine=engine,
+            transport="broadcast", point_to_point=p2p,
+        ) as sender:  # fmt: skip
+            # one trainer rank: 2 links (one an engine rank); sixteen: 16 an engine rank
+            assert {r: link._transport.max_ctas for r, link in sender._links.items()} == {
+                r: want for r in sender._links
+            }

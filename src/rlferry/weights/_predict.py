@@ -23,7 +23,7 @@ timed), plus what an update costs besides its bytes, measured on four H200s
 - ``bucket_ms`` for each further bucket of the rank that handles the most (every
   link's bucket after its first; its host work is done one bucket at a time). A
   rank's links share ``buffer_bytes`` of buffers (two of a bucket each, at both
-  ends: :func:`link_bucket_caps`), so many links a rank mean small buckets, many of
+  ends: :func:`busier_ends`), so many links a rank mean small buckets, many of
   them: the memory against time trade the prediction shows.
 
 Layers with the same tensors (names without their layer number, shapes) are
@@ -45,7 +45,14 @@ import torch
 from ._boxes import Box, chunk_bounds, full_box, volume
 from ._layouts import TrainerLayout
 from ._plan import TensorSpec
-from ._sharded import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES, bucket_cap
+from ._sharded import (
+    LINK_BUFFER_BYTES,
+    MIN_BUCKET_BYTES,
+    NCCL_PEER_BYTES,
+    NCCL_PROCESS_BYTES,
+    bucket_cap,
+    link_nccl_bytes,
+)
 from ._shardplan import ShardPlan
 from ._tp import tp_layout, tp_split_dim
 
@@ -196,6 +203,7 @@ class Prediction:
     link_bytes: tuple[int, int, int]  # min, median, max of one link
     buckets: int  # the most buckets one rank handles an update (all its links')
     buffer_bytes: int  # the most one rank's link buffers take
+    nccl_bytes: int  # the most device memory NCCL takes in one rank (see link_nccl_bytes)
     busiest: str  # which GPU and direction bounds the update
     busiest_bytes: int
     link_seconds: float  # the busiest link's bytes over its bandwidth
@@ -216,8 +224,9 @@ class Prediction:
             f"max {_size(max(r))}",
             f"busiest link: {self.busiest}, {_size(self.busiest_bytes)} in "
             f"{self.link_seconds * 1e3:.1f} ms",
-            f"buffers: at most {_size(self.buffer_bytes)} a rank; buckets: at most "
-            f"{self.buckets} a rank an update",
+            f"buffers: at most {_size(self.buffer_bytes)} a rank; NCCL's own for its links: "
+            f"about {_size(self.nccl_bytes)} a rank; buckets: at most {self.buckets} a rank "
+            "an update",
             f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link, "
             f"{self.fixed_seconds * 1e3:.1f} ms for up to {self.trainer_links} links a "
             f"trainer rank and {self.engine_links} an engine rank, "
@@ -270,11 +279,19 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
     # ShardedSender makes them), counted at both ends: a rank's buckets and buffers
     buckets: dict[tuple[int, int], int] = defaultdict(int)  # by (0: trainer, 1: engine; rank)
     buffers: dict[tuple[int, int], int] = defaultdict(int)
+    # NCCL's memory at both ends: its own once, a link's group, the host's GPUs reached
+    nccl: dict[tuple[int, int], int] = defaultdict(lambda: NCCL_PROCESS_BYTES)
+    peers: dict[tuple[int, int], int] = defaultdict(int)
     for (s, r), b in per_link.items():
-        bucket = min(MAX_BUCKET_BYTES, bucket_cap(c.buffer_bytes, max(t_n[s], e_n[r])))
+        busier = max(t_n[s], e_n[r])
+        bucket = min(MAX_BUCKET_BYTES, bucket_cap(c.buffer_bytes, busier))
         for end in ((0, s), (1, r)):
             buckets[end] += -(-b // bucket)
             buffers[end] += 2 * min(bucket, b)
+            nccl[end] += link_nccl_bytes(busier)
+            peers[end] += host_s[s] == host_r[r]
+    for end, n in peers.items():
+        nccl[end] += min(n, c.gpus_per_host - 1) * NCCL_PEER_BYTES
     # the rank with the most buckets past each link's first (those are in update_ms)
     ends = (t_n, e_n)
     most = max(n - ends[side][k] for (side, k), n in buckets.items())
@@ -289,6 +306,7 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
         link_bytes=(links[0], links[len(links) // 2], links[-1]),
         buckets=max(buckets.values()),
         buffer_bytes=max(buffers.values()),
+        nccl_bytes=max(nccl.values()),
         busiest=f"{who} {i} {way} over {kind} ({bw[kind] / 1e9:g} GB/s)",
         busiest_bytes=worst,
         link_seconds=worst / bw[kind],

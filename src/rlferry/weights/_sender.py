@@ -188,6 +188,14 @@ class WeightSender:
             if self._plan is not None and self._plan.bucket_bytes > cap:
                 self._plan = None
 
+    def _cap_ctas(self, ctas: int) -> None:
+        """Let this sender's broadcast group (NCCL) take at most ``ctas`` thread blocks, at
+        its end and every receiver's: a :class:`ShardedSender` bounds the memory NCCL takes
+        for each of its rank's links. Used when the group next forms; other transports
+        ignore it."""
+        if self._collective is not None:
+            self._collective.max_ctas = ctas
+
     def _describe_as(self, description: Described) -> None:
         """Answer a ``Describe`` of ``description.group`` with it: this sender is rank 0
         of a :class:`ShardedSender` group, and its address is the one engines are told."""

@@ -19,7 +19,6 @@ is today's single sender: exactly one WeightSender and one WeightReceiver.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -34,7 +33,15 @@ from ._report import PushReport, ShardedSenderStatistics
 from ._sender import WeightSender
 from ._shardplan import Piece, ShardPlan
 
-__all__ = ["LINK_BUFFER_BYTES", "ShardedSender", "bucket_cap", "link_bucket_caps", "link_group"]
+__all__ = [
+    "LINK_BUFFER_BYTES",
+    "ShardedSender",
+    "bucket_cap",
+    "busier_ends",
+    "link_ctas",
+    "link_group",
+    "link_nccl_bytes",
+]
 
 # What a rank's link buffers may take together by default (every link has two bucket
 # buffers at each end): 4 GiB keeps up to 8 links a rank at the single sender's 256 MiB
@@ -43,6 +50,15 @@ __all__ = ["LINK_BUFFER_BYTES", "ShardedSender", "bucket_cap", "link_bucket_caps
 # engine rank hearing from 256 trainer ranks held two buffers of up to 256 MiB for each.
 LINK_BUFFER_BYTES = 4 << 30
 MIN_BUCKET_BYTES = 2 << 20
+# NCCL's device memory for point-to-point links (H100s, torch 2.11's NCCL; benchmarks/
+# nccl_links.py and the ranks' own count in weights_sharded.py): about 400 MiB once a
+# process, 260 MiB a link's two-rank group at NCCL's own choice of thread blocks (CTAs) or
+# 9 MiB a block when capped, and 160-224 MiB for each other GPU of the host a rank
+# reaches. Up to FREE_LINKS links a rank keep NCCL's choice; more share LINK_CTAS blocks,
+# never under MIN_LINK_CTAS (see link_ctas).
+NCCL_PROCESS_BYTES, NCCL_PEER_BYTES = 400 << 20, 224 << 20
+NCCL_LINK_BYTES, NCCL_CTA_BYTES = 260 << 20, 9 << 20
+FREE_LINKS, LINK_CTAS, MIN_LINK_CTAS = 8, 32, 2
 
 
 def bucket_cap(budget: int, links: int) -> int:
@@ -53,18 +69,34 @@ def bucket_cap(budget: int, links: int) -> int:
     return max(step, budget // (2 * max(1, links)) // step * step)
 
 
-def link_bucket_caps(
-    plan: ShardPlan, rank: int, point_to_point: bool, budget: int = LINK_BUFFER_BYTES
-) -> dict[int, int]:
-    """The largest bucket of each of trainer rank ``rank``'s links (by engine rank; -1: its
-    shared stream), so that every rank's buffers stay within ``budget``: a link's two
-    buffers at each end, counted against the rank of either end with the most links (an
-    engine rank hears from every trainer rank it needs bytes from)."""
-    cap = functools.partial(bucket_cap, budget)
+def link_ctas(links: int) -> int:
+    """NCCL thread blocks for a point-to-point link whose busier end has ``links`` links
+    (0: NCCL's own choice). Up to FREE_LINKS links keep NCCL's choice: capped at 16 blocks,
+    a 16.4 GB update took 7-9% longer (one and two links a rank, four H100s). More links
+    share LINK_CTAS blocks, at least MIN_LINK_CTAS a link, which bounds NCCL's memory (an
+    engine rank hearing from 256 trainer ranks would take 70 GB for their groups at NCCL's
+    choice, 4.8 GB so); sixteen links of 2 blocks between two H100s moved 2 GiB at 355-365
+    GB/s, as two of NCCL's choice did (367-372)."""
+    if links <= FREE_LINKS:
+        return 0
+    return max(MIN_LINK_CTAS, LINK_CTAS // links)
+
+
+def link_nccl_bytes(links: int) -> int:
+    """About what NCCL allocates on each end for a link's group (see :func:`link_ctas`;
+    besides NCCL_PROCESS_BYTES once a process and NCCL_PEER_BYTES a GPU reached)."""
+    ctas = link_ctas(links)
+    return ctas * NCCL_CTA_BYTES if ctas else NCCL_LINK_BYTES
+
+
+def busier_ends(plan: ShardPlan, rank: int, point_to_point: bool) -> dict[int, int]:
+    """For each of trainer rank ``rank``'s links (by engine rank; -1: its shared stream),
+    the links of whichever end has more (an engine rank hears from every trainer rank it
+    needs bytes from): what the link's buffers and NCCL blocks are shared by."""
     receivers = plan.receivers_of(rank)
     if point_to_point:
-        return {r: cap(max(len(receivers), len(plan.senders_of(r)))) for r in receivers}
-    return {-1: cap(max((len(plan.senders_of(r)) for r in receivers), default=1))}
+        return {r: max(len(receivers), len(plan.senders_of(r))) for r in receivers}
+    return {-1: max((len(plan.senders_of(r)) for r in receivers), default=1)}
 
 
 def link_group(group: str, rank: int, receiver: int | None = None) -> str:
@@ -137,7 +169,7 @@ class ShardedSender:
     ``buffer_bytes``: what the bucket buffers of a rank's links may take together, at
     either end (default 4 GiB): without ``bucket_bytes``, each link's buckets are made
     small enough that the rank with the most links, trainer or engine, stays within it
-    (:func:`link_bucket_caps`; give every rank the same). Smaller buckets cost time
+    (:func:`busier_ends`, :func:`bucket_cap`; give every rank the same). Smaller buckets cost time
     (``rlferry plan-weights`` shows both); an engine rank that hears from 256 trainer
     ranks would otherwise hold two 256 MiB buffers for each.
     """
@@ -233,12 +265,14 @@ class ShardedSender:
                 )
 
     def _cap_links(self) -> None:
-        """Each link's largest default bucket, for the current plan (see ``buffer_bytes``)."""
-        plan = self._plans.get()
-        caps = link_bucket_caps(plan, self.rank, self.point_to_point, self.buffer_bytes)
+        """Each link's largest default bucket, for the current plan (see ``buffer_bytes``),
+        and, point to point, its NCCL blocks (:func:`link_ctas`, from its next group on)."""
+        ends = busier_ends(self._plans.get(), self.rank, self.point_to_point)
         for r, link in self._links.items():
-            if r in caps:
-                link._cap_buckets(caps[r])
+            if r in ends:
+                link._cap_buckets(bucket_cap(self.buffer_bytes, ends[r]))
+                if self.point_to_point:
+                    link._cap_ctas(link_ctas(ends[r]))
 
     def describe_group(self, addresses: Sequence[str] | Sequence[Mapping[int, str]]) -> None:
         """Let a receiver that knows only one address of rank 0 find every rank:

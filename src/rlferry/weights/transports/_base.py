@@ -155,6 +155,7 @@ class CollectiveSender(SenderTransport):
 
     collective: ClassVar[bool] = True
     kv: KeyValue | None = None  # the rendezvous pairs the sender's control channel serves
+    max_ctas: int = 0  # NCCL thread blocks the next group may take, at every member (0: NCCL's)
 
     @abc.abstractmethod
     def group_for(

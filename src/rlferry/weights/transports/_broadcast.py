@@ -52,17 +52,21 @@ def _options() -> Any:
 
 def _make_group(
     backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float,
-    host: str | None, high_priority: bool,
+    host: str | None, high_priority: bool, max_ctas: int = 0,
 ) -> Any:  # fmt: skip
     """A group over ``store``; gloo's sockets listen on ``host`` (None: torch's default);
     NCCL's streams at high priority if ``high_priority`` (its kernels then take SMs before
-    the pack and load copies queued beside them: the collective is what bounds a push)."""
+    the pack and load copies queued beside them: the collective is what bounds a push);
+    NCCL's kernels at most ``max_ctas`` thread blocks (0: NCCL's own choice), which also
+    bounds the buffers NCCL allocates for the group (about 9 MiB a block, measured)."""
     td = datetime.timedelta(seconds=max(1.0, timeout))
     pstore = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         opts.is_high_priority_stream = high_priority
+        if max_ctas:
+            opts.config.max_ctas = max_ctas
         return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gopts._devices = [gloo_device(host)]
@@ -141,7 +145,7 @@ class BroadcastSender(CollectiveSender):
         self._prefix = ""
         self._pg: Any = None
         self._members: list[bytes] = []
-        self._pending: tuple[str, str, int] | None = None  # backend, prefix, world
+        self._pending: tuple[str, str, int, int] | None = None  # backend, prefix, world, CTAs
         self._descs: dict[bytes, dict[str, Any]] = {}
         self._bufs: list[torch.Tensor] = []
         self._timeout = 60.0
@@ -165,7 +169,7 @@ class BroadcastSender(CollectiveSender):
             self._loop_run(self._drop(self._prefix))
         prefix = self._prefix = f"rlferry/{os.getpid()}/{next(_epochs)}"
         world = len(keys) + 1
-        self._pending = (backend, prefix, world)
+        self._pending = (backend, prefix, world, self.max_ctas)
         self._members = list(keys)
         self._timeout = timeout
         self.generation += 1
@@ -179,6 +183,7 @@ class BroadcastSender(CollectiveSender):
                 "world": world,
                 "timeout": timeout,
                 "high_priority": self._high_priority,
+                "max_ctas": self.max_ctas,
             }
             for r, k in enumerate(keys)
         }
@@ -215,11 +220,11 @@ class BroadcastSender(CollectiveSender):
         """Join the group being formed as rank 0 (blocks until every receiver joined)."""
         if self._pending is None:
             return
-        backend, prefix, world = self._pending
+        backend, prefix, world, ctas = self._pending
         self._pending = None
         try:
             pg = _make_group(backend, self._store, prefix, 0, world, self._timeout, self._gloo_host,
-                             self._high_priority)  # fmt: skip
+                             self._high_priority, ctas)  # fmt: skip
             self._warm(pg)
         except Exception as e:
             raise WeightSyncError(
@@ -334,6 +339,7 @@ class BroadcastReceiver(CollectiveReceiver):
             backend, port, prefix = str(desc["backend"]), int(desc["port"]), str(desc["prefix"])
             rank, world, timeout = int(desc["rank"]), int(desc["world"]), float(desc["timeout"])
             kind, high = str(desc["store"]), bool(desc["high_priority"])
+            ctas = int(desc["max_ctas"])
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError("malformed setup: bad broadcast group") from None
         if kind not in ("tcp", "control"):
@@ -355,7 +361,7 @@ class BroadcastReceiver(CollectiveReceiver):
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             pg = _make_group(backend, store, prefix, rank, world, timeout,
-                             local_host_towards(host), high)  # fmt: skip
+                             local_host_towards(host), high, ctas)  # fmt: skip
             one = torch.zeros(1, device=dev)
             _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else timeout)
             if dev.type == "cuda":
