@@ -130,6 +130,10 @@ class WeightReceiver:
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._version: int | None = None
+        # a commit's waiters are woken once its acknowledgement went (see _wake); the hook
+        # runs then too (a ShardedReceiver's, whose waiters wait on the whole version)
+        self._unwoken = False
+        self._after_ack: Callable[[], None] | None = None
         self._closed = False
         self._plan: Plan | None = None
         self._unpacker: Unpacker | None = None
@@ -301,6 +305,18 @@ class WeightReceiver:
         except WireError as e:
             log.debug("receiver %s: an acknowledgement was not sent: %s", self.name, e)
 
+    def _wake(self) -> None:
+        """Wake the waiters of the version just committed, after its acknowledgement went:
+        a waiting thread woken before would take the GIL from the one sending it (2→2 on
+        the CPU, 100-200 µs of every push's critical path)."""
+        if not self._unwoken:
+            return
+        self._unwoken = False
+        with self._cond:
+            self._cond.notify_all()
+        if self._after_ack is not None:
+            self._after_ack()
+
     def _ask_ahead(self, ack: Ack) -> None:
         """Ask for the next bucket now (it comes while this one loads); if the ask cannot
         go, the serving loop's next send meets the same error."""
@@ -313,6 +329,7 @@ class WeightReceiver:
         """The background thread: serve until stopped, then say why to every waiter."""
         try:
             stopped = self._serve_pushes()
+            self._wake()  # a commit whose acknowledgement could not go
         except BaseException as e:  # a reply it cannot read, or a bug: never hide it
             log.exception("receiver %s: its thread failed", self.name)
             stopped = (
@@ -337,6 +354,7 @@ class WeightReceiver:
             try:
                 if ask is not None:
                     rid, ask = self._send(ask), None
+                    self._wake()
                 msg = decode_reply(self._client.wait(rid))
             except ChannelClosed:
                 return None
@@ -359,6 +377,7 @@ class WeightReceiver:
             ack = self._handle(msg)
             if self._prefetch is not None:  # the next bucket is already asked for
                 self._note(ack)
+                self._wake()
                 rid = self._prefetch
             else:
                 ask = ack
@@ -519,8 +538,8 @@ class WeightReceiver:
             except Exception as e:
                 return self._failed(seq, DONE - 1, f"on_commit raised {type(e).__name__}: {e}")
         with self._cond:
-            self._version = version
-            self._cond.notify_all()
+            self._version = version  # read at once; waiters are woken once the ack went
+        self._unwoken = True
         self._counts["commits"] += 1
         self._last_seconds = time.perf_counter() - self._push_start
         self._push_start = 0.0

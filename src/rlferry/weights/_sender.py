@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Callable, ItemsView, Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -22,7 +23,9 @@ from ._report import PushReport, SenderStatistics
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender, checksum
 
-__all__ = ["WeightSender"]
+__all__ = ["WeightSender", "drain"]
+
+T = TypeVar("T")
 
 _MiB = 1 << 20
 
@@ -48,6 +51,15 @@ def default_bucket_bytes(device: torch.device, largest: int) -> int:
     if bucket < largest <= free // 8:
         bucket = largest
     return -(-bucket // 256) * 256
+
+
+def drain(steps: Generator[None, None, T]) -> T:
+    """Run a push's :meth:`WeightSender.steps` to its end; its report."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
@@ -239,18 +251,23 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
-        return self._locked_push(named_tensors, version, timeout, layout, same=False)
+        return drain(self.steps(named_tensors, version, timeout, layout))
 
-    def _push_same(self, named: list[Any], version: int, timeout: float) -> PushReport:
-        """:meth:`push` of the list object pushed last, whose tensors the caller checked are
-        the same ones (same memory, same layout): the per-tensor checks are skipped (a
-        ShardedSender's link, pushed again the views it keeps)."""
-        return self._locked_push(named, version, timeout, None, same=True)
+    def steps(
+        self, named: Iterable[Any] | Callable[[], tuple[list[Any], bool]], version: int,
+        timeout: float, layout: Iterable[tuple[str, Any]] | None = None,
+    ) -> Generator[None, None, PushReport]:  # fmt: skip
+        """:meth:`push` as steps, for a caller that drives several senders' pushes in one
+        thread (:func:`drain` runs one): the first step starts the push (a push whose
+        receivers hold its plan starts streaming there), each later one packs and sends a
+        bucket, the last waits for the commits; the report is the generator's value. On
+        NCCL a step only enqueues work, so one thread keeps every link of a rank busy.
 
-    def _locked_push(
-        self, named_tensors: Iterable[Any], version: int, timeout: float,
-        layout: Iterable[tuple[str, Any]] | None, same: bool,
-    ) -> PushReport:  # fmt: skip
+        ``named`` may be a callable giving ``(named, same)`` once the push started (the
+        caller's tensors are made ready while the receivers get the start); ``same``:
+        the list object pushed last, whose tensors the caller checked are the same (same
+        memory, same layout), so their checks are skipped. Such a caller must push the
+        layout of the last push (a new layout fails the push, after aborting it)."""
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:
@@ -262,7 +279,7 @@ class WeightSender:
             kept = self._plan, self._planned_for, self._packer, self._device
             self._moving = False
             try:
-                return self._push(named_tensors, version, timeout, layout, same)
+                return (yield from self._push(named, version, timeout, layout))
             except BaseException as e:
                 if not self._moving:  # it failed before any bucket moved: it leaves nothing
                     self._plan, self._planned_for, self._packer, self._device = kept
@@ -274,25 +291,47 @@ class WeightSender:
 
     def _push(
         self,
-        named: Iterable[Any],
+        named: Iterable[Any] | Callable[[], tuple[list[Any], bool]],
         version: int,
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
-        same: bool,
-    ) -> PushReport:
+    ) -> Generator[None, None, PushReport]:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
+        seq = next(self._seq)
+        wait_for = self.config.receivers if self._first else 1
+        run = self._loop.run
+        args = {"seq": seq, "version": version, "timeout": timeout}
+        begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
+        fast = early = None
+        if callable(named):
+            early = self._plan
+            if not self._first and early is not None:
+                fast = self._fast(early, seq, version)
+                begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+                yield  # the receivers get the start while the caller readies its tensors
+            try:
+                named, same = named()
+            except BaseException as e:
+                self._abandon(begun, e, deadline)
+        else:
+            same = False
         if same and self._plan is not None and named is self._planned_for:
             plan, checked = self._plan, False
         else:
             same = False
             named, plan, checked = self._layout(named, layout)
-        seq = next(self._seq)
-        wait_for = self.config.receivers if self._first else 1
-        run = self._loop.run
-        args = {"seq": seq, "version": version, "timeout": timeout}
-        fast = self._fast(plan, seq, version) if not self._first else None
-        begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+        if begun is None:
+            fast = self._fast(plan, seq, version) if not self._first else None
+            begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+        elif plan is not early:
+            fast = None  # a started stream carries the old plan: it cannot go on
+            started = begun.result()[1]
+            if started is not None:
+                self._fail(
+                    WeightSyncError("the layout changed after the push started (a bug)"),
+                    started, deadline,
+                )  # fmt: skip
         buckets: Iterator[tuple[int, list[Any]]] | None = None
         if fast is not None:  # bucket 0 is packed while the loop picks the members
             assert self._packer is not None
@@ -301,11 +340,8 @@ class WeightSender:
             try:
                 first = next(rest)
                 self._packer.pack(*first)
-            except BaseException as e:  # a push the hub started must be aborted, not left
-                started = begun.result()[1]
-                if started is None:
-                    raise
-                self._fail(e, started, deadline)
+            except BaseException as e:
+                self._abandon(begun, e, deadline)
             buckets = itertools.chain([first], rest)
         try:
             members, push = begun.result()
@@ -316,7 +352,9 @@ class WeightSender:
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
             self._moving = True
-            return self._finish(push, plan, named, checked, t0, deadline, buckets, packed=True)
+            return (yield from self._finish(
+                push, plan, named, checked, t0, deadline, buckets, packed=True
+            ))  # fmt: skip
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
@@ -357,7 +395,9 @@ class WeightSender:
                 run(self._hub.stream())
             except BaseException as e:
                 self._fail(e, push, deadline)
-        return self._finish(push, plan, named, checked, t0, deadline, buckets, direct=direct)
+        return (yield from self._finish(
+            push, plan, named, checked, t0, deadline, buckets, direct=direct
+        ))  # fmt: skip
 
     def _fast(
         self, plan: Plan, seq: int, version: int
@@ -381,6 +421,15 @@ class WeightSender:
 
         return fast
 
+    def _abandon(
+        self, begun: concurrent.futures.Future[Any] | None, e: BaseException, deadline: float
+    ) -> NoReturn:
+        """Raise ``e``, met while ``begun`` ran: a push the hub started is aborted, not left."""
+        started = begun.result()[1] if begun is not None else None
+        if started is None:
+            raise e
+        self._fail(e, started, deadline)
+
     def _fail(self, e: BaseException, push: Push, deadline: float) -> NoReturn:
         """Abort ``push`` after ``e`` and raise: ``e`` itself, or, for a WeightSyncError that
         names nobody, one naming the members that failed."""
@@ -402,7 +451,7 @@ class WeightSender:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None,
-    ) -> PushReport:  # fmt: skip
+    ) -> Generator[None, None, PushReport]:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
@@ -415,9 +464,12 @@ class WeightSender:
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                coll.stream(plan, buckets, self._packer, verify, deadline, packed)
+                yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
-                self._stream_mailbox(plan, bucketed(plan, named, checked), verify, deadline)
+                yield from self._stream_mailbox(
+                    plan, bucketed(plan, named, checked), verify, deadline
+                )
+            yield  # the caller's other pushes stream before this one waits for its commits
             # every member's commit wakes this thread from the loop at once; at the
             # deadline, the loop names the late ones
             p = push
@@ -508,7 +560,7 @@ class WeightSender:
     def _stream_mailbox(
         self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,
         deadline: float,
-    ) -> None:  # fmt: skip
+    ) -> Generator[None, None, None]:  # fmt: skip
         tr, hub, packer = self._mailbox, self._hub, self._packer
         assert tr is not None and packer is not None and packer.plan is plan
         members = hub.push.members if hub.push else []
@@ -525,6 +577,7 @@ class WeightSender:
             tr.after_pack(b)
             sum_ = checksum(tr.buffer(b)[: plan.bucket_used[k]]) if verify else None
             call(hub.announce, k, sum_)
+            yield
 
     # -- the rest ---------------------------------------------------------------------
     def statistics(self) -> SenderStatistics:

@@ -118,6 +118,7 @@ class ShardedReceiver:
         self._cond = threading.Condition()
         self._links: dict[int, _Link] = {}
         self._version: int | None = None
+        self._advanced = False  # the version moved, its waiters not woken yet
         self._closed = False
         self._ops: dict[int, dict[str, list[_Op]]] = {}
         self._build_ops(self._plans.get())
@@ -220,6 +221,7 @@ class ShardedReceiver:
             name=f"{self.name}<-trainer{sender}",
             **self._link_args,
         )
+        r._after_ack = self._link_acked
         link.receiver = r
         with self._cond:
             link.version = self._version  # what it holds of this rank's bytes: the whole version
@@ -323,7 +325,16 @@ class ShardedReceiver:
                         link.version = before
                         raise
                 self._version = whole
-            self._cond.notify_all()
+                self._advanced = True  # its waiters are woken once this link's ack went
+
+    def _link_acked(self) -> None:
+        """A link's commit was acknowledged: wake the waiters if the whole version moved (a
+        link's commit that did not move it wakes nobody: they would take the GIL from the
+        links still loading)."""
+        with self._cond:
+            if self._advanced:
+                self._advanced = False
+                self._cond.notify_all()
 
     def _whole(self) -> int | None:
         versions = [lk.version for lk in self._links.values()]

@@ -185,9 +185,10 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> None:
-        """Pack and send every bucket (then the checksums if ``verify``); ``packed``:
-        bucket 0 is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
+    ) -> Iterator[None]:
+        """Pack and send every bucket (then the checksums if ``verify``), a step each (a
+        generator: the caller drives it, see ``WeightSender.steps``); ``packed``: bucket 0
+        is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:

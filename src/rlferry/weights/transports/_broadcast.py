@@ -268,7 +268,7 @@ class BroadcastSender(CollectiveSender):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> None:
+    ) -> Iterator[None]:
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
@@ -287,9 +287,11 @@ class BroadcastSender(CollectiveSender):
                 if verify:
                     sums.append(checksum(view))
                 works[b] = pg.broadcast([view], opts)
+                yield
             if verify:
                 t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
                 works.append(pg.broadcast([t], opts))
+                yield
             for w in works:
                 if w is not None:
                     _wait(w, None if nccl else deadline - time.monotonic())
