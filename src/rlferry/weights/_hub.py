@@ -300,6 +300,9 @@ class Hub:
         push = fast(members) if fast is not None else None
         if push is not None:
             await self.start(push, streaming=True)
+            # the members' requests, answered with the start, are sent before the pushing
+            # thread (which waits for this) takes the GIL back
+            await asyncio.sleep(0)
         return members, push
 
     def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:
