@@ -71,6 +71,7 @@ class Member:
         self.awaited = True  # fresh, and pushes still wait for it (JOIN_GRACE after joining)
         self.version: int | None = None  # of the last push it took part in
         self.late = False  # missed the push's timeout
+        self.told = 0  # the last push whose message to it is on its way
         self.handles: list[bytes] = []
         self.checksums: list[int] = []
 
@@ -162,10 +163,13 @@ class Hub:
         self._dispatch(m)
         self._changed.set()
         try:
-            return encode(await fut)
+            reply = encode(await fut)
         finally:
             if m.parked is fut:
                 m.parked = None
+        m.told = m.seq  # the server sends the reply in this step
+        self._changed.set()
+        return reply
 
     def _describe(self, group: str) -> Described:
         d = self.description
@@ -300,9 +304,11 @@ class Hub:
         push = fast(members) if fast is not None else None
         if push is not None:
             await self.start(push, streaming=True)
-            # the members' requests, answered with the start, are sent before the pushing
-            # thread (which waits for this) takes the GIL back
-            await asyncio.sleep(0)
+            # the start goes out to every member before the pushing thread, which waits for
+            # this, takes the GIL back
+            await self.until(
+                lambda: all(m.told == push.seq or m.settled for m in members), deadline
+            )
         return members, push
 
     def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:
