@@ -457,9 +457,14 @@ def close_all(sender, receivers):
     sender.close()
 
 
-def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
-    """A rank's links push side by side: an engine rank whose load raises fails its link
-    (named) and the other link's push goes on and commits; the next push works for both."""
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push(
+    one_thread, monkeypatch
+):
+    """A rank's links push side by side (a thread a link, as on the CPU, or one thread
+    taking their steps in turn, as on NCCL): an engine rank whose load raises fails its
+    link (named) and the other link's push goes on and commits; the next push works for
+    both."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     fail_at = {0: 3}  # engine rank 0's load raises in the push of version 3 (its link first)
     sender_version = [0]
@@ -476,6 +481,7 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
         "one-fails", specs, (load_of(0), load_of(1)), transport="broadcast",
         bucket_bytes=16 << 10, point_to_point=True,
     )  # fmt: skip
+    monkeypatch.setattr(sender, "_one_thread", lambda: one_thread)
     try:
         for v in (1, 2, 3, 4):
             sender_version[0] = v
@@ -502,10 +508,13 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push():
         close_all(sender, receivers)
 
 
-def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works():
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works(
+    one_thread, monkeypatch
+):
     """Ctrl-C while a rank pushes its links: it goes up at once (a link still pushing ends on
-    its own, within its timeout), each engine rank holds a whole version, and the next push
-    works."""
+    its own, within its timeout; taken in turn by one thread, it is aborted), each engine
+    rank holds a whole version, and the next push works."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     entered, gate = threading.Event(), threading.Event()
     pushing = [0]
@@ -519,6 +528,7 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
     engine, sender, params, receivers = one_rank_to_tp2(
         "interrupted", specs, (held, None), transport="broadcast", point_to_point=True
     )
+    monkeypatch.setattr(sender, "_one_thread", lambda: one_thread)
     armed = [False]
 
     def interrupt(signum, frame):
