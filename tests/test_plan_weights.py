@@ -8,6 +8,12 @@ import pytest
 import torch
 
 from rlferry.weights import Cluster, ShardPlan, TensorSpec, fsdp_layout, predict, tp_layout
+from rlferry.weights._budget import (
+    NCCL_CTA_BYTES,
+    NCCL_LINK_BYTES,
+    NCCL_PEER_BYTES,
+    NCCL_PROCESS_BYTES,
+)
 from rlferry.weights._predict import (
     BUCKET_MS,
     LINK_MS,
@@ -15,12 +21,6 @@ from rlferry.weights._predict import (
     model_specs,
     representatives,
     trainer_layout,
-)
-from rlferry.weights._sharded import (
-    NCCL_CTA_BYTES,
-    NCCL_LINK_BYTES,
-    NCCL_PEER_BYTES,
-    NCCL_PROCESS_BYTES,
 )
 
 pytest.importorskip("transformers")

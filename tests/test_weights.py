@@ -476,7 +476,7 @@ def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
 
 
 def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
-    from rlferry.weights._sender import default_bucket_bytes
+    from rlferry.weights._plan import default_bucket_bytes
 
     cpu, mib = torch.device("cpu"), 1 << 20
     assert default_bucket_bytes(cpu, 10 * mib) == 64 * mib

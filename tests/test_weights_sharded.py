@@ -24,7 +24,7 @@ from rlferry.weights import (
     tp_layout,
 )
 from rlferry.weights._boxes import slices
-from rlferry.weights._sharded import link_ctas
+from rlferry.weights._budget import link_ctas
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")

@@ -101,6 +101,9 @@ class Push:
     # set on the loop when every member has settled: the pushing thread waits on it
     # itself, without a hop to the loop and back
     settled: threading.Event = field(default_factory=threading.Event)
+    # set on the loop once every member's message of this push is on its way (a pushing
+    # thread holding the GIL would keep the loop from sending it: it waits on this first)
+    told: threading.Event = field(default_factory=threading.Event)
 
 
 class Hub:
@@ -168,7 +171,7 @@ class Hub:
             if m.parked is fut:
                 m.parked = None
         m.told = m.seq  # the server sends the reply in this step
-        self._changed.set()
+        self._check_told(self.push)
         return reply
 
     def _describe(self, group: str) -> Described:
@@ -201,6 +204,11 @@ class Hub:
         self._settle(p)
 
     @staticmethod
+    def _check_told(p: Push | None) -> None:
+        if p is not None and all(m.told == p.seq or m.settled for m in p.members):
+            p.told.set()
+
+    @staticmethod
     def _settle(p: Push | None) -> None:
         if p is not None and not p.settled.is_set() and all(m.settled for m in p.members):
             p.settled.set()
@@ -218,6 +226,7 @@ class Hub:
             m.parked.cancel()
         self.on_leave(m.key)
         self._settle(self.push)
+        self._check_told(self.push)
         self._changed.set()
 
     def _grace_over(self, m: Member) -> None:
@@ -304,11 +313,6 @@ class Hub:
         push = fast(members) if fast is not None else None
         if push is not None:
             await self.start(push, streaming=True)
-            # the start goes out to every member before the pushing thread, which waits for
-            # this, takes the GIL back
-            await self.until(
-                lambda: all(m.told == push.seq or m.settled for m in members), deadline
-            )
         return members, push
 
     def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:

@@ -43,9 +43,7 @@ from typing import Any
 import torch
 
 from ._boxes import Box, chunk_bounds, full_box, volume
-from ._layouts import TrainerLayout
-from ._plan import TensorSpec
-from ._sharded import (
+from ._budget import (
     LINK_BUFFER_BYTES,
     MIN_BUCKET_BYTES,
     NCCL_PEER_BYTES,
@@ -53,6 +51,8 @@ from ._sharded import (
     bucket_cap,
     link_nccl_bytes,
 )
+from ._layouts import TrainerLayout
+from ._plan import TensorSpec
 from ._shardplan import ShardPlan
 from ._tp import tp_layout, tp_split_dim
 

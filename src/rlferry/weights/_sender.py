@@ -6,8 +6,8 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator
+from typing import Any, NoReturn
 
 import torch
 
@@ -18,87 +18,29 @@ from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
 from ._messages import Described
 from ._pack import Packer, bucketed
-from ._plan import Plan, TensorSpec, named_pair
+from ._plan import Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
 from ._report import PushReport, SenderStatistics
+from ._turns import drain
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender, checksum
 
-__all__ = ["WeightSender", "drain"]
-
-T = TypeVar("T")
-
-_MiB = 1 << 20
+__all__ = ["WeightSender"]
 
 
 # re-iterable inputs streamed as they are (a bucket's tensors are taken without a walk)
 _WHOLE = (list, tuple, ItemsView)
 
 
-def default_bucket_bytes(device: torch.device, largest: int) -> int:
-    """Half of what the two buffers may take: 1/16 of free device memory within
-    [64 MiB, 256 MiB], raised to the largest tensor when that fits in 1/8 (no split);
-    on the CPU (shm) 64 MiB, where more buckets pipeline better, raised to the
-    largest tensor up to 1 GiB (a split tensor costs the receiver one more copy,
-    into the staging tensor that joins its pieces). On CUDA the cap was 1 GiB: a
-    smaller first bucket starts the link sooner and a smaller last one ends it
-    sooner (2 trainer ranks to a TP=2 engine on four H200s, 4.1 GB: 11.4 ms a push
-    with 256 MiB buckets, 13.3 ms with 1 GiB)."""
-    if device.type != "cuda":
-        bucket = largest if 64 * _MiB < largest <= 1024 * _MiB else 64 * _MiB
-        return -(-bucket // 256) * 256
-    free = torch.cuda.mem_get_info(device)[0]
-    bucket = min(256 * _MiB, max(64 * _MiB, free // 16))
-    if bucket < largest <= free // 8:
-        bucket = largest
-    return -(-bucket // 256) * 256
-
-
-def drain(steps: Generator[None, None, T]) -> T:
-    """Run a push's :meth:`WeightSender.steps` to its end; its report."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
 def _sent(begun: concurrent.futures.Future[Any], deadline: float) -> None:
-    """Wait (at most until ``deadline``; its result is read later) for the wire loop to
-    pick a push's members and, on the fast way, send them the start: holding the GIL,
+    """Wait (at most until ``deadline``; the results are read later) for the wire loop to
+    pick a push's members and, on the fast way, to send them the start: holding the GIL,
     this thread would keep the loop from it until its next blocking call (on four H100s
     the starts went out 0.4-0.6 ms into a push while it read its tensors and packed)."""
     concurrent.futures.wait([begun], max(0.0, deadline - time.monotonic()))
-
-
-def _same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
-    """Whether the pairs have the names, shapes and dtypes of ``specs``, in order.
-
-    Read without keeping an object per tensor: a layout kept as 18,867 tuples (and as
-    many shapes) per push made the trainer's garbage collector run a full collection
-    every other push (~90 ms with a trainer's heap, on the pushing thread).
-    """
-    i = -1
-    try:
-        for i, (n, t) in enumerate(named):
-            if i >= len(specs):
-                return False
-            s = specs[i]
-            if n != s.name or t.dtype != s.dtype or t.shape != s.shape:
-                return False
-    except (TypeError, ValueError, AttributeError):
-        return False  # not plain (name, tensor) pairs: _key_of names what is wrong
-    return i + 1 == len(specs)
-
-
-def _key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
-    """``(name, shape, dtype)`` of every pair: the layout, read without touching data."""
-    try:
-        key = [(n, t.shape, t.dtype) for n, t in named]
-    except (TypeError, ValueError, AttributeError):
-        key = []  # not plain (name, tensor) pairs: named_pair below names what is wrong
-    if key and all(type(k[0]) is str for k in key):
-        return key
-    return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
+    if begun.done() and not begun.cancelled() and begun.exception() is None:
+        push = begun.result()[1]
+        if push is not None:
+            push.told.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _error_class(
@@ -312,53 +254,41 @@ class WeightSender:
         args = {"seq": seq, "version": version, "timeout": timeout}
         begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
         fast = early = None
-        if callable(named):
-            early = self._plan
-            if not self._first and early is not None:
-                fast = self._fast(early, seq, version)
-                begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
-                yield  # the caller's other pushes start too
-                _sent(begun, deadline)  # the receivers get the start while the tensors are read
-            try:
-                named, same = named()
-            except BaseException as e:
-                self._abandon(begun, e, deadline)
-        else:
-            same = False
-        if same and self._plan is not None and named is self._planned_for:
-            plan, checked = self._plan, False
-        else:
-            same = False
-            named, plan, checked = self._layout(named, layout)
-        if begun is None:
-            fast = self._fast(plan, seq, version) if not self._first else None
-            begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
-            if fast is not None:
-                _sent(begun, deadline)  # the receivers get the start while bucket 0 is packed
-        elif plan is not early:
-            fast = None  # a started stream carries the old plan: it cannot go on
-            started = begun.result()[1]
-            if started is not None:
-                self._fail(
-                    WeightSyncError("the layout changed after the push started (a bug)"),
-                    started, deadline,
-                )  # fmt: skip
         buckets: Iterator[tuple[int, list[Any]]] | None = None
-        if fast is not None:  # bucket 0 is packed while the loop picks the members
-            assert self._packer is not None
-            self._packer.same = same
-            rest = bucketed(plan, named, checked)
-            try:
+        same = False
+        try:  # until the members are known: a push the hub started is aborted, not left
+            if callable(named):
+                early = self._plan
+                if not self._first and early is not None:
+                    fast = self._fast(early, seq, version)
+                    begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+                    yield  # the caller's other pushes start too
+                    _sent(begun, deadline)  # the receivers get the start while tensors are read
+                named, same = named()
+            if same and self._plan is not None and named is self._planned_for:
+                plan, checked = self._plan, False
+            else:
+                same = False
+                named, plan, checked = self._layout(named, layout)
+            if begun is None:
+                fast = self._fast(plan, seq, version) if not self._first else None
+                begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+                if fast is not None:
+                    _sent(begun, deadline)  # the receivers get the start while bucket 0 packs
+            elif plan is not early:
+                fast = None
+                if begun.result()[1] is not None:  # a started stream carries the old plan
+                    raise WeightSyncError("the layout changed after the push started (a bug)")
+            if fast is not None:  # bucket 0 is packed while the loop picks the members
+                assert self._packer is not None
+                self._packer.same = same
+                rest = bucketed(plan, named, checked)
                 first = next(rest)
                 self._packer.pack(*first)
-            except BaseException as e:
-                self._abandon(begun, e, deadline)
-            buckets = itertools.chain([first], rest)
-        try:
+                buckets = itertools.chain([first], rest)
             members, push = begun.result()
-        except BaseException:
-            begun.cancel()
-            raise
+        except BaseException as e:
+            self._abandon(begun, e, deadline)
         self._first = False
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
@@ -435,8 +365,13 @@ class WeightSender:
     def _abandon(
         self, begun: concurrent.futures.Future[Any] | None, e: BaseException, deadline: float
     ) -> NoReturn:
-        """Raise ``e``, met while ``begun`` ran: a push the hub started is aborted, not left."""
-        started = begun.result()[1] if begun is not None else None
+        """Raise ``e``, met before the members were known: a push the hub started is aborted,
+        not left; a begin still waiting for its members is cancelled (none started)."""
+        started = None
+        if begun is not None and not begun.done():
+            begun.cancel()
+        elif begun is not None and not begun.cancelled() and begun.exception() is None:
+            started = begun.result()[1]
         if started is None:
             raise e
         self._fail(e, started, deadline)
@@ -533,8 +468,8 @@ class WeightSender:
             assert self._plan is not None
             return data, self._plan, True
         self._planned_for = named if layout is None and not one_shot else None
-        if self._plan is None or not _same_layout(source, self._plan.specs):
-            specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in _key_of(source)]
+        if self._plan is None or not same_layout(source, self._plan.specs):
+            specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in key_of(source)]
             largest = max(s.nbytes for s in specs)
             bucket = self.config.bucket_bytes or default_bucket_bytes(self._device, largest)
             if not self.config.bucket_bytes and self._bucket_cap is not None:
