@@ -201,9 +201,9 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
-        return drain(self.steps(named_tensors, version, timeout, layout))
+        return drain(self._steps(named_tensors, version, timeout, layout))
 
-    def steps(
+    def _steps(
         self, named: Iterable[Any] | Callable[[], tuple[list[Any], bool]], version: int,
         timeout: float, layout: Iterable[tuple[str, Any]] | None = None,
     ) -> Generator[None, None, PushReport]:  # fmt: skip
@@ -217,7 +217,7 @@ class WeightSender:
         caller's tensors are made ready while the receivers get the start); ``same``:
         the list object pushed last, whose tensors the caller checked are the same (same
         memory, same layout), so their checks are skipped. Such a caller must push the
-        layout of the last push (a new layout fails the push, after aborting it)."""
+        layout of the last push (a push that started streaming the old one fails, aborted)."""
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
         if self._closed:

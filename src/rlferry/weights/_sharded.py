@@ -329,7 +329,7 @@ class ShardedSender:
         enqueue work): this thread takes every link's steps in turn, else each link gets a
         thread (the last this one; on the CPU the copies are the work). Threads fought for
         the GIL: on four H100s the second link of a rank started 0.6 ms after the first."""
-        steps = {r: self._links[r].steps(streams[r], version, timeout) for r in streams}
+        steps = {r: self._links[r]._steps(streams[r], version, timeout) for r in streams}
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}
         if one_thread or len(steps) <= 1:

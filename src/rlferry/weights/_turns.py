@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 
 def drain(steps: Generator[None, None, T]) -> T:
-    """Run a push's :meth:`WeightSender.steps` to its end; its report."""
+    """Run a push's :meth:`WeightSender._steps` to its end; its report."""
     while True:
         try:
             next(steps)

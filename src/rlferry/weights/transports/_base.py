@@ -187,7 +187,7 @@ class CollectiveSender(SenderTransport):
         packed: bool = False,
     ) -> Iterator[None]:
         """Pack and send every bucket (then the checksums if ``verify``), a step each (a
-        generator: the caller drives it, see ``WeightSender.steps``); ``packed``: bucket 0
+        generator: the caller drives it, see ``WeightSender._steps``); ``packed``: bucket 0
         is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
