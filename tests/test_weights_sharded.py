@@ -838,3 +838,34 @@ def test_a_ranks_many_point_to_point_links_share_nccls_thread_blocks():
             assert {r: link._transport.max_ctas for r, link in sender._links.items()} == {
                 r: want for r in sender._links
             }
+
+
+@pytest.mark.parametrize(("transport", "point_to_point"), [("shm", False), ("broadcast", True)])
+def test_a_layout_change_with_the_same_tensors_cuts_the_pieces_again(transport, point_to_point):
+    # The views a rank keeps from push to push (the same tensors, updated in place) were
+    # cut for one plan: after a layout change they are cut again, so every engine rank
+    # holds exactly the new layout's parts.
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "relaid", specs, transport=transport, point_to_point=point_to_point
+    )
+    mine = {n: t.clone() for n, t in full_weights(specs, 1).items()}
+    try:
+        for v in (1, 2):
+            for n, t in full_weights(specs, v).items():
+                mine[n].copy_(t)
+            sender.push(mine, version=v, timeout=WAIT)
+            assert_hold(engine, receivers, params, full_weights(specs, v), v)
+        engine = engine_layout("replicas", specs)
+        sender.set_layouts(engine=engine)
+        for r, receiver in enumerate(receivers):
+            params[r] = {n: torch.zeros(s.shape, dtype=s.dtype)
+                         for n, s in engine.param_specs(r).items()}  # fmt: skip
+            receiver.set_layouts(engine=engine, params=params[r], timeout=WAIT)
+        for v in (3, 4):
+            for n, t in full_weights(specs, v).items():
+                mine[n].copy_(t)
+            sender.push(mine, version=v, timeout=WAIT)
+            assert_hold(engine, receivers, params, full_weights(specs, v), v)
+    finally:
+        close_all(sender, receivers)

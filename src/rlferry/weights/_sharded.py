@@ -362,8 +362,9 @@ class ShardedSender:
     def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
         """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
         rank's shards: worked out once per plan and stream, not per push."""
-        if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go
-            self._cut_plan, self._cut_cache = plan, {}
+        if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go,
+            self._cut_plan, self._cut_cache = plan, {}  # and the views cut by them
+            self._views = {}
         cuts = self._cut_cache.get(receiver)
         if cuts is None:
             owned = plan.trainer.owned[self.rank]
