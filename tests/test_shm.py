@@ -148,6 +148,7 @@ def test_bulk_copy_in_a_forked_child_does_not_wait_for_helpers_that_are_not_ther
 def test_a_forked_child_never_reuses_its_parents_shared_memory() -> None:
     """The parent's segments stay mapped in a forked child, shared with the parent, which
     goes on lending them: a child that wrote into one would write into the parent's sends."""
+    import ctypes
     import os
 
     import pytest
@@ -158,17 +159,23 @@ def test_a_forked_child_never_reuses_its_parents_shared_memory() -> None:
 
     warm = shared_empty([1 << 20], torch.uint8)
     base = warm.data_ptr()
+    ctypes.memset(base, 7, 1 << 20)
     del warm  # back to the parent's free pool
     assert exports.find(base, 1 << 20) is not None
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
+        # the child forgets the parent's segments (it may unmap them, and a segment of its
+        # own may then land at the same address: its own memory, never the parent's)
         fresh = shared_empty([1 << 20], torch.uint8)
-        apart = fresh.data_ptr() != base and exports.find(base, 1) is None
-        os.write(write, b"1" if apart else b"0")
+        ctypes.memset(fresh.data_ptr(), 9, 1 << 20)  # no torch op: its threads do not fork
+        os.write(write, b"1")
         os._exit(0)
     os.close(write)
     told = os.read(read, 1)
     os.waitpid(child, 0)
     assert told == b"1"
-    assert exports.find(base, 1 << 20) is not None  # the parent still has it
+    m = exports.find(base, 1 << 20)
+    assert m is not None  # the parent still has it, and the child wrote nothing into it
+    view = (ctypes.c_char * (1 << 20)).from_address(base)
+    assert bytes(view) == bytes([7]) * (1 << 20)

@@ -197,6 +197,7 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._peers_by_fd: dict[int, bytes] = {}
+        self._monitor: zmq.Socket[bytes] | None = None  # disconnect events (see _disconnects)
         self._on_disconnect = on_disconnect
         self._releases: _Releases | None = None
         self._socket_file: str | None = None
@@ -229,8 +230,14 @@ class Server:
         self._releases = _Releases(self._send_release)
         self._bg = [asyncio.ensure_future(self._serve())]
         if self._shm or self._on_disconnect is not None:
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=_monitor_address())
-            self._bg.append(asyncio.ensure_future(self._watch(monitor)))
+            addr = _monitor_address()
+            sock.monitor(addr, zmq.EVENT_DISCONNECTED)
+            # a sync socket, read only by _disconnects: every event is taken in order, also
+            # just before a request's socket is mapped to its client
+            monitor: zmq.Socket[bytes] = zmq.Context.shadow(ctx).socket(zmq.PAIR)
+            monitor.connect(addr)
+            self._monitor = monitor
+            asyncio.get_running_loop().add_reader(monitor.fileno(), self._disconnects)
         return self.address
 
     async def _send_release(self, peer: bytes, ids: list[int]) -> None:
@@ -240,21 +247,25 @@ class Server:
             except zmq.ZMQError:
                 log.debug("release to a client that is gone was dropped")
 
-    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                peer = self._peers_by_fd.pop(event["value"], None)
-                if peer is not None:
-                    exports.peer_gone(peer)
-                    if self._on_disconnect is not None:
-                        # a callback's own failure goes to the loop's exception handler
-                        # (logged) and cannot stop this watch
-                        asyncio.get_running_loop().call_soon(self._on_disconnect, peer)
-        except (asyncio.CancelledError, zmq.ZMQError):
-            return
-        finally:
-            monitor.close(0)
+    def _disconnects(self) -> None:
+        """Take in every disconnect the monitor reported so far, in order (on the loop: when
+        its socket is readable, and before a request's socket is mapped to its client).
+        A disconnect names the socket number, which the OS gives the next connection: a
+        client that connects as another dies can be handed the dead one's number, and its
+        request could be mapped before the old disconnect was read (an awaiting reader
+        may hold it unread); the live client was then reported gone."""
+        monitor = self._monitor
+        while monitor is not None:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except (zmq.Again, zmq.ZMQError):
+                return
+            peer = self._peers_by_fd.pop(event["value"], None)
+            if peer is not None:
+                exports.peer_gone(peer)
+                if self._on_disconnect is not None:
+                    # a callback's own failure goes to the loop's exception handler (logged)
+                    asyncio.get_running_loop().call_soon(self._on_disconnect, peer)
 
     async def _serve(self) -> None:
         assert self._sock is not None
@@ -284,6 +295,7 @@ class Server:
         assert self._releases is not None
         try:
             body = frames[3:]
+            self._disconnects()  # a disconnect of this socket number is an older client's
             if self._on_disconnect is not None:
                 self._peers_by_fd[frames[-1].get(zmq.SRCFD)] = peer
             if frames[2].bytes:
@@ -325,8 +337,11 @@ class Server:
         for t in [*self._bg, *self._tasks]:
             t.cancel()
         if self._sock is not None:
-            if self._bg[1:]:
+            if self._monitor is not None:
+                asyncio.get_running_loop().remove_reader(self._monitor.fileno())
                 self._sock.disable_monitor()
+                self._monitor.close(0)
+                self._monitor = None
             self._sock.close(0)
             self._sock = None
         if self._socket_file is not None:
