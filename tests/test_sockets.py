@@ -5,6 +5,7 @@ import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -334,4 +335,62 @@ def test_servers_made_and_closed_in_a_row_all_answer(transport):
         address = wire_loop().run(srv.start())
         with Client(address) as c:
             assert c.request(i, timeout=10) == i
+        wire_loop().run(srv.close())
+
+
+def _park_clients_then_wait(address, n, conn):
+    clients = [Client(address) for _ in range(n)]
+    for i, c in enumerate(clients):
+        c.send(f"park{i}")
+    conn.send("parked")
+    conn.recv()  # killed while waiting here
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_disconnect_names_the_dead_clients_never_live_ones_that_took_their_sockets(transport):
+    # The OS hands a new connection the lowest free socket number: clients that connect as
+    # others die get the dead ones' numbers. Every dead client is reported once; no live one.
+    peers: dict[str, bytes] = {}
+    gone: list[bytes] = []
+    reported = threading.Condition()
+
+    async def handler(value, peer):
+        with reported:
+            peers[value] = peer
+            reported.notify_all()
+        if value.startswith("park"):
+            await asyncio.Event().wait()
+        return value
+
+    def on_disconnect(peer):
+        with reported:
+            gone.append(peer)
+            reported.notify_all()
+
+    srv = Server(handler, default_address(transport), on_disconnect=on_disconnect)
+    address = wire_loop().run(srv.start())
+    n = 8
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_park_clients_then_wait, args=(address, n, child), daemon=True)
+    live = []
+    try:
+        proc.start()
+        assert parent.poll(60) and parent.recv() == "parked"
+        with reported:
+            assert reported.wait_for(lambda: len(peers) == n, 30)
+        os.kill(proc.pid, signal.SIGKILL)
+        live = [Client(address) for _ in range(n)]
+        assert [c.request(f"live{i}", timeout=30) for i, c in enumerate(live)] == [
+            f"live{i}" for i in range(n)
+        ]
+        dead = {peers[f"park{i}"] for i in range(n)}
+        with reported:
+            assert reported.wait_for(lambda: dead <= set(gone), 30), "a dead client not reported"
+            assert not {peers[f"live{i}"] for i in range(n)} & set(gone), "a live one reported"
+            assert len(gone) == n
+    finally:
+        for c in live:
+            c.close()
+        proc.join(5)
         wire_loop().run(srv.close())
