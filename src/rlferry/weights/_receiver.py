@@ -307,8 +307,8 @@ class WeightReceiver:
 
     def _wake(self) -> None:
         """Wake the waiters of the version just committed, after its acknowledgement went:
-        a waiting thread woken before would take the GIL from the one sending it (2→2 on
-        the CPU, 100-200 µs of every push's critical path)."""
+        a waiting thread woken before took the GIL from the one sending it (timelines on
+        four H100s and on the CPU: the acknowledgement went 0.1-0.2 ms later)."""
         if not self._unwoken:
             return
         self._unwoken = False
