@@ -64,6 +64,7 @@ from rlferry.weights import (
 )
 from rlferry.weights._boxes import extents, slices
 
+import _trace
 import _weights_engine as eng
 from _common import table
 
@@ -106,9 +107,12 @@ def gpu_of(args: argparse.Namespace, role: str, rank: int) -> int:
 
 def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
     """``cpu``; with cuda_ipc every process on GPU 0; with broadcast see :func:`gpu_of`.
-    Called first in every process of the run: it also sets ``--switch-interval``."""
+    Called first in every process of the run: it also sets ``--switch-interval`` and
+    starts ``--trace``."""
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    if getattr(args, "trace", None):
+        _trace.install(args.trace)
     if args.device == "cpu":
         return "cpu"
     if args.transport != "broadcast":
@@ -489,6 +493,11 @@ def main(argv: list[str] | None = None) -> None:
         help="sys.setswitchinterval(S) in every trainer and engine process (Python's default: "
         "0.005): how long a thread that wants the GIL waits for one that does not let go",
     )  # fmt: skip
+    p.add_argument(
+        "--trace", metavar="DIR",
+        help="stamp each step of a push in every process into DIR (benchmarks/_trace.py) and "
+        "print the timeline of the update before the last",
+    )  # fmt: skip
     p.add_argument("--json", help="append the JSON line to this file")
     args = p.parse_args(argv)
     if args.gpus and (args.gpus < 2 or args.mode != "sharded" or not args.point_to_point):
@@ -518,6 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     if phases and len(out["seconds"]) > 1:
         line = ", ".join(f"{k} {statistics.median(v[1:]):.2f}" for k, v in phases.items() if v)
         print(f"phases, ms from the parent's send (p50 of later updates): {line}")
+    if args.trace:
+        print(_trace.timeline(args.trace))
     line = json.dumps(out)
     print(line)
     if args.json:

@@ -1,0 +1,112 @@
+"""Wall-clock stamps of a push's steps in every process, for ``weights_sharded.py --trace``.
+
+Each process of a run wraps the functions below (their entry and exit, with the thread's
+name) and appends a line a stamp to ``DIR/<pid>.log``; ``time.perf_counter_ns`` is the
+same clock in every process of a host, so the lines of all processes merge into one
+timeline. :func:`timeline` prints one update of it (relative to trainer rank 0's
+``ShardedSender.push``). A stamp costs a few microseconds: compare traced runs with
+traced runs only.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib
+import inspect
+import os
+import threading
+import time
+from typing import Any
+
+# (module, function or Class.method): the steps of a push, at both ends
+TARGETS = [
+    ("rlferry.weights._sharded", "ShardedSender.push"),
+    ("rlferry.weights._sharded", "_where"),
+    ("rlferry.weights._sharded", "_local"),
+    ("rlferry.weights._sender", "WeightSender._push"),
+    ("rlferry.weights._sender", "WeightSender._finish"),
+    ("rlferry.weights._hub", "Hub.begin"),
+    ("rlferry.weights._hub", "Hub.handle"),
+    ("rlferry.weights._pack", "Packer.pack"),
+    ("rlferry.weights._copy", "GroupedCopy.__call__"),
+    ("rlferry.weights.transports._broadcast", "BroadcastSender.stream"),
+    ("rlferry.weights.transports._broadcast", "BroadcastReceiver.stream"),
+    ("rlferry.weights.transports._broadcast", "_settled"),
+    ("rlferry.weights._receiver", "WeightReceiver._handle"),
+    ("rlferry.weights._receiver", "WeightReceiver._commit"),
+    ("rlferry.weights._receiver", "WeightReceiver._send"),
+    ("rlferry.weights._sharded_receiver", "ShardedReceiver._load"),
+    ("rlferry.weights._sharded_receiver", "ShardedReceiver.wait_for"),
+    ("rlferry.wire._sync_client", "Client._pump"),
+]
+
+
+def install(out_dir: str) -> None:
+    """Stamp every target's entry and exit in this process, into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    out = open(os.path.join(out_dir, f"{os.getpid()}.log"), "a", buffering=1)  # noqa: SIM115
+    pid = os.getpid()
+
+    def stamp(tag: str, name: str) -> None:
+        who = threading.current_thread().name.replace(" ", "_")
+        out.write(f"{time.perf_counter_ns()} {pid} {who} {tag} {name}\n")
+
+    for module, qual in TARGETS:
+        owner: Any = importlib.import_module(module)
+        cls, _, attr = qual.rpartition(".")
+        if cls:
+            owner = getattr(owner, cls)
+        raw = inspect.getattr_static(owner, attr)
+        static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if static else raw
+        wrapped = _async_wrap(fn, qual, stamp) if inspect.iscoroutinefunction(fn) else None
+        wrapped = wrapped or _wrap(fn, qual, stamp)
+        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+
+
+def _wrap(fn: Any, name: str, stamp: Any) -> Any:
+    @functools.wraps(fn)
+    def traced(*a: Any, **k: Any) -> Any:
+        stamp("B", name)
+        try:
+            return fn(*a, **k)
+        finally:
+            stamp("E", name)
+
+    return traced
+
+
+def _async_wrap(fn: Any, name: str, stamp: Any) -> Any:
+    @functools.wraps(fn)
+    async def traced(*a: Any, **k: Any) -> Any:
+        stamp("B", name)
+        try:
+            return await fn(*a, **k)
+        finally:
+            stamp("E", name)
+
+    return traced
+
+
+def timeline(out_dir: str, back: int = 2) -> str:
+    """One update of the merged stamps (``back``: 1 the last, 2 the one before), in
+    microseconds from trainer rank 0's push; processes named P0, P1, ... as they appear."""
+    lines = []
+    for path in glob.glob(os.path.join(out_dir, "*.log")):
+        with open(path) as f:
+            lines += [ln.split() for ln in f if len(ln.split()) == 5]
+    lines.sort(key=lambda ln: int(ln[0]))
+    pushes = [i for i, ln in enumerate(lines) if ln[3:] == ["B", "ShardedSender.push"]]
+    first = lines[pushes[0]][1] if pushes else ""
+    starts = [i for i in pushes if lines[i][1] == first]
+    if len(starts) <= back:
+        return f"too few updates traced ({len(starts)})"
+    a, b = starts[-back - 1], starts[-back]
+    t0 = int(lines[a][0])
+    names: dict[str, str] = {}
+    rows = []
+    for ln in lines[a:b]:
+        p = names.setdefault(ln[1], f"P{len(names)}")
+        rows.append(f"{(int(ln[0]) - t0) / 1000:9.1f} us {p} {ln[2][:28]:28} {ln[3]} {ln[4]}")
+    return "\n".join(rows)
