@@ -258,7 +258,7 @@ class Server:
         while monitor is not None:
             try:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-            except (zmq.Again, zmq.ZMQError):
+            except zmq.ZMQError:  # Again: all taken in (or the socket is closing)
                 return
             peer = self._peers_by_fd.pop(event["value"], None)
             if peer is not None:
