@@ -165,3 +165,61 @@ def test_broadcast_a_bad_tensor_in_the_first_bucket_fails_that_push_and_the_next
     assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
     assert r.version == 4 and e.equals(sd)
     r.close()
+
+
+def _sources(sender):
+    """The addresses each collective of the last direct push sent from (white box)."""
+    return {t.data_ptr() for srcs in sender._packer.sources for t in srcs}
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_broadcast_sends_large_tensors_from_where_they_lie_and_receivers_get_them_exact(
+    zero_copy,
+):
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "small.0": torch.randn(64, 33, generator=g),
+        "big": torch.randn(1 << 20, generator=g),  # 4 MiB: a collective of its own
+        "huge": torch.randn(3 << 20, generator=g),  # 12 MiB: split, 8 MiB then 4 MiB
+        "strided": torch.randn(1024, 1024, generator=g).t(),  # 4 MiB, not contiguous: packed
+        "small.1": torch.randn(7, generator=g).bfloat16(),
+    }
+    s = WeightSender(
+        group="g", transport="broadcast", receivers=2, bucket_bytes=8 << 20, zero_copy=zero_copy
+    )
+    engines = [Engine(sd), Engine(sd)]
+    rs = [join(s, e, f"r{i}") for i, e in enumerate(engines)]
+    try:
+        for v in (1, 2, 3):
+            for t in sd.values():
+                t.add_(1)
+            s.push(sd.items(), version=v, timeout=60)
+            assert all(r.wait_for(v, 60) for r in rs) and all(e.equals(sd) for e in engines)
+            sent, plan = _sources(s), s._plan
+            names = [x.name for x in plan.specs]
+            lone = {  # every chunk of 4 MiB or more of a contiguous tensor, where it lies
+                sd[names[c.tensor]].data_ptr() + c.start
+                for c in plan.chunks
+                if c.length >= 4 << 20 and names[c.tensor] != "strided"
+            }
+            assert len(lone) == 2  # big, and huge's 8 MiB in a bucket of its own
+            assert (lone <= sent) is zero_copy
+            assert sd["strided"].data_ptr() not in sent
+    finally:
+        for r in rs:
+            r.close()
+        s.close()
+
+
+def test_broadcast_a_verifying_receiver_makes_the_push_packed_and_exact():
+    sd = {"big": torch.randn(1 << 20), "small": torch.randn(10)}
+    s = WeightSender(group="g", transport="broadcast", receivers=1, bucket_bytes=8 << 20)
+    e = Engine(sd)
+    r = join(s, e, "r0", verify=True)
+    try:
+        s.push(sd.items(), version=1, timeout=60)
+        assert e.equals(sd) and r.statistics().last_error is None
+        assert sd["big"].data_ptr() not in _sources(s)  # checksums are of packed buckets
+    finally:
+        r.close()
+        s.close()
