@@ -869,36 +869,3 @@ def test_a_layout_change_with_the_same_tensors_cuts_the_pieces_again(transport, 
             assert_hold(engine, receivers, params, full_weights(specs, v), v)
     finally:
         close_all(sender, receivers)
-
-
-@pytest.mark.parametrize("one_thread", [False, True])
-def test_point_to_point_pieces_go_from_the_shards_where_they_can_and_arrive_exact(
-    monkeypatch, one_thread
-):
-    # Direct streams (the default over broadcast): a piece with a collective of its own
-    # is sent from the rank's shard when the piece is contiguous there (a column-parallel
-    # weight's rows), packed when not (a row-parallel weight's columns); the threshold is
-    # lowered so that this small model has both, and runs of small pieces between.
-    monkeypatch.setattr("rlferry.weights._plan.DIRECT_BYTES", 2 << 10)
-    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
-    engine, sender, params, receivers = one_rank_to_tp2(
-        "direct", specs, transport="broadcast", point_to_point=True, bucket_bytes=16 << 10
-    )
-    monkeypatch.setattr(sender, "_one_thread", lambda: one_thread)
-    mine = {n: t.clone() for n, t in full_weights(specs, 1).items()}
-    try:
-        for v in (1, 2, 3):
-            for n, t in full_weights(specs, v).items():
-                mine[n].copy_(t)
-            sender.push(mine, version=v, timeout=WAIT)
-            assert_hold(engine, receivers, params, full_weights(specs, v), v)
-        storages = {t.untyped_storage().data_ptr() for t in mine.values()}
-        for link in sender._links.values():
-            packer = link._packer
-            sent = [t for srcs in packer.sources for t in srcs]
-            ops = [o for ops in packer.plan.ops for o in ops]
-            assert len(sent) == len(ops) and any(o.chunk < 0 for o in ops)
-            from_shards = sum(t.untyped_storage().data_ptr() in storages for t in sent)
-            assert 0 < from_shards < sum(o.chunk >= 0 for o in ops)  # strided ones packed
-    finally:
-        close_all(sender, receivers)

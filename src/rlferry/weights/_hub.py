@@ -94,7 +94,6 @@ class Push:
     setups: dict[bytes, dict[str, Any]]  # key -> transport descriptor, for members that need setup
     collective: bool
     verify: bool
-    direct: bool = False  # collective: a bucket moves as its plan's ops (Stream.direct)
     ready: int = 0  # buckets announced
     streaming: bool = False
     aborted: str | None = None
@@ -256,7 +255,7 @@ class Hub:
             return
         if p.collective:
             if m.step == PLAN:
-                m.parked.set_result(Stream(p.seq, p.version, p.verify, p.direct))
+                m.parked.set_result(Stream(p.seq, p.version, p.verify))
             return
         nxt = max(m.step + 1, m.want or 0)
         if nxt < p.ready:  # every bucket ready goes in one answer (one per answer with checksums)

@@ -152,7 +152,6 @@ class Stream(msgspec.Struct, frozen=True, tag="stream"):
     seq: int
     version: int
     verify: bool = False  # a last collective carries every bucket's checksum
-    direct: bool = False  # a bucket moves as its plan's ops, a collective each
 
 
 class Noted(msgspec.Struct, frozen=True, tag="noted"):

@@ -14,7 +14,7 @@ import torch
 
 from ._copy import GroupedCopy, triton_available
 from ._errors import WeightSyncError
-from ._plan import Chunk, Plan, iterate_checked
+from ._plan import Plan, iterate_checked
 from .transports._base import BucketBuffers
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
@@ -69,30 +69,12 @@ def _indexed(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, torch.Tens
         raise WeightSyncError(f"the push yielded {i + 1} tensors, its layout has {n}")
 
 
-class _Views:
-    """Where a bucket's chunks are packed: whole tensors (``dsts``, typed views of the
-    buffer, of pushed tensors ``idx``) and parts of split ones (``parts``: region, tensor,
-    start, length)."""
-
-    __slots__ = ("dsts", "idx", "parts")
-
-    def __init__(self) -> None:
-        self.dsts: list[torch.Tensor] = []
-        self.idx: list[int] = []
-        self.parts: list[tuple[torch.Tensor, int, int, int]] = []
-
-
 class Packer:
     """The sender's precomputed destination views, per bucket.
 
     ``grouped``: a bucket whose tensors come again at the same addresses is packed
     with one grouped copy (CUDA: one Triton launch; CPU: one bulk host copy);
     False: always one ``_foreach_copy_`` (per tensor).
-
-    ``direct`` (set by the sender for each push; a collective transport): the bucket's
-    collectives are ``plan.ops``; a chunk that has one of its own is sent from the pushed
-    tensor when that is contiguous on the buffers' device (nothing packed), the others
-    are packed. ``sources[k]``: what each of bucket ``k``'s collectives sends.
     """
 
     def __init__(
@@ -101,37 +83,21 @@ class Packer:
         self.generation = transport.generation
         self.plan = plan
         split = plan.split()
-        self._whole = [_Views() for _ in range(plan.buckets)]  # every chunk: packed pushes
-        self._runs = [_Views() for _ in range(plan.buckets)]  # direct pushes: the runs' chunks
-        # direct: a bucket's lone chunks (a collective each): (its position in the
-        # bucket's ops, the chunk, its region as the whole tensor, or None for a part)
-        self._lone: list[list[tuple[int, Chunk, torch.Tensor | None]]] = []
-        self._regions: list[list[torch.Tensor]] = []  # direct: each op's bytes of the buffer
-        ops = plan.ops
-        for k in range(plan.buckets):
+        self._whole: list[tuple[list[torch.Tensor], list[int]]] = []
+        self._parts: list[list[tuple[torch.Tensor, int, int, int]]] = []
+        for k, chunks in enumerate(plan.by_bucket()):
             buf = transport.buffer(k % 2)
-            self._regions.append([buf[o.start : o.end] for o in ops[k]])
-            self._lone.append([])
-        lone_at = {o.chunk: (k, pos) for k in range(plan.buckets) for pos, o in
-                   enumerate(ops[k]) if o.chunk >= 0}  # fmt: skip
-        for j, c in enumerate(plan.chunks):
-            region = transport.buffer(c.bucket % 2)[c.offset : c.offset + c.length]
-            spec = plan.specs[c.tensor]
-            whole = None
-            if c.tensor not in split and c.length == spec.nbytes:
-                whole = region.view(spec.dtype).view(spec.shape)
-            views = [self._whole[c.bucket]]
-            if j in lone_at:
-                k, pos = lone_at[j]
-                self._lone[k].append((pos, c, whole))
-            else:
-                views.append(self._runs[c.bucket])
-            for v in views:
-                if whole is not None:
-                    v.dsts.append(whole)
-                    v.idx.append(c.tensor)
+            dsts, idx, parts = [], [], []
+            for c in chunks:
+                region = buf[c.offset : c.offset + c.length]
+                if c.tensor in split or c.length < plan.specs[c.tensor].nbytes:
+                    parts.append((region, c.tensor, c.start, c.length))
                 else:
-                    v.parts.append((region, c.tensor, c.start, c.length))
+                    spec = plan.specs[c.tensor]
+                    dsts.append(region.view(spec.dtype).view(spec.shape))
+                    idx.append(c.tensor)
+            self._whole.append((dsts, idx))
+            self._parts.append(parts)
         self._grouped = grouped and (
             device.type == "cpu" or (device.type == "cuda" and triton_available())
         )
@@ -139,50 +105,19 @@ class Packer:
         self._copies: list[GroupedCopy | None] = [None] * plan.buckets
         # by bucket: where its tensors sat on the last push (address, strides)
         self._ptrs: list[list[tuple[int, tuple[int, ...]]] | None] = [None] * plan.buckets
-        self._copy_direct = [False] * plan.buckets  # the copy is a direct push's (runs only)
         # set by the sender for each push: the same tensors as the last push (its caller
         # checked their memory), so a bucket's grouped copy is used without checking again
         self.same = False
-        # set by the sender for each push: a direct stream (a collective transport)
-        self.direct = False
-        self.sources: list[list[torch.Tensor]] = [[] for _ in range(plan.buckets)]
-        self._device = device
 
     @torch.no_grad()
     def pack(self, k: int, tensors: list[Any]) -> None:
-        if self.direct:
-            self._pack_direct(k, tensors)
-            return
-        v = self._whole[k]
+        dsts, idx = self._whole[k]
         copy = self._copies[k]
-        if self.same and copy is not None and not self._copy_direct[k]:
+        if self.same and copy is not None:
             copy()
-        elif v.dsts:
-            self._pack_whole(k, v.dsts, [tensors[i] for i in v.idx])
-        for region, i, start, length in v.parts:
-            region.copy_(_bytes_of(tensors[i])[start : start + length])
-
-    def _pack_direct(self, k: int, tensors: list[Any]) -> None:
-        """Bucket ``k`` of a direct stream: each lone chunk's collective sends the pushed
-        tensor's own bytes when it can (contiguous, on the buffers' device), else its packed
-        region; every other chunk is packed (one grouped copy, as ``pack``)."""
-        runs = self._runs[k]
-        dsts, srcs = list(runs.dsts), [tensors[i] for i in runs.idx]
-        parts = list(runs.parts)
-        sources = list(self._regions[k])
-        for pos, c, whole in self._lone[k]:
-            t = tensors[c.tensor]
-            if t.is_contiguous() and t.device == self._device:
-                sources[pos] = t.reshape(-1).view(torch.uint8)[c.start : c.start + c.length]
-            elif whole is not None:
-                dsts.append(whole)
-                srcs.append(t)
-            else:
-                parts.append((sources[pos], c.tensor, c.start, c.length))
-        self.sources[k] = sources
-        if dsts:
-            self._pack_whole(k, dsts, srcs)
-        for region, i, start, length in parts:
+        elif dsts:
+            self._pack_whole(k, dsts, [tensors[i] for i in idx])
+        for region, i, start, length in self._parts[k]:
             region.copy_(_bytes_of(tensors[i])[start : start + length])
 
     def _pack_whole(self, k: int, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -195,7 +130,7 @@ class Packer:
             return
         ptrs = [(t.data_ptr(), t.stride()) for t in srcs]
         copy = self._copies[k]
-        if ptrs == self._ptrs[k] and self._copy_direct[k] == self.direct:
+        if ptrs == self._ptrs[k]:
             if copy is None:
                 # the pairs the kernel (CUDA) or the bulk copy (CPU) takes go by address;
                 # the others by torch, from the views this copy was built with (the same
@@ -204,7 +139,7 @@ class Packer:
                 self._copies[k] = copy
             copy()
             return
-        self._ptrs[k], self._copies[k], self._copy_direct[k] = ptrs, None, self.direct
+        self._ptrs[k], self._copies[k] = ptrs, None
         torch._foreach_copy_(dsts, srcs)
 
 

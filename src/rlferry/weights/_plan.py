@@ -23,9 +23,7 @@ from ._errors import WeightSyncError
 
 __all__ = [
     "ALIGN",
-    "DIRECT_BYTES",
     "Chunk",
-    "Op",
     "Plan",
     "TensorSpec",
     "check_against",
@@ -37,12 +35,6 @@ __all__ = [
 
 ALIGN = 256
 _SHOWN = 3  # differing tensors named in an error before "and N more"
-# On a direct stream (a collective transport), a chunk this large moves in a collective of
-# its own, from the pushed tensor where the sender can. NCCL between two H100s moved
-# Qwen3-8B's 399 tensors a send each, coalesced by 256 MiB, as fast as 256 MiB sends of one
-# buffer (16.4 GB: 45.5 against 45.6 ms; 4.1 GB: 12.3 against 11.4; one send of it all:
-# 43.7 and 11.0), each send's launch 7-10 us of Python (benchmarks/RESULTS.md, session 20).
-DIRECT_BYTES = 4 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,16 +101,6 @@ def spec_of(name: Any, tensor: Any, index: int) -> TensorSpec:
             f"({type(name).__name__}, {type(tensor).__name__})"
         )
     return TensorSpec(name, tuple(int(d) for d in tensor.shape), tensor.dtype)
-
-
-class Op(NamedTuple):
-    """One collective of a direct stream: bytes ``[start, end)`` of its bucket; ``chunk``:
-    the index in ``Plan.chunks`` of the one chunk it carries, or -1 for a run of smaller
-    chunks (packed into the bucket buffer)."""
-
-    start: int
-    end: int
-    chunk: int
 
 
 @dataclass(frozen=True)
@@ -196,21 +178,6 @@ class Plan:
     def buffer_bytes(self) -> int:
         """The size a bucket buffer needs: the largest bucket."""
         return max(self.bucket_used, default=0) or ALIGN
-
-    @functools.cached_property
-    def ops(self) -> list[list[Op]]:
-        """Per bucket, the collectives of a direct stream, the same at both ends: each chunk
-        of ``DIRECT_BYTES`` or more alone, each run of smaller chunks between them one."""
-        out: list[list[Op]] = [[] for _ in self.bucket_used]
-        for j, c in enumerate(self.chunks):
-            ops = out[c.bucket]
-            if c.length >= DIRECT_BYTES:
-                ops.append(Op(c.offset, c.offset + c.length, j))
-            elif ops and ops[-1].chunk < 0:
-                ops[-1] = Op(ops[-1].start, c.offset + c.length, -1)
-            elif c.length:
-                ops.append(Op(c.offset, c.offset + c.length, -1))
-        return out
 
     def by_bucket(self) -> list[list[Chunk]]:
         out: list[list[Chunk]] = [[] for _ in self.bucket_used]

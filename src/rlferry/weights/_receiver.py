@@ -526,7 +526,7 @@ class WeightReceiver:
             self._load(k)
 
         assert self._collective is not None
-        error = self._collective.stream(plan, on_bucket, msg.verify, msg.direct)
+        error = self._collective.stream(plan, on_bucket, msg.verify)
         if error is not None:
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
         return self._commit(msg.seq, msg.version)

@@ -69,11 +69,7 @@ class WeightSender:
     tensors are pushed again: no pack, no buffers. For shm the first such push
     moves the tensors' storages into shared memory, as ``share_memory_()`` does
     (same tensors, same values); later tensors that are not shared yet are
-    packed. A generator, ``verify`` or other tensors fall back to packing. For
-    broadcast, ``zero_copy`` sends each tensor (or piece of one) of 4 MiB or more
-    with a collective of its own, from the pushed tensor when it is contiguous on
-    the buffers' device, instead of packing it first; the receivers get the same
-    buckets (off with ``verify``).
+    packed. A generator, ``verify`` or other tensors fall back to packing.
 
     Two options exist for comparisons (the benchmark's rows), not for tuning:
     ``grouped_pack=False`` packs every bucket with one ``_foreach_copy_`` (per
@@ -286,7 +282,6 @@ class WeightSender:
             if fast is not None:  # bucket 0 is packed while the loop picks the members
                 assert self._packer is not None
                 self._packer.same = same
-                self._packer.direct = self.config.zero_copy
                 rest = bucketed(plan, named, checked)
                 first = next(rest)
                 self._packer.pack(*first)
@@ -315,8 +310,7 @@ class WeightSender:
         setups = self._setups(members, plan, timeout)
         push = Push(
             seq, version, plan.to_wire() if plan_sent else None, plan.fingerprint, members,
-            setups, coll is not None, verify, coll is not None and self.config.zero_copy
-            and not verify,
+            setups, coll is not None, verify,
         )  # fmt: skip
         if not setups:  # every member holds the plan and the buffers: stream at once
             self._moving = True
@@ -356,7 +350,6 @@ class WeightSender:
         coll, packer = self._collective, self._packer
         if coll is None or packer is None or packer.plan is not plan:
             return None
-        direct = self.config.zero_copy
         if packer.generation != self._transport.generation:
             return None
 
@@ -365,7 +358,7 @@ class WeightSender:
                 return None
             if not coll.has_group([m.key for m in members]):
                 return None
-            return Push(seq, version, None, plan.fingerprint, members, {}, True, False, direct)
+            return Push(seq, version, None, plan.fingerprint, members, {}, True, False)
 
         return fast
 
@@ -417,9 +410,7 @@ class WeightSender:
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                yield from coll.stream(
-                    plan, buckets, self._packer, verify, deadline, packed, push.direct
-                )
+                yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 yield from self._stream_mailbox(
                     plan, bucketed(plan, named, checked), verify, deadline

@@ -185,13 +185,10 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-        direct: bool = False,
     ) -> Iterator[None]:
         """Pack and send every bucket (then the checksums if ``verify``), a step each (a
         generator: the caller drives it, see ``WeightSender._steps``); ``packed``: bucket 0
-        is in buffer 0 already; ``direct``: a bucket goes as its plan's ``ops``, a large
-        chunk from the pushed tensor itself (``Packer.direct``). Raises
-        ``WeightSyncError`` if the group broke."""
+        is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:
@@ -269,11 +266,9 @@ class CollectiveReceiver(ReceiverTransport):
 
     @abc.abstractmethod
     def stream(
-        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool,
-        direct: bool = False,
-    ) -> str | None:  # fmt: skip
-        """Receive every bucket, calling ``on_bucket`` on each; the first error, or None.
-        ``direct``: a bucket comes as its plan's ``ops`` (into the bucket buffer)."""
+        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
+    ) -> str | None:
+        """Receive every bucket, calling ``on_bucket`` on each; the first error, or None."""
 
     @abc.abstractmethod
     def leave(self) -> None:

@@ -11,13 +11,9 @@ after a failure broke it) and reused by every push in between.
 
 Pipelining, on both sides, with two buffers: the sender packs bucket k+1 while
 bucket k is in flight; each receiver posts the broadcast of bucket k+1 before
-loading bucket k. A *direct* stream (the sender's ``zero_copy``, no ``verify``)
-moves a bucket as its plan's ``ops``, one collective each, coalesced into one
-NCCL launch a bucket: a large chunk goes from the pushed tensor itself (not
-packed) into the receivers' bucket buffers, where ``load`` finds it as always.
-On CUDA every wait is a stream wait (the collectives run on NCCL's own stream,
-the loads on the receiver's load stream), so no CPU waits for the GPU until the
-receiver's commit.
+loading bucket k. On CUDA every wait is a stream wait (the collectives run on
+NCCL's own stream, the loads on the receiver's load stream), so no CPU waits
+for the GPU until the receiver's commit.
 """
 
 from __future__ import annotations
@@ -93,16 +89,6 @@ def _wait(work: Any, timeout: float | None) -> None:
         work.wait()
     else:
         work.wait(datetime.timedelta(seconds=max(0.001, timeout)))
-
-
-def _batch(pg: Any, views: list[torch.Tensor], opts: Any) -> list[Any]:
-    """One broadcast a view; on CUDA coalesced into one NCCL group (one launch, one work)."""
-    if len(views) < 2 or not views[0].is_cuda:
-        return [pg.broadcast([v], opts) for v in views]
-    pg._start_coalescing()
-    for v in views:
-        pg.broadcast([v], opts)
-    return [pg._end_coalescing()]
 
 
 def _settled(pg: Any, works: list[Any], stream: Any) -> None:
@@ -282,40 +268,35 @@ class BroadcastSender(CollectiveSender):
         verify: bool,
         deadline: float,
         packed: bool = False,
-        direct: bool = False,
     ) -> Iterator[None]:
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
         nccl = self._bufs[0].is_cuda
-        works: list[list[Any]] = [[], []]
+        works: list[Any] = [None, None]
         sums: list[int] = []
         k, failure = -1, ""
-        packer.direct = direct
         try:
             for k, tensors in buckets:
                 b = k % 2
-                for w in works[b]:
-                    _wait(w, None if nccl else deadline - time.monotonic())
+                if works[b] is not None:
+                    _wait(works[b], None if nccl else deadline - time.monotonic())
                 if k or not packed:
                     packer.pack(k, tensors)
-                if direct:
-                    works[b] = _batch(pg, packer.sources[k], opts)
-                else:
-                    view = self._bufs[b][: plan.bucket_used[k]]
-                    if verify:
-                        sums.append(checksum(view))
-                    works[b] = [pg.broadcast([view], opts)]
+                view = self._bufs[b][: plan.bucket_used[k]]
+                if verify:
+                    sums.append(checksum(view))
+                works[b] = pg.broadcast([view], opts)
                 yield
             if verify:
                 t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
-                works.append([pg.broadcast([t], opts)])
+                works.append(pg.broadcast([t], opts))
                 yield
-            every = [w for ws in works for w in ws]
-            for w in every:
-                _wait(w, None if nccl else deadline - time.monotonic())
+            for w in works:
+                if w is not None:
+                    _wait(w, None if nccl else deadline - time.monotonic())
             if nccl:
-                _settled(pg, every, torch.cuda.current_stream(self._bufs[0].device))
+                _settled(pg, works, torch.cuda.current_stream(self._bufs[0].device))
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
         if failure:  # out of the except block: no traceback keeps the group alive
@@ -423,11 +404,9 @@ class BroadcastReceiver(CollectiveReceiver):
         return self._bufs
 
     def stream(
-        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool,
-        direct: bool = False,
-    ) -> str | None:  # fmt: skip
+        self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
+    ) -> str | None:
         """Receive every bucket, calling ``on_bucket`` on each; the first error, or None.
-        ``direct``: each bucket comes as its plan's ``ops`` (into its buffer all the same).
 
         A failing ``on_bucket`` does not stop the collectives: the group stays
         in step with the sender, the later buckets are received and dropped.
@@ -441,25 +420,16 @@ class BroadcastReceiver(CollectiveReceiver):
         bufs = self._bufs
         limit = None if self._stream is not None else self._timeout
         sums: list[int] = []
-        works: list[list[Any]] = []
+        works: list[Any] = []
         failure = ""
-
-        def post(k: int) -> list[Any]:
-            buf = bufs[k % 2]
-            if direct:
-                return _batch(pg, [buf[o.start : o.end] for o in plan.ops[k]], opts)
-            return [pg.broadcast([buf[: used[k]]], opts)]
-
         with ctx:
             try:
-                works = [post(0), []]
+                works = [pg.broadcast([bufs[0][: used[0]]], opts), None]
                 for k in range(n):
                     b = k % 2
-                    end = time.monotonic() + (limit or 0.0)  # gloo: the bucket's bound
-                    for w in works[b]:
-                        _wait(w, None if limit is None else end - time.monotonic())
+                    _wait(works[b], limit)
                     if k + 1 < n:
-                        works[1 - b] = post(k + 1)
+                        works[1 - b] = pg.broadcast([bufs[1 - b][: used[k + 1]]], opts)
                     if verify:
                         sums.append(checksum(bufs[b][: used[k]]))
                     if error is None:
@@ -476,7 +446,7 @@ class BroadcastReceiver(CollectiveReceiver):
                             f"checksum mismatch in bucket {bad[0]} of {n} (the data came corrupt)"
                         )
                 if self._stream is not None:
-                    _settled(pg, [w for ws in works for w in ws], self._stream)
+                    _settled(pg, works, self._stream)
             except RuntimeError as e:
                 failure = _first_line(e)
         if failure:  # the group broke (the sender or another receiver died): leave it
