@@ -12,7 +12,7 @@ Two processes, GPU 0 (a trainer's tensors) and GPU 1 (an engine's), the tensors 
 
 p50 and max ms of ``--repeat`` after two warm-ups, GB/s, and the CPU time that enqueued
 the operations (NCCL). The record behind two choices: a link sends packed buckets (a
-send per tensor took as long or longer, and its launches cost 10-16 us of Python each),
+send per tensor took as long or longer, and its launches cost 7-16 us of Python each),
 and over NCCL (a copy per tensor took the copy engines 1.2-1.7x one buffer's time; one
 buffer's copy was 4-6% faster than NCCL's send). rlferry's own code moves nothing here.
 
@@ -27,6 +27,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ def _times(
     return statistics.median(total) * 1e3, max(total) * 1e3, statistics.median(cpu) * 1e3
 
 
-def _nccl(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _nccl(rank: int, port: int, args: argparse.Namespace, out: Connection) -> None:
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -100,24 +101,24 @@ def _nccl(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     for name, fn in cases.items():
         p50, mx, cpu = _times(fn, dev, args.repeat, lambda: op(one).wait())
         rows.append((name, p50, mx, cpu))
-    out.put((rank, total, len(ts), rows))
+    out.send((total, len(ts), rows))
     pg.abort()
 
 
-def _owner(args: argparse.Namespace, q: Any, done: Any) -> None:
+def _owner(args: argparse.Namespace, peer: Connection, out: Connection) -> None:
     torch.cuda.set_device(0)
     ts = [torch.randn(s, device="cuda:0").to(torch.bfloat16)
           for _, s in eng.model_shapes(args.model, args.scale)]  # fmt: skip
     flat = torch.empty(sum(t.numel() for t in ts), dtype=torch.bfloat16, device="cuda:0")
     torch.cuda.synchronize()
-    q.put((ts, flat))  # CUDA IPC: the engine process opens them where they lie
-    done.wait(600)
+    peer.send((ts, flat))  # CUDA IPC: the copying process opens them where they lie
+    out.recv()  # they live until the parent says the copies are done
 
 
-def _copier(args: argparse.Namespace, q: Any, done: Any, out: Any) -> None:
+def _copier(args: argparse.Namespace, peer: Connection, out: Connection) -> None:
     dev = torch.device("cuda", 1)
     torch.cuda.set_device(dev)
-    ts, flat = q.get(timeout=300)
+    ts, flat = _recv(peer, "the trainer's tensors")
     params = [torch.empty(t.shape, dtype=t.dtype, device=dev) for t in ts]
     pflat = torch.empty(flat.shape, dtype=flat.dtype, device=dev)
     stream = torch.cuda.Stream(dev)
@@ -142,8 +143,30 @@ def _copier(args: argparse.Namespace, q: Any, done: Any, out: Any) -> None:
         p50, mx, _ = _times(fn, dev, args.repeat, lambda: None)
         rows.append((name, p50, mx, float("nan")))
     same = all(torch.equal(p, t.to(dev)) for p, t in zip(params, ts, strict=True))
-    out.put((rows, same))
-    done.set()
+    out.send((rows, same))
+
+
+def _start(ctx: Any, targets: list[tuple[Any, tuple[Any, ...]]]) -> list[Connection]:
+    """A process per target, each given the child end of a pipe; the parent's ends (the
+    parent closes its copy of each child end: a child that dies closes its pipe)."""
+    ends = []
+    for fn, args in targets:
+        parent, child = ctx.Pipe()
+        ctx.Process(target=fn, args=(*args, child), daemon=True).start()
+        child.close()
+        ends.append(parent)
+    return ends
+
+
+def _recv(conn: Connection, what: str) -> Any:
+    """The next message of a worker: within 600 s, or an error if it died (its traceback
+    is above)."""
+    if not conn.poll(600):
+        raise SystemExit(f"no {what} within 600 s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise SystemExit(f"the process sending {what} died (its error is above)") from None
 
 
 def main() -> None:
@@ -154,27 +177,19 @@ def main() -> None:
     args = p.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"expected 2 GPUs or more, got {torch.cuda.device_count()}")
+    eng.model_shapes(args.model, args.scale)  # a wrong --model fails here, not in a worker
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_nccl, args=(r, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    got = sorted(out.get(timeout=600) for _ in procs)
-    for proc in procs:
-        proc.join(60)
-    _, total, count, nccl = got[1]  # the receiving rank's times
-    q, done = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_owner, args=(args, q, done)),
-             ctx.Process(target=_copier, args=(args, q, done, out))]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    copies, same = out.get(timeout=600)
-    done.set()
-    for proc in procs:
-        proc.join(60)
+    nccl_ends = _start(ctx, [(_nccl, (r, port, args)) for r in range(2)])
+    total, count, nccl = [_recv(c, "NCCL's times") for c in nccl_ends][1]  # the receiver's
+    a, b = ctx.Pipe()
+    owner, copier = _start(ctx, [(_owner, (args, a)), (_copier, (args, b))])
+    a.close()
+    b.close()
+    copies, same = _recv(copier, "the copies' times")
+    owner.send("done")
     rows = []
     for name, p50, mx, cpu in nccl + copies:
         enqueue = "" if cpu != cpu else f"{cpu:.2f}"  # NaN: the copies' CPU time is not told
