@@ -6,6 +6,8 @@ import ctypes
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -41,6 +43,28 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def start_worker(ctx: Any, target: Any, *args: Any) -> tuple[Any, Connection]:
+    """A daemon process running ``target(*args, conn)``, and the parent's end of its pipe.
+    The parent closes its copy of the worker's end, so a worker that dies ends the pipe and
+    :func:`receive` says so at once."""
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent
+
+
+def receive(conn: Connection, what: str, wait: float = 600.0) -> Any:
+    """A worker's next message, within ``wait`` seconds; exits naming ``what`` if the worker
+    died (its traceback is above) or sent nothing in time."""
+    if not conn.poll(wait):
+        raise SystemExit(f"no {what} within {wait:g} s")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise SystemExit(f"the process that owed {what} died (its error is above)") from None
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:

@@ -44,10 +44,10 @@ import torch.distributed as dist
 from rlferry.weights import GroupedCopy, ShardPlan
 from rlferry.weights._boxes import extents, relative, slices
 
+from _common import start_worker
 from weights_sharded import (
     WAIT,
     _recv,
-    _start,
     device_of,
     expected_params,
     layouts,
@@ -261,7 +261,7 @@ def run_floor(args: argparse.Namespace) -> tuple[list[float], list[int], bool]:
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    procs = [_start(ctx, _floor, r, args, port) for r in range(args.senders + args.receivers)]
+    procs = [start_worker(ctx, _floor, r, args, port) for r in range(args.senders + args.receivers)]
     for _, c in procs:
         _recv(c, "start")
     trainers, engines = procs[: args.senders], procs[args.senders :]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import _weights_engine as eng
-from _common import table
+from _common import receive, start_worker, table
 
 
 def _times(
@@ -118,7 +118,7 @@ def _owner(args: argparse.Namespace, peer: Connection, out: Connection) -> None:
 def _copier(args: argparse.Namespace, peer: Connection, out: Connection) -> None:
     dev = torch.device("cuda", 1)
     torch.cuda.set_device(dev)
-    ts, flat = _recv(peer, "the trainer's tensors")
+    ts, flat = receive(peer, "the trainer's tensors")
     params = [torch.empty(t.shape, dtype=t.dtype, device=dev) for t in ts]
     pflat = torch.empty(flat.shape, dtype=flat.dtype, device=dev)
     stream = torch.cuda.Stream(dev)
@@ -146,29 +146,6 @@ def _copier(args: argparse.Namespace, peer: Connection, out: Connection) -> None
     out.send((rows, same))
 
 
-def _start(ctx: Any, targets: list[tuple[Any, tuple[Any, ...]]]) -> list[Connection]:
-    """A process per target, each given the child end of a pipe; the parent's ends (the
-    parent closes its copy of each child end: a child that dies closes its pipe)."""
-    ends = []
-    for fn, args in targets:
-        parent, child = ctx.Pipe()
-        ctx.Process(target=fn, args=(*args, child), daemon=True).start()
-        child.close()
-        ends.append(parent)
-    return ends
-
-
-def _recv(conn: Connection, what: str) -> Any:
-    """The next message of a worker: within 600 s, or an error if it died (its traceback
-    is above)."""
-    if not conn.poll(600):
-        raise SystemExit(f"no {what} within 600 s")
-    try:
-        return conn.recv()
-    except EOFError:
-        raise SystemExit(f"the process sending {what} died (its error is above)") from None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-8b", help="qwen3-8b or qwen3-30b-a3b")
@@ -182,13 +159,14 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    nccl_ends = _start(ctx, [(_nccl, (r, port, args)) for r in range(2)])
-    total, count, nccl = [_recv(c, "NCCL's times") for c in nccl_ends][1]  # the receiver's
+    ranks = [start_worker(ctx, _nccl, r, port, args) for r in range(2)]
+    total, count, nccl = [receive(c, "NCCL's times") for _, c in ranks][1]  # the receiver's
     a, b = ctx.Pipe()
-    owner, copier = _start(ctx, [(_owner, (args, a)), (_copier, (args, b))])
+    _, owner = start_worker(ctx, _owner, args, a)
+    _, copier = start_worker(ctx, _copier, args, b)
     a.close()
     b.close()
-    copies, same = _recv(copier, "the copies' times")
+    copies, same = receive(copier, "the copies' times")
     owner.send("done")
     rows = []
     for name, p50, mx, cpu in nccl + copies:

@@ -66,7 +66,7 @@ from rlferry.weights._boxes import extents, slices
 
 import _trace
 import _weights_engine as eng
-from _common import table
+from _common import receive, start_worker, table
 
 WAIT = 600.0
 
@@ -331,17 +331,8 @@ class _Profile:
             self.prof.export_chrome_trace(self.path)
 
 
-def _start(ctx: Any, target: Any, *args: Any) -> tuple[Any, Connection]:
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
-    proc.start()
-    return proc, parent
-
-
 def _recv(conn: Connection, what: str) -> Any:
-    if not conn.poll(WAIT):
-        raise RuntimeError(f"no {what} within {WAIT:g} s")
-    _kind, value, *rest = conn.recv()
+    _kind, value, *rest = receive(conn, what, WAIT)
     return (value, *rest) if rest else value
 
 
@@ -354,13 +345,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _result(args, trainer, engine, same, sent, 0, seconds)
     ctx = mp.get_context("spawn")
     t0 = time.monotonic()
-    trainers = [_start(ctx, _trainer, r, args) for r in range(args.senders)]
+    trainers = [start_worker(ctx, _trainer, r, args) for r in range(args.senders)]
     addresses = [_recv(c, "trainer address") for _, c in trainers]
     if args.mode == "gather":
         trainers[0][1].send(addresses)
         push_address = _recv(trainers[0][1], "rank 0's push address")
     targets = addresses if args.mode == "sharded" else push_address
-    engines = [_start(ctx, _engine, r, args, targets) for r in range(args.receivers)]
+    engines = [start_worker(ctx, _engine, r, args, targets) for r in range(args.receivers)]
     for _, c in engines:
         _recv(c, "engine start")
     print(f"[{time.monotonic() - t0:6.1f} s] started", file=sys.stderr, flush=True)
