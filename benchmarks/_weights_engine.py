@@ -18,6 +18,8 @@ from rlferry.weights import ParamLoader, WeightReceiver
 from rlferry.weights._plan import Plan, TensorSpec
 from rlferry.weights.transports._cuda_ipc import _open, _share
 
+from _common import receive
+
 Shapes = list[tuple[str, tuple[int, ...]]]
 
 
@@ -118,7 +120,7 @@ class _Views:
 # -- the engine process ---------------------------------------------------------------------
 
 
-def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
+def engine_main(shapes: Shapes, device: str, conn: Connection) -> None:
     """Runs in its own process: preallocated parameters, commands from ``conn``.
 
     rlferry's receiver loads with ``ParamLoader`` (one grouped copy per bucket;
@@ -148,7 +150,7 @@ def engine_main(conn: Connection, shapes: Shapes, device: str) -> None:
         "fingerprint": lambda: fingerprint(list(params.values())),
         "zero": lambda: [p.zero_() for p in params.values()] and None,
     }
-    conn.send("ready")
+    conn.send(("ok", "ready"))
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
@@ -185,15 +187,15 @@ def ipc_send(conn: Connection, state: dict[str, torch.Tensor], bucket: int, reop
     outstanding = 0
     for k, tensors in bucketed(plan, state.items(), False):
         b = k % buffers
-        if k >= buffers:
-            conn.recv()  # the ack of bucket k - buffers: this buffer is free
+        if k >= buffers:  # the ack of bucket k - buffers: this buffer is free
+            receive(conn, f"the engine's ack of bucket {k - buffers}")
             outstanding -= 1
         packer.pack(k, tensors)
         torch.cuda.current_stream(dev).synchronize()
         conn.send((k, b, _share(shim.bufs[b]) if reopen else None))
         outstanding += 1
     for _ in range(outstanding):
-        conn.recv()
+        receive(conn, "the engine's ack of a bucket")
     conn.send(None)
 
 

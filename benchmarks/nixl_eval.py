@@ -39,7 +39,6 @@ import argparse
 import ctypes
 import glob
 import importlib.metadata
-import multiprocessing as mp
 import os
 import platform
 import re
@@ -115,7 +114,7 @@ def _poll(done: Any, what: str) -> int:
 # -- the engine process -------------------------------------------------------------------------
 
 
-def nixl_engine_main(conn: Connection, shapes: eng.Shapes) -> None:
+def nixl_engine_main(shapes: eng.Shapes, conn: Connection) -> None:
     """Runs in its own process: preallocated parameters registered with a NIXL agent."""
     params = [torch.zeros(s, dtype=torch.bfloat16) for _, s in shapes]
     agent = _agent("engine")
@@ -137,7 +136,7 @@ def nixl_engine_main(conn: Connection, shapes: eng.Shapes) -> None:
         "fingerprint": lambda: eng.fingerprint(params),
         "zero": lambda: [p.zero_() for p in params] and None,
     }
-    conn.send("ready")
+    conn.send(("ok", "ready"))
     try:
         while True:
             cmd, *args = conn.recv()
@@ -146,18 +145,6 @@ def nixl_engine_main(conn: Connection, shapes: eng.Shapes) -> None:
             conn.send(("ok", handlers[cmd](*args)))
     finally:
         agent.deregister_memory(reg)
-
-
-class NixlEngine(Engine):
-    """The NIXL engine process and its command pipe (``Engine``'s protocol)."""
-
-    def __init__(self, shapes: eng.Shapes) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=nixl_engine_main, args=(child, shapes), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(600) or self.conn.recv() != "ready":
-            raise RuntimeError("the NIXL engine process did not start within 600 s")
 
 
 # -- the trainer's side -------------------------------------------------------------------------
@@ -200,7 +187,7 @@ def write_request(
 
 def run_nixl(shapes: eng.Shapes, state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
     """One WRITE request for every tensor, reposted per update; timing and what was seen."""
-    engine = NixlEngine(shapes)
+    engine = Engine(nixl_engine_main, shapes)
     tensors = list(state.values())
     want = eng.fingerprint(tensors)
     try:
@@ -311,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = _memcpy(nbytes, a.repeat)
     # rlferry first: NIXL's UCX installs memory hooks in the process that loads it
-    engine = Engine(shapes, "cpu")
+    engine = Engine(eng.engine_main, shapes, "cpu")
     try:
         packed, pused = _rlferry(engine, state, "shm", None, a.repeat, zero_copy=False)
         direct, used = _rlferry(engine, state, "shm", None, a.repeat)

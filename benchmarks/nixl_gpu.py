@@ -42,7 +42,6 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import platform
 import shlex
@@ -100,7 +99,7 @@ def _p2p(op: Any, bufs: list[torch.Tensor], peer: int) -> None:
 # -- the engine process -------------------------------------------------------------------------
 
 
-def engine_main(conn: Connection, shapes: eng.Shapes, poll_s: float) -> None:
+def engine_main(shapes: eng.Shapes, poll_s: float, conn: Connection) -> None:
     """Runs in its own process on cuda:1: zeros of every shape, commands from ``conn``."""
     import torch.distributed as dist
 
@@ -166,29 +165,10 @@ def engine_main(conn: Connection, shapes: eng.Shapes, poll_s: float) -> None:
             conn.send(("error", f"{cmd}: {type(e).__name__}: {e}"))
 
 
-class GpuEngine(Engine):
-    """The engine process on cuda:1 and its command pipe; every wait bounded."""
-
-    def __init__(self, shapes: eng.Shapes, poll_s: float) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, shapes, poll_s), daemon=True)
-        self.proc.start()
-        self.wait("start (CUDA context, preallocated zeros)", 300)
-
-    def wait(self, what: str = "reply", timeout: float = _WAIT_S) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"engine: no {what} within {timeout:.0f} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine: {value}")
-        return value
-
-
 # -- the trainer's side -------------------------------------------------------------------------
 
 
-def _run(engine: GpuEngine, what: str, repeat: int, want: int,
+def _run(engine: Engine, what: str, repeat: int, want: int,
          await_cmd: Callable[[int], tuple[Any, ...]],
          post: Callable[[int], None]) -> dict[str, Any]:  # fmt: skip
     """One warm-up and ``repeat`` timed updates: the engine is told what to await, then
@@ -214,7 +194,7 @@ def _run(engine: GpuEngine, what: str, repeat: int, want: int,
     return {"timing": Timing(sorted(times[1:]), tuple(times[:1])), "seen": sorted(seen[1:])}
 
 
-def _nccl_case(engine: GpuEngine, what: str, bufs: list[torch.Tensor], repeat: int,
+def _nccl_case(engine: Engine, what: str, bufs: list[torch.Tensor], repeat: int,
                want: int) -> dict[str, Any]:  # fmt: skip
     import torch.distributed as dist
 
@@ -222,7 +202,7 @@ def _nccl_case(engine: GpuEngine, what: str, bufs: list[torch.Tensor], repeat: i
                 lambda u: _p2p(dist.isend, bufs, 1))  # fmt: skip
 
 
-def _nccl(engine: GpuEngine, tensors: list[torch.Tensor], a: argparse.Namespace, want: int,
+def _nccl(engine: Engine, tensors: list[torch.Tensor], a: argparse.Namespace, want: int,
           out: dict[str, dict[str, Any]]) -> None:  # fmt: skip
     import torch.distributed as dist
 
@@ -242,7 +222,7 @@ def _nccl(engine: GpuEngine, tensors: list[torch.Tensor], a: argparse.Namespace,
     engine.wait("NCCL group's end")
 
 
-def _nixl(engine: GpuEngine, tensors: list[torch.Tensor], a: argparse.Namespace, want: int,
+def _nixl(engine: Engine, tensors: list[torch.Tensor], a: argparse.Namespace, want: int,
           out: dict[str, dict[str, Any]]) -> None:  # fmt: skip
     _progress("nixl_write")
     t0 = time.perf_counter()
@@ -342,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     want = eng.fingerprint(tensors)
     out: dict[str, dict[str, Any]] = {}
     _progress(f"engine process on {_ENGINE}")
-    engine = GpuEngine(shapes, ne._POLL_S)
+    engine = Engine(engine_main, shapes, ne._POLL_S, start_s=300)
     try:
         nccl = ["nccl_flat", "nccl_per_tensor"][: 1 + a.per_tensor]
         _guarded(_nccl, nccl, out, engine, tensors, a, want)

@@ -38,7 +38,7 @@ from rlferry.weights import GroupedCopy, WeightSender
 from rlferry.weights._plan import default_bucket_bytes
 
 import _weights_engine as eng
-from _common import gbps, memcpy_seconds, table
+from _common import gbps, memcpy_seconds, receive, start_worker, table
 
 _GiB = 1 << 30
 _T0 = time.monotonic()
@@ -50,27 +50,26 @@ def _progress(what: str) -> None:
 
 
 class Engine:
-    """The engine process and its command pipe."""
+    """An engine process, ``target(*args, conn)``, and its command pipe: it answers each
+    command with ``("ok", value)`` or ``("error", why)``; every wait is bounded and a dead
+    engine is noticed at once."""
 
-    def __init__(self, shapes: eng.Shapes, device: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=eng.engine_main, args=(child, shapes, device), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(600) or self.conn.recv() != "ready":
-            raise RuntimeError("the engine process did not start within 600 s")
+    def __init__(self, target: Callable[..., None], *args: Any, start_s: float = 600.0) -> None:
+        self.proc, self.conn = start_worker(mp.get_context("spawn"), target, *args)
+        self.wait("start", start_s)
 
     def send(self, *cmd: Any) -> None:
         self.conn.send(cmd)
 
-    def wait(self) -> Any:
-        status, value = self.conn.recv()
-        assert status == "ok", status
+    def wait(self, what: str = "reply", timeout: float = 600.0) -> Any:
+        status, value = receive(self.conn, f"engine's {what}", timeout)
+        if status != "ok":
+            raise RuntimeError(f"engine: {value}")
         return value
 
     def call(self, *cmd: Any) -> Any:
         self.send(*cmd)
-        return self.wait()
+        return self.wait(f"answer to {cmd[0]}")
 
     def stop(self) -> None:
         self.conn.send(("stop",))
@@ -178,7 +177,7 @@ def run_shm(model: str, scale: int, repeat: int, bucket: int | None) -> str:
     shapes = eng.model_shapes(model, scale)
     state = eng.make_state(shapes, "cpu")
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    engine = Engine(shapes, "cpu")
+    engine = Engine(eng.engine_main, shapes, "cpu")
     try:
         base = Timing([memcpy_seconds(nbytes, repeat)])
         packed, pused = _rlferry(engine, state, "shm", bucket, repeat, zero_copy=False)
@@ -247,14 +246,14 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
     flat = _flat_copy_seconds(nbytes, dev, repeat)
     state = eng.make_state(shapes, dev)
     _progress("engine")
-    engine = Engine(shapes, dev)
+    engine = Engine(eng.engine_main, shapes, dev)
     try:
         largest = max(t.numel() * t.element_size() for t in state.values())
         bucket = bucket or default_bucket_bytes(torch.device(dev), largest)
         direct, used = _rlferry(engine, state, "cuda_ipc", bucket, repeat)
         per, _ = _rlferry(engine, state, "cuda_ipc", bucket, repeat, grouped=False)
         packed, pused = _rlferry(engine, state, "cuda_ipc", bucket, repeat, zero_copy=False)
-        more = [Engine(shapes, dev) for _ in range(engines - 1)]
+        more = [Engine(eng.engine_main, shapes, dev) for _ in range(engines - 1)]
         many = _rlferry([engine, *more], state, "cuda_ipc", bucket, repeat) if more else None
         for e in more:
             e.stop()
@@ -313,7 +312,7 @@ def run_broadcast(
     state = eng.make_state(shapes, dev)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     _progress(f"{model}: engine")
-    engine = Engine(shapes, "cuda:1")
+    engine = Engine(eng.engine_main, shapes, "cuda:1")
     try:
         port = _free_port()
         engine.send("nccl_init", port)
