@@ -17,13 +17,14 @@ import datetime
 import socket
 import statistics
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _common import table
+from _common import receive, start_worker, table
 
 CASES = [(1, 0), (1, 16), (2, 0), (2, 16), (4, 0), (4, 8), (8, 4), (16, 4), (16, 2)]
 
@@ -37,7 +38,7 @@ def _group(store: Any, prefix: str, rank: int, ctas: int) -> Any:
     return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, 2, o)
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _worker(rank: int, port: int, args: argparse.Namespace, out: Connection) -> None:
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     torch.zeros(1, device=dev)
@@ -78,8 +79,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             g.abort()
         del groups, bufs
         torch.cuda.synchronize(dev)
-    if rank == 0:
-        out.put(rows)
+    out.send(rows)
 
 
 def main() -> None:
@@ -93,12 +93,10 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    rows = out.get(timeout=600)
-    for proc in procs:
+    workers = [start_worker(ctx, _worker, r, port, args) for r in range(2)]
+    got = [receive(conn, f"rank {r}'s rows") for r, (_, conn) in enumerate(workers)]
+    rows = got[0]  # the sending rank's
+    for proc, _ in workers:
         proc.join(60)
     header = ["groups side by side", "thread blocks", "MiB a group", "p50 ms", "GB/s"]
     print(table(rows, header))

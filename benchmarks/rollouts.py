@@ -33,7 +33,7 @@ import torch
 from rlferry.queue import GetTimeout, Queue
 from rlferry.queue._columns import shared_columns
 
-from _common import gbps, table
+from _common import gbps, receive, start_worker, table
 
 B, S = 1024, 8192
 
@@ -106,26 +106,14 @@ def rlferry_put_get(
     names = list((complex_case() if case == "complex" else simple_case(fields, 1)).keys())
     ctx = mp.get_context("spawn")
     with Queue.start(storage_units=2, tasks=("train",)) as q:
-        pp, pc = ctx.Pipe()
-        cp, cc = ctx.Pipe()
-        prod = ctx.Process(
-            target=_producer,
-            args=(q.address, case, fields, seq_len, iters, shm, pc),
-            daemon=True,
-        )
-        cons = ctx.Process(target=_consumer, args=(q.address, names, iters, cc), daemon=True)
-        prod.start()
-        cons.start()
+        prod, pp = start_worker(ctx, _producer, q.address, case, fields, seq_len, iters, shm)
+        cons, cp = start_worker(ctx, _consumer, q.address, names, iters)
         puts, gets = [], []
         for _ in range(iters):
             pp.send("go")
-            if not pp.poll(600):
-                raise RuntimeError("the producer process did not answer")
-            puts.append(pp.recv())
+            puts.append(receive(pp, "the producer's put time"))
             cp.send("go")
-            if not cp.poll(600):
-                raise RuntimeError("the consumer process did not answer")
-            gets.append(cp.recv())
+            gets.append(receive(cp, "the consumer's get time"))
         prod.join(30)
         cons.join(30)
     # the first two iterations fill the shared-memory pools (fresh pages fault once)
@@ -162,24 +150,18 @@ def field_scan(widths: list[int], iters: int) -> dict[int, float]:
     widths taken in turn within one run so that all of them see the same machine."""
     ctx = mp.get_context("spawn")
     with Queue.start(storage_units=2, tasks=("train",)) as q:
-        pp, pc = ctx.Pipe()
-        cp, cc = ctx.Pipe()
-        procs = [
-            ctx.Process(target=_scan_producer, args=(q.address, widths, iters, pc), daemon=True),
-            ctx.Process(target=_scan_consumer, args=(q.address, widths, iters, cc), daemon=True),
-        ]
-        for p in procs:
-            p.start()
+        (prod, pp), (cons, cp) = (
+            start_worker(ctx, _scan_producer, q.address, widths, iters),
+            start_worker(ctx, _scan_consumer, q.address, widths, iters),
+        )
         times: dict[int, list[float]] = {k: [] for k in widths}
         for _ in range(iters):
             for k in widths:
-                for conn in (pp, cp):
-                    conn.send("go")
-                    if not conn.poll(600):
-                        raise RuntimeError("a benchmark process did not answer")
-                    got = conn.recv()
-                times[k].append(got)
-        for p in procs:
+                pp.send("go")
+                receive(pp, f"the producer's put of {k} fields")
+                cp.send("go")
+                times[k].append(receive(cp, f"the consumer's get of {k} fields"))
+        for p in (prod, cons):
             p.join(30)
     warm = slice(2, None) if iters > 3 else slice(None)
     return {k: statistics.median(v[warm]) for k, v in times.items()}
