@@ -1,13 +1,17 @@
 """`python benchmarks/weights.py` runs and prints its table (a small state dict, on CPU)."""
 
 import json
+import multiprocessing as mp
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+from _common import receive, start_worker  # noqa: E402
 from _weights_engine import model_shapes, specs_of  # noqa: E402
 
 
@@ -68,3 +72,23 @@ def test_bench_weights_sharded_on_fewer_gpus_puts_every_link_across_two():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2 and "--gpus: expected 2 or more with --mode sharded" in run.stderr
+
+
+def _fails(conn):
+    raise RuntimeError("a benchmark worker failing on purpose")
+
+
+def _answers(conn):
+    conn.send("the answer")
+
+
+def test_a_benchmark_worker_that_dies_is_reported_by_what_it_owed_not_waited_for():
+    ctx = mp.get_context("spawn")
+    _, conn = start_worker(ctx, _answers)
+    assert receive(conn, "the answer", wait=120) == "the answer"
+    proc, conn = start_worker(ctx, _fails)
+    # within the bound, and not by it: the pipe ends when the worker dies
+    with pytest.raises(SystemExit, match=r"^the process that owed its rows died \(its error"):
+        receive(conn, "its rows", wait=120)
+    proc.join(60)
+    assert proc.exitcode == 1
