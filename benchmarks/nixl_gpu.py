@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     want = eng.fingerprint(tensors)
     out: dict[str, dict[str, Any]] = {}
     _progress(f"engine process on {_ENGINE}")
-    engine = Engine(engine_main, shapes, ne._POLL_S, start_s=300)
+    engine = Engine(engine_main, shapes, ne._POLL_S, start_s=300, wait_s=_WAIT_S)
     try:
         nccl = ["nccl_flat", "nccl_per_tensor"][: 1 + a.per_tensor]
         _guarded(_nccl, nccl, out, engine, tensors, a, want)

@@ -52,17 +52,21 @@ def _progress(what: str) -> None:
 class Engine:
     """An engine process, ``target(*args, conn)``, and its command pipe: it answers each
     command with ``("ok", value)`` or ``("error", why)``; every wait is bounded and a dead
-    engine is noticed at once."""
+    engine is noticed at once (``wait_s``: the bound of a reply, ``start_s`` of the start)."""
 
-    def __init__(self, target: Callable[..., None], *args: Any, start_s: float = 600.0) -> None:
+    def __init__(
+        self, target: Callable[..., None], *args: Any, start_s: float = 600.0,
+        wait_s: float = 600.0,
+    ) -> None:  # fmt: skip
+        self.wait_s = wait_s
         self.proc, self.conn = start_worker(mp.get_context("spawn"), target, *args)
         self.wait("start", start_s)
 
     def send(self, *cmd: Any) -> None:
         self.conn.send(cmd)
 
-    def wait(self, what: str = "reply", timeout: float = 600.0) -> Any:
-        status, value = receive(self.conn, f"engine's {what}", timeout)
+    def wait(self, what: str = "reply", timeout: float | None = None) -> Any:
+        status, value = receive(self.conn, f"engine's {what}", timeout or self.wait_s)
         if status != "ok":
             raise RuntimeError(f"engine: {value}")
         return value
