@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights._pack import bucketed
 from rlferry.weights._plan import ALIGN, Plan, TensorSpec
 
 
@@ -164,6 +165,57 @@ def test_plan_splits_a_tensor_larger_than_a_bucket_into_consecutive_pieces():
         (3840, 160, 4),
     ]
     assert sum(c.length for c in pieces) == 4000
+
+
+def ramped(sizes, bucket=1024 << 10, ramp=64 << 10):  # buckets of 16 ramps: ramped
+    return Plan.build(specs(*sizes), bucket, ramp)
+
+
+def test_a_ramped_plan_has_small_buckets_at_both_ends_and_lays_every_byte_once():
+    # a large first and last tensor (an embedding, a head) around small and middle ones
+    sizes = [200_000] + [3_000, 60_000, 8_000, 150_000] * 12 + [200_000, 1_000]
+    plan = ramped(sizes)
+    flat = Plan.build(specs(*sizes), 1024 << 10)
+    used = plan.bucket_used
+    assert used[0] <= 64 << 10 and used[-1] <= 128 << 10 and max(used) <= 1024 << 10
+    assert used[1] <= 2 * (64 << 10) + 60_000 * 4  # rising: at most twice the last, or a tensor
+    assert plan.buckets > flat.buckets and not plan.split()  # small ends, nothing split
+    covered = {}
+    for b, chunks in enumerate(plan.by_bucket()):
+        end = 0
+        for c in sorted(chunks, key=lambda c: c.offset):
+            assert c.offset >= end and c.offset + c.length <= used[b]
+            end = c.offset + c.length
+        for c in chunks:
+            covered[c.tensor] = covered.get(c.tensor, 0) + c.length
+    assert covered == {i: n * 4 for i, n in enumerate(sizes)}
+    # the ends hold small tensors; the large ones keep their order in between
+    assert {c.tensor for c in plan.by_bucket()[0]} <= {
+        i for i, n in enumerate(sizes) if n * 4 <= 64 << 10
+    }
+    middle = [c.tensor for c in plan.chunks if sizes[c.tensor] * 4 > 64 << 10]
+    assert middle == sorted(middle)
+    assert plan.fingerprint != flat.fingerprint and Plan.from_wire(plan.to_wire()) == plan
+
+
+def test_a_push_of_at_most_four_ramps_is_not_ramped():
+    assert (
+        ramped([8_000] * 8).bucket_used == Plan.build(specs(*[8_000] * 8), 1024 << 10).bucket_used
+    )
+
+
+def test_a_ramped_plan_streams_from_a_generator_every_bucket_with_its_tensors():
+    sizes = [200_000] + [3_000, 60_000, 8_000, 150_000] * 12 + [200_000, 1_000]
+    plan = ramped(sizes)
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate(sizes)]
+    pairs = ((f"t{i}", t) for i, t in enumerate(tensors))
+    seen = 0
+    for k, got in bucketed(plan, pairs, checked=True):
+        assert k == seen
+        for c in plan.by_bucket()[k]:
+            assert got[c.tensor] is tensors[c.tensor]
+        seen += 1
+    assert seen == plan.buckets
 
 
 def test_plan_travels_as_plain_data_and_comes_back_equal():

@@ -20,8 +20,16 @@ requires_2_gpus = pytest.mark.skipif(
 )
 
 
-def weights(seed, device="cuda:0"):
+def weights(seed, device="cuda:0", big=False):
     g = torch.Generator(device=device).manual_seed(seed)
+    if big:  # 368 MiB: large tensors at both ends, small ones between (ramped buckets)
+        sd = {"embed": torch.randn(16384, 2048, device=device, generator=g).bfloat16()}
+        for i in range(12):
+            sd[f"layers.{i}.a"] = torch.randn(1024, 1024, device=device, generator=g)
+            sd[f"layers.{i}.b"] = torch.randn(4096, 2048, device=device, generator=g).bfloat16()
+            sd[f"layers.{i}.norm"] = torch.randn(1024, device=device, generator=g)
+        sd["head"] = torch.randn(16384, 2048, device=device, generator=g).bfloat16()
+        return sd
     sd = {f"layers.{i}.w": torch.randn(512, 1024, device=device, generator=g) for i in range(8)}
     sd["embed"] = torch.randn(4096, 1024, device=device, generator=g).bfloat16()  # 8 MiB
     sd["norm"] = torch.randn(1024, device=device, generator=g)
@@ -34,9 +42,9 @@ def digest(sd):
     return {n: int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sd.items()}
 
 
-def _engine(address, group, device, conn, fail_at, verify, secret, name):
+def _engine(address, group, device, conn, fail_at, verify, secret, name, big):
     torch.cuda.set_device(device)
-    like = weights(0, device)
+    like = weights(0, device, big)
     params = {n: torch.zeros_like(t) for n, t in like.items()}
     calls = []
 
@@ -59,10 +67,10 @@ def _engine(address, group, device, conn, fail_at, verify, secret, name):
     r.close()
 
 
-def spawn(address, group, device, fail_at=0, verify=True, secret=None, name=None):
+def spawn(address, group, device, fail_at=0, verify=True, secret=None, name=None, big=False):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (address, group, device, child, fail_at, verify, secret, name)
+    args = (address, group, device, child, fail_at, verify, secret, name, big)
     p = ctx.Process(target=_engine, args=args, daemon=True)
     p.start()
     assert parent.poll(180) and parent.recv() == "ready"
@@ -135,6 +143,24 @@ def test_nccl_broadcast_to_another_gpu_delivers_exact_values_and_reuses_the_grou
         assert (kind, version) == ("commit", v)
         assert got == digest(sd)
     assert s.statistics().groups_formed == 1
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
+@requires_2_gpus
+def test_nccl_broadcast_of_a_large_push_in_ramped_buckets_delivers_exact_values():
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    s = WeightSender(group="ramp", transport="broadcast", receivers=1, bucket_bytes=512 << 20)
+    proc, conn = spawn(s.address, "ramp", "cuda:1", verify=False, big=True)
+    for v in (1, 2, 3):  # the plan's first push, then the grouped copies' build and use
+        sd = weights(v, big=True)
+        report = s.push(sd.items(), version=v, timeout=120)
+        kind, version, got, _ = conn.recv()
+        assert (kind, version, got) == ("commit", v, digest(sd))
+    nbytes = sum(t.nbytes for t in sd.values())
+    # small buckets at both ends: more of them than the model's bytes in full buckets
+    assert report.buckets > -(-nbytes // (512 << 20)) + 2
     conn.send("stop")
     proc.join(60)
     s.close()

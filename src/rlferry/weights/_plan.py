@@ -23,6 +23,7 @@ from ._errors import WeightSyncError
 
 __all__ = [
     "ALIGN",
+    "RAMP_BYTES",
     "Chunk",
     "Plan",
     "TensorSpec",
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 ALIGN = 256
+# The first and last buckets of a stream whose transfer follows a pack and precedes a load
+# (NCCL on a GPU), where buckets are of 16 times this or more (see Plan.build)
+RAMP_BYTES = 32 << 20
 _SHOWN = 3  # differing tensors named in an error before "and N more"
 
 
@@ -50,6 +54,29 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _ramp_order(specs: Sequence[TensorSpec], bucket_bytes: int, ramp: int) -> list[int]:
+    """The order a ramped plan lays tensors out in: tensors of at most ``ramp`` bytes
+    fill the rising ramp (from the front) and the falling one (from the back), up to
+    ``bucket_bytes`` or half of all such tensors each; every other tensor keeps its place
+    between them."""
+    small = [i for i, s in enumerate(specs) if _aligned(s.nbytes) <= ramp]
+    each = min(bucket_bytes, sum(_aligned(specs[i].nbytes) for i in small) // 2)
+
+    def pick(indices: Iterable[int]) -> list[int]:
+        out, room = [], each
+        for i in indices:
+            room -= _aligned(specs[i].nbytes)
+            if room < 0:
+                break
+            out.append(i)
+        return out
+
+    head = pick(small)
+    tail = pick(reversed(small[len(head) :]))[::-1]
+    taken = {*head, *tail}
+    return head + [i for i in range(len(specs)) if i not in taken] + tail
 
 
 @dataclass(frozen=True)
@@ -114,7 +141,20 @@ class Plan:
     fingerprint: str
 
     @classmethod
-    def build(cls, specs: Iterable[TensorSpec], bucket_bytes: int) -> Plan:
+    def build(cls, specs: Iterable[TensorSpec], bucket_bytes: int, ramp: int = 0) -> Plan:
+        """Lay ``specs`` out in buckets of at most ``bucket_bytes``.
+
+        ``ramp`` (a multiple of ALIGN; 0: off): the first bucket holds at most ``ramp``
+        bytes and each next one twice the last, up to ``bucket_bytes``; near the end each
+        bucket takes half of what is left, down to ``ramp``. A pipeline of pack, send and
+        load waits for the first bucket's pack and the last one's load alone, so small
+        ones at both ends shorten it. With a ramp, tensors that fit the smallest bucket
+        whole fill the ramps (the first ones from the front, the last from the back) and
+        the others keep their order between them: the ends are not split, and a large
+        tensor's load does not end the stream. No ramp for buckets under 16 ``ramp`` or a
+        push of at most 4: each more bucket costs a collective's fixed time (one rank to
+        one over NVLink, 4.1 GB in buckets of 297 MiB: 14.0 ms ramped, 13.6 not; 16.4 GB
+        in buckets of 1187 MiB: 51.7 ramped, 53.0 not)."""
         specs = tuple(specs)
         if not specs:
             raise WeightSyncError("push: expected at least one named tensor, got none")
@@ -122,6 +162,8 @@ class Plan:
             raise WeightSyncError(
                 f"bucket_bytes: expected a positive multiple of {ALIGN}, got {bucket_bytes}"
             )
+        if ramp < 0 or ramp % ALIGN:
+            raise WeightSyncError(f"ramp: expected 0 or a positive multiple of {ALIGN}, got {ramp}")
         seen: set[str] = set()
         for s in specs:
             if s.name in seen:
@@ -129,25 +171,43 @@ class Plan:
                     f"tensor `{s.name}` is pushed twice (every name of one push must be unique)"
                 )
             seen.add(s.name)
+        rest = sum(s.nbytes for s in specs)
+        ramp = ramp if 16 * ramp <= bucket_bytes and rest > 4 * ramp else 0
+        order = _ramp_order(specs, bucket_bytes, ramp) if ramp else range(len(specs))
+
+        def cap(k: int) -> int:  # bucket k's size, fixed when it starts with ``rest`` to go
+            if not ramp:
+                return bucket_bytes
+            up = ramp << k if k < 62 else bucket_bytes
+            down = _aligned(rest) if rest <= 2 * ramp else rest // 2 // ALIGN * ALIGN
+            return min(bucket_bytes, up, down)
+
         chunks: list[Chunk] = []
         used: list[int] = [0]
-        for i, s in enumerate(specs):
-            n = s.nbytes
+        room = cap(0)
+        for i in order:
+            n = specs[i].nbytes
             at = used[-1]
-            if at > 0 and at + n > bucket_bytes and (n <= bucket_bytes or at >= bucket_bytes):
-                used.append(0)  # it fits a bucket of its own (or this one is full): the next one
-                at = 0
+            if at > 0 and at + n > room:
+                if ramp and 2 * at < room and at + n <= min(2 * room, bucket_bytes):
+                    room = at + n  # a ramp's bucket under half full grows to take it whole
+                elif n <= bucket_bytes or at >= room:
+                    used.append(0)  # it fits a bucket of its own (or this one is full): the next
+                    at, room = 0, cap(len(used) - 1)
+            if at == 0 and room < n <= bucket_bytes:
+                room = n  # a ramp's bucket grows to hold a tensor whole rather than split it
             start = 0
             while True:
-                length = min(n - start, bucket_bytes - at)
+                length = min(n - start, room - at)
                 chunks.append(Chunk(i, start, length, len(used) - 1, at))
                 used[-1] = _aligned(at + length)
                 start += length
+                rest -= length
                 if start >= n:
                     break
                 used.append(0)
-                at = 0
-        h = hashlib.sha256(str(bucket_bytes).encode())
+                at, room = 0, cap(len(used) - 1)
+        h = hashlib.sha256(f"{bucket_bytes}/{ramp}".encode())
         for s in specs:
             h.update(f"\0{s.name}\0{s.shape}\0{s.dtype}".encode())
         return cls(specs, tuple(chunks), tuple(used), bucket_bytes, h.hexdigest()[:16])

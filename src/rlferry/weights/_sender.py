@@ -18,7 +18,7 @@ from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
 from ._messages import Described
 from ._pack import Packer, bucketed
-from ._plan import Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
+from ._plan import RAMP_BYTES, Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
 from ._report import PushReport, SenderStatistics
 from ._turns import drain
 from .transports import make_sender
@@ -474,7 +474,8 @@ class WeightSender:
             bucket = self.config.bucket_bytes or default_bucket_bytes(self._device, largest)
             if not self.config.bucket_bytes and self._bucket_cap is not None:
                 bucket = min(bucket, self._bucket_cap)
-            self._plan = Plan.build(specs, bucket)
+            ramp = RAMP_BYTES if self._collective is not None and self._device.type == "cuda" else 0
+            self._plan = Plan.build(specs, bucket, ramp)
             self._packer = None
         return data, self._plan, layout is not None
 
