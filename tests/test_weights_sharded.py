@@ -666,9 +666,9 @@ def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport,
 
     shards = shards_of(full)
     try:
-        for version in range(1, 7):
+        for version in range(1, 9):
             values = {n: t + version for n, t in full.items()}
-            if version in (1, 2, 5):  # the same tensors, new values in place
+            if version in (1, 2, 5, 7, 8):  # the same tensors, new values in place
                 for r in range(2):
                     for n, b in trainer.owned[r].items():
                         shards[r][n].copy_(values[n][slices(b)])
@@ -678,7 +678,9 @@ def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport,
                 for r, new in enumerate(shards_of(values)):
                     for n, t in shards[r].items():
                         t.data = new[n]
-            push_threads(senders, shards, version)
+            # 7, 8: a state dict's entry that is not a tensor, nor in the layout, beside them
+            extra = {"_extra_state": {"step": version}} if version >= 7 else {}
+            push_threads(senders, [{**s, **extra} for s in shards], version)
             assert recv.wait_for(version, timeout=WAIT)
             assert all(torch.equal(params[n], values[n]) for n in full), version
         link = senders[0].statistics()

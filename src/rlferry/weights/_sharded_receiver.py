@@ -53,11 +53,11 @@ class _Copies:
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool) -> None:
         self.copy = GroupedCopy(dsts, srcs)
         self.dsts = dsts
-        self.addresses = [t.data_ptr() for t in dsts]
+        self.addresses = list(map(torch.Tensor.data_ptr, dsts))
         self.views = views
 
-    def moved(self) -> bool:
-        return any(t.data_ptr() != a for t, a in zip(self.dsts, self.addresses, strict=True))
+    def moved(self) -> bool:  # read at C speed: 18,867 pieces a push in MoE models
+        return list(map(torch.Tensor.data_ptr, self.dsts)) != self.addresses
 
 
 class ShardedReceiver:
