@@ -692,6 +692,32 @@ def test_a_sender_given_other_tensors_or_moved_ones_sends_their_bytes(transport,
             s.close()
 
 
+def test_a_tensor_moved_under_a_later_bucket_is_found_as_its_bucket_goes_and_kept_there():
+    # Over broadcast a push of the same tensors reads where they lie a bucket at a time,
+    # as the buckets go: a tensor found elsewhere in a later bucket has its pieces cut
+    # again before that bucket packs (its grouped copy built anew), and the next pushes
+    # read it where it lies now.
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "later", specs, transport="broadcast", point_to_point=True, bucket_bytes=8192
+    )
+    full = {s.name: torch.randn(s.shape) for s in specs}
+    shards = {n: t.clone() for n, t in full.items()}
+    last = specs[-1].name
+    try:
+        for version in range(1, 7):
+            values = {n: t + version for n, t in full.items()}
+            if version == 4:  # the last tensor's storage swapped, the others in place
+                shards[last].data = values[last].clone()
+            for n, t in shards.items():
+                t.copy_(values[n])
+            report = sender.push(shards, version=version, timeout=WAIT)
+            assert report.buckets > 4
+            assert_hold(engine, receivers, params, values, version)
+    finally:
+        close_all(sender, receivers)
+
+
 @pytest.mark.parametrize(("transport", "point_to_point"), [("shm", False), ("broadcast", True)])
 def test_a_missing_or_misshapen_tensor_fails_the_push_by_name_and_the_next_one_works(
     transport, point_to_point

@@ -109,6 +109,13 @@ class Packer:
         # checked their memory), so a bucket's grouped copy is used without checking again
         self.same = False
 
+    def forget(self, tensors: list[int]) -> None:
+        """The buckets holding these tensors are packed from them anew (new memory): their
+        grouped copies are built again once the tensors come again where they are now."""
+        gone = set(tensors)
+        for k in {c.bucket for c in self.plan.chunks if c.tensor in gone}:
+            self._copies[k], self._ptrs[k] = None, None
+
     @torch.no_grad()
     def pack(self, k: int, tensors: list[Any]) -> None:
         dsts, idx = self._whole[k]

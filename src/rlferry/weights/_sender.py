@@ -204,7 +204,7 @@ class WeightSender:
         return drain(self._steps(named_tensors, version, timeout, layout))
 
     def _steps(
-        self, named: Iterable[Any] | Callable[[], tuple[list[Any], bool]], version: int,
+        self, named: Iterable[Any] | Callable[[], tuple[list[Any], bool, Any]], version: int,
         timeout: float, layout: Iterable[tuple[str, Any]] | None = None,
     ) -> Generator[None, None, PushReport]:  # fmt: skip
         """:meth:`push` as steps, for a caller that drives several senders' pushes in one
@@ -213,10 +213,13 @@ class WeightSender:
         bucket, the last waits for the commits; the report is the generator's value. On
         NCCL a step only enqueues work, so one thread keeps every link of a rank busy.
 
-        ``named`` may be a callable giving ``(named, same)`` once the push started (the
-        caller's tensors are made ready while the receivers get the start); ``same``:
+        ``named`` may be a callable giving ``(named, same, guard)`` once the push started
+        (the caller's tensors are made ready while the receivers get the start); ``same``:
         the list object pushed last, whose tensors the caller checked are the same (same
-        memory, same layout), so their checks are skipped. Such a caller must push the
+        memory, same layout), so their checks are skipped; ``guard``: None, or called with
+        each bucket's tensor indices and list before the bucket is packed, to replace
+        tensors of it (in the list, and in ``named``) that the caller finds stale then
+        (it returns their indices). Such a caller must push the
         layout of the last push (a push that started streaming the old one fails, aborted)."""
         if type(version) is not int:
             raise ValueError(f"push.version: expected an int, got {version!r}")
@@ -241,7 +244,7 @@ class WeightSender:
 
     def _push(
         self,
-        named: Iterable[Any] | Callable[[], tuple[list[Any], bool]],
+        named: Iterable[Any] | Callable[[], tuple[list[Any], bool, Any]],
         version: int,
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
@@ -255,7 +258,7 @@ class WeightSender:
         begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
         fast = early = None
         buckets: Iterator[tuple[int, list[Any]]] | None = None
-        same = False
+        same, guard = False, None
         try:  # until the members are known: a push the hub started is aborted, not left
             if callable(named):
                 early = self._plan
@@ -264,12 +267,14 @@ class WeightSender:
                     begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
                     yield  # the caller's other pushes start too
                     _sent(begun, deadline)  # the receivers get the start while tensors are read
-                named, same = named()
+                named, same, guard = named()
             if same and self._plan is not None and named is self._planned_for:
                 plan, checked = self._plan, False
             else:
                 same = False
                 named, plan, checked = self._layout(named, layout)
+            if guard is not None:
+                buckets = self._guarded(bucketed(plan, named, checked), guard, plan)
             if begun is None:
                 fast = self._fast(plan, seq, version) if not self._first else None
                 begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
@@ -282,7 +287,7 @@ class WeightSender:
             if fast is not None:  # bucket 0 is packed while the loop picks the members
                 assert self._packer is not None
                 self._packer.same = same
-                rest = bucketed(plan, named, checked)
+                rest = buckets or bucketed(plan, named, checked)
                 first = next(rest)
                 self._packer.pack(*first)
                 buckets = itertools.chain([first], rest)
@@ -339,6 +344,19 @@ class WeightSender:
         return (yield from self._finish(
             push, plan, named, checked, t0, deadline, buckets, direct=direct
         ))  # fmt: skip
+
+    def _guarded(
+        self, buckets: Iterator[tuple[int, list[Any]]], guard: Callable[..., list[int]],
+        plan: Plan,
+    ) -> Iterator[tuple[int, list[Any]]]:  # fmt: skip
+        """``buckets``, ``guard`` asked before each is packed (see :meth:`_steps`); the
+        buckets of the tensors it replaced are packed anew (grouped copies built again)."""
+        per = plan.order[0]
+        for k, tensors in buckets:
+            replaced = guard(per[k], tensors)
+            if replaced and self._packer is not None:
+                self._packer.forget(replaced)
+            yield k, tensors
 
     def _fast(
         self, plan: Plan, seq: int, version: int

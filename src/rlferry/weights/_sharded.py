@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -32,14 +31,13 @@ from ._budget import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES, bucket_cap, busier_end
 from ._errors import WeightSyncError
 from ._group import described
 from ._layouts import EngineLayout, TrainerLayout
+from ._ready import Ready, moved, where_of
 from ._report import PushReport, ShardedSenderStatistics
 from ._sender import WeightSender
 from ._shardplan import Piece, ShardPlan
 from ._turns import drain, take_turns
 
 __all__ = ["ShardedSender", "link_group"]
-
-_shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 def link_group(group: str, rank: int, receiver: int | None = None) -> str:
@@ -147,6 +145,7 @@ class ShardedSender:
         self._plans = _Plans(trainer, engine)
         self._cut_plan: ShardPlan | None = None  # the plan the cuts below were made for
         self._cut_cache: dict[int, list[_Cut]] = {}
+        self._source_cache: dict[int, tuple[Any, ...]] = {}  # see _sources
         # by stream, the views cut from the last push's tensors (views of the same memory:
         # pushed again while the same tensors are pushed, as a state dict is), and where
         # those tensors were (address, strides, dtype; and their names and shapes: checked
@@ -293,12 +292,19 @@ class ShardedSender:
                 shape is not the one the layout gives this rank.
         """
         plan = self._plans.get()
-        ready = _Ready(self, plan, named_tensors)
+        ready = Ready(self, plan, named_tensors)
         # the plan, names and shapes of the last push (nothing a push's checks could refuse):
         # every link starts before the views are checked (their receivers get the start
         # meanwhile), else the tensors are checked first
         early = plan is self._cut_plan and ready.shapes == self._shapes
         links = list(self._links) if self.point_to_point else [-1]
+        # over broadcast, a push of the same tensors reads where they lie a bucket at a
+        # time, as its buckets go (Guard), instead of all of them before the first
+        ready.lazy = (
+            early and ready.plain and self._transport == "broadcast"
+            and self._where is not None and len(self._where) == 3
+            and all(r in self._views for r in links)
+        )  # fmt: skip
         if not self.point_to_point and not self._cuts(plan, -1):
             return PushReport(version, 0, 0.0, (), 0, 0, False)
         try:
@@ -310,11 +316,13 @@ class ShardedSender:
         except BaseException:
             self._views, self._where, self._shapes = {}, None, None  # cut again next time
             raise
-        if self._moves and _moved(ready.tensors, ready.where):
+        if ready.lazy:
+            ready.keep_where()
+        if self._moves and moved(ready.tensors, ready.where):
             # the push read the tensors in place and moved their storages into shared
             # memory: where they lie now (new tensors allocated where they were must not
             # match, or the kept views would send the old bytes)
-            self._where = _where(ready.tensors, ready.plain)
+            self._where = where_of(ready.tensors, ready.plain)
         return report
 
     def _one_thread(self) -> bool:
@@ -381,6 +389,26 @@ class ShardedSender:
             self._cut_cache[receiver] = cuts
         return cuts
 
+    def _sources(
+        self, r: int, names: list[str]
+    ) -> tuple[list[int], dict[int, list[tuple[int, Any]]]]:
+        """For link ``r``'s pieces (in order): the position among the pushed tensors
+        (``names``, in order) of each one's source, and by source its pieces (index, cut
+        slices); worked out once per plan, stream and order of names."""
+        got = self._source_cache.get(r)
+        if got is not None and got[0] is self._cut_plan and got[1] == names:
+            return got[2], got[3]
+        at = {n: p for p, n in enumerate(names)}
+        source: list[int] = []
+        of_source: dict[int, list[tuple[int, Any]]] = {}
+        assert self._cut_plan is not None
+        for i, c in enumerate(self._cuts(self._cut_plan, r)):
+            p = at[c.source]
+            source.append(p)
+            of_source.setdefault(p, []).append((i, c.at))
+        self._source_cache[r] = (self._cut_plan, names, source, of_source)
+        return source, of_source
+
     @torch.no_grad()
     def _pieces(
         self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
@@ -444,72 +472,3 @@ class ShardedSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Ready:
-    """A push's tensors: this rank's local shards and their names and shapes, read at
-    once; where they lie, read once for every link (on the first link's call: once every
-    link started, when the push can go early); each link's pieces (the views kept from
-    the last push while the tensors lie where they did)."""
-
-    def __init__(self, sender: ShardedSender, plan: ShardPlan, named: Any) -> None:
-        self.sender, self.plan = sender, plan
-        self.local = _local(named)
-        self.tensors = list(self.local.values())
-        self.plain = all(issubclass(c, torch.Tensor) for c in set(map(type, self.tensors)))
-        self.shapes = (list(self.local), list(map(_shape_of, self.tensors)) if self.plain
-                       else [getattr(t, "shape", None) for t in self.tensors])  # fmt: skip
-        self.where: tuple[list[Any], ...] = ()
-        self._done = False
-
-    def __call__(self) -> None:
-        if self._done:
-            return
-        s = self.sender
-        self.where = where = _where(self.tensors, self.plain)
-        if self.plan is not s._cut_plan or where != s._where or self.shapes != s._shapes:
-            s._views = {}  # other tensors (or a new plan): the views are cut again
-        s._where, s._shapes = where, self.shapes
-        first = next(iter(self.local.values()), None)
-        s._on_gpu = isinstance(first, torch.Tensor) and first.is_cuda
-        self._done = True
-
-    def pieces(self, r: int) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """Link ``r``'s pieces, and whether they are the list it pushed last (the same
-        tensors: their checks are skipped)."""
-        self()
-        kept = self.sender._views.get(r)
-        pieces = self.sender._pieces(self.plan, r, self.local)
-        return pieces, pieces is kept
-
-
-def _where(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
-    """Where each tensor lies (address, strides, dtype; names and shapes are read apart):
-    one pass over the push's tensors for every stream (views cut from them stay valid
-    while it and the shapes are equal). ``plain``: all are tensors, read attribute by
-    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each took
-    8.7 on the 2-core VM, and no tuple a tensor is kept for the collector to scan)."""
-    if plain:
-        return (list(map(torch.Tensor.data_ptr, tensors)),
-                list(map(torch.Tensor.stride, tensors)), list(map(_dtype_of, tensors)))  # fmt: skip
-    return ([(t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
-             for t in tensors],)  # fmt: skip
-
-
-def _moved(tensors: list[Any], where: tuple[list[Any], ...]) -> bool:
-    """Whether a tensor's storage moved since ``where`` was taken (addresses only: the
-    cheap part of :func:`_where`, checked after every push that may move them)."""
-    if len(where) == 3:
-        return list(map(torch.Tensor.data_ptr, tensors)) != where[0]
-    return any(
-        isinstance(t, torch.Tensor) and t.data_ptr() != w[0]
-        for t, w in zip(tensors, where[0], strict=True)
-    )
-
-
-def _local(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
-    """This rank's tensors by name: a DTensor's local shard, a plain tensor as it is."""
-    local = dict(named.items() if isinstance(named, Mapping) else named)
-    if all(c is torch.Tensor or c is torch.nn.Parameter for c in set(map(type, local.values()))):
-        return local  # no DTensor (the common case, read at C speed)
-    return {n: t.to_local() if hasattr(t, "to_local") else t for n, t in local.items()}
