@@ -431,7 +431,7 @@ class WeightSender:
                 yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
             else:
                 yield from self._stream_mailbox(
-                    plan, bucketed(plan, named, checked), verify, deadline
+                    plan, buckets or bucketed(plan, named, checked), verify, deadline
                 )
             yield  # the caller's other pushes stream before this one waits for its commits
             # every member's commit wakes this thread from the loop at once; at the
