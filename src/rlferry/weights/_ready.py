@@ -87,14 +87,22 @@ class Guard:
 
     def __init__(self, ready: Ready, r: int, pieces: list[tuple[str, torch.Tensor]]) -> None:
         self.ready, self.pieces = ready, pieces
-        self.source, self.of_source = ready.sender._sources(r, ready.shapes[0])
+        self.source, self.of_source, self.buckets = ready.sender._sources(r, ready.shapes[0])
         w = ready.sender._where
         assert w is not None and len(w) == 3
         self.where = w
         self.done: set[int] = set()
 
     def __call__(self, indices: list[int], tensors: list[Any]) -> list[int]:
-        ps = list(set(map(self.source.__getitem__, indices)))
+        # a bucket's sources, kept by its list of indices (the same object while the
+        # link's plan is: held here, so its id is not reused)
+        kept = self.buckets.get(id(indices))
+        if kept is None or kept[0] is not indices:
+            kept = self.buckets[id(indices)] = (
+                indices,
+                list(set(map(self.source.__getitem__, indices))),
+            )
+        ps = kept[1]
         ts = list(map(self.ready.tensors.__getitem__, ps))
         w0, w1, w2 = self.where
         if (

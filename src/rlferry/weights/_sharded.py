@@ -391,13 +391,14 @@ class ShardedSender:
 
     def _sources(
         self, r: int, names: list[str]
-    ) -> tuple[list[int], dict[int, list[tuple[int, Any]]]]:
+    ) -> tuple[list[int], dict[int, list[tuple[int, Any]]], dict[int, Any]]:
         """For link ``r``'s pieces (in order): the position among the pushed tensors
-        (``names``, in order) of each one's source, and by source its pieces (index, cut
-        slices); worked out once per plan, stream and order of names."""
+        (``names``, in order) of each one's source, by source its pieces (index, cut
+        slices), and a dict for the guards to keep each bucket's sources in; worked out
+        once per plan, stream and order of names."""
         got = self._source_cache.get(r)
         if got is not None and got[0] is self._cut_plan and got[1] == names:
-            return got[2], got[3]
+            return got[2], got[3], got[4]
         at = {n: p for p, n in enumerate(names)}
         source: list[int] = []
         of_source: dict[int, list[tuple[int, Any]]] = {}
@@ -406,8 +407,9 @@ class ShardedSender:
             p = at[c.source]
             source.append(p)
             of_source.setdefault(p, []).append((i, c.at))
-        self._source_cache[r] = (self._cut_plan, names, source, of_source)
-        return source, of_source
+        buckets: dict[int, Any] = {}
+        self._source_cache[r] = (self._cut_plan, names, source, of_source, buckets)
+        return source, of_source, buckets
 
     @torch.no_grad()
     def _pieces(
