@@ -22,8 +22,9 @@ from typing import Any
 # (module, function or Class.method): the steps of a push, at both ends
 TARGETS = [
     ("rlferry.weights._sharded", "ShardedSender.push"),
-    ("rlferry.weights._sharded", "_where"),
-    ("rlferry.weights._sharded", "_local"),
+    ("rlferry.weights._ready", "Ready.__init__"),
+    ("rlferry.weights._ready", "Ready.__call__"),
+    ("rlferry.weights._ready", "Guard.__call__"),
     ("rlferry.weights._sender", "WeightSender._push"),
     ("rlferry.weights._sender", "WeightSender._finish"),
     ("rlferry.weights._hub", "Hub.begin"),

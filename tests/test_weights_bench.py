@@ -92,3 +92,18 @@ def test_a_benchmark_worker_that_dies_is_reported_by_what_it_owed_not_waited_for
         receive(conn, "its rows", wait=120)
     proc.join(60)
     assert proc.exitcode == 1
+
+
+def test_every_step_the_push_tracer_stamps_is_still_in_the_code():
+    import importlib
+    import inspect
+
+    from _trace import TARGETS
+
+    for module, qual in TARGETS:
+        owner = importlib.import_module(module)
+        cls, _, attr = qual.rpartition(".")
+        owner = getattr(owner, cls) if cls else owner
+        assert callable(inspect.getattr_static(owner, attr, None)) or isinstance(
+            inspect.getattr_static(owner, attr, None), staticmethod
+        ), f"benchmarks/_trace.py stamps {module}.{qual}, which is gone: update TARGETS"
