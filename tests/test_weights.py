@@ -534,3 +534,28 @@ def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
     assert default_bucket_bytes(cpu, 10 * mib) == 64 * mib
     assert default_bucket_bytes(cpu, 77_791_233) == 77_791_488  # raised, 256-byte aligned
     assert default_bucket_bytes(cpu, 2048 * mib) == 64 * mib  # too large: split
+
+
+def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its_own():
+    # one thread drives a rank's NCCL links: a link blocking on its sends while another
+    # link's buckets were not yet enqueued hung updates (their receivers waited on them)
+    from rlferry.weights._turns import take_turns
+
+    order: list[str] = []
+
+    def link(name, buckets):
+        for k in range(buckets):
+            order.append(f"{name}{k}")
+            yield  # a bucket enqueued
+        yield True  # next: wait for the sends
+        order.append(f"{name} sent")
+        yield True  # next: wait for the commits
+        order.append(f"{name} committed")
+        return name
+
+    reports: dict[int, str] = {}
+    take_turns({0: link("a", 1), 1: link("b", 3)}, reports, {})
+    assert order == [
+        "a0", "b0", "b1", "b2", "a sent", "b sent", "a committed", "b committed",
+    ]  # fmt: skip
+    assert reports == {0: "a", 1: "b"}

@@ -206,12 +206,14 @@ class WeightSender:
     def _steps(
         self, named: Iterable[Any] | Callable[[], tuple[list[Any], bool, Any]], version: int,
         timeout: float, layout: Iterable[tuple[str, Any]] | None = None,
-    ) -> Generator[None, None, PushReport]:  # fmt: skip
+    ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
         """:meth:`push` as steps, for a caller that drives several senders' pushes in one
         thread (:func:`drain` runs one): the first step starts the push (a push whose
         receivers hold its plan starts streaming there), each later one packs and sends a
         bucket, the last waits for the commits; the report is the generator's value. On
-        NCCL a step only enqueues work, so one thread keeps every link of a rank busy.
+        NCCL a step only enqueues work, so one thread keeps every link of a rank busy; a
+        step yields True when the next one blocks (the GPU's sends, the commits), so that
+        the thread enqueues the other links' buckets first (:func:`take_turns`).
 
         ``named`` may be a callable giving ``(named, same, guard)`` once the push started
         (the caller's tensors are made ready while the receivers get the start); ``same``:
@@ -248,7 +250,7 @@ class WeightSender:
         version: int,
         timeout: float,
         layout: Iterable[tuple[str, Any]] | None,
-    ) -> Generator[None, None, PushReport]:
+    ) -> Generator[bool | None, None, PushReport]:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         seq = next(self._seq)
@@ -265,7 +267,7 @@ class WeightSender:
                 if not self._first and early is not None:
                     fast = self._fast(early, seq, version)
                     begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
-                    yield  # the caller's other pushes start too
+                    yield False  # the caller's other pushes start too
                     _sent(begun, deadline)  # the receivers get the start while tensors are read
                 named, same, guard = named()
             if same and self._plan is not None and named is self._planned_for:
@@ -415,7 +417,7 @@ class WeightSender:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None,
-    ) -> Generator[None, None, PushReport]:  # fmt: skip
+    ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
@@ -433,7 +435,7 @@ class WeightSender:
                 yield from self._stream_mailbox(
                     plan, buckets or bucketed(plan, named, checked), verify, deadline
                 )
-            yield  # the caller's other pushes stream before this one waits for its commits
+            yield True  # this push waits for its commits once the caller's others streamed
             # every member's commit wakes this thread from the loop at once; at the
             # deadline, the loop names the late ones
             p = push
@@ -525,7 +527,7 @@ class WeightSender:
     def _stream_mailbox(
         self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,
         deadline: float,
-    ) -> Generator[None, None, None]:  # fmt: skip
+    ) -> Generator[bool | None, None, None]:  # fmt: skip
         tr, hub, packer = self._mailbox, self._hub, self._packer
         assert tr is not None and packer is not None and packer.plan is plan
         members = hub.push.members if hub.push else []
@@ -542,7 +544,7 @@ class WeightSender:
             tr.after_pack(b)
             sum_ = checksum(tr.buffer(b)[: plan.bucket_used[k]]) if verify else None
             call(hub.announce, k, sum_)
-            yield
+            yield False
 
     # -- the rest ---------------------------------------------------------------------
     def statistics(self) -> SenderStatistics:

@@ -11,7 +11,7 @@ __all__ = ["drain", "take_turns"]
 T = TypeVar("T")
 
 
-def drain(steps: Generator[None, None, T]) -> T:
+def drain(steps: Generator[bool | None, None, T]) -> T:
     """Run a push's :meth:`WeightSender._steps` to its end; its report."""
     while True:
         try:
@@ -21,25 +21,40 @@ def drain(steps: Generator[None, None, T]) -> T:
 
 
 def take_turns(
-    steps: dict[int, Generator[None, None, Any]],
+    steps: dict[int, Generator[bool | None, None, Any]],
     reports: dict[int, Any],
     errors: dict[int, BaseException],
 ) -> None:
     """Run every push's steps in turn in this thread (round robin), each to its end (its
     report in ``reports``) or its error (in ``errors``); an interrupt closes every push
-    still going (each aborts) and goes up."""
+    still going (each aborts) and goes up.
+
+    A step that yields True says its next one blocks this thread (until the GPU sent its
+    buckets, or its receivers committed): it is resumed only once every other push
+    reached such a step too, the longest parked first, so every link's buckets are
+    enqueued before the thread blocks on any. Before, a link that ended first blocked the
+    thread while another link's later buckets were not enqueued; that link's receives
+    then waited on this thread, and an engine rank loading a kernel meanwhile (CUDA waits
+    for the device's running kernels) hung 2 trainer ranks to 2 engine ranks on four
+    H200s (about 1 run in 10). The update's time did not change (4.1 GB: 8.3-8.5 ms).
+    """
     going = dict(steps)
+    parked: list[int]
+    ready, parked = list(going), []  # pushes to step; pushes whose next step blocks
     try:
-        while going:
-            for r, g in list(going.items()):
+        while ready or parked:
+            turn, ready = (ready, []) if ready else ([parked.pop(0)], ready)
+            for r in turn:
                 try:
-                    next(g)
+                    blocks = next(going[r])
                 except StopIteration as done:
                     reports[r] = done.value
                     del going[r]
                 except Exception as e:
                     errors[r] = e
                     del going[r]
+                else:
+                    (parked if blocks else ready).append(r)
     finally:
         for g in going.values():
             g.close()

@@ -185,10 +185,11 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> Iterator[None]:
+    ) -> Iterator[bool | None]:
         """Pack and send every bucket (then the checksums if ``verify``), a step each (a
         generator: the caller drives it, see ``WeightSender._steps``); ``packed``: bucket 0
-        is in buffer 0 already. Raises ``WeightSyncError`` if the group broke."""
+        is in buffer 0 already; a step yields True when the next one blocks until the
+        buckets went. Raises ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:

@@ -148,6 +148,7 @@ class BroadcastSender(CollectiveSender):
         self._pending: tuple[str, str, int, int] | None = None  # backend, prefix, world, CTAs
         self._descs: dict[bytes, dict[str, Any]] = {}
         self._bufs: list[torch.Tensor] = []
+        self._side: torch.cuda.Stream | None = None
         self._timeout = 60.0
         self._high_priority = high_priority  # NCCL's streams, here and at every receiver
         self.groups_formed = 0
@@ -252,6 +253,11 @@ class BroadcastSender(CollectiveSender):
         if self._bufs and self._bufs[0].device == device and self._bufs[0].numel() >= nbytes:
             return
         self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        # a link's packs and sends go on a stream of its own: on the caller's stream, each
+        # pack of a rank's links queued behind the others' (a pack waits for the send of
+        # the bucket before last in its buffer), so that one link's sends waited on another
+        # link's receiver, and its end for every link's packs
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def buffer(self, b: int) -> torch.Tensor:
         return self._bufs[b]
@@ -268,37 +274,47 @@ class BroadcastSender(CollectiveSender):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> Iterator[None]:
+    ) -> Iterator[bool | None]:
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
-        nccl = self._bufs[0].is_cuda
+        nccl, side = self._bufs[0].is_cuda, self._side
+        caller = torch.cuda.current_stream(side.device) if side is not None else None
+        if side is not None and caller is not None:  # the caller's tensors (and bucket 0
+            side.wait_stream(caller)  # if ``packed``) are ready first
         works: list[Any] = [None, None]
         sums: list[int] = []
         k, failure = -1, ""
         try:
             for k, tensors in buckets:
                 b = k % 2
-                if works[b] is not None:
-                    _wait(works[b], None if nccl else deadline - time.monotonic())
-                if k or not packed:
-                    packer.pack(k, tensors)
-                view = self._bufs[b][: plan.bucket_used[k]]
-                if verify:
-                    sums.append(checksum(view))
-                works[b] = pg.broadcast([view], opts)
-                yield
+                with torch.cuda.stream(side):  # left before each yield: not the others'
+                    if works[b] is not None:
+                        _wait(works[b], None if nccl else deadline - time.monotonic())
+                    if k or not packed:
+                        packer.pack(k, tensors)
+                    view = self._bufs[b][: plan.bucket_used[k]]
+                    if verify:
+                        sums.append(checksum(view))
+                    works[b] = pg.broadcast([view], opts)
+                yield False
             if verify:
                 t = torch.tensor(sums, dtype=torch.int64, device=self._bufs[0].device)
-                works.append(pg.broadcast([t], opts))
-                yield
-            for w in works:
-                if w is not None:
-                    _wait(w, None if nccl else deadline - time.monotonic())
-            if nccl:
-                _settled(pg, works, torch.cuda.current_stream(self._bufs[0].device))
+                with torch.cuda.stream(side):
+                    works.append(pg.broadcast([t], opts))
+                yield False
+            yield True  # what follows blocks: a rank's other links enqueue first (take_turns)
+            with torch.cuda.stream(side):
+                for w in works:
+                    if w is not None:
+                        _wait(w, None if nccl else deadline - time.monotonic())
+            if side is not None:
+                _settled(pg, works, side)
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
+        finally:
+            if side is not None and caller is not None:  # the caller's later work (its
+                caller.wait_stream(side)  # tensors freed, reused) follows every read of them
         if failure:  # out of the except block: no traceback keeps the group alive
             works.clear()
             del pg
