@@ -36,7 +36,7 @@ def take_turns(
     thread while another link's later buckets were not enqueued; that link's receives
     then waited on this thread, and an engine rank loading a kernel meanwhile (CUDA waits
     for the device's running kernels) hung 2 trainer ranks to 2 engine ranks on four
-    H200s (about 1 run in 10). The update's time did not change (4.1 GB: 8.3-8.5 ms).
+    H200s (3 runs of 36). The update's time did not change (4.1 GB: 8.3-8.5 ms).
     """
     going = dict(steps)
     parked: list[int]
