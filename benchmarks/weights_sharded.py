@@ -68,7 +68,10 @@ import _trace
 import _weights_engine as eng
 from _common import receive, start_worker, table
 
-WAIT = 600.0
+WAIT = 600.0  # a process's start, an engine rank's wait for a version
+# A push's own bound: one that hangs fails in 2 minutes naming the engine ranks it waited
+# for (a first update, groups forming and kernels compiling, took 2-7 s in session 22)
+PUSH_WAIT = 120.0
 
 
 def specs_for(args: argparse.Namespace) -> list[TensorSpec]:
@@ -176,7 +179,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
             while (msg := conn.recv()) != "stop":
                 got = time.time()
                 prof.update(msg)
-                s.push(mine, version=msg, timeout=WAIT)
+                s.push(mine, version=msg, timeout=PUSH_WAIT)
                 st = s.statistics()
                 conn.send(("pushed", st.stream_bytes, st.plans_computed, (got, time.time())))
         report_outside(dev, *before, f"trainer rank {rank} ({len(s.addresses)} links)")
@@ -205,7 +208,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
         conn.send(("address", push.address))
     while (msg := conn.recv()) != "stop":
         if g is not None:
-            g.push(mine, version=msg, timeout=WAIT)
+            g.push(mine, version=msg, timeout=PUSH_WAIT)
             conn.send(("pushed", g.statistics().stream_bytes, g.statistics().plans_computed))
             continue
         if args.senders > 1:
@@ -213,7 +216,7 @@ def _trainer(rank: int, args: argparse.Namespace, conn: Connection) -> None:
                 full[n][slices(b)].copy_(mine[n])
         if gathered is not None:
             assert gathered.wait_for(msg, WAIT)
-        push.push(full.items(), version=msg, timeout=WAIT)
+        push.push(full.items(), version=msg, timeout=PUSH_WAIT)
         sent = sum(t.numel() * t.element_size() for t in full.values())
         conn.send(("pushed", sent, gathered.statistics().plans_computed if gathered else 0))
     if g is not None:
