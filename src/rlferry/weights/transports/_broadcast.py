@@ -279,9 +279,10 @@ class BroadcastSender(CollectiveSender):
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
         nccl, side = self._bufs[0].is_cuda, self._side
-        caller = torch.cuda.current_stream(side.device) if side is not None else None
-        if side is not None and caller is not None:  # the caller's tensors (and bucket 0
-            side.wait_stream(caller)  # if ``packed``) are ready first
+        caller = None
+        if side is not None:  # the caller's tensors (and bucket 0 if ``packed``) first
+            caller = torch.cuda.current_stream(side.device)
+            side.wait_stream(caller)
         works: list[Any] = [None, None]
         sums: list[int] = []
         k, failure = -1, ""
@@ -314,7 +315,7 @@ class BroadcastSender(CollectiveSender):
             failure = _first_line(e)
         finally:
             if side is not None and caller is not None:  # the caller's later work (its
-                caller.wait_stream(side)  # tensors freed, reused) follows every read of them
+                caller.wait_stream(side)  # tensors freed, reused) follows every read
         if failure:  # out of the except block: no traceback keeps the group alive
             works.clear()
             del pg
