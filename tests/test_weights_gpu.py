@@ -5,6 +5,9 @@ Skipped on CPU (with the reason); run there with `python -m pytest -q tests/test
 
 import multiprocessing as mp
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +20,10 @@ pytestmark = [requires_cuda, pytest.mark.gpu]
 requires_2_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs 2 CUDA GPUs (runs on nvidia-h200-x2)",
+)
+requires_3_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 3,
+    reason="needs 3 CUDA GPUs (runs on nvidia-h100-x4)",
 )
 
 
@@ -42,7 +49,7 @@ def digest(sd):
     return {n: int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sd.items()}
 
 
-def _engine(address, group, device, conn, fail_at, verify, secret, name, big):
+def _engine(address, group, device, conn, fail_at, verify, secret, name, big, hang_at=0):
     torch.cuda.set_device(device)
     like = weights(0, device, big)
     params = {n: torch.zeros_like(t) for n, t in like.items()}
@@ -52,6 +59,9 @@ def _engine(address, group, device, conn, fail_at, verify, secret, name, big):
         calls.append(1)
         if len(calls) == fail_at:
             raise RuntimeError("engine refused")
+        if len(calls) == hang_at:
+            conn.send("loading")
+            threading.Event().wait()  # killed here, mid-push
         for n, t in items:
             params[n].copy_(t)
 
@@ -67,10 +77,12 @@ def _engine(address, group, device, conn, fail_at, verify, secret, name, big):
     r.close()
 
 
-def spawn(address, group, device, fail_at=0, verify=True, secret=None, name=None, big=False):
+def spawn(
+    address, group, device, fail_at=0, verify=True, secret=None, name=None, big=False, hang_at=0
+):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (address, group, device, child, fail_at, verify, secret, name, big)
+    args = (address, group, device, child, fail_at, verify, secret, name, big, hang_at)
     p = ctx.Process(target=_engine, args=args, daemon=True)
     p.start()
     assert parent.poll(180) and parent.recv() == "ready"
@@ -197,3 +209,96 @@ def test_nccl_broadcast_with_a_secret_meets_over_the_control_channel():
     conn.send("stop")
     proc.join(60)
     s.close()
+
+
+@requires_3_gpus
+def test_nccl_an_engine_killed_mid_push_fails_it_at_once_and_the_others_take_the_next():
+    """The dead engine's peers would wait for it until NCCL's timeout, and torch's watchdog
+    would then take their processes down: the sender aborts the group when it hears the
+    engine left, the surviving engine's watch aborts its side, every process lives."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    s = WeightSender(group="kill", transport="broadcast", receivers=2, bucket_bytes=1 << 20)
+    steady, steady_conn = spawn(s.address, "kill", "cuda:1", verify=False, name="steady")
+    dying, dying_conn = spawn(s.address, "kill", "cuda:2", verify=False, name="dying", hang_at=2)
+    result = {}
+
+    def push():
+        try:
+            s.push(weights(1).items(), version=1, timeout=120)
+        except WeightSyncError as e:
+            result["error"] = e
+        result["at"] = time.monotonic()
+
+    t = threading.Thread(target=push)
+    t.start()
+    assert dying_conn.poll(120) and dying_conn.recv() == "loading"
+    killed = time.monotonic()
+    os.kill(dying.pid, signal.SIGKILL)
+    t.join(150)
+    e = result["error"]
+    print(f"the push failed {result['at'] - killed:.2f} s after the kill")
+    assert "disconnected (its process died or it closed its receiver)" in e.failures["dying"]
+    assert result["at"] - killed < 20  # at once, not at the group's 120 s timeout
+    sd = weights(2)
+    t0 = time.monotonic()
+    assert s.push(sd.items(), version=2, timeout=120).receivers == ("steady",)
+    print(f"the next push took {time.monotonic() - t0:.2f} s")
+    msg = steady_conn.recv()  # version 1 was aborted everywhere: its first commit is 2
+    assert msg[:3] == ("commit", 2, digest(sd))
+    steady_conn.send("stop")
+    steady.join(60)
+    assert steady.exitcode == 0
+    s.close()
+
+
+def _trainer(conn, device):
+    torch.cuda.set_device(device)
+    s = WeightSender(group="dies", transport="broadcast", receivers=1, bucket_bytes=1 << 20)
+    conn.send(s.address)
+    s.push(weights(1, device).items(), version=1, timeout=120)
+    conn.send("pushed")
+    conn.recv()
+    s.push(weights(2, device).items(), version=2, timeout=120)  # killed in it
+    threading.Event().wait()
+
+
+@requires_2_gpus
+def test_nccl_a_trainer_killed_mid_push_leaves_the_engine_serving_its_last_version():
+    """The engine's NCCL wait would last until the group's timeout, and torch's watchdog
+    would then take the engine down: its watch sees the sender's connection go and aborts
+    its side of the group; the engine stays at version 1 and says why it stopped."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    trainer = ctx.Process(target=_trainer, args=(child, "cuda:1"), daemon=True)
+    trainer.start()
+    assert conn.poll(180)
+    address = conn.recv()
+    torch.cuda.set_device("cuda:0")
+    params = {n: torch.zeros_like(t) for n, t in weights(0, "cuda:0").items()}
+    armed, loading, go_on = threading.Event(), threading.Event(), threading.Event()
+
+    def load(items):
+        if armed.is_set() and not loading.is_set():  # version 2, mid-stream: killed now
+            loading.set()
+            go_on.wait(60)
+        for n, t in items:
+            params[n].copy_(t)
+
+    r = WeightReceiver(group="dies", address=address, load=load, device="cuda:0", name="e")
+    r.start(timeout=120)
+    assert r.wait_for(1, timeout=120) is True
+    assert conn.recv() == "pushed"
+    armed.set()
+    conn.send("push version 2")
+    assert loading.wait(120)
+    os.kill(trainer.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    go_on.set()
+    with pytest.raises(WeightSyncError) as e:
+        r.wait_for(2, timeout=60)
+    print(f"the engine stopped waiting {time.monotonic() - killed:.2f} s after the kill")
+    assert time.monotonic() - killed < 20  # at once, not at the group's 120 s timeout
+    assert "went away" in str(e.value)
+    assert r.version == 1  # what it serves is version 1's (its load wrote in place)
+    r.close()

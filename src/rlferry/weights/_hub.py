@@ -40,6 +40,7 @@ from ._messages import (
     Setup,
     StoreOp,
     Stream,
+    Watch,
     Welcome,
     decode_request,
     encode,
@@ -59,6 +60,8 @@ class Member:
         self.where = f"pid {join.pid} on {join.host}"
         self.verify = join.verify
         self.parked: asyncio.Future[Any] | None = None
+        self.watch: asyncio.Future[Any] | None = None  # its Watch, parked (see _messages)
+        self.watch_seen = 0  # that Watch's ``seen``
         self.plan = ""  # fingerprint of the plan it holds
         self.generation = -1  # of the transport buffers (or group) it attached
         self.seq = 0  # the push it takes part in
@@ -142,7 +145,9 @@ class Hub:
             new = self.members[peer] = Member(peer, msg)
             asyncio.get_running_loop().call_later(JOIN_GRACE, self._grace_over, new)
             self._changed.set()
-            return encode(Welcome(self.group, self.transport))
+            return encode(Welcome(self.group, self.transport, peer))
+        if isinstance(msg, Watch):
+            return encode(await self._watch(msg))
         m = self.members.get(peer)
         if m is None:
             raise WeightSyncError("unknown receiver: join first")
@@ -173,6 +178,27 @@ class Hub:
         m.told = m.seq  # the server sends the reply in this step
         self._check_told(self.push)
         return reply
+
+    async def _watch(self, w: Watch) -> Abort | Noted:
+        """Park a receiver's Watch until a push it takes part in is aborted, or it left."""
+        m = self.members.get(w.key)
+        if m is None:
+            return Noted()  # it left (or joined again, under a new key)
+        if m.watch is not None and not m.watch.done():
+            m.watch.set_result(Noted())
+        fut = m.watch = asyncio.get_running_loop().create_future()
+        m.watch_seen = w.seen
+        self._warn(m)
+        return await fut
+
+    def _warn(self, m: Member) -> None:
+        """Answer ``m``'s Watch if the push it takes part in is aborted."""
+        p = self.push
+        fut = m.watch
+        if fut is None or fut.done() or p is None or p.aborted is None or p.seq <= m.watch_seen:
+            return
+        if m in p.members and m.seq == p.seq and not m.settled:
+            fut.set_result(Abort(p.seq, p.aborted, p.version))
 
     def _describe(self, group: str) -> Described:
         d = self.description
@@ -224,6 +250,8 @@ class Hub:
             m.error = reason
         if m.parked is not None and not m.parked.done():
             m.parked.cancel()
+        if m.watch is not None and not m.watch.done():
+            m.watch.set_result(Noted())
         self.on_leave(m.key)
         self._settle(self.push)
         self._check_told(self.push)
@@ -392,6 +420,8 @@ class Hub:
             return
         p.aborted = reason
         self._dispatch_all()
+        for m in p.members:
+            self._warn(m)
         await self.until(lambda: all(m.settled for m in p.members), deadline)
 
     def _late(self, p: Push, what: str, step: int) -> None:

@@ -14,6 +14,12 @@ travels in these messages: it lies in the transport's buffers.
     Ack(0, park=False) ────────────────▶  Noted
     Ack(done) ─────────────────────────▶  ... parked until the next push ...
 
+A receiver of an NCCL group waits for its stream on the device, deaf to its own
+socket; a second connection of its process keeps a ``Watch`` parked (the key
+``Welcome`` gave it), answered with ``Abort`` when a push it streams is aborted
+(another receiver died, the sender failed) or ``Noted`` when it left: it then
+aborts its side of the group, and the wait on the device ends at once.
+
 A receiver that knows one address of a group of many senders (a trainer whose
 ranks each send their own shards) asks it to describe the group first
 (``Describe``, answered with ``Described``: every rank's address and the trainer
@@ -53,6 +59,7 @@ __all__ = [
     "StoreOp",
     "StoreReply",
     "Stream",
+    "Watch",
     "Welcome",
     "decode_reply",
     "decode_request",
@@ -131,6 +138,16 @@ class StoreReply(msgspec.Struct, frozen=True, tag="stored"):
 class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     group: str
     transport: str
+    key: bytes = b""  # the receiver's key at the sender (what a Watch names)
+
+
+class Watch(msgspec.Struct, frozen=True, tag="watch"):
+    """Answer when a push after ``seen`` that receiver ``key`` takes part in is aborted
+    (``Abort``), or when it left (``Noted``); sent on a connection of its own (see the
+    module's note)."""
+
+    key: bytes
+    seen: int = 0  # the last push whose abort the watcher was told of
 
 
 class Setup(msgspec.Struct, frozen=True, tag="setup"):
@@ -164,7 +181,7 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     version: int = -1  # of the push it aborts (-1: a sender that does not say)
 
 
-Request = Join | Ack | Leave | StoreOp | Describe
+Request = Join | Ack | Leave | StoreOp | Describe | Watch
 Reply = Welcome | Setup | Bucket | Stream | Abort | Noted | StoreReply | Described
 
 _encoder = msgspec.msgpack.Encoder()
@@ -176,7 +193,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(data: Any) -> Join | Ack | Leave | StoreOp | Describe:
+def decode_request(data: Any) -> Join | Ack | Leave | StoreOp | Describe | Watch:
     return _requests.decode(data)
 
 

@@ -46,6 +46,7 @@ from ._messages import (
 from ._pack import Unpacker
 from ._plan import Plan, TensorSpec, check_against
 from ._report import ReceiverStatistics
+from ._watch import StreamWatch
 from .transports import make_receiver
 from .transports._base import (
     CollectiveReceiver,
@@ -126,6 +127,8 @@ class WeightReceiver:
         # the serving thread's own socket to the sender: its messages go without a hop to
         # the wire loop's thread and back (they are most of a small push's time)
         self._client: Client | None = None
+        self._key = b""  # this receiver's key at the sender (Welcome's)
+        self._watch = StreamWatch(address, secret, self.name)
         self._prefetch: bytes | None = None  # the request that asked for the next bucket
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -200,6 +203,7 @@ class WeightReceiver:
                 f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
             ) from None
         assert isinstance(reply, Welcome)
+        self._key = reply.key
         return reply
 
     @property
@@ -258,6 +262,7 @@ class WeightReceiver:
             return
         self._closed = True
         self._stop(ReceiverClosed, f"it is closed (at version {self._version})")
+        self._watch.close()
         if self._client is not None:
             # Leave first: the sender drops us now, not when it sees the socket go (and
             # if the sender is gone already, there is nobody to tell). A wait of the
@@ -394,9 +399,7 @@ class WeightReceiver:
             if isinstance(msg, Stream):
                 return self._stream(msg)
             if isinstance(msg, Abort):
-                self._drop_push()
-                self._tell_failure(f"the sender aborted the push: {msg.reason}")
-                return Ack(msg.seq, ABORTED)
+                return self._dropped(msg.seq, f"the sender aborted the push: {msg.reason}")
             return Ack(0, IDLE)
         except Exception as e:
             seq = msg.seq if isinstance(msg, (Setup, Bucket, Stream, Abort)) else 0
@@ -411,8 +414,10 @@ class WeightReceiver:
         self._tell_failure(reason)
         return Ack(seq, step, error=reason)
 
-    def _drop_push(self) -> None:
+    def _dropped(self, seq: int, why: str) -> Ack:
         self._push_start = 0.0
+        self._tell_failure(why)
+        return Ack(seq, ABORTED)
 
     def _setup(self, msg: Setup) -> Ack:
         self._push_start = time.perf_counter()
@@ -525,8 +530,19 @@ class WeightReceiver:
         def on_bucket(k: int, buf: torch.Tensor) -> None:
             self._load(k)
 
-        assert self._collective is not None
-        error = self._collective.stream(plan, on_bucket, msg.verify)
+        coll = self._collective
+        assert coll is not None
+        abort = coll.aborter()
+        if abort is not None:  # its end waits on the device: the watch can end it
+            self._watch.arm(self._key)
+            why = self._watch.streaming(msg.seq, abort)
+            if why is not None:
+                return self._dropped(msg.seq, why)
+        error = coll.stream(plan, on_bucket, msg.verify)
+        why = self._watch.streamed() if abort is not None else None
+        if why is not None:
+            coll.leave()
+            return self._dropped(msg.seq, why)
         if error is not None:
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
         return self._commit(msg.seq, msg.version)

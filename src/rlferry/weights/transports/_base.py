@@ -272,5 +272,11 @@ class CollectiveReceiver(ReceiverTransport):
         """Receive every bucket, calling ``on_bucket`` on each; the first error, or None."""
 
     @abc.abstractmethod
+    def aborter(self) -> Callable[[], None] | None:
+        """What ends a :meth:`stream` in progress at once from another thread (it then
+        returns its error), or None where the stream's waits end by themselves when a
+        peer goes."""
+
+    @abc.abstractmethod
     def leave(self) -> None:
         """Leave the group (its peers' pending operations fail)."""

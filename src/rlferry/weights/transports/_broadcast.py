@@ -18,10 +18,12 @@ for the GPU until the receiver's commit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +43,27 @@ __all__ = ["BroadcastReceiver", "BroadcastSender"]
 
 log = logging.getLogger("rlferry.weights")
 _epochs = itertools.count(1)
+_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env = threading.Lock()
+
+
+@contextlib.contextmanager
+def _errors_contained() -> Iterator[None]:
+    """While an NCCL group is made: torch's watchdog, by default (``_ERRORS`` 3), takes the
+    whole process down when a collective of the group fails or times out; 2 aborts the
+    group's communicators and fails its works, and the process lives. torch reads it as
+    the group is made; the variable is as it was after (the user's own groups keep theirs).
+    A link's failure fails that push: never the trainer, never the engine."""
+    with _env:
+        before = os.environ.get(_ERRORS)
+        os.environ[_ERRORS] = "2"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[_ERRORS]
+            else:
+                os.environ[_ERRORS] = before
 
 
 def _options() -> Any:
@@ -67,7 +90,8 @@ def _make_group(
         opts.is_high_priority_stream = high_priority
         if max_ctas:
             opts.config.max_ctas = max_ctas
-        return dist.ProcessGroupNCCL(pstore, rank, world, opts)
+        with _errors_contained():
+            return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gopts._devices = [gloo_device(host)]
     gopts._timeout = td
@@ -149,6 +173,7 @@ class BroadcastSender(CollectiveSender):
         self._descs: dict[bytes, dict[str, Any]] = {}
         self._bufs: list[torch.Tensor] = []
         self._side: torch.cuda.Stream | None = None
+        self._left: Any = None  # the group aborted because a member left
         self._timeout = 60.0
         self._high_priority = high_priority  # NCCL's streams, here and at every receiver
         self.groups_formed = 0
@@ -163,6 +188,7 @@ class BroadcastSender(CollectiveSender):
         if self._pg is not None:
             _abort(self._pg)
             self._pg = None
+        self._left = None
         if self._store is None:
             self._store = self._make_store(timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -241,6 +267,16 @@ class BroadcastSender(CollectiveSender):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    def receiver_left(self, key: bytes) -> None:
+        """On the wire loop: a member left (its process died, say). NCCL would wait for it
+        until the group's timeout: the group is aborted (off the loop: an abort takes a
+        while), so that a push streaming to it fails at once; the next forms it anew."""
+        pg = self._pg
+        if pg is None or key not in self._members or isinstance(pg, dist.ProcessGroupGloo):
+            return  # gloo: the member's sockets closed, its peers' waits failed already
+        self._left, self._pg = pg, None
+        wire_loop().loop.run_in_executor(None, _abort, pg)
+
     def broken(self) -> None:
         """A push failed mid-stream: the group is dropped and formed anew next time."""
         if self._pg is not None:
@@ -311,8 +347,12 @@ class BroadcastSender(CollectiveSender):
                         _wait(w, None if nccl else deadline - time.monotonic())
             if side is not None:
                 _settled(pg, works, side)
+            if self._left is pg:
+                failure = "a receiver left mid-stream (the group was aborted)"
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
+            if self._left is pg:
+                failure = f"a receiver left mid-stream (the group was aborted): {failure}"
         finally:
             if side is not None and caller is not None:  # the caller's later work (its
                 caller.wait_stream(side)  # tensors freed, reused) follows every read
@@ -472,6 +512,15 @@ class BroadcastReceiver(CollectiveReceiver):
             self.leave()
             return f"the broadcast broke: {failure}"
         return error
+
+    def aborter(self) -> Callable[[], None] | None:
+        """What aborts this group's side here from another thread (its stream then ends at
+        once), or None where nothing needs it: gloo waits on the CPU, and its peers'
+        sockets closing end those waits."""
+        pg = self._pg
+        if pg is None or self._stream is None:
+            return None
+        return lambda: _abort(pg)
 
     def leave(self) -> None:
         if self._pg is not None:
