@@ -311,3 +311,25 @@ def test_the_packer_uses_one_grouped_copy_once_the_same_tensors_come_again():
             assert all(torch.equal(v, sd[n]) for n, v in unpacker.loads[k])
         built = [c is not None for c in packer._copies]
         assert built == [push > 0] * plan.buckets  # built on the second push, then reused
+
+
+@requires_cuda
+@requires_triton
+def test_the_copy_kernels_are_loaded_once_and_any_row_count_reuses_them():
+    # a kernel loaded while an NCCL receive runs can wait for it (and hang the update):
+    # a link loads them before its group forms, and no later table needs another
+    from rlferry.weights._copy import load_kernels
+    from rlferry.weights._copy_kernel import _copy_rows, _copy_tiles
+
+    dev = torch.cuda.current_device()
+    load_kernels(torch.device("cuda"))
+    caches = [len(fn.device_caches[dev][0]) for fn in (_copy_rows, _copy_tiles)]
+    assert caches == [1, 1]
+    for n in (1, 16, 17, 48):  # tables of 1, 16, 17 and 48 rows
+        src = [torch.randn(64, 64, device="cuda").t() for _ in range(n)]  # strided: bounded grid
+        dst = [torch.empty(64, 64, device="cuda") for _ in range(n)]
+        copy = GroupedCopy([d.t() for d in dst], src, programs=4)
+        copy()
+        torch.cuda.synchronize()
+        assert all(torch.equal(d.t(), s) for d, s in zip(dst, src, strict=True))
+    assert [len(fn.device_caches[dev][0]) for fn in (_copy_rows, _copy_tiles)] == caches

@@ -42,6 +42,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def load_kernels(device: torch.device) -> None:
+    """Load the grouped copy's kernels on a CUDA ``device`` now (once a process; nothing
+    without Triton): before any NCCL work of a link runs there (see ``_copy_kernel.load``)."""
+    if device.type == "cuda" and triton_available():
+        from ._copy_kernel import load
+
+        load(device)
+
+
 def chunk_table(
     src: Sequence[int] | torch.Tensor,
     dst: Sequence[int] | torch.Tensor,

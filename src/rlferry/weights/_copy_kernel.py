@@ -11,6 +11,7 @@ stores (the alignment hints make Triton emit ``ld.global.v4.b32``).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_WORDS", "launcher"]
+__all__ = ["BLOCK_WORDS", "launcher", "load"]
 
 log = logging.getLogger("rlferry.weights")
 
@@ -42,7 +43,7 @@ def _copy_tiles(table, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         tl.store(dst + o, v, mask=m, cache_modifier=".cs")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one compiled kernel for any row count (see load)
 def _copy_rows(table, rows, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """A bounded grid: each program copies rows p, p + programs, ... tile by tile (as many
     tiles as the row holds: a short row, a strided view's run, costs one)."""
@@ -111,3 +112,28 @@ def launcher(
             runner(*given)
 
     return again
+
+
+_loaded: set[int] = set()
+_loading = threading.Lock()
+
+
+def load(device: torch.device) -> None:
+    """Compile (or find compiled) and load both kernels on ``device`` now, once a process,
+    by copying 256 bytes with each. CUDA loads a kernel at its first launch, and may wait
+    for the device's running kernels to do so; a receive running for one NCCL link then
+    waits for its sender. A link's first grouped copy, loaded in the middle of an update,
+    hung 2 trainer ranks to 2 engine ranks on four H200s: an engine rank's thread was
+    loading the kernel while its other link's receive ran. A link loads them before its
+    group forms."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _loading:
+        if index in _loaded:
+            return
+        dev = torch.device("cuda", index)
+        buf = torch.zeros(128, dtype=torch.int32, device=dev)
+        table = torch.empty((1, 3), dtype=torch.int64, device=dev)  # filled on the device
+        table[0, 0], table[0, 1], table[0, 2] = buf.data_ptr(), buf.data_ptr() + 256, 64
+        launcher(table, 1)
+        launcher(table, 1, programs=1)
+        _loaded.add(index)  # buf and table go back to the allocator after the copies ran

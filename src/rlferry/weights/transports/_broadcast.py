@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from rlferry.wire import wire_loop
 
+from .._copy import load_kernels
 from .._errors import PushTimeout, WeightSyncError
 from .._messages import StoreOp, StoreReply
 from .._plan import Plan
@@ -294,6 +295,7 @@ class BroadcastSender(CollectiveSender):
         # the bucket before last in its buffer), so that one link's sends waited on another
         # link's receiver, and its end for every link's packs
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        load_kernels(device)  # before the group forms: never while a link's NCCL work runs
 
     def buffer(self, b: int) -> torch.Tensor:
         return self._bufs[b]
@@ -419,6 +421,7 @@ class BroadcastReceiver(CollectiveReceiver):
                 store = CallStore(call, timeout)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
+                load_kernels(dev)  # never while a link's NCCL work runs (_copy_kernel.load)
             pg = _make_group(backend, store, prefix, rank, world, timeout,
                              local_host_towards(host), high, ctas)  # fmt: skip
             one = torch.zeros(1, device=dev)
