@@ -265,8 +265,8 @@ class BroadcastSender(CollectiveSender):
         dev = self._bufs[0].device if self._bufs else torch.device("cpu")
         one = torch.zeros(1, device=dev)
         _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else self._timeout)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if dev.type == "cuda":  # this stream only: another link's receives may be running
+            torch.cuda.current_stream(dev).synchronize()
 
     def receiver_left(self, key: bytes) -> None:
         """On the wire loop: a member left (its process died, say). NCCL would wait for it
@@ -426,8 +426,8 @@ class BroadcastReceiver(CollectiveReceiver):
                              local_host_towards(host), high, ctas)  # fmt: skip
             one = torch.zeros(1, device=dev)
             _wait(pg.broadcast([one], _options()), None if dev.type == "cuda" else timeout)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            if dev.type == "cuda":  # this stream only: the rank's other links may be streaming
+                torch.cuda.current_stream(dev).synchronize()
         except Exception as e:
             where = f"{host}:{port}" if kind == "tcp" else f"{host} (over the control channel)"
             raise WeightSyncError(
