@@ -50,6 +50,11 @@ class StreamWatch:
             if self._closed or (self._task is not None and not self._task.done()):
                 return
             self._task = wire_loop().submit(self._run())
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: concurrent.futures.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:  # a bug: never hidden
+            log.error("receiver %s: its watch failed", self._name, exc_info=task.exception())
 
     def streaming(self, seq: int, abort: Callable[[], None]) -> str | None:
         """The stream of push ``seq`` begins; ``abort`` ends it from another thread. Why it
