@@ -302,3 +302,27 @@ def test_nccl_a_trainer_killed_mid_push_leaves_the_engine_serving_its_last_versi
     assert "went away" in str(e.value)
     assert r.version == 1  # what it serves is version 1's (its load wrote in place)
     r.close()
+
+
+@requires_3_gpus
+def test_nccl_an_engine_stuck_mid_push_fails_it_at_its_timeout_and_no_process_goes_down():
+    """A peer that lives but never finishes: the push ends at its timeout, where torch's
+    watchdog aborts the group (rlferry's groups are made so that it does not take the
+    process down, its default); the engine that was fine is told and lives on."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    s = WeightSender(group="stuck", transport="broadcast", receivers=2, bucket_bytes=1 << 20)
+    steady, steady_conn = spawn(s.address, "stuck", "cuda:1", verify=False, name="steady")
+    stuck, stuck_conn = spawn(s.address, "stuck", "cuda:2", verify=False, name="stuck", hang_at=2)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as e:
+        s.push(weights(1).items(), version=1, timeout=20)
+    print(f"the push failed after {time.monotonic() - t0:.2f} s: {e.value}")
+    assert time.monotonic() - t0 < 60
+    assert e.value.failures == {"stuck": "did not finish within the push's timeout"}
+    assert stuck_conn.recv() == "loading"
+    assert steady.is_alive() and stuck.is_alive()
+    steady_conn.send("stop")
+    steady.join(60)
+    assert steady.exitcode == 0
+    stuck.kill()
+    s.close()

@@ -119,6 +119,8 @@ class Hub:
         self.push: Push | None = None
         self._changed = asyncio.Event()
         self.on_leave: Callable[[bytes], None] = lambda key: None
+        self.on_deadline: Callable[[], None] = lambda: None  # of the push in progress
+        self._deadline: asyncio.TimerHandle | None = None
         self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
         # a ShardedSender's rank: the group of every rank it is part of (see Describe)
         self.description: Described | None = None
@@ -334,6 +336,10 @@ class Hub:
         members = [m for m in self.members.values() if m.idle]
         if len(members) < wait_for:
             raise PushTimeout(self._too_few(push_args, wait_for))
+        if self._deadline is not None:
+            self._deadline.cancel()
+        left = max(0.0, deadline - time.monotonic())
+        self._deadline = asyncio.get_running_loop().call_later(left, self.on_deadline)
         for m in members:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
             m.step, m.want, m.late = IDLE, None, False
@@ -433,6 +439,9 @@ class Hub:
 
     def done(self) -> None:
         self.push = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
 
 def _doing(m: Member) -> str:

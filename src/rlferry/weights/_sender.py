@@ -118,6 +118,7 @@ class WeightSender:
         self._collective = tr if isinstance(tr, CollectiveSender) else None
         self._hub = self._loop.run(self._make_hub())
         self._hub.on_leave = tr.receiver_left
+        self._hub.on_deadline = tr.deadline_passed
         if self._collective is not None:  # broadcast with a secret: the group meets here
             self._hub.store = self._collective.kv
         bind = bind or default_address("tcp" if transport == "broadcast" else "ipc")
@@ -403,7 +404,10 @@ class WeightSender:
         reason = f"the sender failed: {type(e).__name__}: {e}"
         if coll is not None:
             coll.broken()
-        self._loop.run(self._hub.abort(reason, min(deadline, time.monotonic() + 5)))
+        now = time.monotonic()  # members get a second at least to let go, 5 s at most
+        self._loop.run(self._hub.abort(reason, max(min(deadline, now + 5), now + 1)))
+        if isinstance(e, PushTimeout):  # the ones that did not let go are named
+            self._loop.run(self._hub.finish(now))
         self._loop.loop.call_soon_threadsafe(self._hub.done)
         if isinstance(e, WeightSyncError) and not e.failures:
             failed = [m for m in push.members if m.error is not None]

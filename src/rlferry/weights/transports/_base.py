@@ -92,6 +92,10 @@ class SenderTransport(abc.ABC):
     def receiver_left(self, key: bytes) -> None:  # noqa: B027 (a no-op unless overridden)
         """A receiver is gone or joined again: forget what it sent."""
 
+    def deadline_passed(self) -> None:  # noqa: B027 (a no-op unless overridden)
+        """On the wire loop, at the deadline of the push in progress: end whatever of it
+        waits without a bound of its own."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Free the buffers (or leave the group); the sender is closing."""

@@ -87,7 +87,10 @@ def _make_group(
     pstore = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td
+        # a backstop: a push ends at its own timeout (the sender aborts the group, its
+        # receivers' watches theirs); torch's watchdog, handling a timeout while a thread
+        # enqueues on the group, stopped both for good on four H100s
+        opts._timeout = datetime.timedelta(seconds=max(2 * timeout, timeout + 60))
         opts.is_high_priority_stream = high_priority
         if max_ctas:
             opts.config.max_ctas = max_ctas
@@ -174,7 +177,8 @@ class BroadcastSender(CollectiveSender):
         self._descs: dict[bytes, dict[str, Any]] = {}
         self._bufs: list[torch.Tensor] = []
         self._side: torch.cuda.Stream | None = None
-        self._left: Any = None  # the group aborted because a member left
+        self._cut_why: tuple[Any, str] = (None, "")  # a group aborted from the loop, and why
+        self._streaming: Any = None  # the group a push streams on
         self._timeout = 60.0
         self._high_priority = high_priority  # NCCL's streams, here and at every receiver
         self.groups_formed = 0
@@ -189,7 +193,7 @@ class BroadcastSender(CollectiveSender):
         if self._pg is not None:
             _abort(self._pg)
             self._pg = None
-        self._left = None
+        self._cut_why = (None, "")
         if self._store is None:
             self._store = self._make_store(timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -270,13 +274,24 @@ class BroadcastSender(CollectiveSender):
 
     def receiver_left(self, key: bytes) -> None:
         """On the wire loop: a member left (its process died, say). NCCL would wait for it
-        until the group's timeout: the group is aborted (off the loop: an abort takes a
-        while), so that a push streaming to it fails at once; the next forms it anew."""
-        pg = self._pg
-        if pg is None or key not in self._members or isinstance(pg, dist.ProcessGroupGloo):
-            return  # gloo: the member's sockets closed, its peers' waits failed already
-        self._left, self._pg = pg, None
-        wire_loop().loop.run_in_executor(None, _abort, pg)
+        until the group's timeout: the group is aborted, so that a push streaming to it
+        fails at once; the next forms it anew."""
+        if key in self._members:
+            self._cut(self._pg, "a receiver left mid-stream")
+
+    def deadline_passed(self) -> None:
+        """On the wire loop, at a push's deadline: a stream still going waits on NCCL (a
+        peer stuck, say) until the group's timeout; it is aborted now, and the push
+        raises ``PushTimeout``."""
+        self._cut(self._streaming, "the push's timeout passed mid-stream")
+
+    def _cut(self, pg: Any, why: str) -> None:
+        if pg is None or isinstance(pg, dist.ProcessGroupGloo):
+            return  # gloo: a member's sockets closing fails its peers' waits, and a wait ends
+        self._cut_why = (pg, why)  # at its timeout
+        if self._pg is pg:
+            self._pg = None
+        wire_loop().loop.run_in_executor(None, _abort, pg)  # off the loop: an abort takes a while
 
     def broken(self) -> None:
         """A push failed mid-stream: the group is dropped and formed anew next time."""
@@ -317,6 +332,7 @@ class BroadcastSender(CollectiveSender):
         if pg is None:
             raise WeightSyncError("the broadcast group is not formed")
         nccl, side = self._bufs[0].is_cuda, self._side
+        self._streaming = pg
         caller = None
         if side is not None:  # the caller's tensors (and bucket 0 if ``packed``) first
             caller = torch.cuda.current_stream(side.device)
@@ -349,13 +365,14 @@ class BroadcastSender(CollectiveSender):
                         _wait(w, None if nccl else deadline - time.monotonic())
             if side is not None:
                 _settled(pg, works, side)
-            if self._left is pg:
-                failure = "a receiver left mid-stream (the group was aborted)"
+            if self._cut_why[0] is pg:
+                failure = f"{self._cut_why[1]} (the group was aborted)"
         except RuntimeError as e:  # the collective broke: a receiver died or timed out
             failure = _first_line(e)
-            if self._left is pg:
-                failure = f"a receiver left mid-stream (the group was aborted): {failure}"
+            if self._cut_why[0] is pg:
+                failure = f"{self._cut_why[1]} (the group was aborted): {failure}"
         finally:
+            self._streaming = None
             if side is not None and caller is not None:  # the caller's later work (its
                 caller.wait_stream(side)  # tensors freed, reused) follows every read
         if failure:  # out of the except block: no traceback keeps the group alive
