@@ -364,14 +364,20 @@ def test_one_sender_is_the_same_code_one_weight_sender_and_one_weight_receiver(r
 def _p2p_trainer(rank, transport, conn):
     if transport == "mixed":  # each rank its own way: the one beside the engines by memory
         transport = "shm" if rank == 0 else "broadcast"
+    zero_copy = transport != "shm-packed"  # through the buffers, bucket by bucket
+    transport = transport.removesuffix("-packed")
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
     s = ShardedSender(
         group="p2p", rank=rank, trainer=trainer, engine=engine, transport=transport,
-        bucket_bytes=16 << 10, point_to_point=True,
+        bucket_bytes=16 << 10, point_to_point=True, zero_copy=zero_copy,
     )  # fmt: skip
     conn.send(s.addresses)
+    armed = _held_at_bucket(1, len(s.addresses), conn)
     while (v := conn.recv()) != "stop":
+        if v == "hold":  # the next push stops mid-stream (see _held_at_bucket)
+            armed.set()
+            continue
         full = full_weights(specs, v)
         report = s.push(
             {n: full[n][slices(b)].clone() for n, b in trainer.owned[rank].items()}, version=v
@@ -391,9 +397,18 @@ def _p2p_engine(rank, addresses, conn):
         addresses=addresses, point_to_point=True,
     ).start(WAIT)  # fmt: skip
     conn.send("ready")
-    while (v := conn.recv()) != "stop":
-        assert r.wait_for(v, WAIT)
-        want = expected_params(engine, rank, full_weights(specs, v))
+    while (msg := conn.recv()) != "stop":
+        cmd, arg = msg if isinstance(msg, tuple) else ("wait", msg)
+        if cmd == "connect":  # trainer rank 1's replacement
+            r.connect(1, arg, timeout=WAIT)
+            conn.send("connected")
+            continue
+        try:
+            assert r.wait_for(arg, WAIT)
+        except WeightSyncError as e:
+            conn.send(("error", str(e), list(e.failures), r.version))
+            continue
+        want = expected_params(engine, rank, full_weights(specs, arg))
         conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want)))
     r.close()
 
@@ -563,6 +578,72 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
         signal.signal(signal.SIGUSR1, before)
         gate.set()
         close_all(sender, receivers)
+
+
+def _held_at_bucket(k, links, conn):
+    """Make this process's pushes stop before bucket ``k`` once armed: each link's push
+    waits there, and when all ``links`` do the test is told (and kills the process)."""
+    from rlferry.weights import _sender
+
+    bucketed, armed, held, lock = _sender.bucketed, threading.Event(), [0], threading.Lock()
+
+    def held_bucketed(*args):
+        for i, bucket in enumerate(bucketed(*args)):
+            if i == k and armed.is_set():
+                with lock:
+                    held[0] += 1
+                    if held[0] == links:
+                        conn.send("holding")
+                threading.Event().wait()  # killed here, mid-stream
+            yield bucket
+
+    _sender.bucketed = held_bucketed
+    return armed
+
+
+@pytest.mark.parametrize("transport", ["shm-packed", "broadcast"])
+def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name(transport):
+    """Trainer rank 1 dies while it streams version 3 (each link's first bucket packed and
+    sent, the second not): every engine rank fails version 3 naming trainer rank 1 and stays at
+    version 2 (its loads are in place: the parts of version 3 that loaded hold new bytes),
+    the rank's replacement joins, and version 4 is exact."""
+    trainers = [start(_p2p_trainer, r, transport) for r in range(2)]
+    addresses = [recv(c) for _, c in trainers]
+    engines = [start(_p2p_engine, r, addresses) for r in range(2)]
+    assert [recv(c) for _, c in engines] == ["ready", "ready"]
+    try:
+        for v in (1, 2):
+            for _, c in trainers:
+                c.send(v)
+            [recv(c) for _, c in trainers]
+            assert at(engines, v) == [(v, True)] * 2
+        trainers[1][1].send("hold")
+        for _, c in trainers:
+            c.send(3)
+        assert recv(trainers[1][1]) == "holding"
+        os.kill(trainers[1][0].pid, signal.SIGKILL)
+        for r, (_, c) in enumerate(engines):
+            c.send(("wait", 3))
+            kind, msg, failures, version = recv(c)
+            assert (kind, failures, version) == ("error", ["trainer rank 1"], 2)
+            assert msg.startswith(
+                f"receiver `engine-rank-{r}` (engine rank {r}) cannot reach version 3: trainer "
+                f"rank 1 ({addresses[1][r]}): "
+            )
+            assert msg.endswith("it stays at version 2 (join a dead rank's replacement by connect)")
+        replacement = start(_p2p_trainer, 1, transport)
+        address = recv(replacement[1])
+        for _, c in engines:
+            c.send(("connect", address))
+            assert recv(c) == "connected"
+        trainers[1] = replacement
+        recv(trainers[0][1])  # rank 0's push of version 3 ended (committed or failed)
+        for _, c in trainers:
+            c.send(4)
+        [recv(c) for _, c in trainers]
+        assert at(engines, 4) == [(4, True)] * 2
+    finally:
+        stop(*engines, *trainers)
 
 
 def _placements(port, conn):

@@ -59,6 +59,7 @@ __all__ = ["WeightReceiver"]
 
 log = logging.getLogger("rlferry.weights")
 _names = itertools.count()
+_HEARD = 10.0  # seconds a sender has to answer a receiver whose stream broke (see _heard)
 
 
 def _host_of(address: str) -> str:
@@ -146,6 +147,7 @@ class WeightReceiver:
         self._last_error: str | None = None
         self._push_start = 0.0
         self._failed_seq = -1
+        self._broke: str | None = None  # why the stream just handled broke, not yet told
         self._stopped: tuple[type[WeightSyncError], str] | None = None  # why it serves no more
         self.pushing: int | None = None  # the version of the push in progress, or last seen
 
@@ -364,12 +366,7 @@ class WeightReceiver:
             except ChannelClosed:
                 return None
             except PeerGone as e:
-                log.info("receiver %s: %s; it stays at version %s", self.name, e, self._version)
-                return SenderGone, (
-                    f"the sender at {self.config.address} went away (it closed or died); this "
-                    f"receiver stays at version {self._version} (join the next sender with a "
-                    "new WeightReceiver)"
-                )
+                return self._gone(e)
             except RemoteError as e:  # the sender forgot us (it saw us disconnect): join again
                 log.info("receiver %s: %s; joining again", self.name, e.message)
                 try:
@@ -380,6 +377,14 @@ class WeightReceiver:
                 continue
             self._prefetch = None
             ack = self._handle(msg)
+            if self._broke is not None:
+                try:
+                    self._heard(ack)
+                except PeerGone as e:
+                    return self._gone(e, f" while it pushed version {self.pushing}: {self._broke}")
+                except ChannelClosed:
+                    return None
+                self._broke = None
             if self._prefetch is not None:  # the next bucket is already asked for
                 self._note(ack)
                 self._wake()
@@ -387,6 +392,28 @@ class WeightReceiver:
             else:
                 ask = ack
         return None
+
+    def _gone(self, e: PeerGone, detail: str = "") -> tuple[type[WeightSyncError], str]:
+        log.info("receiver %s: %s; it stays at version %s", self.name, e, self._version)
+        return SenderGone, (
+            f"the sender at {self.config.address} went away (it closed or died){detail}; this "
+            f"receiver stays at version {self._version} (join the next sender with a new "
+            "WeightReceiver)"
+        )
+
+    def _heard(self, ack: Ack) -> None:
+        """A stream that broke (its collective failed, or was aborted): whether because
+        the sender went away. Its process died in the stream as likely as any other
+        fault, and the collective's error says only that a connection broke: the sender
+        is told now, and answers at once (unparked) if it is there; then the failure is
+        told as this push's (``on_failure``, not final). Raises ``PeerGone`` if it went
+        away (the receiver stops: a final failure naming the sender)."""
+        assert self._client is not None and self._broke is not None
+        try:
+            self._client.request(encode(msgspec.structs.replace(ack, park=False)), _HEARD)
+        except (RequestTimeout, RemoteError) as e:  # there, but it did not hear: the next ask says
+            log.warning("receiver %s: the sender did not take the failure: %s", self.name, e)
+        self._tell_failure(self._broke)
 
     def _handle(self, msg: Any) -> Ack:
         if isinstance(msg, (Setup, Bucket, Stream, Abort)) and msg.version >= 0:
@@ -406,17 +433,24 @@ class WeightReceiver:
             step = msg.index if isinstance(msg, Bucket) else PLAN if isinstance(msg, Setup) else 0
             return self._failed(seq, step, f"{type(e).__name__}: {e}")
 
-    def _failed(self, seq: int, step: int, reason: str) -> Ack:
+    def _failed(self, seq: int, step: int, reason: str, broke: bool = False) -> Ack:
+        """A failure of this push here; ``broke``: its stream broke (see :meth:`_heard`)."""
         self._counts["failures"] += 1
         self._last_error = reason
         self._failed_seq = seq
         log.warning("receiver %s: %s", self.name, reason)
-        self._tell_failure(reason)
+        if broke:
+            self._broke = reason
+        else:
+            self._tell_failure(reason)
         return Ack(seq, step, error=reason)
 
-    def _dropped(self, seq: int, why: str) -> Ack:
+    def _dropped(self, seq: int, why: str, broke: bool = False) -> Ack:
         self._push_start = 0.0
-        self._tell_failure(why)
+        if broke:
+            self._broke = why
+        else:
+            self._tell_failure(why)
         return Ack(seq, ABORTED)
 
     def _setup(self, msg: Setup) -> Ack:
@@ -542,9 +576,9 @@ class WeightReceiver:
         why = self._watch.streamed() if abort is not None else None
         if why is not None:
             coll.leave()
-            return self._dropped(msg.seq, why)
+            return self._dropped(msg.seq, why, broke=True)
         if error is not None:
-            return self._failed(msg.seq, 0, f"{error}, version {msg.version}")
+            return self._failed(msg.seq, 0, f"{error}, version {msg.version}", broke=True)
         return self._commit(msg.seq, msg.version)
 
     def _commit(self, seq: int, version: int) -> Ack:

@@ -201,13 +201,15 @@ class ShardedReceiver:
             raise
         return self
 
-    def connect(self, sender: int, address: str, timeout: float = 30.0) -> None:
-        """Join trainer rank ``sender`` at ``address`` (its replacement, after it died);
-        a later push of it brings the plan."""
+    def connect(self, sender: int, address: str | Mapping[int, str], timeout: float = 30.0) -> None:
+        """Join trainer rank ``sender`` at ``address`` (its replacement, after it died: its
+        ``address``, or point to point its ``addresses``); a later push of it brings the
+        plan."""
         if self._closed:
             raise ReceiverClosed(f"receiver `{self.name}` is closed (make a new ShardedReceiver)")
         self._drop(sender)
         self._addresses[sender] = address
+        address = self._address(sender)
         link = _Link(sender, address)
         load = functools.partial(self._load, link)
         around = self._around_load
@@ -386,10 +388,13 @@ class ShardedReceiver:
             blocked = self._blocked(version)
             if blocked is not None:
                 s, why, final = blocked
+                where = self._addresses.get(s)
+                if isinstance(where, Mapping):
+                    where = where.get(self.rank)
                 fix = " (join a dead rank's replacement by connect)" if final else ""
                 raise WeightSyncError(
                     f"receiver `{self.name}` (engine rank {self.rank}) cannot reach version "
-                    f"{version}: trainer rank {s} ({self._addresses.get(s)}): {why}; it stays at "
+                    f"{version}: trainer rank {s} ({where}): {why}; it stays at "
                     f"version {self._version}{fix}",
                     {f"trainer rank {s}": why},
                 )
