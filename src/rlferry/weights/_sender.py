@@ -6,7 +6,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Callable, Generator, ItemsView, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -18,17 +18,14 @@ from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
 from ._messages import Described
 from ._pack import Packer, bucketed
-from ._plan import RAMP_BYTES, Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
+from ._plan import Plan
+from ._preparing import PushPreparing
 from ._report import PushReport, SenderStatistics
 from ._turns import drain
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender, checksum
 
 __all__ = ["WeightSender"]
-
-
-# re-iterable inputs streamed as they are (a bucket's tensors are taken without a walk)
-_WHOLE = (list, tuple, ItemsView)
 
 
 def _sent(begun: concurrent.futures.Future[Any], deadline: float) -> None:
@@ -50,7 +47,7 @@ def _error_class(
     return PushTimeout if any(m.late for m in failed) else default
 
 
-class WeightSender:
+class WeightSender(PushPreparing):
     """Streams named tensors to the receivers of one group, bucket by bucket.
 
     ``transport``: ``"shm"`` (CPU tensors, receivers on this host), ``"cuda_ipc"``
@@ -141,15 +138,6 @@ class WeightSender:
 
     async def _make_hub(self) -> Hub:
         return Hub(self.config.group, self.config.transport)
-
-    def _cap_buckets(self, cap: int) -> None:
-        """Make the default bucket at most ``cap`` bytes (a multiple of 256): a
-        :class:`ShardedSender` shares its rank's buffer budget among its links. A cap
-        below the current plan's buckets takes effect at the next push (planned anew)."""
-        with self._lock:
-            self._bucket_cap = cap
-            if self._plan is not None and self._plan.bucket_bytes > cap:
-                self._plan = None
 
     def _cap_ctas(self, ctas: int) -> None:
         """Let this sender's broadcast group (NCCL) take at most ``ctas`` thread blocks, at
@@ -361,28 +349,6 @@ class WeightSender:
                 self._packer.forget(replaced)
             yield k, tensors
 
-    def _fast(
-        self, plan: Plan, seq: int, version: int
-    ) -> Callable[[list[Member]], Push | None] | None:
-        """For the hub, run on the wire loop once the members are known: this push, if they
-        need no setup (they hold ``plan`` and the broadcast group is theirs), else None.
-        Only a collective transport whose packer is ready for ``plan`` takes this path (one
-        hop less than begin, setup, start): None when it cannot."""
-        coll, packer = self._collective, self._packer
-        if coll is None or packer is None or packer.plan is not plan:
-            return None
-        if packer.generation != self._transport.generation:
-            return None
-
-        def fast(members: list[Member]) -> Push | None:
-            if any(m.plan != plan.fingerprint or m.verify for m in members):
-                return None
-            if not coll.has_group([m.key for m in members]):
-                return None
-            return Push(seq, version, None, plan.fingerprint, members, {}, True, False)
-
-        return fast
-
     def _abandon(
         self, begun: concurrent.futures.Future[Any] | None, e: BaseException, deadline: float
     ) -> NoReturn:
@@ -470,63 +436,6 @@ class WeightSender:
 
     def _failures_text(self, failed: list[Member]) -> str:
         return "; ".join(f"receiver `{m.name}` ({m.where}): {m.error}" for m in failed)
-
-    def _layout(
-        self, named: Iterable[Any], layout: Iterable[tuple[str, Any]] | None
-    ) -> tuple[Iterable[Any], Plan, bool]:
-        """The data to stream, its plan, and whether each tensor must still be checked."""
-        one_shot = isinstance(named, Iterator)
-        if layout is None and one_shot and self._plan is None:
-            named = list(named)  # a first push from a generator: it is read whole for its layout
-            one_shot = False
-        it = iter(named)
-        first = next(it, None)
-        if first is None:
-            raise WeightSyncError("push: expected at least one named tensor, got none")
-        data = named if isinstance(named, _WHOLE) else itertools.chain([first], it)
-        if self._device is None:
-            t = first[1]
-            self._device = t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
-        source = layout if layout is not None else named
-        if layout is None and one_shot:
-            assert self._plan is not None
-            return data, self._plan, True
-        self._planned_for = named if layout is None and not one_shot else None
-        if self._plan is None or not same_layout(source, self._plan.specs):
-            specs = [TensorSpec(n, tuple(int(d) for d in s), dt) for n, s, dt in key_of(source)]
-            largest = max(s.nbytes for s in specs)
-            bucket = self.config.bucket_bytes or default_bucket_bytes(self._device, largest)
-            if not self.config.bucket_bytes and self._bucket_cap is not None:
-                bucket = min(bucket, self._bucket_cap)
-            ramp = RAMP_BYTES if self._collective is not None and self._device.type == "cuda" else 0
-            self._plan = Plan.build(specs, bucket, ramp)
-            self._packer = None
-        return data, self._plan, layout is not None
-
-    def _setups(self, members: list[Member], plan: Plan, timeout: float) -> dict[bytes, Any]:
-        """Prepare the transport for ``plan``; the descriptor for each member that must attach."""
-        tr, mail, coll = self._transport, self._mailbox, self._collective
-        assert self._device is not None
-        group = None
-        if coll is not None:
-            keys = [m.key for m in members]
-            group = coll.group_for(keys, timeout, self._device)
-        tr.prepare(plan.buffer_bytes, self._device)
-        packs = mail is None or not mail.direct
-        if packs and (self._packer is None or self._packer.generation != tr.generation):
-            self._packer = Packer(plan, tr, self._device, grouped=self.config.grouped_pack)
-        out = {}
-        for m in members:
-            if coll is not None:
-                if group is not None or m.plan != plan.fingerprint:
-                    base = group[m.key] if group is not None else coll.current(m.key)
-                    out[m.key] = {**base, "generation": tr.generation}
-            elif m.plan != plan.fingerprint or m.generation != tr.generation:
-                assert mail is not None
-                out[m.key] = {**mail.descriptor(), "generation": tr.generation}
-        if out:
-            self._stats["plans"] += 1
-        return out
 
     def _stream_mailbox(
         self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,

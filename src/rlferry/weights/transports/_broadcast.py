@@ -491,7 +491,11 @@ class BroadcastReceiver(CollectiveReceiver):
         pg, opts = self._pg, _options()
         if pg is None:
             raise WeightSyncError("not in a broadcast group")
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
+        ctx = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
         error: str | None = None
         n, used = plan.buckets, plan.bucket_used
         bufs = self._bufs
@@ -550,11 +554,3 @@ class BroadcastReceiver(CollectiveReceiver):
     def close(self) -> None:
         self.leave()
         self._bufs = []
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

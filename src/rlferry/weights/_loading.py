@@ -1,0 +1,271 @@
+"""A receiver's handling of a push's messages: its plan and buffers (``Setup``), its
+buckets (a mailbox's ``Bucket``, or a collective's ``Stream``), the loads, the commit;
+each answered with the ``Ack`` the receiver sends back. :class:`WeightReceiver` keeps
+the connection, the serving loop and the waiters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from rlferry.wire import Client, WireError
+
+from ._config import ReceiverConfig
+from ._errors import WeightSyncError
+from ._messages import (
+    ABORTED,
+    DONE,
+    IDLE,
+    PLAN,
+    Abort,
+    Ack,
+    Bucket,
+    Setup,
+    StoreOp,
+    StoreReply,
+    Stream,
+    decode_reply,
+    encode,
+)
+from ._pack import Unpacker
+from ._plan import Plan, check_against
+from ._watch import StreamWatch
+from .transports._base import CollectiveReceiver, MailboxReceiver, checksum
+
+__all__ = ["PushLoading"]
+
+log = logging.getLogger("rlferry.weights")
+
+
+def _host_of(address: str) -> str:
+    rest = address.partition("://")[2]
+    host = rest.rpartition(":")[0] if address.startswith("tcp://") else ""
+    return host.strip("[]") if host and host not in ("*", "0.0.0.0") else "127.0.0.1"
+
+
+class PushLoading:
+    """The push-handling half of :class:`WeightReceiver` (its state is made there)."""
+
+    config: ReceiverConfig
+    name: str
+    pushing: int | None
+    _client: Client | None
+    _key: bytes
+    _watch: StreamWatch
+    _prefetch: bytes | None
+    _cond: threading.Condition
+    _version: int | None
+    _unwoken: bool
+    _mailbox: MailboxReceiver | None
+    _collective: CollectiveReceiver | None
+    _plan: Plan | None
+    _unpacker: Unpacker | None
+    _bufs: list[torch.Tensor]
+    _counts: dict[str, int]
+    _last_seconds: float
+    _last_error: str | None
+    _push_start: float
+    _broke: str | None
+
+    def _tell_failure(self, reason: str, final: bool = False) -> None:
+        if self.config.on_failure is not None:
+            try:
+                self.config.on_failure(reason, final)
+            except Exception as e:  # the receiver goes on: its own ack carries the failure
+                log.warning("receiver %s: on_failure raised %s: %s", self.name, type(e).__name__, e)
+
+    def _send(self, ack: Ack) -> bytes:
+        assert self._client is not None
+        return self._client.send(encode(ack))
+
+    def _ask_ahead(self, ack: Ack) -> None:
+        """Ask for the next bucket now (it comes while this one loads); if the ask cannot
+        go, the serving loop's next send meets the same error."""
+        try:
+            self._prefetch = self._send(ack)
+        except WireError as e:
+            log.debug("receiver %s: the next bucket was not asked for: %s", self.name, e)
+
+    def _handle(self, msg: Any) -> Ack:
+        if isinstance(msg, (Setup, Bucket, Stream, Abort)) and msg.version >= 0:
+            self.pushing = msg.version
+        try:
+            if isinstance(msg, Setup):
+                return self._setup(msg)
+            if isinstance(msg, Bucket):
+                return self._bucket(msg)
+            if isinstance(msg, Stream):
+                return self._stream(msg)
+            if isinstance(msg, Abort):
+                return self._dropped(msg.seq, f"the sender aborted the push: {msg.reason}")
+            return Ack(0, IDLE)
+        except Exception as e:
+            seq = msg.seq if isinstance(msg, (Setup, Bucket, Stream, Abort)) else 0
+            step = msg.index if isinstance(msg, Bucket) else PLAN if isinstance(msg, Setup) else 0
+            return self._failed(seq, step, f"{type(e).__name__}: {e}")
+
+    def _failed(self, seq: int, step: int, reason: str, broke: bool = False) -> Ack:
+        """A failure of this push here; ``broke``: its stream broke (see :meth:`_heard`)."""
+        self._counts["failures"] += 1
+        self._last_error = reason
+        log.warning("receiver %s: %s", self.name, reason)
+        if broke:
+            self._broke = reason
+        else:
+            self._tell_failure(reason)
+        return Ack(seq, step, error=reason)
+
+    def _dropped(self, seq: int, why: str, broke: bool = False) -> Ack:
+        self._push_start = 0.0
+        if broke:
+            self._broke = why
+        else:
+            self._tell_failure(why)
+        return Ack(seq, ABORTED)
+
+    def _setup(self, msg: Setup) -> Ack:
+        self._push_start = time.perf_counter()
+        if "same" in msg.plan:
+            if self._plan is None or self._plan.fingerprint != msg.plan["same"]:
+                raise WeightSyncError("the sender assumed a plan this receiver does not hold")
+            plan = self._plan
+        else:
+            plan = Plan.from_wire(msg.plan)
+        why = check_against(plan, self.config.expected)
+        if why is not None:
+            return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
+        handles: list[bytes] = []
+        coll, mail = self._collective, self._mailbox
+        if coll is not None:
+            host = _host_of(self.config.address)
+            coll.join(msg.transport, host, self.config.device, self._store_call)
+            bufs = coll.buffers(plan.buffer_bytes)
+        else:
+            assert mail is not None
+            handles = mail.attach(msg.transport, self.config.device)
+            if mail.direct:  # zero copy: reading the sender's tensors
+                bufs = list(mail.tensors)
+                self._unpacker = Unpacker.direct(plan, bufs)
+                self._bufs, self._plan = bufs, plan
+                return Ack(msg.seq, PLAN, handles=handles)
+            bufs = [mail.buffer(0), mail.buffer(1)]
+        same = len(bufs) == len(self._bufs) and all(
+            a is b for a, b in zip(bufs, self._bufs, strict=True)
+        )
+        if self._unpacker is None or self._unpacker.plan is not plan or not same:
+            self._unpacker = Unpacker(plan, bufs)
+            self._bufs = bufs
+        self._plan = plan
+        return Ack(msg.seq, PLAN, handles=handles)
+
+    def _store_call(self, op: StoreOp) -> StoreReply:
+        """One rendezvous store operation, sent to the sender over the control channel."""
+        assert self._client is not None
+        try:
+            reply = decode_reply(self._client.request(encode(op), op.timeout + 10))
+        except WireError as e:
+            raise WeightSyncError(f"the sender did not answer a store request: {e}") from None
+        if not isinstance(reply, StoreReply):
+            raise WeightSyncError(
+                f"store request: expected a StoreReply, got {type(reply).__name__}"
+            )
+        return reply
+
+    def _load(self, k: int) -> None:
+        u = self._unpacker
+        assert u is not None
+        u.stage(k)
+        items = u.loads[k]
+        if items:
+            self.config.load(items)
+        self._counts["bytes"] += u.bytes[k]
+
+    def _bucket(self, msg: Bucket) -> Ack:
+        plan, u = self._plan, self._unpacker
+        if plan is None or u is None:
+            raise WeightSyncError("a bucket came before the plan")
+        first, last = msg.index, max(msg.index, msg.last)
+        if first == 0 and self._push_start == 0.0:
+            self._push_start = time.perf_counter()
+        if last + 1 < plan.buckets:  # ask for the next bucket now: it comes while these load
+            self._ask_ahead(Ack(msg.seq, first - 1, want=last + 1))
+        for k in range(first, last + 1):
+            failed = self._load_bucket(msg, k)
+            if failed is not None:
+                return failed
+        if last + 1 < plan.buckets:
+            return Ack(msg.seq, last)
+        assert self._mailbox is not None
+        self._mailbox.finish()
+        return self._commit(msg.seq, msg.version)
+
+    def _load_bucket(self, msg: Bucket, k: int) -> Ack | None:
+        """Load bucket ``k`` of a mailbox transport; a failure's Ack, or None."""
+        plan, tr = self._plan, self._mailbox
+        assert plan is not None and tr is not None
+        b = k % 2
+        tr.before_load(b)
+        stream = tr.load_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+        with ctx:
+            if msg.checksum is not None and self.config.verify:
+                got = checksum(tr.buffer(b)[: plan.bucket_used[k]])
+                if got != msg.checksum:
+                    return self._failed(
+                        msg.seq, k, f"checksum mismatch in bucket {k} (the data arrived corrupt)"
+                    )
+            try:
+                self._load(k)
+            except Exception as e:
+                return self._failed(
+                    msg.seq, k, f"load raised {type(e).__name__}: {e} (at bucket {k} of "
+                    f"{plan.buckets}, version {msg.version})",
+                )  # fmt: skip
+        tr.after_load(b)
+        return None
+
+    def _stream(self, msg: Stream) -> Ack:
+        plan = self._plan
+        if plan is None:
+            raise WeightSyncError("a stream came before the plan")
+        if self._push_start == 0.0:
+            self._push_start = time.perf_counter()
+
+        def on_bucket(k: int, buf: torch.Tensor) -> None:
+            self._load(k)
+
+        coll = self._collective
+        assert coll is not None
+        abort = coll.aborter()
+        if abort is not None:  # its end waits on the device: the watch can end it
+            self._watch.arm(self._key)
+            why = self._watch.streaming(msg.seq, abort)
+            if why is not None:
+                return self._dropped(msg.seq, why)
+        error = coll.stream(plan, on_bucket, msg.verify)
+        why = self._watch.streamed() if abort is not None else None
+        if why is not None:
+            coll.leave()
+            return self._dropped(msg.seq, why, broke=True)
+        if error is not None:
+            return self._failed(msg.seq, 0, f"{error}, version {msg.version}", broke=True)
+        return self._commit(msg.seq, msg.version)
+
+    def _commit(self, seq: int, version: int) -> Ack:
+        if self.config.on_commit is not None:
+            try:
+                self.config.on_commit(version)
+            except Exception as e:
+                return self._failed(seq, DONE - 1, f"on_commit raised {type(e).__name__}: {e}")
+        with self._cond:
+            self._version = version  # read at once; waiters are woken once the ack went
+        self._unwoken = True
+        self._counts["commits"] += 1
+        self._last_seconds = time.perf_counter() - self._push_start
+        self._push_start = 0.0
+        return Ack(seq, DONE)
