@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Mapping
 
 import pytest
@@ -622,9 +623,11 @@ def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name
             c.send(3)
         assert recv(trainers[1][1]) == "holding"
         os.kill(trainers[1][0].pid, signal.SIGKILL)
+        killed = time.monotonic()
         for r, (_, c) in enumerate(engines):
             c.send(("wait", 3))
             kind, msg, failures, version = recv(c)
+            print(f"engine rank {r} failed {time.monotonic() - killed:.3f} s after the kill")
             assert (kind, failures, version) == ("error", ["trainer rank 1"], 2)
             assert msg.startswith(
                 f"receiver `engine-rank-{r}` (engine rank {r}) cannot reach version 3: trainer "
