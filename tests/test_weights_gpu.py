@@ -14,6 +14,7 @@ import torch
 
 from conftest import requires_cuda
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from test_weights_sharded import kill_a_trainer_rank_mid_stream
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -326,3 +327,12 @@ def test_nccl_an_engine_stuck_mid_push_fails_it_at_its_timeout_and_no_process_go
     assert steady.exitcode == 0
     stuck.kill()
     s.close()
+
+
+@requires_2_gpus
+def test_nccl_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name():
+    """The CPU test of a trainer rank killed mid-stream, over NCCL: both trainer ranks on
+    GPU 0, both ranks of a TP=2 engine on GPU 1, each link its own group of two. The
+    engine ranks' waits on the device end by their watches, not NCCL's timeout."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    kill_a_trainer_rank_mid_stream("broadcast", "cuda:0", "cuda:1")

@@ -1,6 +1,7 @@
 """Many senders to many receivers over shm, in real processes: FSDP2 trainers over gloo,
 engine ranks that take their tensor-parallel slices, a trainer rank that dies."""
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -362,7 +363,9 @@ def test_one_sender_is_the_same_code_one_weight_sender_and_one_weight_receiver(r
             s.close()
 
 
-def _p2p_trainer(rank, transport, conn):
+def _p2p_trainer(rank, transport, conn, device="cpu"):
+    if device != "cpu":
+        torch.cuda.set_device(device)
     if transport == "mixed":  # each rank its own way: the one beside the engines by memory
         transport = "shm" if rank == 0 else "broadcast"
     zero_copy = transport != "shm-packed"  # through the buffers, bucket by bucket
@@ -374,14 +377,16 @@ def _p2p_trainer(rank, transport, conn):
         bucket_bytes=16 << 10, point_to_point=True, zero_copy=zero_copy,
     )  # fmt: skip
     conn.send(s.addresses)
-    armed = _held_at_bucket(1, len(s.addresses), conn)
+    # on a GPU one thread takes the links' steps in turn: the first link held holds all
+    armed = _held_at_bucket(1, 1 if device != "cpu" else len(s.addresses), conn)
     while (v := conn.recv()) != "stop":
         if v == "hold":  # the next push stops mid-stream (see _held_at_bucket)
             armed.set()
             continue
         full = full_weights(specs, v)
         report = s.push(
-            {n: full[n][slices(b)].clone() for n, b in trainer.owned[rank].items()}, version=v
+            {n: full[n][slices(b)].to(device, copy=True) for n, b in trainer.owned[rank].items()},
+            version=v,
         )
         st = s.statistics()
         per = {r: w.bytes_pushed for r, w in st.per_receiver.items()}
@@ -389,13 +394,16 @@ def _p2p_trainer(rank, transport, conn):
     s.close()
 
 
-def _p2p_engine(rank, addresses, conn):
+def _p2p_engine(rank, addresses, conn, device="cpu"):
+    if device != "cpu":
+        torch.cuda.set_device(device)
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
-    params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(rank).items()}
+    params = {n: torch.zeros(s.shape, dtype=s.dtype, device=device)
+              for n, s in engine.param_specs(rank).items()}  # fmt: skip
     r = ShardedReceiver(
         group="p2p", rank=rank, trainer=trainer, engine=engine, params=params,
-        addresses=addresses, point_to_point=True,
+        addresses=addresses, point_to_point=True, device=None if device == "cpu" else device,
     ).start(WAIT)  # fmt: skip
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
@@ -410,7 +418,7 @@ def _p2p_engine(rank, addresses, conn):
             conn.send(("error", str(e), list(e.failures), r.version))
             continue
         want = expected_params(engine, rank, full_weights(specs, arg))
-        conn.send((r.version, all(torch.equal(params[n], want[n]) for n in want)))
+        conn.send((r.version, all(torch.equal(params[n].cpu(), want[n]) for n in want)))
     r.close()
 
 
@@ -605,12 +613,19 @@ def _held_at_bucket(k, links, conn):
 @pytest.mark.parametrize("transport", ["shm-packed", "broadcast"])
 def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name(transport):
     """Trainer rank 1 dies while it streams version 3 (each link's first bucket packed and
-    sent, the second not): every engine rank fails version 3 naming trainer rank 1 and stays at
-    version 2 (its loads are in place: the parts of version 3 that loaded hold new bytes),
-    the rank's replacement joins, and version 4 is exact."""
-    trainers = [start(_p2p_trainer, r, transport) for r in range(2)]
+    sent, the second not): every engine rank fails version 3 naming trainer rank 1 and
+    stays at version 2 (its loads are in place: the parts of version 3 that loaded hold
+    new bytes), the rank's replacement joins, and version 4 is exact."""
+    kill_a_trainer_rank_mid_stream(transport)
+
+
+def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_device="cpu"):
+    """The test above, on these devices (the GPU test runs it over NCCL)."""
+    trainer = functools.partial(_p2p_trainer, device=trainer_device)
+    trainers = [start(trainer, r, transport) for r in range(2)]
     addresses = [recv(c) for _, c in trainers]
-    engines = [start(_p2p_engine, r, addresses) for r in range(2)]
+    engine = functools.partial(_p2p_engine, device=engine_device)
+    engines = [start(engine, r, addresses) for r in range(2)]
     assert [recv(c) for _, c in engines] == ["ready", "ready"]
     try:
         for v in (1, 2):
@@ -634,7 +649,7 @@ def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name
                 f"rank 1 ({addresses[1][r]}): "
             )
             assert msg.endswith("it stays at version 2 (join a dead rank's replacement by connect)")
-        replacement = start(_p2p_trainer, 1, transport)
+        replacement = start(trainer, 1, transport)
         address = recv(replacement[1])
         for _, c in engines:
             c.send(("connect", address))
