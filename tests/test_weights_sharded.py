@@ -589,6 +589,24 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
         close_all(sender, receivers)
 
 
+def test_connect_refuses_addresses_without_this_engine_rank_and_keeps_its_link():
+    specs = llama_specs(layers=1, hidden=64, inter=128, vocab=96, kv=32)
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "connect-bad", specs, transport="shm", point_to_point=True
+    )
+    try:
+        with pytest.raises(ValueError) as e:
+            receivers[1].connect(0, {0: sender.addresses[0]}, timeout=WAIT)
+        assert str(e.value) == (
+            "connect.address: expected trainer rank 0's addresses by engine rank, with this "
+            "one's (1), got engine ranks [0] (give the replacement's ShardedSender.addresses)"
+        )
+        sender.push(full_weights(specs, 1), version=1, timeout=WAIT)  # its link is still there
+        assert_hold(engine, receivers, params, full_weights(specs, 1), 1)
+    finally:
+        close_all(sender, receivers)
+
+
 def _held_at_bucket(k, links, conn):
     """Make this process's pushes stop before bucket ``k`` once armed: each link's push
     waits there, and when all ``links`` do the test is told (and kills the process)."""

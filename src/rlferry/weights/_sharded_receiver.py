@@ -207,9 +207,16 @@ class ShardedReceiver:
         plan."""
         if self._closed:
             raise ReceiverClosed(f"receiver `{self.name}` is closed (make a new ShardedReceiver)")
+        if isinstance(address, Mapping):  # checked before the rank's link is dropped
+            if self.rank not in address:
+                raise ValueError(
+                    f"connect.address: expected trainer rank {sender}'s addresses by engine "
+                    f"rank, with this one's ({self.rank}), got engine ranks {sorted(address)} "
+                    "(give the replacement's ShardedSender.addresses)"
+                )
+            address = address[self.rank]
         self._drop(sender)
         self._addresses[sender] = address
-        address = self._address(sender)
         link = _Link(sender, address)
         load = functools.partial(self._load, link)
         around = self._around_load
