@@ -1,5 +1,21 @@
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# vLLM's processes make their ZeroMQ sockets under VLLM_RPC_BASE_PATH (default: the system's
+# temporary directory) and leave some there when they end: the tests' vLLM engines (in this
+# process, in a server process, in Ray actors started after this) make theirs in a directory
+# of this session's, removed when it ends.
+_VLLM_SOCKETS = tempfile.mkdtemp(prefix="rlferry-tests-vllm-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_SOCKETS)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_VLLM_SOCKETS)
+
 
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
