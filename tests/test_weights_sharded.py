@@ -300,7 +300,8 @@ def test_two_ranks_to_a_tp2_engine_late_joiner_dead_rank_and_layout_change():
             assert kind == "error" and version == 2  # its last whole version
             assert list(failures) == ["trainer rank 1"]
             assert msg.startswith(
-                f"receiver `engine{r}` (engine rank {r}) cannot reach version 3: trainer rank 1 "
+                f"receiver `engine{r}` (engine rank {r}) cannot reach version 3: trainer rank 1: "
+                "the sender at "
             )
             assert "went away (it closed or died)" in msg
             assert msg.endswith("it stays at version 2 (join a dead rank's replacement by connect)")
@@ -664,8 +665,9 @@ def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_devic
             assert (kind, failures, version) == ("error", ["trainer rank 1"], 2)
             assert msg.startswith(
                 f"receiver `engine-rank-{r}` (engine rank {r}) cannot reach version 3: trainer "
-                f"rank 1 ({addresses[1][r]}): "
+                f"rank 1: the sender at {addresses[1][r]} went away (it closed or died)"
             )
+            assert msg.count("stays at version 2") == 1  # the link's own advice is not in it
             assert msg.endswith("it stays at version 2 (join a dead rank's replacement by connect)")
         replacement = start(trainer, 1, transport)
         address = recv(replacement[1])

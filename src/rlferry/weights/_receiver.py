@@ -224,12 +224,14 @@ class WeightReceiver(PushLoading):
                 raise cls(f"receiver `{self.name}` cannot reach version {version}: {why}")
             return False
 
-    def _stop(self, cls: type[WeightSyncError], why: str) -> None:
-        """The receiver serves no more, because ``why``: every waiter learns it now."""
+    def _stop(self, cls: type[WeightSyncError], why: str, then: str = "") -> None:
+        """The receiver serves no more, because ``why``: every waiter learns it now, and
+        ``then`` (what it holds and what to do, for this receiver's own users; its
+        ``on_failure``, a :class:`ShardedReceiver`'s or an engine's, gets ``why``)."""
         with self._cond:
             first = self._stopped is None
             if first:
-                self._stopped = (cls, why)
+                self._stopped = (cls, why + then)
             self._cond.notify_all()
         if first:
             self._tell_failure(why, final=True)
@@ -306,14 +308,14 @@ class WeightReceiver(PushLoading):
             stopped = (
                 WeightSyncError,
                 f"its thread failed: {type(e).__name__}: {e} (a sender of another rlferry "
-                f"version, or a bug: please report it); this receiver stays at version "
-                f"{self._version}",
+                "version, or a bug: please report it)",
+                f"; this receiver stays at version {self._version}",
             )
         if stopped is not None:
             self._last_error = stopped[1]
             self._stop(*stopped)
 
-    def _serve_pushes(self) -> tuple[type[WeightSyncError], str] | None:
+    def _serve_pushes(self) -> tuple[type[WeightSyncError], str, str] | None:
         """Serve every push; why it stopped (None: it was closed)."""
         dev = self.config.device
         if dev is not None and dev.type == "cuda":
@@ -336,7 +338,7 @@ class WeightReceiver(PushLoading):
                 try:
                     self._join(30.0)
                 except WeightSyncError as e2:
-                    return type(e2), f"the sender dropped it and it could not join again: {e2}"
+                    return type(e2), f"the sender dropped it and it could not join again: {e2}", ""
                 ask = Ack(0, IDLE)
                 continue
             self._prefetch = None
@@ -357,12 +359,13 @@ class WeightReceiver(PushLoading):
                 ask = ack
         return None
 
-    def _gone(self, e: PeerGone, detail: str = "") -> tuple[type[WeightSyncError], str]:
+    def _gone(self, e: PeerGone, detail: str = "") -> tuple[type[WeightSyncError], str, str]:
         log.info("receiver %s: %s; it stays at version %s", self.name, e, self._version)
-        return SenderGone, (
-            f"the sender at {self.config.address} went away (it closed or died){detail}; this "
-            f"receiver stays at version {self._version} (join the next sender with a new "
-            "WeightReceiver)"
+        return (
+            SenderGone,
+            f"the sender at {self.config.address} went away (it closed or died){detail}",
+            f"; this receiver stays at version {self._version} (join the next sender with a "
+            "new WeightReceiver)",
         )
 
     def _heard(self, ack: Ack) -> None:

@@ -398,10 +398,11 @@ class ShardedReceiver:
                 where = self._addresses.get(s)
                 if isinstance(where, Mapping):
                     where = where.get(self.rank)
+                at = "" if str(where) in why else f" ({where})"  # once in the message
                 fix = " (join a dead rank's replacement by connect)" if final else ""
                 raise WeightSyncError(
                     f"receiver `{self.name}` (engine rank {self.rank}) cannot reach version "
-                    f"{version}: trainer rank {s} ({where}): {why}; it stays at "
+                    f"{version}: trainer rank {s}{at}: {why}; it stays at "
                     f"version {self._version}{fix}",
                     {f"trainer rank {s}": why},
                 )
