@@ -385,10 +385,12 @@ def _p2p_trainer(rank, transport, conn, device="cpu"):
             armed.set()
             continue
         full = full_weights(specs, v)
-        report = s.push(
-            {n: full[n][slices(b)].to(device, copy=True) for n, b in trainer.owned[rank].items()},
-            version=v,
-        )
+        mine = {n: full[n][slices(b)].to(device, copy=True) for n, b in trainer.owned[rank].items()}
+        try:
+            report = s.push(mine, version=v, timeout=WAIT)
+        except WeightSyncError as e:
+            conn.send(("error", str(e), list(e.failures)))
+            continue
         st = s.statistics()
         per = {r: w.bytes_pushed for r, w in st.per_receiver.items()}
         conn.send((report.bytes, st.stream_bytes, per))
@@ -402,13 +404,28 @@ def _p2p_engine(rank, addresses, conn, device="cpu"):
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
     params = {n: torch.zeros(s.shape, dtype=s.dtype, device=device)
               for n, s in engine.param_specs(rank).items()}  # fmt: skip
+    armed, held, lock = threading.Event(), set(), threading.Lock()
+
+    def around(load, items):  # once armed, each link's next load never ends (killed in it)
+        if armed.is_set():
+            with lock:
+                held.add(threading.current_thread().name)
+                if len(held) == len(addresses):  # every link mid-stream: the test is told
+                    conn.send("loading")
+            threading.Event().wait()
+        load(items)
+
     r = ShardedReceiver(
         group="p2p", rank=rank, trainer=trainer, engine=engine, params=params,
         addresses=addresses, point_to_point=True, device=None if device == "cpu" else device,
+        around_load=around,
     ).start(WAIT)  # fmt: skip
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
         cmd, arg = msg if isinstance(msg, tuple) else ("wait", msg)
+        if cmd == "hold":
+            armed.set()
+            continue
         if cmd == "connect":  # trainer rank 1's replacement
             r.connect(1, arg, timeout=WAIT)
             conn.send("connected")
@@ -638,20 +655,32 @@ def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name
     kill_a_trainer_rank_mid_stream(transport)
 
 
-def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_device="cpu"):
-    """The test above, on these devices (the GPU test runs it over NCCL)."""
-    trainer = functools.partial(_p2p_trainer, device=trainer_device)
+def two_by_two_at_version_2(trainer, engine, transport):
+    """Two trainer ranks (processes running ``trainer``) and the two ranks of a TP=2 engine
+    (``engine``), point to point, after two exact updates: trainers, addresses, engines."""
     trainers = [start(trainer, r, transport) for r in range(2)]
-    addresses = [recv(c) for _, c in trainers]
-    engine = functools.partial(_p2p_engine, device=engine_device)
-    engines = [start(engine, r, addresses) for r in range(2)]
-    assert [recv(c) for _, c in engines] == ["ready", "ready"]
+    engines = []
     try:
+        addresses = [recv(c) for _, c in trainers]
+        engines = [start(engine, r, addresses) for r in range(2)]
+        assert [recv(c) for _, c in engines] == ["ready", "ready"]
         for v in (1, 2):
             for _, c in trainers:
                 c.send(v)
             [recv(c) for _, c in trainers]
             assert at(engines, v) == [(v, True)] * 2
+    except BaseException:
+        stop(*engines, *trainers)
+        raise
+    return trainers, addresses, engines
+
+
+def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_device="cpu"):
+    """The test above, on these devices (the GPU test runs it over NCCL)."""
+    trainer = functools.partial(_p2p_trainer, device=trainer_device)
+    engine = functools.partial(_p2p_engine, device=engine_device)
+    trainers, addresses, engines = two_by_two_at_version_2(trainer, engine, transport)
+    try:
         trainers[1][1].send("hold")
         for _, c in trainers:
             c.send(3)
@@ -676,6 +705,39 @@ def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_devic
             assert recv(c) == "connected"
         trainers[1] = replacement
         recv(trainers[0][1])  # rank 0's push of version 3 ended (committed or failed)
+        for _, c in trainers:
+            c.send(4)
+        [recv(c) for _, c in trainers]
+        assert at(engines, 4) == [(4, True)] * 2
+    finally:
+        stop(*engines, *trainers)
+
+
+@pytest.mark.parametrize("transport", ["shm-packed", "broadcast"])
+def test_an_engine_rank_killed_mid_stream_fails_its_links_by_name_and_the_others_commit(
+    transport,
+):
+    """Engine rank 0 dies while it loads a bucket of version 3 from each trainer rank: each
+    trainer rank's push fails naming its link to engine rank 0 (and only it); engine rank 1
+    commits version 3 whole; the rank's replacement joins and version 4 reaches both."""
+    trainers, addresses, engines = two_by_two_at_version_2(_p2p_trainer, _p2p_engine, transport)
+    try:
+        engines[0][1].send(("hold", None))
+        for _, c in trainers:
+            c.send(3)
+        assert recv(engines[0][1]) == "loading"
+        os.kill(engines[0][0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t, (_, c) in enumerate(trainers):
+            kind, msg, failures = recv(c)
+            print(
+                f"trainer rank {t}: failed {time.monotonic() - killed:.3f} s after the kill: {msg}"
+            )
+            assert (kind, failures) == ("error", [f"engine-rank-0<-trainer{t}"])
+            assert "disconnected (its process died or it closed its receiver)" in msg
+        assert at(engines[1:], 3) == [(3, True)]  # the other engine rank: version 3, whole
+        engines[0] = start(_p2p_engine, 0, addresses)  # its replacement
+        assert recv(engines[0][1]) == "ready"
         for _, c in trainers:
             c.send(4)
         [recv(c) for _, c in trainers]
