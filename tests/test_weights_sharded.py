@@ -675,18 +675,24 @@ def two_by_two_at_version_2(trainer, engine, transport):
     return trainers, addresses, engines
 
 
+def push_3_and_kill(trainers, victim, arm, held):
+    """Arm ``victim`` (a process and its pipe) to stop mid-stream, let the trainer ranks push
+    version 3, kill it once it says ``held``; the time of the kill."""
+    victim[1].send(arm)
+    for _, c in trainers:
+        c.send(3)
+    assert recv(victim[1]) == held
+    os.kill(victim[0].pid, signal.SIGKILL)
+    return time.monotonic()
+
+
 def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_device="cpu"):
     """The test above, on these devices (the GPU test runs it over NCCL)."""
     trainer = functools.partial(_p2p_trainer, device=trainer_device)
     engine = functools.partial(_p2p_engine, device=engine_device)
     trainers, addresses, engines = two_by_two_at_version_2(trainer, engine, transport)
     try:
-        trainers[1][1].send("hold")
-        for _, c in trainers:
-            c.send(3)
-        assert recv(trainers[1][1]) == "holding"
-        os.kill(trainers[1][0].pid, signal.SIGKILL)
-        killed = time.monotonic()
+        killed = push_3_and_kill(trainers, trainers[1], "hold", "holding")
         for r, (_, c) in enumerate(engines):
             c.send(("wait", 3))
             kind, msg, failures, version = recv(c)
@@ -722,12 +728,7 @@ def test_an_engine_rank_killed_mid_stream_fails_its_links_by_name_and_the_others
     commits version 3 whole; the rank's replacement joins and version 4 reaches both."""
     trainers, addresses, engines = two_by_two_at_version_2(_p2p_trainer, _p2p_engine, transport)
     try:
-        engines[0][1].send(("hold", None))
-        for _, c in trainers:
-            c.send(3)
-        assert recv(engines[0][1]) == "loading"
-        os.kill(engines[0][0].pid, signal.SIGKILL)
-        killed = time.monotonic()
+        killed = push_3_and_kill(trainers, engines[0], ("hold", None), "loading")
         for t, (_, c) in enumerate(trainers):
             kind, msg, failures = recv(c)
             print(
