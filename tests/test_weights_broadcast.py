@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights._messages import DONE
 from test_weights import Engine, state
 
 
@@ -165,3 +166,56 @@ def test_broadcast_a_bad_tensor_in_the_first_bucket_fails_that_push_and_the_next
     assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
     assert r.version == 4 and e.equals(sd)
     r.close()
+
+
+def test_broadcast_a_push_ends_on_the_receivers_word_on_the_group_the_next_waits_for_their_acks():
+    """Every receiver says on the group that it committed (an all-reduce, the push's last
+    exchange): the push ends then, its acks on their way; the next push waits for them."""
+    sd = state()
+    engines = [Engine(sd), Engine(sd)]
+    s2 = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
+    rs = [join(s2, e, f"r{i}") for i, e in enumerate(engines)]
+    s2.push(sd.items(), version=1, timeout=60)
+    gate, held = threading.Event(), []
+    send = rs[1]._send
+
+    def held_send(ack):  # r1's acks of a commit wait for the gate
+        if ack.step == DONE:
+            held.append(ack.seq)
+            gate.wait()
+        return send(ack)
+
+    rs[1]._send = held_send
+    report = s2.push(sd.items(), version=2, timeout=60)
+    assert report.receivers == ("r0", "r1") and held  # r1 committed; its ack is held
+    assert rs[1].version == 2 and all(e.equals(sd) for e in engines)
+    threading.Timer(1.0, gate.set).start()
+    assert s2.push(sd.items(), version=3, timeout=60).receivers == ("r0", "r1")
+    assert [r.version for r in rs] == [3, 3]
+    for r in rs:
+        r.close()
+    s2.close()
+
+
+def test_broadcast_a_failing_on_commit_is_said_on_the_group_and_named_by_its_ack():
+    s = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
+    sd = state()
+    good, bad = Engine(sd), Engine(sd)
+
+    def refuse(version):
+        if version == 1:
+            raise RuntimeError("engine refused version 1")
+
+    r0 = join(s, good, "good")
+    r1 = WeightReceiver(
+        group="g", address=s.address, load=bad.load, name="bad", on_commit=refuse
+    ).start()
+    with pytest.raises(WeightSyncError) as e:
+        s.push(sd.items(), version=1, timeout=60)
+    assert e.value.failures == {"bad": "on_commit raised RuntimeError: engine refused version 1"}
+    assert r0.version == 1 and r1.version is None
+    assert sorted(s.push(sd.items(), version=2, timeout=60).receivers) == ["bad", "good"]
+    assert r1.version == 2 and bad.equals(sd)
+    r0.close()
+    r1.close()
+    s.close()

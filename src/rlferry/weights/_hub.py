@@ -73,6 +73,7 @@ class Member:
         self.fresh = True  # joined, its first request not parked yet
         self.awaited = True  # fresh, and pushes still wait for it (JOIN_GRACE after joining)
         self.version: int | None = None  # of the last push it took part in
+        self.returning = False  # said on the group it committed; its ack not here yet
         self.late = False  # missed the push's timeout
         self.told = 0  # the last push whose message to it is on its way
         self.handles: list[bytes] = []
@@ -164,6 +165,7 @@ class Hub:
             self.members.pop(peer, None)
             self._leave(m, "closed its receiver")
             return encode(Noted())
+        m.returning = False
         self._acked(m, msg)
         if not msg.park:
             self._changed.set()
@@ -329,7 +331,7 @@ class Hub:
         def enough() -> bool:
             ms = self.members.values()
             return sum(m.idle for m in ms) >= wait_for and not any(
-                m.fresh and m.awaited for m in ms
+                (m.fresh and m.awaited) or m.returning for m in ms
             )
 
         await self.until(enough, deadline)
@@ -437,7 +439,14 @@ class Hub:
                 m.seq, m.late = -1, True  # later acks of this push are ignored
         self._settle(p)
 
-    def done(self) -> None:
+    def done(self, committed: Push | None = None) -> None:
+        """The push is over; ``committed``: it, ended on its members' word on the group
+        that they committed (their acks, on their way, are waited for by the next push)."""
+        if committed is not None:
+            for m in committed.members:
+                m.returning = m.parked is None and not m.gone and m.seq == committed.seq
+                if not m.settled:
+                    m.step = DONE
         self.push = None
         if self._deadline is not None:
             self._deadline.cancel()

@@ -253,8 +253,11 @@ class PushLoading:
             coll.leave()
             return self._dropped(msg.seq, why, broke=True)
         if error is not None:
+            coll.tell(False)
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}", broke=True)
-        return self._commit(msg.seq, msg.version)
+        ack = self._commit(msg.seq, msg.version)
+        coll.tell(ack.step == DONE)  # the sender's push ends on this; the ack follows
+        return ack
 
     def _commit(self, seq: int, version: int) -> Ack:
         if self.config.on_commit is not None:

@@ -392,6 +392,7 @@ class WeightSender(PushPreparing):
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
         mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
+        committed = False  # every member said so on the group (see transports._broadcast)
         try:
             if direct is not None:
                 assert mail is not None
@@ -400,7 +401,9 @@ class WeightSender(PushPreparing):
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
-                yield from coll.stream(plan, buckets, self._packer, verify, deadline, packed)
+                committed = yield from coll.stream(
+                    plan, buckets, self._packer, verify, deadline, packed
+                )
             else:
                 yield from self._stream_mailbox(
                     plan, buckets or bucketed(plan, named, checked), verify, deadline
@@ -409,15 +412,18 @@ class WeightSender(PushPreparing):
             # every member's commit wakes this thread from the loop at once; at the
             # deadline, the loop names the late ones
             p = push
-            if not push.settled.wait(max(0.0, deadline - time.monotonic())):
+            if not committed and not push.settled.wait(max(0.0, deadline - time.monotonic())):
                 p = self._loop.run(self._hub.finish(deadline))
         except BaseException as e:
             self._fail(e, push, deadline)
-        self._loop.loop.call_soon_threadsafe(self._hub.done)
+        self._loop.loop.call_soon_threadsafe(self._hub.done, push if committed else None)
         seconds = time.perf_counter() - t0
         self._last_seconds = seconds
-        ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
-        failed = [m for m in p.members if m.error is not None]
+        if committed:  # their acks are on their way: the next push waits for them
+            ok, failed = tuple(m.name for m in p.members), []
+        else:
+            ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
+            failed = [m for m in p.members if m.error is not None]
         report = PushReport(
             version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, push.plan is not None
         )
@@ -426,9 +432,9 @@ class WeightSender(PushPreparing):
         if failed:
             if coll is not None:
                 coll.broken()
-            committed = f"{len(ok)} committed it" if ok else "none committed it"
+            some = f"{len(ok)} committed it" if ok else "none committed it"
             raise _error_class(failed)(
-                f"push of version {version}: {self._failures_text(failed)}; {committed}",
+                f"push of version {version}: {self._failures_text(failed)}; {some}",
                 {m.name: m.error or "" for m in failed},
                 report,
             )

@@ -19,7 +19,7 @@ nothing outside these classes.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -189,11 +189,13 @@ class CollectiveSender(SenderTransport):
         verify: bool,
         deadline: float,
         packed: bool = False,
-    ) -> Iterator[bool | None]:
+    ) -> Generator[bool | None, None, bool]:
         """Pack and send every bucket (then the checksums if ``verify``), a step each (a
         generator: the caller drives it, see ``WeightSender._steps``); ``packed``: bucket 0
         is in buffer 0 already; a step yields True when the next one blocks until the
-        buckets went. Raises ``WeightSyncError`` if the group broke."""
+        buckets went. Returns whether every receiver said it committed (:meth:`
+        CollectiveReceiver.tell`); False: one failed, its ack says why. Raises
+        ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
     def broken(self) -> None:
@@ -274,6 +276,12 @@ class CollectiveReceiver(ReceiverTransport):
         self, plan: Plan, on_bucket: Callable[[int, torch.Tensor], None], verify: bool
     ) -> str | None:
         """Receive every bucket, calling ``on_bucket`` on each; the first error, or None."""
+
+    @abc.abstractmethod
+    def tell(self, committed: bool) -> None:
+        """After a stream that did not break: whether this receiver committed it (the
+        sender's push ends on every receiver's word; their acks follow on the control
+        channel)."""
 
     @abc.abstractmethod
     def aborter(self) -> Callable[[], None] | None:
