@@ -255,8 +255,9 @@ class _Control:
 
 def run_floor(args: argparse.Namespace) -> tuple[list[float], list[int], bool]:
     """Time ``--mode bound`` or ``batched`` as the other modes are timed: the parent's
-    send to the last engine's receipt. Returns seconds per round, bytes per trainer rank
-    and whether every engine's parameters came out right (bound: True)."""
+    send until every engine's receipt and every trainer's report. Returns seconds per
+    round, bytes per trainer rank and whether every engine's parameters came out right
+    (bound: True)."""
     ctx = mp.get_context("spawn")
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -272,9 +273,9 @@ def run_floor(args: argparse.Namespace) -> tuple[list[float], list[int], bool]:
             c.send(v)
         for _, c in engines:
             assert _recv(c, f"receipt of round {v}") == v
-        seconds.append(time.perf_counter() - t)
         for i, (_, c) in enumerate(trainers):
             sent[i] = _recv(c, "send report")[0]
+        seconds.append(time.perf_counter() - t)  # both ends done, as the sharded mode's
     for _, c in procs:
         c.send("stop")
     same = True

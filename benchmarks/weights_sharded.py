@@ -6,9 +6,10 @@ by ``--scale`` (8: about 256 MB bf16), random values; each engine rank is a proc
 holding its slice of one TP=``--tp`` engine (default: ``--receivers``), fused
 ``qkv_proj`` / ``gate_up_proj`` included (``tp_layout``). An update: every trainer
 rank pushes its pieces (``ShardedSender``), every engine rank waits for the whole
-version (``ShardedReceiver``); its time runs from the parent's "push" to the last
-engine's commit. At the end every engine compares its parameters with the full
-state dict, sliced as it wants them (``identical``).
+version (``ShardedReceiver``); its time runs from the parent's "push" until every
+engine rank committed and every trainer rank's push returned (the later of the two).
+At the end every engine compares its parameters with the full state dict, sliced as
+it wants them (``identical``).
 
 ``--mode bound``, ``batched`` and ``control`` are the floors (``_weights_floor``): the links'
 bytes in one communicator of every rank, bare or with rlferry's pack and load.
@@ -365,12 +366,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _, c in trainers + engines:
             c.send(v)
         ats = [_recv(c, f"commit of version {v}") for _, c in engines]
-        seconds.append(time.perf_counter() - t)
+        reports = [_recv(c, "push report") for _, c in trainers]
+        seconds.append(time.perf_counter() - t)  # both ends done: engines and pushes
         assert all(a[0] == v for a in ats), ats
         pushes = []
-        for i, (_, c) in enumerate(trainers):
-            sent[i], p, *stamps = _recv(c, "push report")
-            plans = max(plans, p)
+        for i, (n, p, *stamps) in enumerate(reports):
+            sent[i], plans = n, max(plans, p)
             pushes += stamps
         phases.append(_phases(wall, pushes, [a[1] for a in ats]))
     for _, c in engines:

@@ -63,6 +63,7 @@ class PushLoading:
     _unwoken: bool
     _mailbox: MailboxReceiver | None
     _collective: CollectiveReceiver | None
+    _untold: bool | None
     _plan: Plan | None
     _unpacker: Unpacker | None
     _bufs: list[torch.Tensor]
@@ -253,10 +254,10 @@ class PushLoading:
             coll.leave()
             return self._dropped(msg.seq, why, broke=True)
         if error is not None:
-            coll.tell(False)
+            self._untold = False
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}", broke=True)
         ack = self._commit(msg.seq, msg.version)
-        coll.tell(ack.step == DONE)  # the sender's push ends on this; the ack follows
+        self._untold = ack.step == DONE  # said on the group once the ack went (_serve_pushes)
         return ack
 
     def _commit(self, seq: int, version: int) -> Ack:
