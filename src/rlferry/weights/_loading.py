@@ -63,7 +63,6 @@ class PushLoading:
     _unwoken: bool
     _mailbox: MailboxReceiver | None
     _collective: CollectiveReceiver | None
-    _untold: bool | None
     _plan: Plan | None
     _unpacker: Unpacker | None
     _bufs: list[torch.Tensor]
@@ -254,10 +253,12 @@ class PushLoading:
             coll.leave()
             return self._dropped(msg.seq, why, broke=True)
         if error is not None:
-            self._untold = False
+            coll.tell(False)
             return self._failed(msg.seq, 0, f"{error}, version {msg.version}", broke=True)
         ack = self._commit(msg.seq, msg.version)
-        self._untold = ack.step == DONE  # said on the group once the ack went (_serve_pushes)
+        # said on the group before the ack goes: the sender's push ends on it (told after
+        # the ack, on four H100s, its end came 0.8-1.3 ms after the commit, not 0.45-0.55)
+        coll.tell(ack.step == DONE)
         return ack
 
     def _commit(self, seq: int, version: int) -> Ack:

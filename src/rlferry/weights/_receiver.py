@@ -115,7 +115,6 @@ class WeightReceiver(PushLoading):
         self._key = b""  # this receiver's key at the sender (Welcome's)
         self._watch = StreamWatch(address, secret, self.name)
         self._prefetch: bytes | None = None  # the request that asked for the next bucket
-        self._untold: bool | None = None  # a stream's outcome, to say on the group (tell)
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._version: int | None = None
@@ -327,11 +326,8 @@ class WeightReceiver(PushLoading):
         while not self._closed:
             try:
                 if ask is not None:
-                    told, self._untold = self._untold, None
                     rid, ask = self._send(ask), None
                     self._wake()
-                    if told is not None and self._collective is not None:
-                        self._collective.tell(told)  # after the ack: this engine's waiters first
                 msg = decode_reply(self._client.wait(rid))
             except ChannelClosed:
                 return None
