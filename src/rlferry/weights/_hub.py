@@ -73,7 +73,9 @@ class Member:
         self.fresh = True  # joined, its first request not parked yet
         self.awaited = True  # fresh, and pushes still wait for it (JOIN_GRACE after joining)
         self.version: int | None = None  # of the last push it took part in
-        self.returning = False  # said on the group it committed; its ack not here yet
+        # said on the group it committed, its ack not here yet: pushes wait for it (as for
+        # one that just joined, JOIN_GRACE seconds at most)
+        self.returning = False
         self.late = False  # missed the push's timeout
         self.told = 0  # the last push whose message to it is on its way
         self.handles: list[bytes] = []
@@ -261,6 +263,11 @@ class Hub:
         self._check_told(self.push)
         self._changed.set()
 
+    def _not_back(self, m: Member, seq: int) -> None:
+        if m.returning and m.seq == seq:
+            m.returning = False
+            self._changed.set()
+
     def _grace_over(self, m: Member) -> None:
         m.awaited = False
         self._changed.set()
@@ -443,8 +450,11 @@ class Hub:
         """The push is over; ``committed``: it, ended on its members' word on the group
         that they committed (their acks, on their way, are waited for by the next push)."""
         if committed is not None:
+            loop = asyncio.get_running_loop()
             for m in committed.members:
                 m.returning = m.parked is None and not m.gone and m.seq == committed.seq
+                if m.returning:  # awaited as one that just joined is, no longer
+                    loop.call_later(JOIN_GRACE, self._not_back, m, committed.seq)
                 if not m.settled:
                     m.step = DONE
         self.push = None
