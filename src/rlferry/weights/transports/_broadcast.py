@@ -127,12 +127,18 @@ def _bind_host(bind: str | None) -> str:
 
 
 def _wait(work: Any, timeout: float | None) -> None:
-    """Wait for ``work``: for gloo the CPU blocks (at most ``timeout``); for NCCL the
-    current stream waits (``timeout=None``), the CPU does not."""
+    """Wait for ``work``: for NCCL the current stream waits (``timeout=None``), the CPU does
+    not; for gloo the CPU waits, at most ``timeout``, on an event the work's future sets:
+    gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not reach a main
+    thread that waits there for a receiver's commit, the push's timeout long."""
     if timeout is None:
         work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=max(0.001, timeout)))
+        return
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    if not done.wait(max(0.001, timeout)):
+        raise RuntimeError(f"timed out after {timeout:.3g} s")
+    work.wait()  # done: raises its error, if it failed
 
 
 def _settled(pg: Any, works: list[Any], stream: Any) -> None:
