@@ -219,9 +219,7 @@ def test_broadcast_a_failing_on_commit_is_said_on_the_group_and_named_by_its_ack
             raise RuntimeError("engine refused version 1")
 
     r0 = join(s, good, "good")
-    r1 = WeightReceiver(
-        group="g", address=s.address, load=bad.load, name="bad", on_commit=refuse
-    ).start()
+    r1 = join(s, bad, "bad", on_commit=refuse)
     with pytest.raises(WeightSyncError) as e:
         s.push(sd.items(), version=1, timeout=60)
     assert e.value.failures == {"bad": "on_commit raised RuntimeError: engine refused version 1"}
