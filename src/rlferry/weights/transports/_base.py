@@ -193,8 +193,8 @@ class CollectiveSender(SenderTransport):
         """Pack and send every bucket (then the checksums if ``verify``), a step each (a
         generator: the caller drives it, see ``WeightSender._steps``); ``packed``: bucket 0
         is in buffer 0 already; a step yields True when the next one blocks until the
-        buckets went. Returns whether every receiver said it committed (:meth:`
-        CollectiveReceiver.tell`); False: one failed, its ack says why. Raises
+        buckets went. Returns whether every receiver said it committed
+        (:meth:`CollectiveReceiver.tell`); False: one failed, its ack says why. Raises
         ``WeightSyncError`` if the group broke."""
 
     @abc.abstractmethod
