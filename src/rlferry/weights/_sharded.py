@@ -297,7 +297,12 @@ class ShardedSender:
         # every link starts before the views are checked (their receivers get the start
         # meanwhile), else the tensors are checked first
         early = plan is self._cut_plan and ready.shapes == self._shapes
-        links = list(self._links) if self.point_to_point else [-1]
+        # the busiest link first: its start goes first, its receiver's thread takes it
+        # first and its buckets are enqueued first (the update ends with it)
+        links = (
+            sorted(self._links, key=lambda r: -plan.link_bytes(self.rank, r))
+            if self.point_to_point else [-1]
+        )  # fmt: skip
         # over broadcast, a push of the same tensors reads where they lie a bucket at a
         # time, as its buckets go (Guard), instead of all of them before the first
         ready.lazy = (
