@@ -108,6 +108,19 @@ def test_one_sender_one_receiver_is_todays_push_whole_tensors_under_their_own_na
     assert plan.senders_of(0) == [0] and plan.receivers_of(0) == [0]
 
 
+def test_a_ranks_busiest_link_comes_first():
+    # FSDP2 shards rows as a TP=2 engine splits its column-parallel tensors: trainer rank
+    # r owns most of what engine rank r needs (rank 1's busiest link is its second rank's)
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 2))
+    for s in (0, 1):
+        order = plan.busiest_first(s)
+        assert sorted(order) == plan.receivers_of(s) == [0, 1]
+        assert order[0] == s and plan.link_bytes(s, s) > plan.link_bytes(s, 1 - s)
+    one = ShardPlan.build(fsdp_layout(specs, 1), tp_layout(specs, 2))  # equal links: by rank
+    assert one.link_bytes(0, 0) == one.link_bytes(0, 1) and one.busiest_first(0) == [0, 1]
+
+
 def test_a_tp2_engine_gets_fused_qkv_and_gate_up_slices_in_vllm_order():
     specs = llama_specs(layers=1, hidden=16, inter=40, kv=8)
     engine = tp_layout(specs, 2)

@@ -299,10 +299,7 @@ class ShardedSender:
         early = plan is self._cut_plan and ready.shapes == self._shapes
         # the busiest link first: its start goes first, its receiver's thread takes it
         # first and its buckets are enqueued first (the update ends with it)
-        links = (
-            sorted(self._links, key=lambda r: -plan.link_bytes(self.rank, r))
-            if self.point_to_point else [-1]
-        )  # fmt: skip
+        links = plan.busiest_first(self.rank) if self.point_to_point else [-1]
         # over broadcast, a push of the same tensors reads where they lie a bucket at a
         # time, as its buckets go (Guard), instead of all of them before the first
         ready.lazy = (
