@@ -5,6 +5,7 @@ import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 
 import pytest
@@ -180,6 +181,21 @@ def test_sync_requests_in_flight_are_collected_in_any_order_and_unread_replies_d
         for rid in (read, unread):  # a reply is read once; an unawaited one never
             with pytest.raises(ValueError, match="wait: expected the id of a request sent"):
                 c.wait(rid, 10)
+
+
+def test_a_sync_wait_ends_when_the_callers_own_socket_is_readable_and_the_reply_stays_awaited(
+    server,
+):
+    mine, other = socket.socketpair()
+    with Client(server.address) as c, mine, other:
+        rid = c.send("hang")  # never answered: only the caller's socket ends the wait
+        other.send(b"x")
+        assert c.wait(rid, 10, also=mine) is None
+        assert mine.recv(1) == b"x"
+        with pytest.raises(RequestTimeout):  # still awaited; its reply is read once
+            c.wait(rid, 0.1, also=mine.fileno())
+        done = c.send("answered")
+        assert c.wait(done, 10, also=mine) == "answered"  # a reply ends it as before
 
 
 def test_sync_close_sends_its_farewell_first():

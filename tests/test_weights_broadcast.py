@@ -1,6 +1,11 @@
 """The broadcast transport on CPU: a gloo group formed by rlferry, 1 to 4 receivers."""
 
 import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -8,7 +13,7 @@ import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError, _hub
 from rlferry.weights._hub import Hub
-from rlferry.weights._messages import DONE, Ack, decode_request
+from rlferry.weights._messages import DONE, Ack, Stream, decode_request, encode
 from test_weights import Engine, state
 
 
@@ -39,10 +44,49 @@ def test_broadcast_delivers_every_push_to_every_receiver(n):
         assert report.receivers == tuple(f"r{i}" for i in range(n))
         assert all(e.equals(sd) for e in engines)
     assert s.statistics().groups_formed == 1  # formed once, reused
+    assert s.statistics().started_on_lines == 1  # the second push: on the receivers' lines
     assert [r.statistics().groups_joined for r in rs] == [1] * n
     for r in rs:
         r.close()
     s.close()
+
+
+def lines_of(pid):
+    """The start lines (abstract datagram sockets) process ``pid``'s receivers listen on,
+    as any process of this host finds them."""
+    with open("/proc/net/unix") as f:
+        return [w[1:] for line in f for w in line.split() if w.startswith(f"@rlferry-line-{pid}-")]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="start lines are Linux's abstract sockets")
+def test_broadcast_a_start_on_a_line_from_another_process_or_malformed_is_dropped(sender, caplog):
+    caplog.set_level(logging.WARNING, logger="rlferry.weights")
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    for v in (1, 2):
+        sender.push(sd.items(), version=v, timeout=60)
+    assert sender.statistics().started_on_lines == 1
+    (line,) = lines_of(os.getpid())
+    forged = encode(Stream(99, 99))  # a start of a push that does not exist
+    code = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+        "[s.sendto(bytes.fromhex(h), '\\0' + sys.argv[1]) for h in sys.argv[2:]]"
+    )
+    subprocess.run([sys.executable, "-c", code, line, forged.hex(), "0102"], check=True)
+    mine = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the sender's process: taken,
+    for junk in (b"\x01\x02", encode(Stream(1, 1))):  # but malformed, or a start of the past
+        mine.sendto(junk, "\0" + line)
+    mine.close()
+    for t in sd.values():
+        if t.dtype.is_floating_point:
+            t.add_(1)
+    assert sender.push(sd.items(), version=3, timeout=60).receivers == ("r0",)
+    assert r.version == 3 and e.equals(sd) and sender.statistics().started_on_lines == 2
+    said = [rec.getMessage() for rec in caplog.records]
+    assert sum("(not the sender's)" in m for m in said) == 2, said
+    assert sum("start line: dropped a malformed datagram" in m for m in said) == 1, said
+    r.close()
 
 
 def test_broadcast_a_failing_load_keeps_the_group_in_step():

@@ -12,17 +12,19 @@ import torch
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
 
 
-def _receive(address, group, name, conn, hang):
+def _receive(address, group, name, conn, hang, hang_after=0):
     params = {}
+    commits = []
 
     def load(items):
-        if hang:
+        if hang and len(commits) == hang_after:
             conn.send("loading")
             threading.Event().wait()  # killed here, mid-push
         for n, t in items:
             params[n] = t.clone()
 
     def on_commit(version):
+        commits.append(version)
         conn.send(("commit", version, {n: float(t.double().sum()) for n, t in params.items()}))
 
     r = WeightReceiver(group=group, address=address, load=load, on_commit=on_commit, name=name)
@@ -32,10 +34,12 @@ def _receive(address, group, name, conn, hang):
     r.close()
 
 
-def spawn(address, group, name, hang=False):
+def spawn(address, group, name, hang=False, hang_after=0):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receive, args=(address, group, name, child, hang), daemon=True)
+    proc = ctx.Process(
+        target=_receive, args=(address, group, name, child, hang, hang_after), daemon=True
+    )
     proc.start()
     assert parent.poll(120), f"receiver {name} did not start"
     assert parent.recv() == "ready"
@@ -53,20 +57,27 @@ def weights(seed):
     return sd
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+@pytest.mark.parametrize(("transport", "before"), [("shm", 0), ("broadcast", 0), ("broadcast", 2)])
 def test_a_receiver_killed_mid_push_fails_the_push_by_name_and_the_next_reaches_the_others(
-    transport,
+    transport, before
 ):
+    # before: pushes that commit first (over broadcast the second and later pushes start
+    # on the receivers' start lines, the killed one's included)
     s = WeightSender(group="g", transport=transport, receivers=2, bucket_bytes=1 << 20)
     ok, ok_conn = spawn(s.address, "g", "steady")
-    dying, dying_conn = spawn(s.address, "g", "dying", hang=True)
+    dying, dying_conn = spawn(s.address, "g", "dying", hang=True, hang_after=before)
     sd = weights(0)
+    for v in range(1, before + 1):
+        assert s.push(sd.items(), version=v, timeout=60).receivers == ("steady", "dying")
+        assert dying_conn.recv()[:2] == ("commit", v)
+    assert s.statistics().started_on_lines == max(0, before - 1)
+    v = before + 1
     result = {}
 
     def push():
         t0 = time.monotonic()
         try:
-            s.push(sd.items(), version=1, timeout=60)
+            s.push(sd.items(), version=v, timeout=60)
         except WeightSyncError as e:
             result["error"] = e
         result["seconds"] = time.monotonic() - t0
@@ -83,14 +94,16 @@ def test_a_receiver_killed_mid_push_fails_the_push_by_name_and_the_next_reaches_
     assert time.monotonic() - killed < 20  # seen at once, not at the 60 s timeout
     if transport == "shm":  # the other one finished; over broadcast the stream broke for all
         assert list(e.failures) == ["dying"] and e.report.receivers == ("steady",)
+    if transport == "broadcast" and before:
+        assert s.statistics().started_on_lines == before  # the killed push started there
     sd2 = weights(1)
-    report = s.push(sd2.items(), version=2, timeout=60)
+    report = s.push(sd2.items(), version=v + 1, timeout=60)
     assert report.receivers == ("steady",)
-    while True:  # the steady one's commits, the last one is version 2
+    while True:  # the steady one's commits, the last one is the push after the failed one
         msg = ok_conn.recv()
-        if msg[1] == 2:
+        if msg[1] == v + 1:
             break
-    assert msg == ("commit", 2, sums(sd2))
+    assert msg == ("commit", v + 1, sums(sd2))
     ok_conn.send("stop")
     ok.join(30)
     s.close()

@@ -17,6 +17,7 @@ each one that joined and what it was seen doing.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import PushTimeout, WeightSyncError
+from ._line import Starter
 from ._messages import (
     ABORTED,
     DONE,
@@ -59,6 +61,7 @@ class Member:
         self.name = join.name
         self.where = f"pid {join.pid} on {join.host}"
         self.verify = join.verify
+        self.line = ""  # its start line, if this sender reached it (see _line)
         self.parked: asyncio.Future[Any] | None = None
         self.watch: asyncio.Future[Any] | None = None  # its Watch, parked (see _messages)
         self.watch_seen = 0  # that Watch's ``seen``
@@ -100,6 +103,8 @@ class Push:
     setups: dict[bytes, dict[str, Any]]  # key -> transport descriptor, for members that need setup
     collective: bool
     verify: bool
+    direct: bool = False  # its members were started on their lines, not through the hub
+    unstarted: dict[str, str] = field(default_factory=dict)  # members whose start did not go
     ready: int = 0  # buckets announced
     streaming: bool = False
     aborted: str | None = None
@@ -127,6 +132,7 @@ class Hub:
         self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
         # a ShardedSender's rank: the group of every rank it is part of (see Describe)
         self.description: Described | None = None
+        self.starter: Starter | None = None  # a collective sender's, for its members' lines
 
     # -- requests ---------------------------------------------------------------
     async def handle(self, value: Any, peer: bytes) -> bytes:
@@ -148,9 +154,11 @@ class Hub:
             if old is not None:
                 self._leave(old, "joined again")
             new = self.members[peer] = Member(peer, msg)
+            if self.starter is not None and msg.line and self.starter.probe(msg.line):
+                new.line = msg.line
             asyncio.get_running_loop().call_later(JOIN_GRACE, self._grace_over, new)
             self._changed.set()
-            return encode(Welcome(self.group, self.transport, peer))
+            return encode(Welcome(self.group, self.transport, peer, os.getpid(), bool(new.line)))
         if isinstance(msg, Watch):
             return encode(await self._watch(msg))
         m = self.members.get(peer)
@@ -293,7 +301,7 @@ class Hub:
         if not p.streaming or m.step == DONE:
             return
         if p.collective:
-            if m.step == PLAN:
+            if m.step == PLAN and not p.direct:
                 m.parked.set_result(Stream(p.seq, p.version, p.verify))
             return
         nxt = max(m.step + 1, m.want or 0)
@@ -345,10 +353,7 @@ class Hub:
         members = [m for m in self.members.values() if m.idle]
         if len(members) < wait_for:
             raise PushTimeout(self._too_few(push_args, wait_for))
-        if self._deadline is not None:
-            self._deadline.cancel()
-        left = max(0.0, deadline - time.monotonic())
-        self._deadline = asyncio.get_running_loop().call_later(left, self.on_deadline)
+        self._arm_deadline(deadline)
         for m in members:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []
             m.step, m.want, m.late = IDLE, None, False
@@ -357,6 +362,29 @@ class Hub:
         if push is not None:
             await self.start(push, streaming=True)
         return members, push
+
+    async def begin_direct(self, push: Push, deadline: float) -> tuple[list[Member], Push]:
+        """Take part in ``push``, whose members the pushing thread started on their lines
+        (see _line): streaming at once, their parked requests kept parked (each acks with a
+        bare acknowledgement). A member that left meanwhile is marked failed: the pushing
+        thread aborts the push before its stream."""
+        self._arm_deadline(deadline)
+        for m in push.members:
+            m.seq, m.error, m.sent_setup, m.checksums = push.seq, None, False, []
+            m.step, m.want, m.late, m.version = PLAN, None, False, push.version
+            m.returning = False
+            if m.gone:
+                m.error = "disconnected (its process died or it closed its receiver)"
+        self.push = push
+        push.streaming = True
+        self._settle(push)
+        return push.members, push
+
+    def _arm_deadline(self, deadline: float) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        left = max(0.0, deadline - time.monotonic())
+        self._deadline = asyncio.get_running_loop().call_later(left, self.on_deadline)
 
     def _too_few(self, push_args: dict[str, Any], wait_for: int) -> str:
         ms = list(self.members.values())

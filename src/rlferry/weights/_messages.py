@@ -14,6 +14,10 @@ travels in these messages: it lies in the transport's buffers.
     Ack(0, park=False) ────────────────▶  Noted
     Ack(done) ─────────────────────────▶  ... parked until the next push ...
 
+Over a collective, a push after one that committed may instead send ``Stream`` on
+the receiver's start line (see _line): its parked request stays parked, and its
+acknowledgements of that push go unparked (``park=False``).
+
 A receiver of an NCCL group waits for its stream on the device, deaf to its own
 socket; a second connection of its process keeps a ``Watch`` parked (the key
 ``Welcome`` gave it), answered with ``Abort`` when a push it streams is aborted
@@ -80,6 +84,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     host: str
     pid: int
     verify: bool = False  # wants a checksum of every bucket
+    line: str = ""  # where its streams may be started from the pushing thread (see _line)
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):
@@ -139,6 +144,8 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     group: str
     transport: str
     key: bytes = b""  # the receiver's key at the sender (what a Watch names)
+    pid: int = 0  # the sender's process: the only one whose starts its line takes
+    line: bool = False  # the sender reached the receiver's line (its streams start there)
 
 
 class Watch(msgspec.Struct, frozen=True, tag="watch"):

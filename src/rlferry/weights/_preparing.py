@@ -1,9 +1,11 @@
 """A sender's preparation of a push: the plan of its layout (kept while the layout stays),
-the transport's buffers and group, the packer, and what each receiver must attach.
+the transport's buffers and group, the packer, what each receiver must attach, and how
+the push starts (through the hub, or on the receivers' start lines: see _line).
 :class:`WeightSender` runs the push itself."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, ItemsView, Iterable, Iterator
@@ -11,9 +13,12 @@ from typing import Any
 
 import torch
 
+from rlferry.wire._loop import WireLoop
+
 from ._config import SenderConfig
 from ._errors import WeightSyncError
-from ._hub import Member, Push
+from ._hub import Hub, Member, Push
+from ._messages import Stream
 from ._pack import Packer
 from ._plan import RAMP_BYTES, Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
 from .transports._base import CollectiveSender, MailboxSender, SenderTransport
@@ -38,6 +43,9 @@ class PushPreparing:
     _device: torch.device | None
     _bucket_cap: int | None
     _stats: dict[str, int]
+    _hub: Hub
+    _loop: WireLoop
+    _committed: list[Member] | None
 
     def _cap_buckets(self, cap: int) -> None:
         """Make the default bucket at most ``cap`` bytes (a multiple of 256): a
@@ -69,6 +77,48 @@ class PushPreparing:
             return Push(seq, version, None, plan.fingerprint, members, {}, True, False)
 
         return fast
+
+    def _begin(
+        self, fast: Callable[[list[Member]], Push | None] | None, args: dict[str, Any],
+        wait_for: int, deadline: float,
+    ) -> tuple[concurrent.futures.Future[tuple[list[Member], Push | None]], bool]:  # fmt: skip
+        """Start the push: on its members' lines if the last push ended on their word on
+        the group and they are this one's too (True), else through the hub (False)."""
+        last, self._committed = self._committed, None
+        starter = self._hub.starter
+        if fast is not None and last is not None and starter is not None:
+            # this thread's snapshot of the hub's members: one that leaves from here on
+            # fails the push as a receiver that dies mid-stream does
+            now = list(self._hub.members.values())
+            push = (
+                fast(now)
+                if len(now) == len(last) and all(a is b for a, b in zip(now, last, strict=True))
+                and all(m.line and not m.gone for m in now)
+                else None
+            )  # fmt: skip
+            if push is not None:
+                push.direct = True
+                msg = Stream(push.seq, push.version, False)
+                first = starter.start(now[0].line, msg)
+                if first is None:  # the others' starts follow; one that cannot go fails it
+                    sent = {m.name: starter.start(m.line, msg) for m in now[1:]}
+                    push.unstarted = {n: why for n, why in sent.items() if why is not None}
+                    return self._loop.submit(self._hub.begin_direct(push, deadline)), True
+        return self._loop.submit(self._hub.begin(args, wait_for, deadline, fast)), False
+
+    def _lines_started(self, push: Push) -> None:
+        """The push started on its members' lines: raises if one left before it was
+        registered or its start could not go (the caller aborts the push)."""
+        failed = {m.name: m.error for m in push.members if m.error is not None}
+        failed.update(
+            {n: f"its start line refused the start ({why})" for n, why in push.unstarted.items()}
+        )
+        if failed:
+            raise WeightSyncError(
+                "the push started on the receivers' lines failed before its stream: "
+                + "; ".join(f"receiver `{n}`: {why}" for n, why in failed.items())
+            )
+        self._stats["lines"] += 1
 
     def _layout(
         self, named: Iterable[Any], layout: Iterable[tuple[str, Any]] | None

@@ -24,12 +24,18 @@ from rlferry.wire import (
 
 from ._config import ReceiverConfig
 from ._errors import ReceiverClosed, SenderGone, WeightSyncError
+from ._line import Line
 from ._loading import PushLoading
 from ._messages import (
+    ABORTED,
     IDLE,
+    Abort,
     Ack,
+    Bucket,
     Join,
     Leave,
+    Setup,
+    Stream,
     Welcome,
     decode_reply,
     encode,
@@ -113,6 +119,12 @@ class WeightReceiver(PushLoading):
         # the wire loop's thread and back (they are most of a small push's time)
         self._client: Client | None = None
         self._key = b""  # this receiver's key at the sender (Welcome's)
+        # where the sender's pushing thread may start its streams (see _line), and the
+        # sender's process, the only one whose starts it takes
+        self._line: Line | None = None
+        self._sender_pid = 0
+        self._seen = 0  # the last push it got a message of (a start after it is stale)
+        self._lined = 0  # the last push started on the line that it settled
         self._watch = StreamWatch(address, secret, self.name)
         self._prefetch: bytes | None = None  # the request that asked for the next bucket
         self._thread: threading.Thread | None = None
@@ -150,6 +162,7 @@ class WeightReceiver(PushLoading):
         if self._thread is not None:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
         self._client = Client(self.config.address, secret=self.config.secret)
+        self._line = Line()
         welcome = self._join(timeout)
         tr = self._transport = make_receiver(welcome.transport)
         self._mailbox = tr if isinstance(tr, MailboxReceiver) else None
@@ -163,7 +176,8 @@ class WeightReceiver(PushLoading):
     def _join(self, timeout: float | None) -> Welcome:
         assert self._client is not None
         c = self.config
-        join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify)
+        line = self._line.name if self._line is not None else ""
+        join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify, line)
         try:
             reply = decode_reply(self._client.request(encode(join), timeout))
         except RemoteError as e:
@@ -188,7 +202,11 @@ class WeightReceiver(PushLoading):
                 f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
             ) from None
         assert isinstance(reply, Welcome)
-        self._key = reply.key
+        self._key, self._sender_pid = reply.key, reply.pid
+        self._seen = self._lined = 0  # this sender's pushes count from 1
+        if not reply.line and self._line is not None:  # not reached, or not a collective's
+            self._line.close()
+            self._line = None
         return reply
 
     @property
@@ -252,6 +270,8 @@ class WeightReceiver(PushLoading):
             self._thread.join(30)
         if self._transport is not None:
             self._transport.close()
+        if self._line is not None and (self._thread is None or not self._thread.is_alive()):
+            self._line.close()
 
     def __enter__(self) -> WeightReceiver:
         return self.start() if self._thread is None else self
@@ -328,7 +348,9 @@ class WeightReceiver(PushLoading):
                 if ask is not None:
                     rid, ask = self._send(ask), None
                     self._wake()
-                msg = decode_reply(self._client.wait(rid))
+                line = self._line.socket if self._line is not None else None
+                reply = self._client.wait(rid, also=line)
+                msg = decode_reply(reply) if reply is not None else None
             except ChannelClosed:
                 return None
             except PeerGone as e:
@@ -341,8 +363,24 @@ class WeightReceiver(PushLoading):
                     return type(e2), f"the sender dropped it and it could not join again: {e2}", ""
                 ask = Ack(0, IDLE)
                 continue
+            lined = msg is None
+            if msg is None:  # its start line: the request stays parked
+                assert self._line is not None
+                msg = self._line.take(self._sender_pid)
+                if msg is None or msg.seq <= self._seen:
+                    continue  # a probe, a stray, or the start of a push already aborted
+            elif isinstance(msg, Abort) and msg.seq == self._lined:
+                # a push started on its line, settled here (its ack is on its way): it is
+                # dropped for the sender's sake, and not told again to on_failure
+                ask = Ack(msg.seq, ABORTED)
+                continue
             self._prefetch = None
+            if isinstance(msg, (Setup, Bucket, Stream, Abort)):
+                self._seen = max(self._seen, msg.seq)
             ack = self._handle(msg)
+            if lined:
+                assert isinstance(msg, Stream)
+                self._lined = msg.seq
             if self._broke is not None:
                 try:
                     self._heard(ack)
@@ -351,6 +389,12 @@ class WeightReceiver(PushLoading):
                 except ChannelClosed:
                     return None
                 self._broke = None
+                if lined:  # told unparked: the request stays parked
+                    continue
+            elif lined:  # told unparked: the request stays parked
+                self._note(ack)
+                self._wake()
+                continue
             if self._prefetch is not None:  # the next bucket is already asked for
                 self._note(ack)
                 self._wake()

@@ -46,6 +46,7 @@ class SenderStatistics:
     buffer_bytes: int
     plans_sent: int
     groups_formed: int
+    started_on_lines: int = 0  # pushes whose receivers' streams started on their lines
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from rlferry.wire import Server, default_address, wire_loop
 from ._config import SenderConfig
 from ._errors import PushTimeout, SenderClosed, WeightSyncError
 from ._hub import Hub, Member, Push
+from ._line import Starter
 from ._messages import Described
 from ._pack import Packer, bucketed
 from ._plan import Plan
@@ -118,6 +119,7 @@ class WeightSender(PushPreparing):
         self._hub.on_deadline = tr.deadline_passed
         if self._collective is not None:  # broadcast with a secret: the group meets here
             self._hub.store = self._collective.kv
+            self._hub.starter = Starter()
         bind = bind or default_address("tcp" if transport == "broadcast" else "ipc")
         self._server = Server(
             self._hub.handle, bind, secret=secret, on_disconnect=self._hub.disconnected
@@ -133,7 +135,10 @@ class WeightSender(PushPreparing):
         self._first = True
         self._moving = False  # the push in progress got past its plan: buckets may move
         self._closed = False
-        self._stats = {"pushes": 0, "failed": 0, "bytes": 0, "plans": 0}
+        self._stats = {"pushes": 0, "failed": 0, "bytes": 0, "plans": 0, "lines": 0}
+        # the members of the last push, if it ended on their word on the group: the next
+        # may start on their lines (see _line)
+        self._committed: list[Member] | None = None
         self._last_seconds = 0.0
 
     async def _make_hub(self) -> Hub:
@@ -248,6 +253,7 @@ class WeightSender(PushPreparing):
         args = {"seq": seq, "version": version, "timeout": timeout}
         begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
         fast = early = None
+        lined = False  # started on the members' lines (see _begin)
         buckets: Iterator[tuple[int, list[Any]]] | None = None
         same, guard = False, None
         try:  # until the members are known: a push the hub started is aborted, not left
@@ -255,9 +261,10 @@ class WeightSender(PushPreparing):
                 early = self._plan
                 if not self._first and early is not None:
                     fast = self._fast(early, seq, version)
-                    begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
+                    begun, lined = self._begin(fast, args, wait_for, deadline)
                     yield False  # the caller's other pushes start too
-                    _sent(begun, deadline)  # the receivers get the start while tensors are read
+                    if not lined:  # the receivers get the start while tensors are read
+                        _sent(begun, deadline)
                 named, same, guard = named()
             if same and self._plan is not None and named is self._planned_for:
                 plan, checked = self._plan, False
@@ -268,8 +275,8 @@ class WeightSender(PushPreparing):
                 buckets = self._guarded(bucketed(plan, named, checked), guard, plan)
             if begun is None:
                 fast = self._fast(plan, seq, version) if not self._first else None
-                begun = self._loop.submit(self._hub.begin(args, wait_for, deadline, fast))
-                if fast is not None:
+                begun, lined = self._begin(fast, args, wait_for, deadline)
+                if fast is not None and not lined:
                     _sent(begun, deadline)  # the receivers get the start while bucket 0 packs
             elif plan is not early:
                 fast = None
@@ -283,8 +290,10 @@ class WeightSender(PushPreparing):
                 self._packer.pack(*first)
                 buckets = itertools.chain([first], rest)
             members, push = begun.result()
+            if push is not None and push.direct:
+                self._lines_started(push)
         except BaseException as e:
-            self._abandon(begun, e, deadline)
+            self._abandon(begun, e, deadline, lined)
         self._first = False
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
@@ -350,11 +359,18 @@ class WeightSender(PushPreparing):
             yield k, tensors
 
     def _abandon(
-        self, begun: concurrent.futures.Future[Any] | None, e: BaseException, deadline: float
+        self,
+        begun: concurrent.futures.Future[Any] | None,
+        e: BaseException,
+        deadline: float,
+        lined: bool = False,
     ) -> NoReturn:
         """Raise ``e``, met before the members were known: a push the hub started is aborted,
-        not left; a begin still waiting for its members is cancelled (none started)."""
+        not left; a begin still waiting for its members is cancelled (none started). A push
+        started on the members' lines (``lined``) is started: its begin is waited for."""
         started = None
+        if lined and begun is not None:  # the loop registers it at once: nothing waits
+            concurrent.futures.wait([begun], max(1.0, deadline - time.monotonic()))
         if begun is not None and not begun.done():
             begun.cancel()
         elif begun is not None and not begun.cancelled() and begun.exception() is None:
@@ -421,6 +437,7 @@ class WeightSender(PushPreparing):
         self._last_seconds = seconds
         if committed:  # their acks are on their way: the next push waits for them
             ok, failed = tuple(m.name for m in p.members), []
+            self._committed = p.members
         else:
             ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
             failed = [m for m in p.members if m.error is not None]
@@ -480,6 +497,7 @@ class WeightSender(PushPreparing):
             buffer_bytes=self._transport.buffer_bytes,
             plans_sent=self._stats["plans"],
             groups_formed=self._transport.groups_formed,
+            started_on_lines=self._stats["lines"],
         )
 
     def close(self) -> None:
@@ -490,6 +508,8 @@ class WeightSender(PushPreparing):
         with self._lock:
             self._loop.run(self._server.close())
             self._transport.close()
+            if self._hub.starter is not None:
+                self._hub.starter.close()
 
     def __enter__(self) -> WeightSender:
         return self

@@ -98,21 +98,32 @@ class Client:
             sock.send_multipart([rid, desc, *frames], copy=False)
             return rid
 
-    def wait(self, rid: bytes, timeout: float | None = None) -> Any:
+    def wait(self, rid: bytes, timeout: float | None = None, *, also: Any = None) -> Any:
         """The reply of the request :meth:`send` returned ``rid`` for (``timeout``: seconds,
         None for no limit). Raises as :meth:`AsyncClient.request` does, and ``ValueError``
-        for an id whose reply nobody awaits."""
-        with self._lock:
-            frames = self._wait(rid, timeout, interruptible=True)
-        return reply_value(frames[1:], self._owe)
+        for an id whose reply nobody awaits.
 
-    def _wait(self, rid: bytes, timeout: float | None, interruptible: bool) -> list[zmq.Frame]:
+        ``also``: a plain socket (or file descriptor) of the caller's whose readability ends the
+        wait too: the wait then returns ``None`` (the request's reply stays awaited: wait
+        for ``rid`` again), or the reply if it came in the same wake-up."""
+        with self._lock:
+            frames = self._wait(rid, timeout, interruptible=True, also=also)
+        return None if frames is None else reply_value(frames[1:], self._owe)
+
+    def _wait(
+        self, rid: bytes, timeout: float | None, interruptible: bool, also: Any = None
+    ) -> list[zmq.Frame] | None:
         if rid not in self._pending and rid not in self._replies and not self._closing:
             raise ValueError(
                 f"wait: expected the id of a request sent with a reply awaited and not read "
                 f"yet, got {rid!r} (each reply is read once; send(..., reply=False) drops it)"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
+        if also is not None:  # by its number: the poller names a plain socket so
+            also = also if isinstance(also, int) else also.fileno()
+            assert self._poller is not None
+            self._poller.register(also, zmq.POLLIN)
+        kept = False  # the reply is still awaited (``also`` ended the wait)
         try:
             while rid not in self._replies:
                 if interruptible and self._closing:
@@ -129,10 +140,17 @@ class Client:
                     continue
                 connect = None if self._connected else self._connect_by
                 ends = [t for t in (deadline, connect) if t is not None]
-                self._pump(min(ends) - now if ends else None)
+                if self._pump(min(ends) - now if ends else None, also) and (
+                    rid not in self._replies
+                ):
+                    kept = True
+                    return None
             return self._replies.pop(rid)
         finally:
-            self._pending.discard(rid)  # a reply that comes later is dropped
+            if also is not None and self._poller is not None:
+                self._poller.unregister(also)
+            if not kept:
+                self._pending.discard(rid)  # a reply that comes later is dropped
 
     # -- the socket ---------------------------------------------------------------------
     def _connect(self) -> Any:
@@ -149,9 +167,10 @@ class Client:
         self._connect_by = time.monotonic() + self._connect_timeout
         return sock
 
-    def _pump(self, seconds: float | None) -> None:
+    def _pump(self, seconds: float | None, also: Any = None) -> bool:
         """Sleep until something comes (at most ``seconds``; None: no limit), then take in
-        everything that came: replies, releases, monitor events, wake-ups."""
+        everything that came: replies, releases, monitor events, wake-ups. Whether
+        ``also`` (registered with the poller by the caller) is readable."""
         assert self._poller is not None and self._wakes is not None
         self._flush()
         ms = None if seconds is None else math.ceil(max(0.0, seconds) * 1000)
@@ -170,6 +189,7 @@ class Client:
                     break
                 self._file(frames)
         self._flush()
+        return also is not None and also in ready
 
     def _events(self) -> None:
         while True:
@@ -234,7 +254,9 @@ class Client:
                     rid = next(_ids).to_bytes(8, "little")
                     self._pending.add(rid)
                     self._sock.send_multipart([rid, b"", *encode(farewell)], copy=False)
-                    reply_value(self._wait(rid, timeout, interruptible=False)[1:], self._owe)
+                    frames = self._wait(rid, timeout, interruptible=False)
+                    assert frames is not None  # nothing else ends this wait
+                    reply_value(frames[1:], self._owe)
                 except WireError as e:
                     log.info("the farewell to %s got no answer: %s", self.address, e)
             self._closed = True

@@ -173,6 +173,35 @@ def _abort(pg: Any) -> None:
             return
 
 
+def _release(pg: Any, works: list[Any]) -> None:
+    """Let ``pg`` go; ``works``: the last push's work on it. NCCL's is aborted (its pending
+    work fails at once). Gloo's destructor waits for the group's pending work, whose
+    peer half may never come (a push given up mid-stream; a receiver's outcome of it,
+    never joined) until the group's timeout: the caller, a sender forming its next group
+    or a receiver joining it, waited that long there (120 s, a push interrupted while a
+    receiver loaded its one bucket). So a gloo group with work pending goes on a thread
+    of its own, once that work ended."""
+    if not isinstance(pg, dist.ProcessGroupGloo):
+        _abort(pg)
+        return
+    pending = [w for w in works if w is not None and not w.is_completed()]
+    if pending:
+        threading.Thread(
+            target=_drop_after, args=([pg], pending), name="rlferry-gloo-release", daemon=True
+        ).start()
+
+
+def _drop_after(group: list[Any], works: list[Any]) -> None:
+    """Drop the list's reference to a gloo group once every one of ``works`` ended (the
+    caller's references went meanwhile, or they go with no work left to wait for)."""
+    for w in works:
+        try:
+            w.wait()
+        except RuntimeError as e:  # its peer went, or the group's timeout passed: it ended
+            log.debug("a dropped group's work ended: %s", _first_line(e))
+    group.clear()
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -202,6 +231,7 @@ class BroadcastSender(CollectiveSender):
         self._outcome = self._outcome_host = torch.zeros(1, dtype=torch.int32)  # see COMMITTED
         self._cut_why: tuple[Any, str] = (None, "")  # a group aborted from the loop, and why
         self._streaming: Any = None  # the group a push streams on
+        self._works: list[Any] = []  # the last push's work on it
         self._timeout = 60.0
         self._high_priority = high_priority  # NCCL's streams, here and at every receiver
         self.groups_formed = 0
@@ -213,9 +243,7 @@ class BroadcastSender(CollectiveSender):
         """A descriptor per member when the group must be (re)formed, else None."""
         if self.has_group(keys):
             return None
-        if self._pg is not None:
-            _abort(self._pg)
-            self._pg = None
+        self._let_go()
         self._cut_why = (None, "")
         if self._store is None:
             self._store = self._make_store(timeout)
@@ -318,10 +346,14 @@ class BroadcastSender(CollectiveSender):
 
     def broken(self) -> None:
         """A push failed mid-stream: the group is dropped and formed anew next time."""
-        if self._pg is not None:
-            _abort(self._pg)
-        self._pg = None
+        self._let_go()
         self._members = []
+
+    def _let_go(self) -> None:
+        pg, works = self._pg, self._works
+        self._pg, self._works = None, []
+        if pg is not None:
+            _release(pg, works)
 
     # -- buffers and the stream --------------------------------------------------------
     def prepare(self, nbytes: int, device: torch.device) -> None:
@@ -365,6 +397,7 @@ class BroadcastSender(CollectiveSender):
             caller = torch.cuda.current_stream(side.device)
             side.wait_stream(caller)
         works: list[Any] = [None, None]
+        self._works = works  # what a group dropped mid-push waits for (see _release)
         sums: list[int] = []
         k, failure, what = -1, "", ""
         try:
@@ -409,9 +442,9 @@ class BroadcastSender(CollectiveSender):
             if side is not None and caller is not None:  # the caller's later work (its
                 caller.wait_stream(side)  # tensors freed, reused) follows every read
         if failure:  # out of the except block: no traceback keeps the group alive
-            works.clear()
             del pg
-            self.broken()
+            self.broken()  # (its work still pending is waited for off this thread)
+            works.clear()
             what = what or f"the broadcast of bucket {k} of {plan.buckets}"
             if time.monotonic() >= deadline:  # gloo's wait ran out: the push's timeout
                 raise PushTimeout(f"{what} did not finish within the push's timeout: {failure}")
@@ -419,9 +452,8 @@ class BroadcastSender(CollectiveSender):
         return int(self._outcome_host[0]) == COMMITTED
 
     def close(self) -> None:
-        if self._pg is not None:
-            _abort(self._pg)
-        self._pg, self._store, self._bufs = None, None, []
+        self._let_go()
+        self._store, self._bufs = None, []
         self.kv = None
 
 
@@ -598,9 +630,10 @@ class BroadcastReceiver(CollectiveReceiver):
         return lambda: _abort(pg)
 
     def leave(self) -> None:
-        if self._pg is not None:
-            _abort(self._pg)
-        self._pg, self._prefix = None, ""
+        pg, told = self._pg, self._told
+        self._pg, self._prefix, self._told = None, "", None
+        if pg is not None:  # its last outcome's all-reduce may wait for a sender that gave up
+            _release(pg, [told])
 
     def close(self) -> None:
         self.leave()
