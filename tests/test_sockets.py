@@ -196,6 +196,8 @@ def test_a_sync_wait_ends_when_the_callers_own_socket_is_readable_and_the_reply_
             c.wait(rid, 0.1, also=mine.fileno())
         done = c.send("answered")
         assert c.wait(done, 10, also=mine) == "answered"  # a reply ends it as before
+        with pytest.raises(ValueError, match="also: expected a socket or a file descriptor"):
+            c.wait(c.send("x"), 10, also="mine")
 
 
 def test_sync_close_sends_its_farewell_first():

@@ -120,6 +120,11 @@ class Client:
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         if also is not None:  # by its number: the poller names a plain socket so
+            if not isinstance(also, int) and not hasattr(also, "fileno"):
+                raise ValueError(
+                    f"wait: also: expected a socket or a file descriptor, got {also!r} (pass "
+                    "the socket whose readability should end the wait too)"
+                )
             also = also if isinstance(also, int) else also.fileno()
             assert self._poller is not None
             self._poller.register(also, zmq.POLLIN)
