@@ -163,7 +163,11 @@ class WeightReceiver(PushLoading):
             raise WeightSyncError(f"receiver `{self.name}` is already started")
         self._client = Client(self.config.address, secret=self.config.secret)
         self._line = Line()
-        welcome = self._join(timeout)
+        try:
+            welcome = self._join(timeout)
+        except BaseException:
+            self._line.close()
+            raise
         tr = self._transport = make_receiver(welcome.transport)
         self._mailbox = tr if isinstance(tr, MailboxReceiver) else None
         self._collective = tr if isinstance(tr, CollectiveReceiver) else None
