@@ -1,6 +1,7 @@
 """The broadcast transport on CPU: a gloo group formed by rlferry, 1 to 4 receivers."""
 
 import asyncio
+import datetime
 import logging
 import os
 import socket
@@ -10,10 +11,12 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError, _hub
 from rlferry.weights._hub import Hub
 from rlferry.weights._messages import DONE, Ack, Stream, decode_request, encode
+from rlferry.weights.transports import _broadcast
 from test_weights import Engine, state
 
 
@@ -273,3 +276,35 @@ def test_broadcast_a_failing_on_commit_is_said_on_the_group_and_named_by_its_ack
     r0.close()
     r1.close()
     s.close()
+
+
+def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocking():
+    # A push given up mid-stream can leave work on a link's gloo group that its peer never
+    # joins (the sender's outcome all-reduce while a receiver is held in its load); gloo's
+    # destructor waits for pending work until the group's timeout, so the one dropping the
+    # group (a sender forming its next one) must not be the one that waits.
+    store = dist.HashStore()
+    groups = [None, None]
+
+    def make(rank):
+        groups[rank] = _broadcast._make_group("gloo", store, "t", rank, 2, 30.0, "127.0.0.1", True)
+
+    ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    mine, peers = groups
+    work = mine.allreduce([torch.zeros(1)])  # the peer never joins it
+    before = set(threading.enumerate())
+    _broadcast._release(mine, [work])
+    del mine
+    groups[0] = None
+    assert not work.is_completed()  # returned with the work still pending
+    (waiter,) = [t for t in threading.enumerate()
+                 if t not in before and t.name == "rlferry-gloo-release"]  # fmt: skip
+    assert waiter.is_alive()
+    peers_work = peers.allreduce([torch.ones(1)])  # the peer joins late: the work ends
+    peers_work.wait(datetime.timedelta(seconds=30))
+    waiter.join(30)
+    assert not waiter.is_alive() and work.is_completed()
