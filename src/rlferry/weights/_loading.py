@@ -71,6 +71,7 @@ class PushLoading:
     _last_error: str | None
     _push_start: float
     _broke: str | None
+    _seen: int
 
     def _tell_failure(self, reason: str, final: bool = False) -> None:
         if self.config.on_failure is not None:
@@ -92,8 +93,10 @@ class PushLoading:
             log.debug("receiver %s: the next bucket was not asked for: %s", self.name, e)
 
     def _handle(self, msg: Any) -> Ack:
-        if isinstance(msg, (Setup, Bucket, Stream, Abort)) and msg.version >= 0:
-            self.pushing = msg.version
+        if isinstance(msg, (Setup, Bucket, Stream, Abort)):
+            self._seen = max(self._seen, msg.seq)  # a start on the line up to it is stale
+            if msg.version >= 0:
+                self.pushing = msg.version
         try:
             if isinstance(msg, Setup):
                 return self._setup(msg)

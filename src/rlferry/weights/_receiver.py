@@ -31,10 +31,8 @@ from ._messages import (
     IDLE,
     Abort,
     Ack,
-    Bucket,
     Join,
     Leave,
-    Setup,
     Stream,
     Welcome,
     decode_reply,
@@ -379,8 +377,6 @@ class WeightReceiver(PushLoading):
                 ask = Ack(msg.seq, ABORTED)
                 continue
             self._prefetch = None
-            if isinstance(msg, (Setup, Bucket, Stream, Abort)):
-                self._seen = max(self._seen, msg.seq)
             ack = self._handle(msg)
             if lined:
                 assert isinstance(msg, Stream)
