@@ -25,12 +25,14 @@ Prints a table and, with ``--json OUT``, one JSON line: ``identical``,
 any process computed), ``updates``, ``seconds`` (per update) and the setup.
 
 CPU: ``--transport shm``. One GPU: ``--device cuda --transport cuda_ipc`` (every
-process on that GPU). Several GPUs: ``--device cuda --transport broadcast
---point-to-point`` (a GPU per process, trainer ranks first: each link a group of two,
-NCCL send and receive), against ``--mode gather`` (rank 0 then broadcasts to every
-engine rank: the rank-0 funnel). With fewer GPUs than processes, ``--gpus K`` puts the
-trainer ranks on the first half of K GPUs and the engine ranks on the rest (point to
-point only; the funnel's groups would hold two ranks of one GPU).
+process on that GPU; with ``--point-to-point --gpus K``, trainer and engine ranks on
+GPUs of their own, each engine rank reading its trainer ranks' memory across). Several
+GPUs: ``--device cuda --transport broadcast --point-to-point`` (a GPU per process,
+trainer ranks first: each link a group of two, NCCL send and receive), against
+``--mode gather`` (rank 0 then broadcasts to every engine rank: the rank-0 funnel).
+With fewer GPUs than processes, ``--gpus K`` puts the trainer ranks on the first half
+of K GPUs and the engine ranks on the rest (point to point only; the funnel's groups
+would hold two ranks of one GPU).
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ def gpu_of(args: argparse.Namespace, role: str, rank: int) -> int:
 
 
 def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
-    """``cpu``; with cuda_ipc every process on GPU 0; with broadcast see :func:`gpu_of`.
+    """``cpu``; with cuda_ipc every process on GPU 0 (with ``--gpus``: see :func:`gpu_of`,
+    each engine rank reading its trainer ranks' GPUs across); with broadcast see
+    :func:`gpu_of`.
     Called first in every process of the run: it also sets ``--switch-interval`` and
     starts ``--trace``."""
     if args.switch_interval:
@@ -119,12 +123,12 @@ def device_of(args: argparse.Namespace, role: str, rank: int) -> str:
         _trace.install(args.trace)
     if args.device == "cpu":
         return "cpu"
-    if args.transport != "broadcast":
+    if args.transport != "broadcast" and not args.gpus:
         return "cuda:0"
     gpu = gpu_of(args, role, rank)
     if gpu >= torch.cuda.device_count():
         raise SystemExit(
-            f"--transport broadcast: expected GPU {gpu} for {role} rank {rank} "
+            f"--transport {args.transport}: expected GPU {gpu} for {role} rank {rank} "
             f"({args.senders} trainer and {args.receivers} engine ranks, --gpus "
             f"{args.gpus or 'one per process'}), got {torch.cuda.device_count()} GPUs"
         )
@@ -462,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--transport",
         default="shm",
-        help="shm (CPU), cuda_ipc (one GPU) or broadcast (NCCL, a GPU per process)",
+        help="shm (CPU), cuda_ipc (one GPU; with --gpus, GPUs of one host) or broadcast "
+        "(NCCL, a GPU per process)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -472,8 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--gpus", type=int, default=0,
-        help="broadcast: share K GPUs (trainer ranks on the first half, engine ranks on the "
-        "rest; needs --point-to-point: an NCCL group takes one rank per GPU)",
+        help="share K GPUs (trainer ranks on the first half, engine ranks on the rest; needs "
+        "--point-to-point: an NCCL group takes one rank per GPU); with cuda_ipc each engine "
+        "rank reads its trainer ranks' GPUs across (peer access)",
     )  # fmt: skip
     p.add_argument(
         "--bucket-mb", type=int, default=0,

@@ -43,8 +43,20 @@ class Engine:
         return all(torch.equal(self.params[k], v) for k, v in sd.items())
 
 
+@pytest.fixture(params=[True, False], ids=["zero_copy", "packed"])
+def sender(request):
+    """Both ways a push goes over shm: read in place (the default; ``state``'s strided
+    tensor too) and packed into bucket buffers."""
+    s = WeightSender(
+        group="rollout", transport="shm", receivers=2, bucket_bytes=256 << 10,
+        zero_copy=request.param,
+    )  # fmt: skip
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def sender():
+def direct_sender():
     s = WeightSender(group="rollout", transport="shm", receivers=2, bucket_bytes=256 << 10)
     yield s
     s.close()
@@ -281,15 +293,18 @@ def test_later_pushes_send_no_plan_and_open_no_buffer_again(sender):
     sd = state()
     engines = [Engine(sd), Engine(sd)]
     rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
-    reports = []
+    reports, opened = [], []
     for v in range(1, 4):
         for t in sd.values():
             if t.dtype.is_floating_point:
                 t.add_(1)
         reports.append(sender.push(sd.items(), version=v, timeout=30))
         assert all(e.equals(sd) for e in engines)
+        opened.append([r.statistics().buffers_opened for r in rs])
     assert [r.plan_sent for r in reports] == [True, False, False]
-    assert [r.statistics().buffers_opened for r in rs] == [2, 2]
+    # packed: the two buffers; zero copy: each tensor's storage (the strided one's too)
+    want = 2 if sender.statistics().buffer_bytes else sum(1 for t in sd.values() if t.numel())
+    assert opened == [[want, want]] * 3
     assert [e.commits for e in engines] == [[1, 2, 3]] * 2
     stats = sender.statistics()
     assert (stats.pushes, stats.plans_sent, stats.receivers) == (3, 1, 2)
@@ -482,7 +497,8 @@ def contiguous_state(seed=0):
     return sd
 
 
-def test_shm_zero_copy_receivers_read_the_trainers_tensors_in_place(sender):
+def test_shm_zero_copy_receivers_read_the_trainers_tensors_in_place(direct_sender):
+    sender = direct_sender
     sd = contiguous_state()
     engines = [Engine(sd), Engine(sd)]
     rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
@@ -498,7 +514,8 @@ def test_shm_zero_copy_receivers_read_the_trainers_tensors_in_place(sender):
         r.close()
 
 
-def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_that_are_not_shared(sender):
+def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_not_shared(direct_sender):
+    sender = direct_sender
     engines = [Engine(contiguous_state()), Engine(contiguous_state())]
     rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
     sender.push(contiguous_state(1).items(), version=1, timeout=30)
@@ -514,6 +531,27 @@ def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_that_are_not_s
     assert all(e.equals(shared) for e in engines) and sender.statistics().buffer_bytes == 0
     for r in rs:
         r.close()
+
+
+def test_shm_zero_copy_reads_strided_views_where_they_lie():
+    """Views of any strides (a trainer rank's columns of a row-parallel weight, a
+    transposed tensor) are read in place, nothing packed, bit for bit."""
+    sender = WeightSender(group="rollout", transport="shm", bucket_bytes=256 << 10)
+    g = torch.Generator().manual_seed(3)
+    base = {"o": torch.randn(64, 96, generator=g), "t": torch.randn(40, 24, generator=g)}
+    views = {"o.cols": base["o"][:, 32:80], "t.T": base["t"].t(), "o.rows": base["o"][8:16]}
+    assert not views["o.cols"].is_contiguous() and not views["t.T"].is_contiguous()
+    engine = Engine(views)
+    r = start(sender, engine, "r0")
+    for v in (1, 2):
+        for t in base.values():
+            t.mul_(1.5)  # the trainer steps in place: the views see it
+        sender.push(views.items(), version=v, timeout=30)
+        assert engine.equals(views)
+    assert sender.statistics().buffer_bytes == 0  # read in place: no packing buffer
+    assert r.statistics().buffers_opened == 2  # the two storages, once
+    r.close()
+    sender.close()
 
 
 def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
@@ -559,3 +597,18 @@ def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its
         "a0", "b0", "b1", "b2", "a sent", "b sent", "a committed", "b committed",
     ]  # fmt: skip
     assert reports == {0: "a", 1: "b"}
+
+
+def test_zero_copy_strides_that_reach_past_the_senders_memory_are_refused():
+    from rlferry.weights._pack import Unpacker
+
+    t = torch.randn(4, 6)
+    plan = Plan.build([TensorSpec("w", (6, 4), torch.float32)], 1 << 20)
+    raw = t.view(-1).view(torch.uint8)
+    u = Unpacker.direct(plan, [raw], [[1, 6]])  # the transpose, read where it lies
+    assert torch.equal(u.loads[0][0][1], t.t())
+    with pytest.raises(WeightSyncError, match=r"tensor `w` reaches 120 bytes, the sender's "
+                       r"memory holds 96 from it"):  # fmt: skip
+        Unpacker.direct(plan, [raw], [[1, 8]])
+    with pytest.raises(WeightSyncError, match=r"tensor `w`: 1 strides for shape \[6, 4\]"):
+        Unpacker.direct(plan, [raw], [[1]])

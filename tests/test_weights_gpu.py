@@ -1,4 +1,5 @@
-"""GPU transports, on the device machine: cuda_ipc on one GPU, NCCL broadcast on two.
+"""GPU transports, on the device machine: cuda_ipc on one GPU and across two, NCCL broadcast
+on two.
 
 Skipped on CPU (with the reason); run there with `python -m pytest -q tests/test_weights_gpu.py`.
 """
@@ -28,7 +29,13 @@ requires_3_gpus = pytest.mark.skipif(
 )
 
 
-def weights(seed, device="cuda:0", big=False):
+def weights(seed, device="cuda:0", big=False, strided=False):
+    if strided:  # and views of them a trainer rank pushes: columns of each layer, a transpose
+        sd = weights(seed, device)
+        for i in range(8):
+            sd[f"layers.{i}.w.cols"] = sd[f"layers.{i}.w"][:, 256:768]
+        sd["embed.t"] = sd["embed"].t()
+        return sd
     g = torch.Generator(device=device).manual_seed(seed)
     if big:  # 368 MiB: large tensors at both ends, small ones between (ramped buckets)
         sd = {"embed": torch.randn(16384, 2048, device=device, generator=g).bfloat16()}
@@ -50,9 +57,11 @@ def digest(sd):
     return {n: int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for n, t in sd.items()}
 
 
-def _engine(address, group, device, conn, fail_at, verify, secret, name, big, hang_at=0):
+def _engine(
+    address, group, device, conn, fail_at, verify, secret, name, big, hang_at=0, strided=False
+):
     torch.cuda.set_device(device)
-    like = weights(0, device, big)
+    like = weights(0, device, big, strided)
     params = {n: torch.zeros_like(t) for n, t in like.items()}
     calls = []
 
@@ -79,11 +88,12 @@ def _engine(address, group, device, conn, fail_at, verify, secret, name, big, ha
 
 
 def spawn(
-    address, group, device, fail_at=0, verify=True, secret=None, name=None, big=False, hang_at=0
-):
+    address, group, device, fail_at=0, verify=True, secret=None, name=None, big=False, hang_at=0,
+    strided=False,
+):  # fmt: skip
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (address, group, device, child, fail_at, verify, secret, name, big, hang_at)
+    args = (address, group, device, child, fail_at, verify, secret, name, big, hang_at, strided)
     p = ctx.Process(target=_engine, args=args, daemon=True)
     p.start()
     assert parent.poll(180) and parent.recv() == "ready"
@@ -192,6 +202,35 @@ def test_cuda_ipc_zero_copy_reaches_two_engines_on_one_gpu():
     for proc, conn in engines:
         conn.send("stop")
         proc.join(60)
+    s.close()
+
+
+@requires_2_gpus
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero_copy", "packed"])
+def test_cuda_ipc_an_engine_on_another_gpu_reads_the_trainers_memory_across(zero_copy):
+    """The engine opens the trainer's memory onto its own GPU (peer access) and its loads
+    read it there: the tensors themselves, strided views included (zero copy), or the
+    bucket buffers (packed, the events ordering packs and loads across the two GPUs)."""
+    s = WeightSender(
+        group="ipc-peer", transport="cuda_ipc", receivers=1, bucket_bytes=1 << 20,
+        zero_copy=zero_copy, device="cuda:0",
+    )  # fmt: skip
+    proc, conn = spawn(s.address, "ipc-peer", "cuda:1", verify=False, strided=True)
+    sd = weights(1, strided=True)
+    opened = []
+    for v in (1, 2, 3):
+        for n, t in sd.items():
+            if t.is_floating_point() and not n.endswith((".cols", ".t")):
+                t.add_(1)  # the trainer's step, in place: its views see it
+        assert s.push(sd.items(), version=v, timeout=120).receivers == ("engine-cuda:1",)
+        kind, version, got, n = conn.recv()
+        assert (kind, version, got) == ("commit", v, digest(sd))
+        opened.append(n)
+    storages = len({t.untyped_storage().data_ptr() for t in sd.values()})
+    assert opened == [storages if zero_copy else 2] * 3  # opened on the first push only
+    assert (s.statistics().buffer_bytes == 0) == zero_copy
+    conn.send("stop")
+    proc.join(60)
     s.close()
 
 

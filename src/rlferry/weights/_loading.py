@@ -153,7 +153,7 @@ class PushLoading:
             handles = mail.attach(msg.transport, self.config.device)
             if mail.direct:  # zero copy: reading the sender's tensors
                 bufs = list(mail.tensors)
-                self._unpacker = Unpacker.direct(plan, bufs)
+                self._unpacker = Unpacker.direct(plan, bufs, mail.strides)
                 self._bufs, self._plan = bufs, plan
                 return Ack(msg.seq, PLAN, handles=handles)
             bufs = [mail.buffer(0), mail.buffer(1)]

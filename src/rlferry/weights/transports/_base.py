@@ -38,12 +38,41 @@ __all__ = [
     "ReceiverTransport",
     "SenderTransport",
     "checksum",
+    "direct_place",
+    "direct_places",
 ]
 
 
 def checksum(view: torch.Tensor) -> int:
     """The wrapping sum of the 8-byte words of ``view`` (uint8, length a multiple of 8)."""
     return int(view.view(torch.int64).sum().item())
+
+
+def direct_place(t: torch.Tensor, storage: int) -> list[Any]:
+    """Zero copy: where a pushed tensor lies in its exported ``storage`` (an index), for the
+    descriptor: ``[storage, byte offset]``, and its strides (in elements) where it is not
+    contiguous (a trainer rank's columns of a row-parallel weight, read where they lie)."""
+    place: list[Any] = [storage, int(t.storage_offset()) * t.element_size()]
+    if not t.is_contiguous():
+        place.append([int(s) for s in t.stride()])
+    return place
+
+
+def direct_places(desc: dict[str, object], what: str) -> list[tuple[int, int, list[int] | None]]:
+    """A zero-copy descriptor's ``tensors``: each one's (storage index, byte offset, strides
+    or None where contiguous); a malformed entry raises naming ``what`` (the transport)."""
+    from .._errors import WeightSyncError
+
+    try:
+        out = []
+        for p in desc["tensors"]:  # type: ignore[attr-defined]
+            strides = [int(x) for x in p[2]] if len(p) == 3 else None
+            if len(p) not in (2, 3) or (strides is not None and min(strides, default=0) < 0):
+                raise ValueError(p)
+            out.append((int(p[0]), int(p[1]), strides))
+        return out
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise WeightSyncError(f"malformed setup: bad {what} tensors") from None
 
 
 class BucketBuffers(Protocol):
@@ -232,6 +261,7 @@ class MailboxReceiver(ReceiverTransport):
 
     direct: bool = False  # attached to the sender's own tensors (zero copy), not to buffers
     tensors: list[torch.Tensor]  # zero copy: the bytes of each pushed tensor, from its first
+    strides: list[list[int] | None]  # zero copy: each one's strides, None where contiguous
 
     @abc.abstractmethod
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:

@@ -1,16 +1,22 @@
-"""``cuda_ipc``: bucket buffers on one GPU, shared with engine processes on the same GPU.
+"""``cuda_ipc``: a trainer's GPU memory read by engine processes on the same host.
 
 The sender allocates two buffers and exports their CUDA IPC handles once per
 layout; each receiver opens them once (cached) and reads every bucket where
-the sender packed it: no per-step handle opening. Ordering stays on the GPU:
+the sender packed it: no per-step handle opening. Zero copy (the default where
+the pushed tensors can be exported): receivers read the trainer's own tensors,
+views of any strides, and nothing is packed. Ordering stays on the GPU:
 the sender records an interprocess event after packing a buffer and each
 receiver's load stream waits on it; each receiver records its own event after
 issuing its load, and the sender's stream waits on those before packing that
 buffer again. Neither CPU waits for the GPU until the receiver's commit.
 
-GPUs are matched by UUID, not index: the two processes may see different
-``CUDA_VISIBLE_DEVICES`` (Ray gives each actor its own). Handle fields travel as plain
-bytes and ints (torch's own IPC rebuild, fed from our message), never pickled.
+A receiver on another GPU of the host opens the handles onto its own GPU (CUDA
+maps the memory there and enables peer access, NVLink or PCIe) and its loads read
+the trainer's memory across: one pass over the bytes, by the engine's GPU, with
+no NCCL group and no buffer at either end. GPUs are matched by UUID, not index:
+the two processes may see different ``CUDA_VISIBLE_DEVICES`` (Ray gives each actor
+its own). Handle fields travel as plain bytes and ints (torch's own IPC rebuild,
+fed from our message), never pickled.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import torch
 
 from .._errors import WeightSyncError
-from ._base import MailboxReceiver, MailboxSender
+from ._base import MailboxReceiver, MailboxSender, direct_place, direct_places
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
 
@@ -36,18 +42,16 @@ def _uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _local_index(uuid: object, index: int) -> int:
-    """This process's index of the sender's GPU: found by its UUID, since both sides may
-    see different ``CUDA_VISIBLE_DEVICES`` (a Ray actor sees only its own GPUs)."""
+def _local_index(uuid: object, index: int) -> int | None:
+    """This process's index of the sender's GPU, found by its UUID (both sides may see
+    different ``CUDA_VISIBLE_DEVICES``: a Ray actor sees only its own GPUs), or None
+    where this process does not see it."""
     if uuid is None:  # a sender without UUIDs: its index, as this process numbers GPUs
         return index
     for i in range(torch.cuda.device_count()):
         if _uuid(i) == uuid:
             return i
-    raise WeightSyncError(
-        f"transport 'cuda_ipc': the sender's GPU (UUID {uuid}) is not visible to this "
-        "receiver (cuda_ipc shares one GPU: give both processes that GPU, or use 'broadcast')"
-    )
+    return None
 
 
 def _open(fields: list[Any], device: int) -> torch.Tensor:
@@ -101,7 +105,7 @@ class CudaIpcSender(MailboxSender):
 
     def use_direct(self, tensors: list[torch.Tensor], device: torch.device) -> bool:
         """Let receivers read ``tensors`` where they are (no pack), if they all can be:
-        contiguous, on ``device``, in memory that CUDA IPC can export. Their storages
+        on ``device`` (views of any strides), in memory that CUDA IPC can export. Their storages
         are exported once and kept alive while they are pushed again; a push of other
         tensors exports anew (the receivers attach again)."""
         self._events(device)
@@ -109,7 +113,7 @@ class CudaIpcSender(MailboxSender):
         if self.direct and ptrs == self._ptrs:
             self._held = tensors
             return True
-        ok = all(t.device == device and t.is_contiguous() for t in tensors)
+        ok = all(t.device == device for t in tensors)
         desc: dict[str, object] = {}
         if ok:
             try:
@@ -140,7 +144,7 @@ class CudaIpcSender(MailboxSender):
             if at is None:
                 at = index[st.data_ptr()] = len(storages)
                 storages.append(_share(st))
-            places.append([at, int(t.storage_offset()) * t.element_size()])
+            places.append(direct_place(t, at))
         return {"mode": "direct", "storages": storages, "tensors": places}
 
     def descriptor(self) -> dict[str, object]:
@@ -191,13 +195,14 @@ class CudaIpcSender(MailboxSender):
 
 class CudaIpcReceiver(MailboxReceiver):
     def __init__(self) -> None:
-        self._key: tuple[bytes, ...] = ()
+        self._key: tuple[object, ...] = ()
         self._bufs: list[torch.Tensor] = []
         self._packed: list[torch.cuda.Event] = []
         self._consumed: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
         self.direct = False
         self.tensors: list[torch.Tensor] = []  # direct mode: each pushed tensor's bytes
+        self.strides: list[list[int] | None] = []  # direct mode: and its strides
 
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
         try:
@@ -207,38 +212,66 @@ class CudaIpcReceiver(MailboxReceiver):
             index = int(desc["device"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError):
             raise WeightSyncError("malformed setup: bad cuda_ipc buffers") from None
-        index = _local_index(desc.get("uuid"), index)
-        dev = torch.device("cuda", index)
-        if device is not None and device != dev:
-            raise WeightSyncError(
-                f"transport 'cuda_ipc': the sender's buffers are on cuda:{index}, this receiver's "
-                f"device is {str(device)!r} (cuda_ipc shares one GPU; use 'broadcast' across GPUs)"
-            )
-        key = tuple(bytes(s[1]) + bytes(str(s[3]), "ascii") for s in shared) + tuple(events)
+        theirs = _local_index(desc.get("uuid"), index)
+        dev = self._device_for(device, theirs, desc.get("uuid"))
+        key = (dev.index, *(bytes(s[1]) + bytes(str(s[3]), "ascii") for s in shared), *events)
         if key != self._key:
             try:
                 with torch.cuda.device(dev):
-                    self._bufs = [_open(s, index) for s in shared]
+                    self._bufs = [_open(s, dev.index) for s in shared]
                     self._packed = [torch.cuda.Event.from_ipc_handle(dev, h) for h in events]
             except RuntimeError as e:
                 raise WeightSyncError(
-                    f"cannot open the sender's CUDA IPC buffers: {e} (the sender must be another "
-                    "process on the same GPU)"
+                    f"cannot open the sender's CUDA IPC memory on {dev}: {e} (cuda_ipc needs the "
+                    "sender on this host, on this GPU or one this GPU reaches by peer access; "
+                    "use 'broadcast' otherwise)"
                 ) from None
             self._key = key
             self.opened += len(self._bufs)
         if self.direct:
+            places = direct_places(desc, "cuda_ipc")
             try:
-                places = [(int(i), int(o)) for i, o in desc["tensors"]]  # type: ignore[attr-defined]
-                self.tensors = [self._bufs[i][o:] for i, o in places]
-            except (KeyError, TypeError, ValueError, IndexError):
+                self.tensors = [self._bufs[i][o:] for i, o, _ in places]
+            except IndexError:
                 raise WeightSyncError("malformed setup: bad cuda_ipc tensors") from None
+            self.strides = [st for _, _, st in places]
         with torch.cuda.device(dev):
             self._stream = torch.cuda.Stream(dev)
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in range(2)]
             for ev in self._consumed:
                 ev.record(self._stream)
         return [bytes(ev.ipc_handle()) for ev in self._consumed]
+
+    @staticmethod
+    def _device_for(device: torch.device | None, theirs: int | None, uuid: object) -> torch.device:
+        """The GPU this receiver opens the sender's memory onto and loads on: its own
+        (``device``), reading the sender's GPU across where that is another one; without
+        a device, the sender's GPU."""
+        if device is None:
+            if theirs is None:
+                raise WeightSyncError(
+                    f"transport 'cuda_ipc': the sender's GPU (UUID {uuid}) is not visible to "
+                    "this receiver, which was given no device (give it its GPU: "
+                    "device='cuda:N')"
+                )
+            return torch.device("cuda", theirs)
+        if device.type != "cuda":
+            raise WeightSyncError(
+                f"transport 'cuda_ipc': expected a CUDA device for this receiver, got "
+                f"{str(device)!r} (use transport 'shm' for CPU tensors)"
+            )
+        dev = torch.device("cuda", device.index if device.index is not None else 0)
+        if (
+            theirs is not None
+            and theirs != dev.index
+            and not torch.cuda.can_device_access_peer(dev.index, theirs)
+        ):
+            raise WeightSyncError(
+                f"transport 'cuda_ipc': this receiver's {dev} cannot reach the sender's "
+                f"cuda:{theirs} by peer access (no NVLink or PCIe peer path between them; "
+                "use 'broadcast')"
+            )
+        return dev
 
     @property
     def load_stream(self) -> torch.cuda.Stream | None:

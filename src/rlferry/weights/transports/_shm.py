@@ -143,6 +143,7 @@ class ShmReceiver(MailboxReceiver):
         self._storages: list[torch.Tensor] = []  # direct: the sender's storages, mapped
         self.direct = False
         self.tensors: list[torch.Tensor] = []  # direct: each pushed tensor's bytes
+        self.strides: list[list[int] | None] = []  # direct: and its strides
 
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
         self.direct = desc.get("mode") == "direct"
@@ -152,7 +153,7 @@ class ShmReceiver(MailboxReceiver):
                 self._storages, self._views, self._mems = map_storages(key), [], []
                 self._key = key
                 self.opened += len(self._storages)
-            self.tensors = tensor_bytes(desc, self._storages)
+            self.tensors, self.strides = tensor_bytes(desc, self._storages)
             return []
         self.tensors, self._storages = [], []
         try:

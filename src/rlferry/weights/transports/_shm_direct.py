@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._errors import WeightSyncError
+from ._base import direct_place, direct_places
 
 __all__ = ["export_storages", "map_storages", "storage_key", "tensor_bytes"]
 
@@ -52,10 +53,10 @@ def _fd_room() -> int:
 def export_storages(tensors: list[torch.Tensor], may_move: bool) -> dict[str, Any] | None:
     """What receivers need to map ``tensors`` in place, or None if they cannot be.
 
-    ``tensors`` must be contiguous CPU tensors; their storages are moved into
+    ``tensors`` must be CPU tensors (views of any strides); their storages are moved into
     shared memory if ``may_move`` (else they must be shared already).
     """
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if not all(t.device.type == "cpu" for t in tensors):
         return None
     index: dict[int, int] = {}
     storages: list[torch.UntypedStorage] = []
@@ -76,9 +77,7 @@ def export_storages(tensors: list[torch.Tensor], may_move: bool) -> dict[str, An
         shared.append([int(fd), os.fstat(fd).st_ino, int(size)])
     index = {st.data_ptr(): i for i, st in enumerate(storages)}  # moved: new addresses
     places = [
-        [index[t.untyped_storage().data_ptr()], int(t.storage_offset()) * t.element_size()]
-        if t.numel()
-        else [-1, 0]
+        direct_place(t, index[t.untyped_storage().data_ptr()]) if t.numel() else [-1, 0]
         for t in tensors
     ]
     return {"mode": "direct", "pid": os.getpid(), "storages": shared, "tensors": places}
@@ -130,11 +129,16 @@ def map_storages(key: tuple[Any, ...]) -> list[torch.Tensor]:
     return [_map(pid, *s) for s in key[2:]]
 
 
-def tensor_bytes(desc: dict[str, object], storages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The bytes of each pushed tensor, from its first: views of the mapped storages."""
+def tensor_bytes(
+    desc: dict[str, object], storages: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[list[int] | None]]:
+    """The bytes of each pushed tensor, from its first (views of the mapped storages),
+    and its strides (None where contiguous)."""
     empty = torch.empty(0, dtype=torch.uint8)
+    places = direct_places(desc, "shm")
     try:
-        places = [(int(i), int(o)) for i, o in desc["tensors"]]  # type: ignore[attr-defined]
-        return [storages[i][o:] if i >= 0 else empty for i, o in places]
-    except (KeyError, TypeError, ValueError, IndexError):
+        return [storages[i][o:] if i >= 0 else empty for i, o, _ in places], [
+            s for _, _, s in places
+        ]
+    except IndexError:
         raise WeightSyncError("malformed setup: bad shm tensors") from None
