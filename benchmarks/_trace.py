@@ -35,6 +35,7 @@ TARGETS = [
     ("rlferry.weights.transports._broadcast", "BroadcastReceiver.stream"),
     ("rlferry.weights.transports._broadcast", "_settled"),
     ("rlferry.weights._receiver", "WeightReceiver._handle"),
+    ("rlferry.weights._loading", "PushLoading._bucket"),
     ("rlferry.weights._receiver", "WeightReceiver._commit"),
     ("rlferry.weights._receiver", "WeightReceiver._send"),
     ("rlferry.weights._sharded_receiver", "ShardedReceiver._load"),

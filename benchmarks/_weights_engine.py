@@ -16,7 +16,7 @@ import torch
 
 from rlferry.weights import ParamLoader, WeightReceiver
 from rlferry.weights._plan import Plan, TensorSpec
-from rlferry.weights.transports._cuda_ipc import _open, _share
+from rlferry.weights.transports._cuda_shared import open_shared, share
 
 from _common import receive
 
@@ -183,7 +183,7 @@ def ipc_send(conn: Connection, state: dict[str, torch.Tensor], bucket: int, reop
                   for _ in range(buffers)])  # fmt: skip
     packer = Packer(plan, shim, dev)
     if not reopen:
-        conn.send([_share(b) for b in shim.bufs])
+        conn.send([share(b) for b in shim.bufs])
     outstanding = 0
     for k, tensors in bucketed(plan, state.items(), False):
         b = k % buffers
@@ -192,7 +192,7 @@ def ipc_send(conn: Connection, state: dict[str, torch.Tensor], bucket: int, reop
             outstanding -= 1
         packer.pack(k, tensors)
         torch.cuda.current_stream(dev).synchronize()
-        conn.send((k, b, _share(shim.bufs[b]) if reopen else None))
+        conn.send((k, b, share(shim.bufs[b]) if reopen else None))
         outstanding += 1
     for _ in range(outstanding):
         receive(conn, "the engine's ack of a bucket")
@@ -216,13 +216,13 @@ def _ipc_receive(conn: Connection, shapes: Shapes, params: dict[str, torch.Tenso
                  reopen: bool) -> None:  # fmt: skip
     views = _Views(Plan.build(specs_of(shapes), bucket))
     dev = torch.cuda.current_device()
-    cached = None if reopen else [_open(f, dev) for f in conn.recv()]
+    cached = None if reopen else [open_shared(f, dev) for f in conn.recv()]
     while True:
         msg = conn.recv()
         if msg is None:
             return
         k, b, fields = msg
-        buf = _open(fields, dev) if reopen else cached[b]  # type: ignore[index]
+        buf = open_shared(fields, dev) if reopen else cached[b]  # type: ignore[index]
         names, src = views.views(k, buf)
         torch._foreach_copy_([params[n] for n in names], src)
         torch.cuda.current_stream().synchronize()

@@ -607,8 +607,8 @@ def test_zero_copy_strides_that_reach_past_the_senders_memory_are_refused():
     raw = t.view(-1).view(torch.uint8)
     u = Unpacker.direct(plan, [raw], [[1, 6]])  # the transpose, read where it lies
     assert torch.equal(u.loads[0][0][1], t.t())
-    with pytest.raises(WeightSyncError, match=r"tensor `w` reaches 120 bytes, the sender's "
-                       r"memory holds 96 from it"):  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"tensor `w` reaches 120 bytes, the memory shared "
+                       r"holds 96 from it"):  # fmt: skip
         Unpacker.direct(plan, [raw], [[1, 8]])
     with pytest.raises(WeightSyncError, match=r"tensor `w`: 1 strides for shape \[6, 4\]"):
         Unpacker.direct(plan, [raw], [[1]])

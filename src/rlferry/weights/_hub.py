@@ -82,6 +82,7 @@ class Member:
         self.late = False  # missed the push's timeout
         self.told = 0  # the last push whose message to it is on its way
         self.handles: list[bytes] = []
+        self.targets: dict[str, Any] | None = None  # see Ack.targets
         self.checksums: list[int] = []
 
     @property
@@ -235,7 +236,7 @@ class Hub:
         if ack.step == PLAN:
             m.sent_setup = False
             if ack.error is None:
-                m.plan, m.handles = p.fingerprint, ack.handles
+                m.plan, m.handles, m.targets = p.fingerprint, ack.handles, ack.targets
                 m.generation = p.setups.get(m.key, {}).get("generation", m.generation)
         if ack.step > m.step or ack.step == ABORTED:
             m.step = ack.step

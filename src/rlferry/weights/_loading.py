@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -72,6 +73,8 @@ class PushLoading:
     _push_start: float
     _broke: str | None
     _seen: int
+    _targets: Callable[[Plan], Any] | None
+    _written: bool
 
     def _tell_failure(self, reason: str, final: bool = False) -> None:
         if self.config.on_failure is not None:
@@ -151,11 +154,15 @@ class PushLoading:
         else:
             assert mail is not None
             handles = mail.attach(msg.transport, self.config.device)
-            if mail.direct:  # zero copy: reading the sender's tensors
+            if mail.direct:  # zero copy: reading the sender's tensors, or written into ours
                 bufs = list(mail.tensors)
                 self._unpacker = Unpacker.direct(plan, bufs, mail.strides)
                 self._bufs, self._plan = bufs, plan
-                return Ack(msg.seq, PLAN, handles=handles)
+                targets = self._targets(plan) if self._targets is not None else None
+                offered = mail.offer(targets) if targets is not None else None
+                self._written = offered is not None
+                return Ack(msg.seq, PLAN, handles=handles, targets=offered)
+            self._written = False
             bufs = [mail.buffer(0), mail.buffer(1)]
         same = len(bufs) == len(self._bufs) and all(
             a is b for a, b in zip(bufs, self._bufs, strict=True)
@@ -223,7 +230,10 @@ class PushLoading:
                         msg.seq, k, f"checksum mismatch in bucket {k} (the data arrived corrupt)"
                     )
             try:
-                self._load(k)
+                if self._written:  # the sender wrote this push into our tensors
+                    self._counts["bytes"] += self._unpacker.bytes[k] if self._unpacker else 0
+                else:
+                    self._load(k)
             except Exception as e:
                 return self._failed(
                     msg.seq, k, f"load raised {type(e).__name__}: {e} (at bucket {k} of "

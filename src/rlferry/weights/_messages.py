@@ -96,6 +96,8 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     step: int
     error: str | None = None
     handles: list[bytes] = []  # cuda_ipc: the receiver's interprocess events, with Ack(PLAN)
+    # cuda_ipc zero copy, with Ack(PLAN): the receiver's tensors the sender writes into
+    targets: dict[str, Any] | None = None
     checksums: list[int] = []
     want: int | None = None  # the bucket to answer with (default: the one after ``step``)
     park: bool = True  # False: a bare acknowledgement, answered at once with Noted

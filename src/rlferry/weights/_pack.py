@@ -7,7 +7,6 @@ so a push costs the copies and not the building of thousands of views.
 
 from __future__ import annotations
 
-import math
 from collections.abc import ItemsView, Iterable, Iterator
 from typing import Any
 
@@ -15,8 +14,8 @@ import torch
 
 from ._copy import GroupedCopy, triton_available
 from ._errors import WeightSyncError
-from ._plan import Plan, TensorSpec, iterate_checked
-from .transports._base import BucketBuffers
+from ._plan import Plan, iterate_checked
+from .transports._base import BucketBuffers, strided_view
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
@@ -151,32 +150,6 @@ class Packer:
         torch._foreach_copy_(dsts, srcs)
 
 
-def _view(raw: torch.Tensor, spec: TensorSpec, strides: list[int] | None) -> torch.Tensor:
-    """Zero copy: the tensor ``spec`` names in the sender's bytes ``raw`` (from its first
-    element), at ``strides`` (elements) or contiguous; strides that reach past the bytes
-    the sender exported are refused."""
-    if strides is None:
-        reach = spec.nbytes
-    else:
-        if len(strides) != len(spec.shape):
-            raise WeightSyncError(
-                f"malformed setup: tensor `{spec.name}`: {len(strides)} strides for "
-                f"shape {list(spec.shape)}"
-            )
-        size = spec.dtype.itemsize
-        last = sum((n - 1) * st for n, st in zip(spec.shape, strides, strict=True))
-        reach = (last + 1) * size if math.prod(spec.shape) else 0
-    if reach > raw.numel():
-        raise WeightSyncError(
-            f"malformed setup: tensor `{spec.name}` reaches {reach} bytes, the sender's "
-            f"memory holds {raw.numel()} from it"
-        )
-    flat = raw[:reach].view(spec.dtype)
-    if strides is None:
-        return flat.view(spec.shape)
-    return flat.as_strided(spec.shape, strides)
-
-
 class Unpacker:
     """The receiver's precomputed views, per bucket: what ``load`` gets.
 
@@ -233,7 +206,7 @@ class Unpacker:
                 f"malformed setup: {len(tensors)} tensors for a plan of {len(plan.specs)}"
             )
         for i, spec in enumerate(plan.specs):
-            view = _view(tensors[i], spec, strides[i])
+            view = strided_view(tensors[i], spec.name, spec.shape, spec.dtype, strides[i])
             k = last_bucket[i]
             u.loads[k].append((spec.name, view))
             u.bytes[k] += spec.nbytes

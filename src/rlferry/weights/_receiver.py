@@ -132,6 +132,11 @@ class WeightReceiver(PushLoading):
         # runs then too (a ShardedReceiver's, whose waiters wait on the whole version)
         self._unwoken = False
         self._after_ack: Callable[[], None] | None = None
+        # zero copy over cuda_ipc: where each tensor of a plan goes in this receiver's own
+        # tensors, offered to the sender to write there (set by a ShardedReceiver; None:
+        # this receiver loads, through its ``load``), and whether the sender took them
+        self._targets: Callable[[Plan], Any] | None = None
+        self._written = False
         self._closed = False
         self._plan: Plan | None = None
         self._unpacker: Unpacker | None = None

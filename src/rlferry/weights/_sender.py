@@ -336,7 +336,7 @@ class WeightSender(PushPreparing):
                 if mail is not None:
                     for m in members:
                         if m.key in setups and m.error is None:
-                            mail.receiver_attached(m.key, m.handles)
+                            mail.receiver_attached(m.key, m.handles, m.targets)
                 self._moving = True
                 run(self._hub.stream())
             except BaseException as e:
@@ -412,8 +412,9 @@ class WeightSender(PushPreparing):
         try:
             if direct is not None:
                 assert mail is not None
-                mail.ready()
-                # receivers read the tensors in place: every bucket is ready, in one answer
+                mail.ready(direct)
+                # receivers read the tensors in place (or the sender wrote them into theirs):
+                # every bucket is ready, in one answer
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)

@@ -172,7 +172,10 @@ class ShardedReceiver:
         plan = self._plans.get()
         self._build_ops(plan)
         need = set(plan.senders_of(self.rank))
-        for s in [s for s in self._links if s not in need]:
+        # new tensors: a sender that writes into the old ones joins again (its next push
+        # brings the plan, and it gets the new ones)
+        renew = params is not None and self._around_load is None
+        for s in [s for s in self._links if s not in need or renew]:
             self._drop(s)
         for s in sorted(need - set(self._links)):
             self.connect(s, self._address(s), timeout)
@@ -231,6 +234,8 @@ class ShardedReceiver:
             **self._link_args,
         )
         r._after_ack = self._link_acked
+        if around is None:  # no hook to run before our tensors change: a sender may write them
+            r._targets = functools.partial(self._targets_for, link)
         link.receiver = r
         with self._cond:
             link.version = self._version  # what it holds of this rank's bytes: the whole version
@@ -299,6 +304,26 @@ class ShardedReceiver:
                 except TypeError:  # not rlferry's list (a plain list cannot be watched)
                     pass
         kept.copy()
+
+    def _targets_for(
+        self, link: _Link, plan: Any
+    ) -> list[list[tuple[tuple[slice, ...], torch.Tensor]]] | None:
+        """Where each tensor of a link's plan goes in this rank's tensors: the regions and
+        views a cuda_ipc sender writes (see ``transports._cuda_shared``); None where a
+        region cannot be written as it is (a view that reshaping would copy)."""
+        ops = self._ops.get(link.sender, {})
+        out = []
+        for spec in plan.specs:
+            entry = []
+            for region, dst, reshape in ops.get(spec.name, ()):
+                if reshape:
+                    try:
+                        dst = dst.view([s.stop - s.start for s in region])
+                    except RuntimeError:
+                        return None
+                entry.append((region, dst))
+            out.append(entry)
+        return out
 
     def _copy_of(self, link: _Link, items: list[tuple[str, torch.Tensor]]) -> _Copies:
         """This rank's copies of a bucket's pieces (pieces for others skipped)."""

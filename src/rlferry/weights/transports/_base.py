@@ -19,7 +19,8 @@ nothing outside these classes.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Generator, Iterator
+import math
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "checksum",
     "direct_place",
     "direct_places",
+    "strided_view",
 ]
 
 
@@ -73,6 +75,34 @@ def direct_places(desc: dict[str, object], what: str) -> list[tuple[int, int, li
         return out
     except (KeyError, TypeError, ValueError, IndexError):
         raise WeightSyncError(f"malformed setup: bad {what} tensors") from None
+
+
+def strided_view(
+    raw: torch.Tensor, name: str, shape: Sequence[int], dtype: torch.dtype,
+    strides: Sequence[int] | None,
+) -> torch.Tensor:  # fmt: skip
+    """Zero copy: tensor ``name`` of ``shape`` and ``dtype`` in another process's bytes
+    ``raw`` (uint8, from its first element), at ``strides`` (elements) or contiguous;
+    strides that reach past the bytes given are refused, naming the tensor."""
+    from .._errors import WeightSyncError
+
+    shape = [int(n) for n in shape]
+    if strides is None:
+        reach = math.prod(shape) * dtype.itemsize
+    else:
+        if len(strides) != len(shape):
+            raise WeightSyncError(
+                f"malformed setup: tensor `{name}`: {len(strides)} strides for shape {shape}"
+            )
+        last = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+        reach = (last + 1) * dtype.itemsize if math.prod(shape) else 0
+    if reach > raw.numel():
+        raise WeightSyncError(
+            f"malformed setup: tensor `{name}` reaches {reach} bytes, the memory shared "
+            f"holds {raw.numel()} from it"
+        )
+    flat = raw[:reach].view(dtype)
+    return flat.view(shape) if strides is None else flat.as_strided(shape, list(strides))
 
 
 class BucketBuffers(Protocol):
@@ -154,9 +184,10 @@ class MailboxSender(SenderTransport):
         """This push is packed into the buffers (a generator, verify, or zero copy off)."""
 
     @abc.abstractmethod
-    def ready(self) -> None:
-        """Zero copy: the pushed tensors hold this push's values (cuda_ipc: records the
-        event the receivers' loads wait on); called before the buckets are announced."""
+    def ready(self, tensors: list[torch.Tensor]) -> None:
+        """Zero copy: the pushed ``tensors`` hold this push's values (cuda_ipc: writes them
+        into the tensors of the receivers that offered theirs, then records the event the
+        receivers wait on); called before the buckets are announced."""
 
     def abandon(self) -> None:
         """The push that called ``use_direct`` or ``use_packed`` failed before any bucket
@@ -166,8 +197,12 @@ class MailboxSender(SenderTransport):
     def descriptor(self) -> dict[str, object]:
         """What a receiver needs to attach to the current buffers or tensors (plain data)."""
 
-    def receiver_attached(self, key: bytes, handles: list[bytes]) -> None:
-        """A receiver attached; ``handles`` are what it sent back (cuda_ipc: its events)."""
+    def receiver_attached(
+        self, key: bytes, handles: list[bytes], targets: dict[str, Any] | None = None
+    ) -> None:
+        """A receiver attached; ``handles`` are what it sent back (cuda_ipc: its events) and
+        ``targets`` the tensors it offers to be written into (cuda_ipc, zero copy: see
+        :meth:`MailboxReceiver.offer`)."""
 
     def before_pack(self, b: int, keys: list[bytes]) -> None:
         """Buffer ``b`` is free on the CPU's side; order the pack after the reads of the
@@ -270,6 +305,13 @@ class MailboxReceiver(ReceiverTransport):
     @abc.abstractmethod
     def buffer(self, b: int) -> torch.Tensor:
         """Buffer ``b`` (0 or 1), as bytes."""
+
+    def offer(self, targets: list[list[tuple[tuple[slice, ...], torch.Tensor]]]) -> Any:
+        """Zero copy: offer the sender this receiver's tensors to write each pushed tensor
+        into (``targets[i]``: tensor i's regions and where each goes), instead of loading
+        them itself; what the sender needs to write there, or None where this transport
+        cannot (the receiver then loads)."""
+        return None
 
     @property
     def load_stream(self) -> torch.cuda.Stream | None:

@@ -25,21 +25,12 @@ from typing import Any
 
 import torch
 
+from .._copy import GroupedCopy
 from .._errors import WeightSyncError
 from ._base import MailboxReceiver, MailboxSender, direct_place, direct_places
+from ._cuda_shared import export_targets, gpu_uuid, open_shared, open_targets, share
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
-
-
-def _share(buf: torch.Tensor | torch.UntypedStorage) -> list[Any]:
-    storage = buf if isinstance(buf, torch.UntypedStorage) else buf.untyped_storage()
-    device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
-    return [int(device), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
-            bytes(ev_handle) if ev_handle else b"", bool(ev_sync)]  # fmt: skip
-
-
-def _uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def _local_index(uuid: object, index: int) -> int | None:
@@ -49,18 +40,9 @@ def _local_index(uuid: object, index: int) -> int | None:
     if uuid is None:  # a sender without UUIDs: its index, as this process numbers GPUs
         return index
     for i in range(torch.cuda.device_count()):
-        if _uuid(i) == uuid:
+        if gpu_uuid(i) == uuid:
             return i
     return None
-
-
-def _open(fields: list[Any], device: int) -> torch.Tensor:
-    _, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = fields
-    storage = torch.UntypedStorage._new_shared_cuda(
-        int(device), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
-        bytes(ev_handle) if ev_handle else None, bool(ev_sync),
-    )  # fmt: skip
-    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage)
 
 
 class CudaIpcSender(MailboxSender):
@@ -76,6 +58,11 @@ class CudaIpcSender(MailboxSender):
         self._held: list[torch.Tensor] = []  # the last direct push's tensors, kept alive
         self._ptrs: list[int] = []
         self._direct_desc: dict[str, object] = {}
+        # zero copy into receivers' tensors: by receiver, where each pushed tensor's regions
+        # go (their memory opened onto this GPU), and the copy that writes them there
+        self._targets: dict[bytes, list[tuple[int, tuple[slice, ...], torch.Tensor]]] = {}
+        self._writes: dict[bytes, tuple[list[int], GroupedCopy]] = {}
+        self._write_stream: torch.cuda.Stream | None = None
 
     def _events(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -99,7 +86,7 @@ class CudaIpcSender(MailboxSender):
         if self._bufs and self._bufs[0].device == device and self._bufs[0].numel() >= nbytes:
             return
         self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self._shared = [_share(b) for b in self._bufs]
+        self._shared = [share(b) for b in self._bufs]
         self._consumed = {}
         self.generation += 1
 
@@ -143,7 +130,7 @@ class CudaIpcSender(MailboxSender):
             at = index.get(st.data_ptr())
             if at is None:
                 at = index[st.data_ptr()] = len(storages)
-                storages.append(_share(st))
+                storages.append(share(st))
             places.append(direct_place(t, at))
         return {"mode": "direct", "storages": storages, "tensors": places}
 
@@ -152,28 +139,73 @@ class CudaIpcSender(MailboxSender):
         events = {
             "events": [bytes(ev.ipc_handle()) for ev in self._packed],
             "device": self._device.index,
-            "uuid": _uuid(self._device.index),
+            "uuid": gpu_uuid(self._device.index),
         }
         if self.direct:
             return {**self._direct_desc, **events}
         return {"buffers": self._shared, **events}
 
-    def ready(self) -> None:
-        """Direct mode: the pushed tensors are complete on the current stream."""
+    def ready(self, tensors: list[torch.Tensor]) -> None:
+        """Direct mode: the pushed tensors are complete on the current stream. Each receiver
+        that offered its tensors gets this push written into them, by this GPU, on a
+        stream of the sender's own (each link of a rank on its own stream: two links'
+        writes side by side took 6.2 ms on four H100s where one after the other took
+        7.4); the event the receivers wait on follows the writes."""
         assert self._device is not None
-        self._packed[0].record(torch.cuda.current_stream(self._device))
+        stream = torch.cuda.current_stream(self._device)
+        if self._targets:
+            if self._write_stream is None:
+                self._write_stream = torch.cuda.Stream(self._device)
+            self._write_stream.wait_stream(stream)
+            stream = self._write_stream
+            with torch.cuda.stream(stream):
+                for key in self._targets:
+                    self._write_copy(key, tensors)()
+        self._packed[0].record(stream)
+
+    def _write_copy(self, key: bytes, tensors: list[torch.Tensor]) -> GroupedCopy:
+        """The copy of ``tensors``' regions into receiver ``key``'s tensors: built once, and
+        again when the pushed tensors lie elsewhere."""
+        ptrs = self._ptrs
+        kept = self._writes.get(key)
+        if kept is not None and kept[0] is ptrs:
+            return kept[1]
+        dsts, srcs = [], []
+        for i, region, dst in self._targets[key]:
+            src = tensors[i][region]
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise WeightSyncError(
+                    f"cuda_ipc: a receiver offered {list(dst.shape)} {dst.dtype} for a region "
+                    f"of pushed tensor {i} of {list(src.shape)} {src.dtype} (a bug)"
+                )
+            dsts.append(dst)
+            srcs.append(src)
+        sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+        # a bounded grid: on four H100s, 2 -> 2 at 4.1 GB, 2 programs an SM wrote a rank's
+        # two links in 6.2 ms, a program a tile (the whole GPU) in 8.5
+        copy = GroupedCopy(dsts, srcs, programs=2 * sms)
+        self._writes[key] = (ptrs, copy)
+        return copy
 
     def buffer(self, b: int) -> torch.Tensor:
         return self._bufs[b]
 
-    def receiver_attached(self, key: bytes, handles: list[bytes]) -> None:
+    def receiver_attached(
+        self, key: bytes, handles: list[bytes], targets: dict[str, Any] | None = None
+    ) -> None:
         if len(handles) != 2:
             raise WeightSyncError("malformed acknowledgement: expected 2 event handles")
         assert self._device is not None
         self._consumed[key] = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in handles]
+        self._writes.pop(key, None)
+        self._targets.pop(key, None)
+        if targets is not None and self.direct:
+            self._targets[key] = open_targets(targets, self._device, len(self._ptrs))
 
     def receiver_left(self, key: bytes) -> None:
         self._consumed.pop(key, None)
+        self._targets.pop(key, None)
+        self._writes.pop(key, None)
 
     def before_pack(self, b: int, keys: list[bytes]) -> None:
         stream = torch.cuda.current_stream(self._bufs[b].device)
@@ -191,6 +223,7 @@ class CudaIpcSender(MailboxSender):
 
     def close(self) -> None:
         self._bufs, self._packed, self._consumed, self._held = [], [], {}, []
+        self._targets, self._writes = {}, {}
 
 
 class CudaIpcReceiver(MailboxReceiver):
@@ -218,7 +251,7 @@ class CudaIpcReceiver(MailboxReceiver):
         if key != self._key:
             try:
                 with torch.cuda.device(dev):
-                    self._bufs = [_open(s, dev.index) for s in shared]
+                    self._bufs = [open_shared(s, dev.index) for s in shared]
                     self._packed = [torch.cuda.Event.from_ipc_handle(dev, h) for h in events]
             except RuntimeError as e:
                 raise WeightSyncError(
@@ -241,6 +274,10 @@ class CudaIpcReceiver(MailboxReceiver):
             for ev in self._consumed:
                 ev.record(self._stream)
         return [bytes(ev.ipc_handle()) for ev in self._consumed]
+
+    def offer(self, targets: list[list[tuple[tuple[slice, ...], torch.Tensor]]]) -> Any:
+        assert self._stream is not None
+        return export_targets(targets, self._stream.device)
 
     @staticmethod
     def _device_for(device: torch.device | None, theirs: int | None, uuid: object) -> torch.device:
