@@ -14,8 +14,20 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights import (
+    ShardedReceiver,
+    ShardedSender,
+    ShardPlan,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    fsdp_layout,
+    tp_layout,
+)
+from rlferry.weights._boxes import slices
+from rlferry.weights.transports._cuda_shared import open_shared, share
 from test_weights_sharded import kill_a_trainer_rank_mid_stream
+from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -375,3 +387,136 @@ def test_nccl_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by
     engine ranks' waits on the device end by their watches, not NCCL's timeout."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     kill_a_trainer_rank_mid_stream("broadcast", "cuda:0", "cuda:1")
+
+
+def _writing_trainer(rank, device, conn):
+    """A trainer rank over cuda_ipc, point to point: its shards stay where they are, a
+    version's values copied into them (as an optimizer steps in place)."""
+    torch.cuda.set_device(device)
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    s = ShardedSender(
+        group="writes", rank=rank, trainer=trainer, engine=engine, transport="cuda_ipc",
+        point_to_point=True, device=device,
+    )  # fmt: skip
+    conn.send(s.addresses)
+    mine = None
+    while (msg := conn.recv()) != "stop":
+        v, timeout = msg if isinstance(msg, tuple) else (msg, 120.0)
+        full = full_weights(specs, v)
+        ours = {n: full[n][slices(b)] for n, b in trainer.owned[rank].items()}
+        if mine is None:
+            mine = {n: t.to(device, copy=True) for n, t in ours.items()}
+        for n, t in ours.items():
+            mine[n].copy_(t)
+        try:
+            s.push(mine, version=v, timeout=timeout)
+            conn.send(("pushed", v))
+        except WeightSyncError as e:
+            conn.send(("error", str(e), list(e.failures)))
+    s.close()
+
+
+def _written_engine(rank, device, addresses, conn):
+    """An engine rank with no hook around its loads: its trainer ranks write into it."""
+    torch.cuda.set_device(device)
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    params = {n: torch.zeros(s.shape, dtype=s.dtype, device=device)
+              for n, s in engine.param_specs(rank).items()}  # fmt: skip
+    r = ShardedReceiver(
+        group="writes", rank=rank, trainer=trainer, engine=engine, params=params,
+        addresses=addresses, point_to_point=True, device=device,
+    ).start(120)  # fmt: skip
+    conn.send("ready")
+    while (v := conn.recv()) != "stop":
+        assert r.wait_for(v, 120)
+        want = expected_params(engine, rank, full_weights(specs, v))
+        same = all(torch.equal(params[n].cpu(), want[n]) for n in want)
+        links = {s: (x.bytes_written, x.bytes_loaded) for s, x in r.statistics().links.items()}
+        conn.send((r.version, same, links))
+    r.close()
+
+
+def _start(target, *args):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(*args, child), daemon=True)
+    p.start()
+    return p, parent
+
+
+def _answer(conn):
+    assert conn.poll(180), "a child process did not answer"
+    return conn.recv()
+
+
+@requires_2_gpus
+def test_cuda_ipc_trainer_ranks_write_each_update_into_the_engine_ranks_tensors():
+    """Two trainer ranks on GPU 0, the two ranks of a TP=2 engine on GPU 1 (four GPUs: a GPU
+    each), point to point over cuda_ipc: each engine rank offers its tensors, each trainer
+    rank's GPU writes its pieces there (strided columns of row-parallel weights too), the
+    engine loads nothing; bit for bit over three updates; an engine rank killed between
+    updates fails only its links' part of the next push (no receiver comes within its
+    timeout), the other engine rank commits it, and no trainer process goes down."""
+    four = torch.cuda.device_count() >= 4
+    tdev = [f"cuda:{r}" if four else "cuda:0" for r in range(2)]
+    edev = [f"cuda:{2 + r}" if four else "cuda:1" for r in range(2)]
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 2))
+    trainers = [_start(_writing_trainer, r, tdev[r]) for r in range(2)]
+    addresses = [_answer(c) for _, c in trainers]
+    engines = [_start(_written_engine, r, edev[r], addresses) for r in range(2)]
+    try:
+        assert [_answer(c) for _, c in engines] == ["ready", "ready"]
+        for v in (1, 2, 3):
+            for _, c in trainers:
+                c.send(v)
+            assert [_answer(c) for _, c in trainers] == [("pushed", v)] * 2
+            for _, c in engines:
+                c.send(v)
+            for r, (_, c) in enumerate(engines):
+                version, same, links = _answer(c)
+                assert (version, same) == (v, True)
+                # every byte written by the trainer ranks' GPUs, none loaded by the engine
+                assert links == {s: (v * plan.link_bytes(s, r), 0) for s in range(2)}
+        engines[0][0].kill()
+        engines[0][0].join(30)
+        for _, c in trainers:
+            c.send((4, 5.0))  # its link to the dead rank waits 5 s for a receiver
+        for _, c in trainers:
+            kind, msg, _ = _answer(c)
+            assert kind == "error" and "within 5 s" in msg, msg
+        engines[1][1].send(4)
+        assert _answer(engines[1][1])[:2] == (4, True)
+        assert all(p.is_alive() for p, _ in trainers)
+    finally:
+        for p, c in [*engines, *trainers]:
+            if p.is_alive():
+                c.send("stop")
+        for p, _ in [*engines, *trainers]:
+            p.join(60)
+
+
+def _exporter(device, conn):
+    torch.cuda.set_device(device)
+    t = torch.zeros(1 << 20, device=device)
+    conn.send(share(t))
+    conn.recv()  # killed here
+
+
+@requires_2_gpus
+def test_cuda_ipc_memory_of_a_dead_process_written_across_leaves_the_writer_working():
+    """What a trainer's write into an engine that died meanwhile does: the memory it opened
+    stays mapped (CUDA frees it when the last process lets go), the write lands there,
+    and the writer's GPU goes on working."""
+    p, c = _start(_exporter, "cuda:1")
+    fields = _answer(c)
+    with torch.cuda.device(0):
+        mem = open_shared(fields, 0)  # the engine's memory, opened onto the trainer's GPU
+    p.kill()
+    p.join(30)
+    mem.view(torch.float32).fill_(1.0)
+    torch.cuda.synchronize(0)
+    assert mem.view(torch.float32).sum().item() == 1 << 20
+    assert torch.ones(4, device="cuda:0").sum().item() == 4

@@ -231,7 +231,7 @@ class PushLoading:
                     )
             try:
                 if self._written:  # the sender wrote this push into our tensors
-                    self._counts["bytes"] += self._unpacker.bytes[k] if self._unpacker else 0
+                    self._counts["written"] += self._unpacker.bytes[k] if self._unpacker else 0
                 else:
                     self._load(k)
             except Exception as e:

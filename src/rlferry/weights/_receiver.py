@@ -141,7 +141,7 @@ class WeightReceiver(PushLoading):
         self._plan: Plan | None = None
         self._unpacker: Unpacker | None = None
         self._bufs: list[torch.Tensor] = []
-        self._counts = {"commits": 0, "failures": 0, "bytes": 0}
+        self._counts = {"commits": 0, "failures": 0, "bytes": 0, "written": 0}
         self._last_seconds = 0.0
         self._last_error: str | None = None
         self._push_start = 0.0
@@ -295,6 +295,7 @@ class WeightReceiver(PushLoading):
             commits=self._counts["commits"],
             failures=self._counts["failures"],
             bytes_loaded=self._counts["bytes"],
+            bytes_written=self._counts["written"],
             last_push_seconds=self._last_seconds,
             buffers_opened=t.opened if t is not None else 0,
             groups_joined=t.groups_joined if t is not None else 0,

@@ -56,7 +56,9 @@ class ReceiverStatistics:
     ``last_error``: the last push it failed, and why. ``stopped``: None while it
     serves; else why it serves no more (closed, the sender gone, its thread failed).
     ``buffer_bytes``: the bucket buffers it made (broadcast; shm and cuda_ipc map the
-    sender's, counted by the sender's statistics)."""
+    sender's, counted by the sender's statistics). ``bytes_written``: what a cuda_ipc
+    sender wrote into this receiver's own tensors (zero copy to a ShardedReceiver's link,
+    whose ``bytes_loaded`` then stays 0)."""
 
     group: str
     name: str
@@ -70,6 +72,7 @@ class ReceiverStatistics:
     last_error: str | None
     stopped: str | None = None
     buffer_bytes: int = 0
+    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
