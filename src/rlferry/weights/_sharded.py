@@ -328,10 +328,11 @@ class ShardedSender:
         return report
 
     def _one_thread(self) -> bool:
-        """Whether this thread takes every link's steps in turn: on NCCL (a step enqueues
-        GPU work); on the CPU (gloo, shm) the copies are the work, and a thread a link ran
-        them side by side (2 -> 2 over gloo, 64 MB: 21-27 ms a push, 41 in one thread)."""
-        return self._on_gpu and self._transport == "broadcast"
+        """Whether this thread takes every link's steps in turn: on GPUs (a step enqueues
+        GPU work: NCCL's, or cuda_ipc's writes); on the CPU (gloo, shm) the copies are the
+        work, and a thread a link ran them side by side (2 -> 2 over gloo, 64 MB: 21-27 ms
+        a push, 41 in one thread)."""
+        return self._on_gpu and self._transport in ("broadcast", "cuda_ipc")
 
     def _push_links(
         self, streams: dict[int, Any], version: int, timeout: float, one_thread: bool
