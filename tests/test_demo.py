@@ -152,7 +152,8 @@ def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_
         assert chunk, f"the demo ended before its first step: {seen[-2000:]!r}"
         seen += chunk
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal reaches the whole group
-    assert proc.wait(30) == 130
+    rc = proc.wait(30)
+    assert rc == 130, f"exit status {rc}; the demo said: {(seen + proc.stderr.read())[-3000:]!r}"
     # multiprocessing's resource tracker (started with the trainers) ends when it reads the
     # end of its pipe, a moment after the demo itself: each process left may take 10 s
     left = {}
