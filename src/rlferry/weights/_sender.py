@@ -336,7 +336,11 @@ class WeightSender(PushPreparing):
                 if mail is not None:
                     for m in members:
                         if m.key in setups and m.error is None:
-                            mail.receiver_attached(m.key, m.handles, m.targets)
+                            try:
+                                mail.receiver_attached(m.key, m.handles, m.targets)
+                            except WeightSyncError:
+                                m.plan = ""  # set up again next push: it must not load nothing
+                                raise
                 self._moving = True
                 run(self._hub.stream())
             except BaseException as e:

@@ -141,8 +141,8 @@ class CudaIpcSender(MailboxSender):
             "device": self._device.index,
             "uuid": gpu_uuid(self._device.index),
         }
-        if self.direct:
-            return {**self._direct_desc, **events}
+        if self.direct:  # and receivers may offer their tensors to be written into
+            return {**self._direct_desc, **events, "writes": True}
         return {"buffers": self._shared, **events}
 
     def ready(self, tensors: list[torch.Tensor]) -> None:
@@ -236,6 +236,7 @@ class CudaIpcReceiver(MailboxReceiver):
         self.direct = False
         self.tensors: list[torch.Tensor] = []  # direct mode: each pushed tensor's bytes
         self.strides: list[list[int] | None] = []  # direct mode: and its strides
+        self.writable = False  # the sender writes into the tensors a receiver offers
 
     def attach(self, desc: dict[str, object], device: torch.device | None) -> list[bytes]:
         try:
@@ -268,6 +269,7 @@ class CudaIpcReceiver(MailboxReceiver):
             except IndexError:
                 raise WeightSyncError("malformed setup: bad cuda_ipc tensors") from None
             self.strides = [st for _, _, st in places]
+        self.writable = self.direct and desc.get("writes") is True
         with torch.cuda.device(dev):
             self._stream = torch.cuda.Stream(dev)
             self._consumed = [torch.cuda.Event(interprocess=True) for _ in range(2)]
@@ -276,6 +278,8 @@ class CudaIpcReceiver(MailboxReceiver):
         return [bytes(ev.ipc_handle()) for ev in self._consumed]
 
     def offer(self, targets: list[list[tuple[tuple[slice, ...], torch.Tensor]]]) -> Any:
+        if not self.writable:  # a sender that does not write: this receiver loads
+            return None
         assert self._stream is not None
         return export_targets(targets, self._stream.device)
 
