@@ -146,10 +146,6 @@ class GroupedCopy:
     (the pairs torch copies it keeps) and the caller must keep those tensors
     alive, unmoved, while it calls (rlferry's own packer does).
 
-    ``block`` (with ``programs``): the 4-byte words a program copies at a time (default
-    4096): a table of short runs (a strided view's rows of a few KiB) keeps more of them
-    in flight with a smaller block and more programs.
-
     ``programs``: None launches a program per 16 KiB tile, the fastest when
     the copy has the GPU to itself; a number bounds the grid (each program
     loops over chunks) so that a collective running beside the copy keeps
@@ -165,17 +161,10 @@ class GroupedCopy:
         names: Sequence[str] | None = None,
         keep: bool = True,
         programs: int | None = None,
-        block: int | None = None,
     ) -> None:
         if programs is not None and programs < 1:
             raise ValueError(f"GroupedCopy.programs: expected None or >= 1, got {programs}")
-        if block is not None and (block < 128 or block & (block - 1) or block > 4096):
-            raise ValueError(
-                f"GroupedCopy.block: expected None or a power of 2 in [128, 4096] (4-byte "
-                f"words a program copies at a time), got {block}"
-            )
         self.programs = programs
-        self.block = block
         dsts, srcs = list(dst), list(src)
         if len(dsts) != len(srcs):
             raise ValueError(
@@ -230,12 +219,9 @@ class GroupedCopy:
     def __call__(self) -> None:
         if self._table is not None:
             if self._launch is None:
-                from ._copy_kernel import BLOCK_WORDS, launcher
+                from ._copy_kernel import launcher
 
-                block = self.block if self.block and self.programs else BLOCK_WORDS
-                self._launch = launcher(
-                    self._table, self._tiles, block=block, programs=self.programs
-                )
+                self._launch = launcher(self._table, self._tiles, programs=self.programs)
             else:
                 self._launch()
         if self._host is not None:

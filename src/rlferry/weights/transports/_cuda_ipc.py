@@ -21,7 +21,6 @@ fed from our message), never pickled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +31,6 @@ from ._base import MailboxReceiver, MailboxSender, direct_place, direct_places
 from ._cuda_shared import export_targets, gpu_uuid, open_shared, open_targets, share
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
-
-# A write's strided regions (runs of a few KiB): programs an SM and words a program
-# copies at a time (see _write_copy)
-_SHORT_PROGRAMS, _SHORT_BLOCK = 4, 1024
 
 
 def _local_index(uuid: object, index: int) -> int | None:
@@ -66,7 +61,7 @@ class CudaIpcSender(MailboxSender):
         # zero copy into receivers' tensors: by receiver, where each pushed tensor's regions
         # go (their memory opened onto this GPU), and the copy that writes them there
         self._targets: dict[bytes, list[tuple[int, tuple[slice, ...], torch.Tensor]]] = {}
-        self._writes: dict[bytes, tuple[list[int], Callable[[], None]]] = {}
+        self._writes: dict[bytes, tuple[list[int], GroupedCopy]] = {}
         self._write_stream: torch.cuda.Stream | None = None
 
     def _events(self, device: torch.device) -> None:
@@ -168,16 +163,14 @@ class CudaIpcSender(MailboxSender):
                     self._write_copy(key, tensors)()
         self._packed[0].record(stream)
 
-    def _write_copy(self, key: bytes, tensors: list[torch.Tensor]) -> Callable[[], None]:
+    def _write_copy(self, key: bytes, tensors: list[torch.Tensor]) -> GroupedCopy:
         """The copy of ``tensors``' regions into receiver ``key``'s tensors: built once, and
-        again when the pushed tensors lie elsewhere. Two grouped copies: the contiguous
-        regions, and the strided ones (a rank's columns of row-parallel weights: runs of a
-        few KiB), each with the grid that writes its rows fastest across."""
+        again when the pushed tensors lie elsewhere."""
         ptrs = self._ptrs
         kept = self._writes.get(key)
         if kept is not None and kept[0] is ptrs:
             return kept[1]
-        pairs: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        dsts, srcs = [], []
         for i, region, dst in self._targets[key]:
             src = tensors[i][region]
             if src.shape != dst.shape or src.dtype != dst.dtype:
@@ -185,23 +178,12 @@ class CudaIpcSender(MailboxSender):
                     f"cuda_ipc: a receiver offered {list(dst.shape)} {dst.dtype} for a region "
                     f"of pushed tensor {i} of {list(src.shape)} {src.dtype} (a bug)"
                 )
-            d, s = pairs.setdefault(dst.is_contiguous() and src.is_contiguous(), ([], []))
-            d.append(dst)
-            s.append(src)
+            dsts.append(dst)
+            srcs.append(src)
         sms = torch.cuda.get_device_properties(self._device).multi_processor_count
-        # bounded grids: on four H100s, 2 -> 2 at 4.1 GB, 2 programs an SM wrote a rank's
+        # a bounded grid: on four H100s, 2 -> 2 at 4.1 GB, 2 programs an SM wrote a rank's
         # two links in 6.2 ms, a program a tile (the whole GPU) in 8.5
-        copies = [
-            GroupedCopy(*pairs[True], programs=2 * sms) if True in pairs else None,
-            GroupedCopy(*pairs[False], programs=_SHORT_PROGRAMS * sms, block=_SHORT_BLOCK)
-            if False in pairs else None,
-        ]  # fmt: skip
-        run = [c for c in copies if c is not None]
-
-        def copy() -> None:
-            for c in run:
-                c()
-
+        copy = GroupedCopy(dsts, srcs, programs=2 * sms)
         self._writes[key] = (ptrs, copy)
         return copy
 
