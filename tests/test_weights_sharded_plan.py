@@ -280,3 +280,37 @@ def test_a_receiver_whose_trainer_rank_is_not_there_fails_to_start_and_holds_no_
         assert f"cannot reach the sender at ipc://{tmp_path}/nobody" in str(e.value)
         assert r.statistics().links == {}  # rank 0's link was left again
         r.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_engine_ranks_offer_puts_every_region_of_its_links_pieces_in_its_place(rank):
+    """What a ShardedReceiver offers a cuda_ipc sender to write into (the GPU test writes
+    across GPUs): for each piece of each trainer rank's link, regions of it and views of
+    the rank's own tensors; copying the regions there makes the rank's tensors whole."""
+    from rlferry.weights import ShardedReceiver
+    from rlferry.weights._plan import Plan
+    from rlferry.weights._sharded_receiver import _Link
+
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
+    plan = ShardPlan.build(trainer, engine)
+    params = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in engine.param_specs(rank).items()}
+    r = ShardedReceiver(
+        group="g", rank=rank, trainer=trainer, engine=engine, params=params,
+        addresses=["ipc:///nowhere-0", "ipc:///nowhere-1"], point_to_point=True,
+    )  # fmt: skip
+    full = full_weights(specs, 1)
+    for s in plan.senders_of(rank):
+        pieces = plan.link(s, rank)[0]
+        link_plan = Plan.build([p.spec() for p in pieces], 1 << 20)  # what the link pushes
+        targets = r._targets_for(_Link(s, ""), link_plan)
+        assert targets is not None and len(targets) == len(pieces)
+        for piece, entry in zip(pieces, targets, strict=True):
+            value = full[piece.source][slices(piece.box)].to(piece.dtype)
+            for region, dst in entry:
+                assert dst.untyped_storage().data_ptr() in {
+                    t.untyped_storage().data_ptr() for t in params.values()
+                }  # a view of the rank's own tensors, not a copy
+                dst.copy_(value[region])
+    want = expected_params(engine, rank, full)
+    assert all(torch.equal(params[n], want[n]) for n in want)
