@@ -416,7 +416,7 @@ class WeightSender(PushPreparing):
         try:
             if direct is not None:
                 assert mail is not None
-                mail.ready(direct)
+                mail.ready(direct, [m.key for m in push.members if m.error is None])
                 # receivers read the tensors in place (or the sender wrote them into theirs):
                 # every bucket is ready, in one answer
                 self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)

@@ -184,10 +184,10 @@ class MailboxSender(SenderTransport):
         """This push is packed into the buffers (a generator, verify, or zero copy off)."""
 
     @abc.abstractmethod
-    def ready(self, tensors: list[torch.Tensor]) -> None:
+    def ready(self, tensors: list[torch.Tensor], keys: list[bytes]) -> None:
         """Zero copy: the pushed ``tensors`` hold this push's values (cuda_ipc: writes them
-        into the tensors of the receivers that offered theirs, then records the event the
-        receivers wait on); called before the buckets are announced."""
+        into the tensors of this push's receivers ``keys`` that offered theirs, then records
+        the event the receivers wait on); called before the buckets are announced."""
 
     def abandon(self) -> None:
         """The push that called ``use_direct`` or ``use_packed`` failed before any bucket

@@ -63,6 +63,7 @@ class CudaIpcSender(MailboxSender):
         self._targets: dict[bytes, list[tuple[int, tuple[slice, ...], torch.Tensor]]] = {}
         self._writes: dict[bytes, tuple[list[int], GroupedCopy]] = {}
         self._write_stream: torch.cuda.Stream | None = None
+        self._retired: list[Any] = []  # targets let go of, until the writes finished with them
 
     def _events(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -145,33 +146,55 @@ class CudaIpcSender(MailboxSender):
             return {**self._direct_desc, **events, "writes": True}
         return {"buffers": self._shared, **events}
 
-    def ready(self, tensors: list[torch.Tensor]) -> None:
+    def ready(self, tensors: list[torch.Tensor], keys: list[bytes]) -> None:
         """Direct mode: the pushed tensors are complete on the current stream. Each receiver
-        that offered its tensors gets this push written into them, by this GPU, on a
-        stream of the sender's own (each link of a rank on its own stream: two links'
-        writes side by side took 6.2 ms on four H100s where one after the other took
-        7.4); the event the receivers wait on follows the writes."""
+        of this push (``keys``) that offered its tensors gets them written there, by this
+        GPU, on a stream of the sender's own (each link of a rank on its own stream: two
+        links' writes side by side took 6.2 ms on four H100s where one after the other took
+        7.4); the event the receivers wait on follows the writes. A receiver not in the
+        push is not written (it may be serving)."""
         assert self._device is not None
         stream = torch.cuda.current_stream(self._device)
-        if self._targets:
+        writes = [w for w in map(self._write_copy, keys, [tensors] * len(keys)) if w is not None]
+        if writes or self._retired:
             if self._write_stream is None:
                 self._write_stream = torch.cuda.Stream(self._device)
+            self._release()
             self._write_stream.wait_stream(stream)
             stream = self._write_stream
             with torch.cuda.stream(stream):
-                for key in self._targets:
-                    self._write_copy(key, tensors)()
+                for write in writes:
+                    write()
         self._packed[0].record(stream)
 
-    def _write_copy(self, key: bytes, tensors: list[torch.Tensor]) -> GroupedCopy:
-        """The copy of ``tensors``' regions into receiver ``key``'s tensors: built once, and
-        again when the pushed tensors lie elsewhere."""
+    def _release(self) -> None:
+        """Let go of the targets of receivers that left or attached anew, once the writes
+        stream finished with them (their memory is unmapped when the last view goes: a
+        write still running there would fault)."""
+        n = len(self._retired)
+        if n:
+            assert self._write_stream is not None
+            self._write_stream.synchronize()
+            del self._retired[:n]  # the wire loop may append meanwhile: those stay
+
+    def _retire(self, key: bytes) -> None:
+        """Receiver ``key``'s targets and copy go (from any thread): kept until released."""
+        gone = (self._targets.pop(key, None), self._writes.pop(key, None))
+        if any(g is not None for g in gone):
+            self._retired.append(gone)
+
+    def _write_copy(self, key: bytes, tensors: list[torch.Tensor]) -> GroupedCopy | None:
+        """The copy of ``tensors``' regions into receiver ``key``'s tensors (None: it offered
+        none, or left): built once, and again when the pushed tensors lie elsewhere."""
         ptrs = self._ptrs
         kept = self._writes.get(key)
         if kept is not None and kept[0] is ptrs:
             return kept[1]
+        targets = self._targets.get(key)
+        if targets is None:
+            return None
         dsts, srcs = [], []
-        for i, region, dst in self._targets[key]:
+        for i, region, dst in targets:
             src = tensors[i][region]
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise WeightSyncError(
@@ -197,15 +220,13 @@ class CudaIpcSender(MailboxSender):
             raise WeightSyncError("malformed acknowledgement: expected 2 event handles")
         assert self._device is not None
         self._consumed[key] = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in handles]
-        self._writes.pop(key, None)
-        self._targets.pop(key, None)
+        self._retire(key)
         if targets is not None and self.direct:
             self._targets[key] = open_targets(targets, self._device, len(self._ptrs))
 
     def receiver_left(self, key: bytes) -> None:
         self._consumed.pop(key, None)
-        self._targets.pop(key, None)
-        self._writes.pop(key, None)
+        self._retire(key)
 
     def before_pack(self, b: int, keys: list[bytes]) -> None:
         stream = torch.cuda.current_stream(self._bufs[b].device)
@@ -222,8 +243,10 @@ class CudaIpcSender(MailboxSender):
         return sum(b.numel() for b in self._bufs)
 
     def close(self) -> None:
+        if self._write_stream is not None:
+            self._write_stream.synchronize()
         self._bufs, self._packed, self._consumed, self._held = [], [], {}, []
-        self._targets, self._writes = {}, {}
+        self._targets, self._writes, self._retired = {}, {}, []
 
 
 class CudaIpcReceiver(MailboxReceiver):

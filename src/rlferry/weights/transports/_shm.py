@@ -89,7 +89,7 @@ class ShmSender(MailboxSender):
         next push may still be moved into shared memory (those it moved stay shared)."""
         self._moved = self._moved_before
 
-    def ready(self, tensors: list[torch.Tensor]) -> None:
+    def ready(self, tensors: list[torch.Tensor], keys: list[bytes]) -> None:
         """Direct mode: the tensors are written by this thread, before the announcements."""
 
     def prepare(self, nbytes: int, device: torch.device) -> None:
