@@ -85,11 +85,6 @@ def _serve_engine_parser(sub: Any) -> None:
         help="lower the engine's CPU priority by this much (0-19): on cores shared with "
         "trainers, their steps take the CPU first and the engine the rest",
     )  # fmt: skip
-    se.add_argument(
-        "--ignore-sigint", action="store_true",
-        help="stop on SIGTERM only: a Ctrl-C at the terminal is for the process that started "
-        "this engine (it stops the engine itself; rlferry demo does)",
-    )  # fmt: skip
 
 
 def _demo_parser(sub: Any) -> None:
@@ -252,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             serve_engine(
                 a.model, engine=a.engine, host=a.host, port=a.port, token=a.token, name=a.name,
                 device=a.device, max_batch=a.max_batch, max_model_len=a.max_model_len,
-                nice=a.nice, ignore_sigint=a.ignore_sigint,
+                nice=a.nice,
             )  # fmt: skip
         except (SecurityError, ValueError, OSError, ImportError) as e:
             print(f"rlferry serve engine: {type(e).__name__}: {e}", file=sys.stderr)

@@ -56,17 +56,11 @@ def serve_engine(
     max_batch: int = 64,
     max_model_len: int | None = None,
     nice: int = 0,
-    ignore_sigint: bool = False,
 ) -> None:
     """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
     ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
     ``engine URL NAME`` once it answers. The token is checked before the model loads.
-    ``nice``: how much lower this process's CPU priority is (every thread's).
-    ``ignore_sigint``: SIGTERM only (a driver that started it stops it; a Ctrl-C at the
-    terminal reaches the whole process group, and an engine that stopped first would fail
-    the driver's calls before the driver itself heard it)."""
-    if ignore_sigint:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ``nice``: how much lower this process's CPU priority is (every thread's)."""
     from rlferry.control import EngineServer
 
     if engine not in ENGINES:
@@ -92,7 +86,7 @@ def serve_engine(
             print(f"engine {url} {e.name}", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM,) if ignore_sigint else (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
             await server.close()

@@ -125,11 +125,9 @@ def start_engine(
     """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
     logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
     chatty engine never blocks on a full pipe."""
-    # Ctrl-C at the terminal is the driver's: it stops the engines (see --ignore-sigint)
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
            "--engine", engine, "--name", f"engine{i}", "--device", device,
-           "--max-batch", str(max_batch), "--max-model-len", str(max_model_len),
-           "--ignore-sigint"]  # fmt: skip
+           "--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]  # fmt: skip
     env = dict(os.environ)
     if device == "cpu":  # the processes of a run share the cores: one thread each
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
