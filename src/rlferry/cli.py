@@ -6,7 +6,6 @@ The benchmarks are scripts in the repository's ``benchmarks/`` folder, not comma
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
@@ -190,19 +189,6 @@ def _plan_weights(a: Any) -> None:
     print(text)
 
 
-def _interrupted(e: BaseException) -> bool:
-    """Whether ``e`` was raised while a Ctrl-C stopped the run: a KeyboardInterrupt, or the
-    cancellation asyncio makes of it, is in its chain of causes."""
-    seen: set[int] = set()
-    at: BaseException | None = e
-    while at is not None and id(at) not in seen:
-        if isinstance(at, (KeyboardInterrupt, asyncio.CancelledError)):
-            return True
-        seen.add(id(at))
-        at = at.__cause__ or at.__context__
-    return False
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="rlferry", description="The data plane of asynchronous RL.")
     p.add_argument("--version", action="version", version=f"rlferry {__version__}")
@@ -227,14 +213,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         except KeyboardInterrupt:
             print("rlferry demo: interrupted; every process it started was stopped",
-                  file=sys.stderr)  # fmt: skip
-            sys.exit(130)
-        except Exception as e:
-            if not _interrupted(e):
-                raise
-            # Ctrl-C cancelled the run, and its clean-up met a process the same Ctrl-C
-            # stopped first (an engine's connection closed, say): an interrupt all the same
-            print(f"rlferry demo: interrupted; while stopping: {type(e).__name__}: {e}",
                   file=sys.stderr)  # fmt: skip
             sys.exit(130)
         print(f"report: {report}")
