@@ -209,3 +209,31 @@ def test_a_wrong_ray_address_fails_at_once_naming_it():
         s.bind(("127.0.0.1", 0))
         s.listen()
         check_ray_address(f"ray://127.0.0.1:{s.getsockname()[1]}")
+
+
+def test_a_ctrl_c_is_an_interrupt_even_when_a_peer_it_stopped_failed_the_run_first():
+    """A Ctrl-C reaches the engine processes too: on a loaded machine the run failed on an
+    engine that had stopped (exit 1) before asyncio cancelled it. The run is an interrupt
+    (KeyboardInterrupt, the CLI's 130); a failure without a Ctrl-C stays what it is; the
+    SIGINT handler is Python's own again after either."""
+    from rlferry.rl.demo import run_hearing_ctrl_c
+
+    async def stopped_peer():
+        os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, which stopped an engine first
+        raise ConnectionRefusedError("engine0: /pause: unreachable")
+
+    with pytest.raises(KeyboardInterrupt, match="the run also failed: ConnectionRefusedError"):
+        run_hearing_ctrl_c(stopped_peer)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    async def failed():
+        raise ConnectionRefusedError("engine0: /pause: unreachable")
+
+    with pytest.raises(ConnectionRefusedError):
+        run_hearing_ctrl_c(failed)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    async def fine():
+        return 7
+
+    assert run_hearing_ctrl_c(fine) == 7

@@ -32,9 +32,12 @@ import importlib.util
 import itertools
 import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -489,7 +492,40 @@ async def _final_check(
 
 def run_demo(config: DemoConfig, progress: Any = None) -> RunRecord:
     """Run the demo once (Ctrl-C stops every process it started)."""
-    return asyncio.run(_run(config, progress))
+    return run_hearing_ctrl_c(lambda: _run(config, progress))
+
+
+def run_hearing_ctrl_c(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """``asyncio.run(main())``, where a Ctrl-C raises KeyboardInterrupt even if the run
+    failed otherwise first. A Ctrl-C at a terminal reaches the whole process group: the
+    engine processes stop at once, and the run may fail on one of them (unreachable, on
+    a loaded machine) before asyncio cancels it; it is an interrupt all the same. The
+    SIGINT handler asyncio installs is chained: a Ctrl-C is noted, then handled as
+    asyncio does (the run cancelled, its clean-up run)."""
+    heard = threading.Event()
+    ours: list[Any] = []
+
+    async def hearing() -> Any:
+        theirs = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread() and callable(theirs):
+
+            def note(signum: int, frame: Any) -> None:
+                heard.set()
+                theirs(signum, frame)
+
+            ours.append(note)
+            signal.signal(signal.SIGINT, note)
+        return await main()
+
+    try:
+        return asyncio.run(hearing())
+    except Exception as e:
+        if heard.is_set():
+            raise KeyboardInterrupt(f"the run also failed: {type(e).__name__}: {e}") from e
+        raise
+    finally:
+        if ours and signal.getsignal(signal.SIGINT) is ours[0]:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def default_out() -> Path:
