@@ -139,8 +139,9 @@ def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_
     cmd = [sys.executable, "-m", "rlferry.cli", "demo", "--steps", "500", "--engines", "2",
            "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=_terminal_sigint,
+    )  # fmt: skip
     assert proc.stderr is not None
     seen = b""
     deadline = time.monotonic() + 180  # it starts in 10-20 s; on a loaded machine 70 s
@@ -211,6 +212,13 @@ def test_a_wrong_ray_address_fails_at_once_naming_it():
         check_ray_address(f"ray://127.0.0.1:{s.getsockname()[1]}")
 
 
+def _terminal_sigint():
+    """In the demo's process, before it starts: SIGINT as a terminal's foreground job has it
+    (a shell's background job, as a CI script may be, starts with SIGINT ignored, and
+    Python keeps it so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_ctrl_c_is_an_interrupt_even_when_a_peer_it_stopped_failed_the_run_first():
     """A Ctrl-C reaches the engine processes too: on a loaded machine the run failed on an
     engine that had stopped (exit 1) before asyncio cancelled it. The run is an interrupt
@@ -218,6 +226,14 @@ def test_a_ctrl_c_is_an_interrupt_even_when_a_peer_it_stopped_failed_the_run_fir
     SIGINT handler is Python's own again after either."""
     from rlferry.rl.demo import run_hearing_ctrl_c
 
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    try:
+        _interrupt_or_failure(run_hearing_ctrl_c)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _interrupt_or_failure(run_hearing_ctrl_c):
     async def stopped_peer():
         os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, which stopped an engine first
         raise ConnectionRefusedError("engine0: /pause: unreachable")
