@@ -231,7 +231,8 @@ class PushLoading:
                     )
             try:
                 if self._written:  # the sender wrote this push into our tensors
-                    self._counts["written"] += self._unpacker.bytes[k] if self._unpacker else 0
+                    assert self._unpacker is not None
+                    self._counts["written"] += self._unpacker.bytes[k]
                 else:
                     self._load(k)
             except Exception as e:

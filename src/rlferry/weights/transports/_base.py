@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from .._errors import WeightSyncError
+
 if TYPE_CHECKING:
     from .._messages import StoreOp, StoreReply
     from .._plan import Plan
@@ -40,7 +42,7 @@ __all__ = [
     "SenderTransport",
     "checksum",
     "direct_place",
-    "direct_places",
+    "direct_views",
     "strided_view",
 ]
 
@@ -60,21 +62,27 @@ def direct_place(t: torch.Tensor, storage: int) -> list[Any]:
     return place
 
 
-def direct_places(desc: dict[str, object], what: str) -> list[tuple[int, int, list[int] | None]]:
-    """A zero-copy descriptor's ``tensors``: each one's (storage index, byte offset, strides
-    or None where contiguous); a malformed entry raises naming ``what`` (the transport)."""
-    from .._errors import WeightSyncError
-
+def direct_views(
+    desc: dict[str, object], storages: list[torch.Tensor], what: str
+) -> tuple[list[torch.Tensor], list[list[int] | None]]:
+    """A zero-copy descriptor's ``tensors``, in the receiver's mapped ``storages`` (bytes):
+    each one's bytes from its first element, and its strides (None where contiguous; an
+    empty tensor is storage -1); a malformed entry raises naming ``what`` (the
+    transport)."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    views: list[torch.Tensor] = []
+    strides: list[list[int] | None] = []
     try:
-        out = []
         for p in desc["tensors"]:  # type: ignore[attr-defined]
-            strides = [int(x) for x in p[2]] if len(p) == 3 else None
-            if len(p) not in (2, 3) or (strides is not None and min(strides, default=0) < 0):
+            st = [int(x) for x in p[2]] if len(p) == 3 else None
+            if len(p) not in (2, 3) or (st is not None and min(st, default=0) < 0):
                 raise ValueError(p)
-            out.append((int(p[0]), int(p[1]), strides))
-        return out
+            i, at = int(p[0]), int(p[1])
+            views.append(storages[i][at:] if i >= 0 else empty)
+            strides.append(st)
     except (KeyError, TypeError, ValueError, IndexError):
         raise WeightSyncError(f"malformed setup: bad {what} tensors") from None
+    return views, strides
 
 
 def strided_view(
@@ -84,8 +92,6 @@ def strided_view(
     """Zero copy: tensor ``name`` of ``shape`` and ``dtype`` in another process's bytes
     ``raw`` (uint8, from its first element), at ``strides`` (elements) or contiguous;
     strides that reach past the bytes given are refused, naming the tensor."""
-    from .._errors import WeightSyncError
-
     shape = [int(n) for n in shape]
     if strides is None:
         reach = math.prod(shape) * dtype.itemsize

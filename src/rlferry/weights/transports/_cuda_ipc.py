@@ -27,7 +27,7 @@ import torch
 
 from .._copy import GroupedCopy
 from .._errors import WeightSyncError
-from ._base import MailboxReceiver, MailboxSender, direct_place, direct_places
+from ._base import MailboxReceiver, MailboxSender, direct_place, direct_views
 from ._cuda_shared import export_targets, gpu_uuid, open_shared, open_targets, share
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
@@ -286,12 +286,7 @@ class CudaIpcReceiver(MailboxReceiver):
             self._key = key
             self.opened += len(self._bufs)
         if self.direct:
-            places = direct_places(desc, "cuda_ipc")
-            try:
-                self.tensors = [self._bufs[i][o:] for i, o, _ in places]
-            except IndexError:
-                raise WeightSyncError("malformed setup: bad cuda_ipc tensors") from None
-            self.strides = [st for _, _, st in places]
+            self.tensors, self.strides = direct_views(desc, self._bufs, "cuda_ipc")
         self.writable = self.direct and desc.get("writes") is True
         with torch.cuda.device(dev):
             self._stream = torch.cuda.Stream(dev)

@@ -22,8 +22,8 @@ from rlferry.wire import WireError
 from rlferry.wire._shm import _MEMFD_NAME, _Memory, exports
 
 from .._errors import WeightSyncError
-from ._base import MailboxReceiver, MailboxSender
-from ._shm_direct import export_storages, map_storages, storage_key, tensor_bytes
+from ._base import MailboxReceiver, MailboxSender, direct_views
+from ._shm_direct import export_storages, map_storages, storage_key
 
 __all__ = ["ShmReceiver", "ShmSender"]
 
@@ -153,7 +153,7 @@ class ShmReceiver(MailboxReceiver):
                 self._storages, self._views, self._mems = map_storages(key), [], []
                 self._key = key
                 self.opened += len(self._storages)
-            self.tensors, self.strides = tensor_bytes(desc, self._storages)
+            self.tensors, self.strides = direct_views(desc, self._storages, "shm")
             return []
         self.tensors, self._storages = [], []
         try:

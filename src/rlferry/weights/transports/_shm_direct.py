@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from .._errors import WeightSyncError
-from ._base import direct_place, direct_places
+from ._base import direct_place
 
-__all__ = ["export_storages", "map_storages", "storage_key", "tensor_bytes"]
+__all__ = ["export_storages", "map_storages", "storage_key"]
 
 _FD_HEADROOM = 256  # descriptors left free for everything else
 
@@ -127,18 +127,3 @@ def map_storages(key: tuple[Any, ...]) -> list[torch.Tensor]:
     """Map every storage of ``key`` (from :func:`storage_key`), as byte tensors."""
     pid = key[1]
     return [_map(pid, *s) for s in key[2:]]
-
-
-def tensor_bytes(
-    desc: dict[str, object], storages: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[list[int] | None]]:
-    """The bytes of each pushed tensor, from its first (views of the mapped storages),
-    and its strides (None where contiguous)."""
-    empty = torch.empty(0, dtype=torch.uint8)
-    places = direct_places(desc, "shm")
-    try:
-        return [storages[i][o:] if i >= 0 else empty for i, o, _ in places], [
-            s for _, _, s in places
-        ]
-    except IndexError:
-        raise WeightSyncError("malformed setup: bad shm tensors") from None
