@@ -1,6 +1,7 @@
 """The broadcast transport on CPU: a gloo group formed by rlferry, 1 to 4 receivers."""
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -13,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError, _hub
+from rlferry.weights import (
+    PushTimeout,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    _hub,
+    _sender,
+)
 from rlferry.weights._hub import Hub
 from rlferry.weights._messages import DONE, Ack, Stream, decode_request, encode
 from rlferry.weights.transports import _broadcast
@@ -308,3 +316,64 @@ def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocki
     peers_work.wait(datetime.timedelta(seconds=30))
     waiter.join(30)
     assert not waiter.is_alive() and work.is_completed()
+
+
+def bumped(sd, d):
+    return {k: v + d if v.dtype.is_floating_point else v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize(
+    "way, lands",
+    [("hub", "told_late"), ("hub", "after_submit"), ("lines", "after_submit"),
+     ("lines", "before_submit")],
+)  # fmt: skip
+def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
+    sender, monkeypatch, way, lands
+):
+    """A Ctrl-C that lands as the push starts, wherever, leaves no receiver streaming: the
+    push the hub started, or whose starts went on the receivers' lines, is aborted; a
+    begin not yet run never starts. The receiver keeps its version; the next push works.
+    Before, a push started by a begin whose future was not yet told (``told_late``) or
+    lost (a Ctrl-C in its submission to the loop) was left: the receiver took the next
+    push's buckets as this one's, then waited for buckets never sent."""
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    for v in (1, 2):
+        sender.push(sd.items(), version=v, timeout=60)
+    assert sender.statistics().started_on_lines == 1
+    begin, loop, submit = sender._begin, sender._loop, sender._loop.submit
+    if way == "hub":
+        sender._committed = None  # the push starts through the hub, on the loop
+
+    def started_not_yet_told(fast, args, wait_for, deadline):
+        real, lined = begin(fast, args, wait_for, deadline)
+        assert real.result(60)[1] is not None and not lined  # the start went
+        return concurrent.futures.Future(), False  # its result not yet passed on
+
+    def interrupted_submit(coro):
+        if coro.cr_code.co_name not in ("begin", "begin_direct"):
+            return submit(coro)
+        if lands == "before_submit":
+            coro.close()
+        else:
+            submit(coro)
+        raise KeyboardInterrupt
+
+    if lands == "told_late":
+        monkeypatch.setattr(sender, "_begin", started_not_yet_told)
+        monkeypatch.setattr(_sender, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
+    else:
+        monkeypatch.setattr(loop, "submit", interrupted_submit)
+    with pytest.raises(KeyboardInterrupt):
+        sender.push(bumped(sd, 1).items(), version=3, timeout=60)
+    monkeypatch.undo()
+    assert r.version == 2 and e.equals(sd)
+    sd = bumped(sd, 2)
+    assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
+    assert r.version == 4 and e.equals(sd)
+    r.close()
+
+
+def _raise(e):
+    raise e

@@ -27,6 +27,7 @@ from rlferry.weights import (
 )
 from rlferry.weights._boxes import slices
 from rlferry.weights._budget import link_ctas
+from rlferry.weights._turns import drain
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")
@@ -605,6 +606,40 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
         signal.signal(signal.SIGUSR1, before)
         gate.set()
         close_all(sender, receivers)
+
+
+def test_an_interrupt_between_two_steps_of_a_push_closes_it():
+    """A Ctrl-C lands between two steps as often as in one: the push is closed (it aborts
+    and lets its sender's lock go), not left suspended for its receivers to wait on."""
+    seen = []
+
+    def push():
+        try:
+            yield False
+            yield True
+        except GeneratorExit:
+            seen.append("closed")
+            raise
+        return "report"
+
+    class Interrupted:  # its second step is interrupted before the push resumes
+        def __init__(self):
+            self.steps, self.calls = push(), 0
+
+        def __next__(self):
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt
+            return next(self.steps)
+
+        def close(self):
+            self.steps.close()
+
+    interrupted = Interrupted()  # held: the push is closed by drain, not collected
+    with pytest.raises(KeyboardInterrupt):
+        drain(interrupted)
+    assert seen == ["closed"] and interrupted.calls == 2
+    assert drain(push()) == "report" and seen == ["closed"]
 
 
 def test_connect_refuses_addresses_without_this_engine_rank_and_keeps_its_link():

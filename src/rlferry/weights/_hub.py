@@ -127,6 +127,7 @@ class Hub:
         self.members: dict[bytes, Member] = {}
         self.push: Push | None = None
         self._changed = asyncio.Event()
+        self._withdrawn = -1  # the last push given up before it began (see withdraw)
         self.on_leave: Callable[[bytes], None] = lambda key: None
         self.on_deadline: Callable[[], None] = lambda: None  # of the push in progress
         self._deadline: asyncio.TimerHandle | None = None
@@ -350,7 +351,10 @@ class Hub:
                 (m.fresh and m.awaited) or m.returning for m in ms
             )
 
-        await self.until(enough, deadline)
+        seq = push_args["seq"]
+        await self.until(lambda: enough() or self._withdrawn >= seq, deadline)
+        if self._withdrawn >= seq:
+            raise asyncio.CancelledError  # the pushing thread gave it up (see withdraw)
         members = [m for m in self.members.values() if m.idle]
         if len(members) < wait_for:
             raise PushTimeout(self._too_few(push_args, wait_for))
@@ -456,6 +460,21 @@ class Hub:
         await self.until(lambda: all(m.settled for m in p.members), deadline)
         self._late(p, "did not finish", DONE)
         return p
+
+    async def withdraw(self, seq: int, lined: Push | None, deadline: float) -> Push | None:
+        """The pushing thread gave push ``seq`` up before it knew its members (a Ctrl-C, an
+        error): the push, if the members were told to set up or stream (its begin ran, or
+        ``lined``, its starts on their lines may have gone: registered here), for the
+        thread to abort; else None, and a begin of it that has not picked its members yet
+        never will (its future may be lost: an interrupt in its very submission)."""
+        p = self.push
+        if p is not None and p.seq == seq:
+            return p
+        if lined is not None and lined.seq == seq:
+            return (await self.begin_direct(lined, deadline))[1]
+        self._withdrawn = seq
+        self._changed.set()
+        return None
 
     async def abort(self, reason: str, deadline: float) -> None:
         """Tell the members to drop this push; wait (until the deadline) for them to let go."""

@@ -46,6 +46,7 @@ class PushPreparing:
     _hub: Hub
     _loop: WireLoop
     _committed: list[Member] | None
+    _lining: Push | None
 
     def _cap_buckets(self, cap: int) -> None:
         """Make the default bucket at most ``cap`` bytes (a multiple of 256): a
@@ -85,6 +86,7 @@ class PushPreparing:
         """Start the push: on its members' lines if the last push ended on their word on
         the group and they are this one's too (True), else through the hub (False)."""
         last, self._committed = self._committed, None
+        self._lining = None
         starter = self._hub.starter
         if fast is not None and last is not None and starter is not None:
             # this thread's snapshot of the hub's members: one that leaves from here on
@@ -98,9 +100,12 @@ class PushPreparing:
             )  # fmt: skip
             if push is not None:
                 push.direct = True
+                self._lining = push  # its starts go from here on (see _abandon)
                 msg = Stream(push.seq, push.version, False)
                 first = starter.start(now[0].line, msg)
-                if first is None:  # the others' starts follow; one that cannot go fails it
+                if first is not None:  # none went: through the hub
+                    self._lining = None
+                else:  # the others' starts follow; one that cannot go fails it
                     sent = {m.name: starter.start(m.line, msg) for m in now[1:]}
                     push.unstarted = {n: why for n, why in sent.items() if why is not None}
                     return self._loop.submit(self._hub.begin_direct(push, deadline)), True

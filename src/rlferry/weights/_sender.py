@@ -139,6 +139,7 @@ class WeightSender(PushPreparing):
         # the members of the last push, if it ended on their word on the group: the next
         # may start on their lines (see _line)
         self._committed: list[Member] | None = None
+        self._lining: Push | None = None  # a push whose starts go on its members' lines
         self._last_seconds = 0.0
 
     async def _make_hub(self) -> Hub:
@@ -293,7 +294,7 @@ class WeightSender(PushPreparing):
             if push is not None and push.direct:
                 self._lines_started(push)
         except BaseException as e:
-            self._abandon(begun, e, deadline, lined)
+            self._abandon(begun, e, deadline, seq, lined)
         self._first = False
         mail, coll = self._mailbox, self._collective
         if push is not None:  # the members hold the plan and the group: streaming already
@@ -367,18 +368,20 @@ class WeightSender(PushPreparing):
         begun: concurrent.futures.Future[Any] | None,
         e: BaseException,
         deadline: float,
+        seq: int,
         lined: bool = False,
     ) -> NoReturn:
-        """Raise ``e``, met before the members were known: a push the hub started is aborted,
-        not left; a begin still waiting for its members is cancelled (none started). A push
-        started on the members' lines (``lined``) is started: its begin is waited for."""
-        started = None
-        if lined and begun is not None:  # the loop registers it at once: nothing waits
-            concurrent.futures.wait([begun], max(1.0, deadline - time.monotonic()))
-        if begun is not None and not begun.done():
+        """Raise ``e``, met before the members were known; a push the hub started is aborted,
+        not left. A begin still waiting for its members is cancelled (it starts nothing);
+        one started on the members' lines (``lined``) is not: their starts went. The hub
+        is asked on its loop, after the cancel, whether the push started (there a begin
+        either started it or never will): asking the future was not enough. A begin that
+        had started the push, its result not yet passed to the future, was cancelled all
+        the same, and a Ctrl-C in the begin's very submission left no future to ask; the
+        receiver left streaming took the next push's buckets as this one's."""
+        if begun is not None and not lined:
             begun.cancel()
-        elif begun is not None and not begun.cancelled() and begun.exception() is None:
-            started = begun.result()[1]
+        started = self._loop.run(self._hub.withdraw(seq, self._lining, deadline))
         if started is None:
             raise e
         self._fail(e, started, deadline)

@@ -12,12 +12,18 @@ T = TypeVar("T")
 
 
 def drain(steps: Generator[bool | None, None, T]) -> T:
-    """Run a push's :meth:`WeightSender._steps` to its end; its report."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    """Run a push's :meth:`WeightSender._steps` to its end; its report. Interrupted between
+    two steps (a Ctrl-C lands here as often as in a step), the push is closed: it aborts
+    and lets its sender go (left suspended, it held the sender's lock, and its receivers
+    waited for buckets that never came)."""
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+    finally:
+        steps.close()
 
 
 def take_turns(
