@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -377,3 +378,29 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
 
 def _raise(e):
     raise e
+
+
+def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_once(sender):
+    """A Ctrl-C mid-stream: the sender aborts the push and its receiver's stream ends at once
+    (its watch cuts the gloo waits), even while something still holds the sender's group
+    (a traceback, until the garbage collector takes it): the receiver keeps its version
+    and the next push works. Before, the receiver waited the group's timeout for a bucket
+    never sent, and the next push found it busy."""
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    for v in (1, 2):
+        sender.push(sd.items(), version=v, timeout=60)
+    steps = sender._steps(bumped(sd, 1).items(), version=3, timeout=60)
+    next(steps)  # the push started and bucket 0 went
+    next(steps)  # bucket 1 too
+    held = sender._collective._pg  # the group's sockets stay open
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        steps.throw(KeyboardInterrupt)
+    sd = bumped(sd, 2)
+    assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
+    assert time.monotonic() - t0 < 30  # the receiver did not wait out its 60 s
+    assert r.version == 4 and e.equals(sd) and r.statistics().groups_joined == 2
+    del held
+    r.close()

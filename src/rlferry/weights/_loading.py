@@ -256,7 +256,7 @@ class PushLoading:
         coll = self._collective
         assert coll is not None
         abort = coll.aborter()
-        if abort is not None:  # its end waits on the device: the watch can end it
+        if abort is not None:  # the watch ends it if the sender aborts it (it waits deaf)
             self._watch.arm(self._key)
             why = self._watch.streaming(msg.seq, abort)
             if why is not None:

@@ -40,6 +40,7 @@ from ._base import CollectiveReceiver, CollectiveSender, checksum
 from ._groups import (
     COMMITTED,
     FAILED,
+    Cut,
     _abort,
     _first_line,
     _make_group,
@@ -296,6 +297,9 @@ class BroadcastSender(CollectiveSender):
             failure = _first_line(e)
             if self._cut_why[0] is pg:
                 failure = f"{self._cut_why[1]} (the group was aborted): {failure}"
+        except BaseException:  # an interrupt: this frame, kept by its traceback, must not
+            pg, works = None, []  # keep the group (and its receivers' sockets) alive
+            raise
         finally:
             self._streaming = None
             if side is not None and caller is not None:  # the caller's later work (its
@@ -326,6 +330,7 @@ class BroadcastReceiver(CollectiveReceiver):
         self._stream: torch.cuda.Stream | None = None
         self._outcome = torch.zeros(1, dtype=torch.int32)  # see COMMITTED
         self._told: Any = None  # the last outcome's all-reduce (gloo: waited next stream)
+        self._cut: Cut | None = None  # ends this stream's gloo waits (see aborter)
         self._timeout = 60.0
         self.opened = 0
         self.groups_joined = 0
@@ -424,18 +429,19 @@ class BroadcastReceiver(CollectiveReceiver):
         n, used = plan.buckets, plan.bucket_used
         bufs = self._bufs
         limit = None if self._stream is not None else self._timeout
+        cut = self._cut
         sums: list[int] = []
         works: list[Any] = []
         failure = ""
         with ctx:
             try:
                 if self._told is not None:  # the last push's outcome went (gloo: on its thread)
-                    _wait(self._told, limit)
+                    _wait(self._told, limit, cut)
                     self._told = None
                 works = [pg.broadcast([bufs[0][: used[0]]], opts), None]
                 for k in range(n):
                     b = k % 2
-                    _wait(works[b], limit)
+                    _wait(works[b], limit, cut)
                     if k + 1 < n:
                         works[1 - b] = pg.broadcast([bufs[1 - b][: used[k + 1]]], opts)
                     if verify:
@@ -447,7 +453,7 @@ class BroadcastReceiver(CollectiveReceiver):
                             error = f"load raised {type(e).__name__}: {e} (at bucket {k} of {n})"
                 if verify:
                     t = torch.zeros(n, dtype=torch.int64, device=bufs[0].device)
-                    _wait(pg.broadcast([t], opts), limit)
+                    _wait(pg.broadcast([t], opts), limit, cut)
                     bad = [k for k in range(n) if int(t[k]) != sums[k]]
                     if bad and error is None:
                         error = (
@@ -457,10 +463,11 @@ class BroadcastReceiver(CollectiveReceiver):
                     _settled(pg, works, self._stream)
             except RuntimeError as e:
                 failure = _first_line(e)
-        if failure:  # the group broke (the sender or another receiver died): leave it
+        if failure:  # the group broke (the sender or another receiver died): leave it,
+            pending = [w for w in works if w is not None]  # its receives let go off this thread
             works.clear()
             del pg
-            self.leave()
+            self.leave(pending)
             return f"the broadcast broke: {failure}"
         return error
 
@@ -480,19 +487,23 @@ class BroadcastReceiver(CollectiveReceiver):
             self._told = pg.allreduce([self._outcome], _most())
 
     def aborter(self) -> Callable[[], None] | None:
-        """What aborts this group's side here from another thread (its stream then ends at
-        once), or None where nothing needs it: gloo waits on the CPU, and its peers'
-        sockets closing end those waits."""
+        """What aborts the next stream of this group's side here from another thread (it
+        then ends at once), or None outside a group. NCCL's group is aborted; gloo's waits
+        on the CPU are cut (see :class:`Cut`)."""
         pg = self._pg
-        if pg is None or self._stream is None:
+        if pg is None:
             return None
+        if self._stream is None:
+            self._cut = Cut()
+            return self._cut
         return lambda: _abort(pg)
 
-    def leave(self) -> None:
+    def leave(self, pending: list[Any] | None = None) -> None:
+        """Leave the group; ``pending``: its work that may never end (a stream cut short)."""
         pg, told = self._pg, self._told
-        self._pg, self._prefix, self._told = None, "", None
+        self._pg, self._prefix, self._told, self._cut = None, "", None, None
         if pg is not None:  # its last outcome's all-reduce may wait for a sender that gave up
-            _release(pg, [told])
+            _release(pg, [told, *(pending or [])])
 
     def close(self) -> None:
         self.leave()

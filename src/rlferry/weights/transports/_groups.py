@@ -91,18 +91,48 @@ def _make_group(
     return dist.ProcessGroupGloo(pstore, rank, world, gopts)
 
 
-def _wait(work: Any, timeout: float | None) -> None:
+class Cut:
+    """Ends a gloo stream's waits from another thread: a receiver's watch heard that the
+    sender aborted the push. Gloo waits on the CPU and its peers' sockets closing end
+    those waits; but a sender that gave a push up mid-stream (a Ctrl-C, an error) keeps
+    its group's sockets open while anything holds the group (a traceback, until the
+    garbage collector takes it), and its receiver waited the group's timeout (120 s) for
+    a bucket never sent. One per stream (:meth:`BroadcastReceiver.aborter`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: threading.Event | None = None
+        self.why = ""
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.why = "the sender aborted the push"
+            if self._waiting is not None:
+                self._waiting.set()
+
+    def watch(self, done: threading.Event) -> None:
+        with self._lock:
+            self._waiting = done
+            if self.why:
+                done.set()
+
+
+def _wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
     """Wait for ``work``: for NCCL the current stream waits (``timeout=None``), the CPU does
-    not; for gloo the CPU waits, at most ``timeout``, on an event the work's future sets:
-    gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not reach a main
-    thread that waits there for a receiver's commit, the push's timeout long."""
+    not; for gloo the CPU waits, at most ``timeout``, on an event the work's future sets
+    (or ``cut``): gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not
+    reach a main thread that waits there for a receiver's commit, the push's timeout long."""
     if timeout is None:
         work.wait()
         return
     done = threading.Event()
     work.get_future().add_done_callback(lambda _: done.set())
+    if cut is not None:
+        cut.watch(done)
     if not done.wait(max(0.001, timeout)):
         raise RuntimeError(f"timed out after {timeout:.3g} s")
+    if cut is not None and cut.why:
+        raise RuntimeError(cut.why)
     work.wait()  # done: raises its error, if it failed
 
 
