@@ -206,14 +206,14 @@ class BroadcastSender(CollectiveSender):
 
     def broken(self) -> None:
         """A push failed mid-stream: the group is dropped and formed anew next time."""
-        self._let_go()
+        self._let_go(broken=True)
         self._members = []
 
-    def _let_go(self) -> None:
-        pg, works = self._pg, self._works
+    def _let_go(self, broken: bool = False) -> None:
+        group, works = [self._pg], self._works
         self._pg, self._works = None, []
-        if pg is not None:
-            _release(pg, works)
+        if group[0] is not None:
+            _release(group, works, broken)
 
     # -- buffers and the stream --------------------------------------------------------
     def prepare(self, nbytes: int, device: torch.device) -> None:
@@ -297,17 +297,14 @@ class BroadcastSender(CollectiveSender):
             failure = _first_line(e)
             if self._cut_why[0] is pg:
                 failure = f"{self._cut_why[1]} (the group was aborted): {failure}"
-        except BaseException:  # an interrupt: this frame, kept by its traceback, must not
-            pg, works = None, []  # keep the group (and its receivers' sockets) alive
-            raise
         finally:
-            self._streaming = None
+            # this frame, kept by a traceback (an interrupt's, until the garbage collector
+            # takes it), must not keep the group (and its receivers' sockets) alive
+            pg, works, self._streaming = None, [], None
             if side is not None and caller is not None:  # the caller's later work (its
                 caller.wait_stream(side)  # tensors freed, reused) follows every read
-        if failure:  # out of the except block: no traceback keeps the group alive
-            del pg
+        if failure:
             self.broken()  # (its work still pending is waited for off this thread)
-            works.clear()
             what = what or f"the broadcast of bucket {k} of {plan.buckets}"
             if time.monotonic() >= deadline:  # gloo's wait ran out: the push's timeout
                 raise PushTimeout(f"{what} did not finish within the push's timeout: {failure}")
@@ -500,10 +497,10 @@ class BroadcastReceiver(CollectiveReceiver):
 
     def leave(self, pending: list[Any] | None = None) -> None:
         """Leave the group; ``pending``: its work that may never end (a stream cut short)."""
-        pg, told = self._pg, self._told
+        group, told = [self._pg], self._told
         self._pg, self._prefix, self._told, self._cut = None, "", None, None
-        if pg is not None:  # its last outcome's all-reduce may wait for a sender that gave up
-            _release(pg, [told, *(pending or [])])
+        if group[0] is not None:  # its last outcome's all-reduce may wait for a sender that
+            _release(group, [told, *(pending or [])])  # gave up
 
     def close(self) -> None:
         self.leave()

@@ -168,22 +168,30 @@ def _abort(pg: Any) -> None:
             return
 
 
-def _release(pg: Any, works: list[Any]) -> None:
-    """Let ``pg`` go; ``works``: the last push's work on it. NCCL's is aborted (its pending
-    work fails at once). Gloo's destructor waits for the group's pending work, whose
-    peer half may never come (a push given up mid-stream; a receiver's outcome of it,
-    never joined) until the group's timeout: the caller, a sender forming its next group
-    or a receiver joining it, waited that long there (120 s, a push interrupted while a
-    receiver loaded its one bucket). So a gloo group with work pending goes on a thread
-    of its own, once that work ended."""
+def _release(group: list[Any], works: list[Any], broken: bool = False) -> None:
+    """Let the group in ``group`` go (a list holding the caller's only reference: this
+    takes it); ``works``: the last push's work on it. NCCL's is aborted (its pending work
+    fails at once). Gloo's destructor waits for the group's pending work, whose peer half
+    may never come (a push given up mid-stream; a receiver's outcome of it, never joined)
+    until the group's timeout: the caller, a sender forming its next group or a receiver
+    joining it, waited that long there (120 s, a push interrupted while a receiver loaded
+    its one bucket). So a gloo group with work pending goes on a thread of its own, once
+    that work ended; so does one given up mid-push (``broken``): a Ctrl-C that lands just
+    after a call posted work, before the work was kept, leaves it pending unseen (the
+    pushing thread waited for it, 120 s, 3 runs of 120 under load)."""
+    pg = group[0]
     if not isinstance(pg, dist.ProcessGroupGloo):
+        group.clear()
         _abort(pg)
         return
+    del pg
     pending = [w for w in works if w is not None and not w.is_completed()]
-    if pending:
+    if pending or broken:
         threading.Thread(
-            target=_drop_after, args=([pg], pending), name="rlferry-gloo-release", daemon=True
+            target=_drop_after, args=(group, pending), name="rlferry-gloo-release", daemon=True
         ).start()
+    else:
+        group.clear()
 
 
 def _drop_after(group: list[Any], works: list[Any]) -> None:
