@@ -408,3 +408,33 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
     assert r.version == 4 and e.equals(sd) and r.statistics().groups_joined == 2
     del held
     r.close()
+
+
+def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monkeypatch):
+    """A Ctrl-C while the wire loop starts the push (a receiver that verifies is started
+    through the hub, after its begin) aborts it: the receiver keeps its version and the
+    next push works. Before, the push was left started: the receiver streamed it still
+    and took the next push's buckets as this one's."""
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0", verify=True)
+    sender.push(sd.items(), version=1, timeout=60)
+    loop = sender._loop
+    submit = loop.submit
+
+    def interrupted(coro):
+        fut = submit(coro)
+        if coro.cr_code.co_name == "start":
+            fut.result(60)  # it ran: the receiver was told to stream
+            raise KeyboardInterrupt
+        return fut
+
+    monkeypatch.setattr(loop, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sender.push(bumped(sd, 1).items(), version=2, timeout=60)
+    monkeypatch.undo()
+    assert r.version == 1 and e.equals(sd)
+    sd = bumped(sd, 2)
+    assert sender.push(sd.items(), version=3, timeout=60).receivers == ("r0",)
+    assert r.version == 3 and e.equals(sd)
+    r.close()

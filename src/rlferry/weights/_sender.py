@@ -322,7 +322,10 @@ class WeightSender(PushPreparing):
             self._moving = True
         if self._packer is not None:
             self._packer.same = same
-        run(self._hub.start(push, streaming=not setups))
+        try:  # interrupted, the start ran on the loop or never will: either way, aborted
+            run(self._hub.start(push, streaming=not setups))
+        except BaseException as e:
+            self._fail(e, push, deadline)
         if setups:
             try:
                 if coll is not None:
