@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import logging
 import os
+import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -101,36 +102,41 @@ class Cut:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: threading.Event | None = None
+        self._waiting: queue.SimpleQueue[Any] | None = None
         self.why = ""
 
     def __call__(self) -> None:
         with self._lock:
             self.why = "the sender aborted the push"
             if self._waiting is not None:
-                self._waiting.set()
+                self._waiting.put(None)
 
-    def watch(self, done: threading.Event) -> None:
+    def watch(self, done: queue.SimpleQueue[Any]) -> None:
         with self._lock:
             self._waiting = done
             if self.why:
-                done.set()
+                done.put(None)
 
 
 def _wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
     """Wait for ``work``: for NCCL the current stream waits (``timeout=None``), the CPU does
-    not; for gloo the CPU waits, at most ``timeout``, on an event the work's future sets
+    not; for gloo the CPU waits, at most ``timeout``, on a queue the work's future puts to
     (or ``cut``): gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not
-    reach a main thread that waits there for a receiver's commit, the push's timeout long."""
+    reach a main thread that waits there for a receiver's commit, the push's timeout long.
+    The future's callback is the queue's own ``put`` (C, no Python frame): a future done
+    already runs it on this thread, and a Ctrl-C that landed in a Python callback there
+    was swallowed by torch (logged; the push then waited for its timeout, in a CI run)."""
     if timeout is None:
         work.wait()
         return
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
+    done: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    work.get_future().add_done_callback(done.put)
     if cut is not None:
         cut.watch(done)
-    if not done.wait(max(0.001, timeout)):
-        raise RuntimeError(f"timed out after {timeout:.3g} s")
+    try:
+        done.get(timeout=max(0.001, timeout))
+    except queue.Empty:
+        raise RuntimeError(f"timed out after {timeout:.3g} s") from None
     if cut is not None and cut.why:
         raise RuntimeError(cut.why)
     work.wait()  # done: raises its error, if it failed
