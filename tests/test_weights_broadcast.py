@@ -370,18 +370,24 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
         monkeypatch.setattr(_sender, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
     else:
         monkeypatch.setattr(loop, "submit", interrupted_submit)
-    with pytest.raises(KeyboardInterrupt):
-        sender.push(bumped(sd, 1).items(), version=3, timeout=60)
-    monkeypatch.undo()
-    assert r.version == 2 and e.equals(sd)
-    sd = bumped(sd, 2)
-    assert sender.push(sd.items(), version=4, timeout=60).receivers == ("r0",)
-    assert r.version == 4 and e.equals(sd)
+    interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, 3)
     r.close()
 
 
 def _raise(e):
     raise e
+
+
+def interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, version):
+    """Push ``version`` (the interrupt patched in lands in it): the receiver keeps the one
+    before; once the patches are gone, the next push reaches it whole."""
+    with pytest.raises(KeyboardInterrupt):
+        sender.push(bumped(sd, 1).items(), version=version, timeout=60)
+    monkeypatch.undo()
+    assert r.version == version - 1 and e.equals(sd)
+    sd = bumped(sd, 2)
+    assert sender.push(sd.items(), version=version + 1, timeout=60).receivers == ("r0",)
+    assert r.version == version + 1 and e.equals(sd)
 
 
 def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_once(sender):
@@ -430,11 +436,5 @@ def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monke
         return fut
 
     monkeypatch.setattr(loop, "submit", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        sender.push(bumped(sd, 1).items(), version=2, timeout=60)
-    monkeypatch.undo()
-    assert r.version == 1 and e.equals(sd)
-    sd = bumped(sd, 2)
-    assert sender.push(sd.items(), version=3, timeout=60).receivers == ("r0",)
-    assert r.version == 3 and e.equals(sd)
+    interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, 2)
     r.close()
