@@ -438,3 +438,31 @@ def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monke
     monkeypatch.setattr(loop, "submit", interrupted)
     interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, 2)
     r.close()
+
+
+def test_broadcast_a_receiver_that_rejects_the_plan_fails_the_push_at_once_naming_it():
+    """Over broadcast as over shm: a receiver that rejects the plan fails the push at once,
+    named, no bucket moved. It joins the group all the same (a group forms once every
+    member joined): before, the sender waited for it to join until the push's timeout,
+    and its error named only the others' failed joins."""
+    s = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
+    sd = state()
+    good = Engine(sd)
+    r0 = join(s, good, "good")
+    r1 = join(s, Engine(sd), "bad", expected={"w": torch.zeros(3, 3)})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError) as e:
+            s.push(sd.items(), version=1, timeout=60)
+        assert time.monotonic() - t0 < 30  # not the push's timeout
+        assert list(e.value.failures) == ["bad"]
+        assert e.value.failures["bad"].startswith("rejected the plan: ")
+        assert str(e.value).endswith("; no bucket moved")
+        assert (r0.version, r1.version) == (None, None)
+        r1.close()
+        assert s.push(sd.items(), version=2, timeout=60).receivers == ("good",)
+        assert r0.version == 2 and good.equals(sd)
+    finally:
+        r0.close()
+        r1.close()
+        s.close()

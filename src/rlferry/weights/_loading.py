@@ -143,10 +143,16 @@ class PushLoading:
         else:
             plan = Plan.from_wire(msg.plan)
         why = check_against(plan, self.config.expected)
-        if why is not None:
-            return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
         handles: list[bytes] = []
         coll, mail = self._collective, self._mailbox
+        if why is not None:
+            # a group is formed once every member joined it: one that rejects the plan
+            # joins all the same, so that the sender hears the rejection at once (else it
+            # waited for it to join until the push's timeout, and named only the others)
+            if coll is not None:
+                coll.join(msg.transport, _host_of(self.config.address), self.config.device,
+                          self._store_call)  # fmt: skip
+            return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
         if coll is not None:
             host = _host_of(self.config.address)
             coll.join(msg.transport, host, self.config.device, self._store_call)
