@@ -63,6 +63,18 @@ def test_broadcast_delivers_every_push_to_every_receiver(n):
     s.close()
 
 
+def on_lines(sender):
+    """A receiver that took two pushes, the second started on its line: its state, engine
+    and receiver."""
+    sd = state()
+    e = Engine(sd)
+    r = join(sender, e, "r0")
+    for v in (1, 2):
+        sender.push(sd.items(), version=v, timeout=60)
+    assert sender.statistics().started_on_lines == 1
+    return sd, e, r
+
+
 def lines_of(pid):
     """The start lines (abstract datagram sockets) process ``pid``'s receivers listen on,
     as any process of this host finds them."""
@@ -73,12 +85,7 @@ def lines_of(pid):
 @pytest.mark.skipif(sys.platform != "linux", reason="start lines are Linux's abstract sockets")
 def test_broadcast_a_start_on_a_line_from_another_process_or_malformed_is_dropped(sender, caplog):
     caplog.set_level(logging.WARNING, logger="rlferry.weights")
-    sd = state()
-    e = Engine(sd)
-    r = join(sender, e, "r0")
-    for v in (1, 2):
-        sender.push(sd.items(), version=v, timeout=60)
-    assert sender.statistics().started_on_lines == 1
+    sd, e, r = on_lines(sender)
     (line,) = lines_of(os.getpid())
     forged = encode(Stream(99, 99))  # a start of a push that does not exist
     code = (
@@ -207,11 +214,7 @@ def test_broadcast_a_bad_tensor_in_the_first_bucket_fails_that_push_and_the_next
     # From the second push on, bucket 0 is packed while the loop picks the receivers and
     # starts their stream: a tensor that fails its check there must abort that started
     # push (the receiver keeps its version), and the next push must work.
-    sd = state()
-    e = Engine(sd)
-    r = join(sender, e, "r0")
-    for v in (1, 2):
-        sender.push(sd.items(), version=v, timeout=60)
+    sd, e, r = on_lines(sender)
     layout = list(sd.items())
     bad = ((n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(sd.items()))
     with pytest.raises(WeightSyncError) as err:
@@ -341,12 +344,7 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
     Before, a push started by a begin whose future was not yet told (``told_late``) or
     lost (a Ctrl-C in its submission to the loop) was left: the receiver took the next
     push's buckets as this one's, then waited for buckets never sent."""
-    sd = state()
-    e = Engine(sd)
-    r = join(sender, e, "r0")
-    for v in (1, 2):
-        sender.push(sd.items(), version=v, timeout=60)
-    assert sender.statistics().started_on_lines == 1
+    sd, e, r = on_lines(sender)
     begin, loop, submit = sender._begin, sender._loop, sender._loop.submit
     if way == "hub":
         sender._committed = None  # the push starts through the hub, on the loop
@@ -396,11 +394,7 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
     (a traceback, until the garbage collector takes it): the receiver keeps its version
     and the next push works. Before, the receiver waited the group's timeout for a bucket
     never sent, and the next push found it busy."""
-    sd = state()
-    e = Engine(sd)
-    r = join(sender, e, "r0")
-    for v in (1, 2):
-        sender.push(sd.items(), version=v, timeout=60)
+    sd, e, r = on_lines(sender)
     steps = sender._steps(bumped(sd, 1).items(), version=3, timeout=60)
     next(steps)  # the push started and bucket 0 went
     next(steps)  # bucket 1 too
