@@ -344,6 +344,33 @@ def test_a_sync_clients_dropped_large_reply_goes_back_to_the_server():
         wire_loop().run(srv.close())
 
 
+def test_a_sync_wait_after_a_wake_up_sleeps_until_its_reply_or_its_timeout():
+    # a release owed (a lent reply dropped) writes the client's wake-up socket; a wait
+    # that then reads no reply must sleep, not poll again at once until it comes
+    big = torch.randn(1 << 20)
+
+    async def give(value, peer):
+        if value == "hang":
+            await asyncio.Event().wait()
+        return {"x": big} if value == "big" else 0
+
+    srv = Server(give, default_address("ipc"))
+    address = wire_loop().run(srv.start())
+    try:
+        with Client(address) as c:
+            got = c.request("big", timeout=10)
+            del got  # a release is owed: the client is woken to send it
+            rid = c.send("hang")
+            polls = []
+            pump = c._pump
+            c._pump = lambda seconds, also=None: polls.append(seconds) or pump(seconds, also)
+            with pytest.raises(RequestTimeout):
+                c.wait(rid, 0.5)
+            assert 1 <= len(polls) <= 3, f"{len(polls)} polls in a 0.5 s wait"
+    finally:
+        wire_loop().run(srv.close())
+
+
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_servers_made_and_closed_in_a_row_all_answer(transport):
     # Regression: monitors named after a reused fd collided with a closed socket's monitor

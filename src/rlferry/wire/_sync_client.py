@@ -180,7 +180,9 @@ class Client:
         self._flush()
         ms = None if seconds is None else math.ceil(max(0.0, seconds) * 1000)
         ready = dict(self._poller.poll(ms))
-        if self._wakes[0] in ready:
+        # a plain socket is named by its file descriptor in the poller's answer: the
+        # wake-ups must be read, else every later poll returns at once (a thread spinning)
+        if self._wakes[0].fileno() in ready:
             with contextlib.suppress(BlockingIOError):  # drained: nothing more to read
                 while self._wakes[0].recv(4096):
                     pass
