@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
+from rlferry.weights._line import Starter
 
 
 def _receive(address, group, name, conn, hang, hang_after=0):
@@ -148,3 +149,39 @@ def test_shm_zero_copy_views_are_read_only_a_load_that_writes_dies_and_the_train
     assert proc.exitcode == -signal.SIGSEGV
     assert list(e.value.failures) == ["writer"] and sums(sd) == before
     s.close()
+
+
+def test_a_push_ends_on_its_receivers_word_on_the_commit_line_and_no_other_process_says_it():
+    s = WeightSender(group="c", transport="shm")
+    proc, conn = spawn(s.address, "c", "one", hang=True, hang_after=1)
+    try:
+        sd = weights(0)
+        assert s.push(sd.items(), version=1, timeout=60).receivers == ("one",)
+        assert conn.recv() == ("commit", 1, sums(sd))
+        assert s.statistics().commits_on_line == 1  # it ended there, not on the acknowledgement
+        # the receiver hangs in push 2's load: a word in its name from another process (this
+        # one: the test knows its key and the line) is not taken as its commit
+        (key,) = s._hub.members
+        line = s._hub.commits.name
+        result = {}
+
+        def push():
+            try:
+                s.push(sd.items(), version=2, timeout=3)
+            except WeightSyncError as e:
+                result["error"] = e
+
+        t = threading.Thread(target=push)
+        t.start()
+        assert conn.poll(60) and conn.recv() == "loading"
+        forger = Starter()
+        forger.committed(line, 2, key)
+        forger.close()
+        t.join(60)
+        e = result["error"]
+        assert isinstance(e, PushTimeout) and list(e.failures) == ["one"]
+        assert s.statistics().commits_on_line == 1
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        s.close()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import PushTimeout, WeightSyncError
-from ._line import Starter
+from ._line import Commits, Starter
 from ._messages import (
     ABORTED,
     DONE,
@@ -60,6 +60,7 @@ class Member:
         self.key = key
         self.name = join.name
         self.where = f"pid {join.pid} on {join.host}"
+        self.pid = join.pid
         self.verify = join.verify
         self.line = ""  # its start line, if this sender reached it (see _line)
         self.parked: asyncio.Future[Any] | None = None
@@ -135,6 +136,7 @@ class Hub:
         # a ShardedSender's rank: the group of every rank it is part of (see Describe)
         self.description: Described | None = None
         self.starter: Starter | None = None  # a collective sender's, for its members' lines
+        self.commits: Commits | None = None  # a mailbox sender's commit line (see _line)
 
     # -- requests ---------------------------------------------------------------
     async def handle(self, value: Any, peer: bytes) -> bytes:
@@ -160,7 +162,10 @@ class Hub:
                 new.line = msg.line
             asyncio.get_running_loop().call_later(JOIN_GRACE, self._grace_over, new)
             self._changed.set()
-            return encode(Welcome(self.group, self.transport, peer, os.getpid(), bool(new.line)))
+            commits = self.commits.name if self.commits is not None else ""
+            return encode(
+                Welcome(self.group, self.transport, peer, os.getpid(), bool(new.line), commits)
+            )
         if isinstance(msg, Watch):
             return encode(await self._watch(msg))
         m = self.members.get(peer)
@@ -250,10 +255,11 @@ class Hub:
         if p is not None and all(m.told == p.seq or m.settled for m in p.members):
             p.told.set()
 
-    @staticmethod
-    def _settle(p: Push | None) -> None:
+    def _settle(self, p: Push | None) -> None:
         if p is not None and not p.settled.is_set() and all(m.settled for m in p.members):
             p.settled.set()
+            if self.commits is not None:  # the pushing thread may wait on the commit line
+                self.commits.wake()
 
     def disconnected(self, peer: bytes) -> None:
         m = self.members.pop(peer, None)
@@ -373,6 +379,14 @@ class Hub:
         (see _line): streaming at once, their parked requests kept parked (each acks with a
         bare acknowledgement). A member that left meanwhile is marked failed: the pushing
         thread aborts the push before its stream."""
+        self.take_part(push, deadline)
+        return push.members, push
+
+    def take_part(self, push: Push, deadline: float) -> None:
+        """:meth:`begin_direct`, as a callback: also the push whose members the pushing
+        thread picked itself, over a mailbox transport (they committed the last push and
+        hold its plan and buffers: see ``WeightSender._lean``); its buckets are announced
+        next, each member's parked request answered with them."""
         self._arm_deadline(deadline)
         for m in push.members:
             m.seq, m.error, m.sent_setup, m.checksums = push.seq, None, False, []
@@ -383,7 +397,6 @@ class Hub:
         self.push = push
         push.streaming = True
         self._settle(push)
-        return push.members, push
 
     def _arm_deadline(self, deadline: float) -> None:
         if self._deadline is not None:

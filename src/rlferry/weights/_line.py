@@ -16,6 +16,14 @@ is not from the sender's process (``Welcome.pid``) is dropped, as is anything th
 not a ``Stream``. The hub probes a line when its receiver joins (an empty datagram): a
 line it cannot reach (another host or network namespace, not Linux) is not used, and
 that receiver's pushes start through the loop as before.
+
+The other way, the **commit line**: a mailbox sender (shm, cuda_ipc) listens on one
+too, named in its ``Welcome``; a receiver that committed a push says so there first
+(``Committed``), then acknowledges through the control channel. The pushing thread
+waits on this socket, not on the wire loop: on four H200s, 2 trainer ranks to a TP=2
+engine, a commit's acknowledgement reached the sender's loop 0.1-0.6 ms after it went,
+and the pushing thread 0.2 ms after that. The hub says there too when the push settled
+(a failure, a receiver gone: an empty datagram from the sender's own process).
 """
 
 from __future__ import annotations
@@ -26,17 +34,48 @@ import secrets
 import socket
 import struct
 import sys
+import time
+from typing import Any
 
 import msgspec
 
-from ._messages import Stream, encode
+from ._messages import Committed, Stream, encode
 
-__all__ = ["Line", "Starter"]
+__all__ = ["Commits", "Line", "Starter"]
 
 log = logging.getLogger("rlferry.weights")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _stream = msgspec.msgpack.Decoder(Stream)
+_committed = msgspec.msgpack.Decoder(Committed)
+
+
+def _bind(prefix: str) -> tuple[socket.socket, str] | None:
+    """A datagram socket at a fresh abstract name that learns each sender's pid; None off
+    Linux or where it cannot be bound."""
+    if sys.platform != "linux":
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        name = f"rlferry-{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        s.bind("\0" + name)
+    except OSError as e:  # no line: the control channel alone
+        log.info("no %s line (%s): the control channel alone", prefix, e)
+        s.close()
+        return None
+    return s, name
+
+
+def _receive(s: socket.socket) -> tuple[bytes, int]:
+    """One datagram and the pid of the process that sent it (-1: not said)."""
+    data, anc, _, _ = s.recvmsg(256, socket.CMSG_SPACE(_CREDS.size))
+    pid = next(
+        (_CREDS.unpack(d[: _CREDS.size])[0] for lvl, t, d in anc
+         if lvl == socket.SOL_SOCKET and t == socket.SCM_CREDENTIALS),
+        -1,
+    )  # fmt: skip
+    return data, pid
 
 
 class Line:
@@ -45,19 +84,10 @@ class Line:
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self.name = ""
-        if sys.platform != "linux":
-            return
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            name = f"rlferry-line-{os.getpid()}-{secrets.token_hex(8)}"
-            s.bind("\0" + name)
-            s.setblocking(False)
-        except OSError as e:  # no line: pushes start through the loop
-            log.info("no start line (%s): streams start through the control channel", e)
-            s.close()
-            return
-        self._sock, self.name = s, name
+        bound = _bind("line")
+        if bound is not None:
+            self._sock, self.name = bound
+            self._sock.setblocking(False)
 
     @property
     def socket(self) -> socket.socket | None:
@@ -69,14 +99,9 @@ class Line:
         got = None
         while self._sock is not None:
             try:
-                data, anc, _, _ = self._sock.recvmsg(256, socket.CMSG_SPACE(_CREDS.size))
+                data, pid = _receive(self._sock)
             except BlockingIOError:
                 return got
-            pid = next(
-                (_CREDS.unpack(d[: _CREDS.size])[0] for lvl, t, d in anc
-                 if lvl == socket.SOL_SOCKET and t == socket.SCM_CREDENTIALS),
-                -1,
-            )  # fmt: skip
             if not data:
                 continue  # the hub's probe
             if pid != sender_pid:
@@ -94,8 +119,65 @@ class Line:
             self._sock = None
 
 
+class Commits:
+    """A mailbox sender's commit line (see the module's note): bound at ``name``, read by
+    the pushing thread."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self.name = ""
+        bound = _bind("commits")
+        if bound is not None:
+            self._sock, self.name = bound
+        self._wakes = Starter()
+
+    def wake(self) -> None:
+        """Say that the push settled at the hub (from the wire loop): its wait looks again."""
+        self._wakes.send(self.name, b"")
+
+    def wait(self, seq: int, members: dict[bytes, int], settled: Any, deadline: float) -> bool:
+        """Whether every one of ``members`` (key: its pid) said here that it committed push
+        ``seq``: True once all did; False once the push ``settled`` (a ``threading.Event``)
+        at the hub, at ``deadline``, or without a line (the hub then says the rest)."""
+        s, got = self._sock, set()
+        if s is None:
+            return False
+        draining = True  # first what came meanwhile (and stale wakes), without waiting
+        while not settled.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            s.settimeout(0.0 if draining else left)
+            try:
+                data, pid = _receive(s)
+            except (BlockingIOError, TimeoutError):
+                if draining:
+                    draining = False
+                    continue
+                return False
+            if not data:
+                continue  # the hub: the push settled (looked at above)
+            try:
+                c = _committed.decode(data)
+            except msgspec.DecodeError as e:
+                log.warning("commit line: dropped a malformed datagram: %s", e)
+                continue
+            if c.seq == seq and members.get(c.key) == pid:
+                got.add(c.key)
+                if len(got) == len(members):
+                    return True
+        return False
+
+    def close(self) -> None:
+        self._wakes.close()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
 class Starter:
-    """A sender's end: sends starts (and the hub's probes) to receivers' lines."""
+    """Sends datagrams to lines: a sender's starts (and the hub's probes) to its receivers'
+    lines, a receiver's commits to its sender's commit line."""
 
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
@@ -110,6 +192,13 @@ class Starter:
     def start(self, name: str, msg: Stream) -> str | None:
         """Send ``msg`` to the line ``name``; why it could not go, or None."""
         return self.send(name, encode(msg))
+
+    def committed(self, name: str, seq: int, key: bytes) -> None:
+        """Tell the commit line ``name`` that push ``seq`` was committed here (a datagram
+        that cannot go is dropped: the acknowledgement that follows says it)."""
+        why = self.send(name, encode(Committed(seq, key)))
+        if why is not None:
+            log.debug("commit line %s: not told of push %d: %s", name, seq, why)
 
     def send(self, name: str, data: bytes) -> str | None:
         if self._sock is None or not name:

@@ -54,6 +54,7 @@ __all__ = [
     "Abort",
     "Ack",
     "Bucket",
+    "Committed",
     "Describe",
     "Described",
     "Join",
@@ -148,6 +149,7 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     key: bytes = b""  # the receiver's key at the sender (what a Watch names)
     pid: int = 0  # the sender's process: the only one whose starts its line takes
     line: bool = False  # the sender reached the receiver's line (its streams start there)
+    commits: str = ""  # the sender's commit line, where a commit is told first (see _line)
 
 
 class Watch(msgspec.Struct, frozen=True, tag="watch"):
@@ -182,6 +184,14 @@ class Stream(msgspec.Struct, frozen=True, tag="stream"):
 
 class Noted(msgspec.Struct, frozen=True, tag="noted"):
     pass
+
+
+class Committed(msgspec.Struct, frozen=True, tag="committed"):
+    """A receiver's word on its sender's commit line (see _line) that it committed push
+    ``seq``; ``key``: its key at the sender (``Welcome.key``)."""
+
+    seq: int
+    key: bytes
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

@@ -24,10 +24,11 @@ from rlferry.wire import (
 
 from ._config import ReceiverConfig
 from ._errors import ReceiverClosed, SenderGone, WeightSyncError
-from ._line import Line
+from ._line import Line, Starter
 from ._loading import PushLoading
 from ._messages import (
     ABORTED,
+    DONE,
     IDLE,
     Abort,
     Ack,
@@ -123,6 +124,9 @@ class WeightReceiver(PushLoading):
         self._sender_pid = 0
         self._seen = 0  # the last push it got a message of (a start after it is stale)
         self._lined = 0  # the last push started on the line that it settled
+        # a mailbox sender's commit line, told of each commit before its acknowledgement
+        self._commits = ""
+        self._teller: Starter | None = None
         self._watch = StreamWatch(address, secret, self.name)
         self._prefetch: bytes | None = None  # the request that asked for the next bucket
         self._thread: threading.Thread | None = None
@@ -210,6 +214,9 @@ class WeightReceiver(PushLoading):
             ) from None
         assert isinstance(reply, Welcome)
         self._key, self._sender_pid = reply.key, reply.pid
+        self._commits = reply.commits
+        if self._commits and self._teller is None:
+            self._teller = Starter()
         self._seen = self._lined = 0  # this sender's pushes count from 1
         if not reply.line and self._line is not None:  # not reached, or not a collective's
             self._line.close()
@@ -279,6 +286,8 @@ class WeightReceiver(PushLoading):
             self._transport.close()
         if self._line is not None and (self._thread is None or not self._thread.is_alive()):
             self._line.close()
+        if self._teller is not None and (self._thread is None or not self._thread.is_alive()):
+            self._teller.close()
 
     def __enter__(self) -> WeightReceiver:
         return self.start() if self._thread is None else self
@@ -384,6 +393,8 @@ class WeightReceiver(PushLoading):
                 continue
             self._prefetch = None
             ack = self._handle(msg)
+            if ack.step == DONE and self._teller is not None:  # said first where it is awaited
+                self._teller.committed(self._commits, ack.seq, self._key)
             if lined:
                 assert isinstance(msg, Stream)
                 self._lined = msg.seq

@@ -47,6 +47,11 @@ class SenderStatistics:
     plans_sent: int
     groups_formed: int
     started_on_lines: int = 0  # pushes whose receivers' streams started on their lines
+    # mailbox pushes this thread started alone, no hop to the wire loop (their receivers
+    # committed the last push, hold its plan and read the tensors in place)
+    started_here: int = 0
+    # mailbox pushes that ended on their receivers' word on the commit line (see _line)
+    commits_on_line: int = 0
 
 
 @dataclass(frozen=True)
