@@ -407,6 +407,9 @@ def _writing_trainer(rank, device, conn):
         ours = {n: full[n][slices(b)] for n, b in trainer.owned[rank].items()}
         if mine is None:
             mine = {n: t.to(device, copy=True) for n, t in ours.items()}
+        if v == 5:  # two tensors' storages swapped: the bytes written ahead are the old ones
+            for n in list(mine)[:2]:
+                mine[n].data = torch.empty_like(mine[n])
         for n, t in ours.items():
             mine[n].copy_(t)
         try:
@@ -456,9 +459,11 @@ def test_cuda_ipc_trainer_ranks_write_each_update_into_the_engine_ranks_tensors(
     """Two trainer ranks on GPU 0, the two ranks of a TP=2 engine on GPU 1 (four GPUs: a GPU
     each), point to point over cuda_ipc: each engine rank offers its tensors, each trainer
     rank's GPU writes its pieces there (strided columns of row-parallel weights too), the
-    engine loads nothing; bit for bit over three updates; an engine rank killed between
-    updates fails only its links' part of the next push (no receiver comes within its
-    timeout), the other engine rank commits it, and no trainer process goes down."""
+    engine loads nothing; bit for bit over six updates (from the third on the same
+    tensors are written ahead of their checks; before the fifth two of them move, and their
+    new bytes follow); an engine rank killed between updates fails only its links' part of
+    the next push (no receiver comes within its timeout), the other engine rank commits
+    it, and no trainer process goes down."""
     four = torch.cuda.device_count() >= 4
     tdev = [f"cuda:{r}" if four else "cuda:0" for r in range(2)]
     edev = [f"cuda:{2 + r}" if four else "cuda:1" for r in range(2)]
@@ -469,7 +474,7 @@ def test_cuda_ipc_trainer_ranks_write_each_update_into_the_engine_ranks_tensors(
     engines = [_start(_written_engine, r, edev[r], addresses) for r in range(2)]
     try:
         assert [_answer(c) for _, c in engines] == ["ready", "ready"]
-        for v in (1, 2, 3):
+        for v in range(1, 7):
             for _, c in trainers:
                 c.send(v)
             assert [_answer(c) for _, c in trainers] == [("pushed", v)] * 2
@@ -483,12 +488,12 @@ def test_cuda_ipc_trainer_ranks_write_each_update_into_the_engine_ranks_tensors(
         engines[0][0].kill()
         engines[0][0].join(30)
         for _, c in trainers:
-            c.send((4, 5.0))  # its link to the dead rank waits 5 s for a receiver
+            c.send((7, 5.0))  # its link to the dead rank waits 5 s for a receiver
         for _, c in trainers:
             kind, msg, _ = _answer(c)
             assert kind == "error" and "within 5 s" in msg, msg
-        engines[1][1].send(4)
-        assert _answer(engines[1][1])[:2] == (4, True)
+        engines[1][1].send(7)
+        assert _answer(engines[1][1])[:2] == (7, True)
         assert all(p.is_alive() for p, _ in trainers)
     finally:
         for p, c in [*engines, *trainers]:

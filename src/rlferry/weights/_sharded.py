@@ -292,14 +292,26 @@ class ShardedSender:
                 shape is not the one the layout gives this rank.
         """
         plan = self._plans.get()
+        links = plan.busiest_first(self.rank) if self.point_to_point else [-1]
+        if self._transport != "broadcast" and plan is self._cut_plan:
+            for r in links:  # the same tensors as the last pushes' are written first, then
+                self._links[r]._write_ahead()  # checked (see WeightSender._write_ahead)
+        try:
+            return self._push(plan, links, named_tensors, version, timeout)
+        finally:
+            for r in links:
+                self._links[r]._forget_ahead()
+
+    def _push(
+        self, plan: ShardPlan, links: list[int], named_tensors: Any, version: int, timeout: float
+    ) -> PushReport:
         ready = Ready(self, plan, named_tensors)
         # the plan, names and shapes of the last push (nothing a push's checks could refuse):
         # every link starts before the views are checked (their receivers get the start
         # meanwhile), else the tensors are checked first
         early = plan is self._cut_plan and ready.shapes == self._shapes
-        # the busiest link first: its start goes first, its receiver's thread takes it
-        # first and its buckets are enqueued first (the update ends with it)
-        links = plan.busiest_first(self.rank) if self.point_to_point else [-1]
+        # the busiest link first (``links``): its start goes first, its receiver's thread
+        # takes it first and its buckets are enqueued first (the update ends with it)
         # over broadcast, a push of the same tensors reads where they lie a bucket at a
         # time, as its buckets go (Guard), instead of all of them before the first
         ready.lazy = (
