@@ -663,7 +663,7 @@ def test_connect_refuses_addresses_without_this_engine_rank_and_keeps_its_link()
 def _held_at_bucket(k, links, conn):
     """Make this process's pushes stop before bucket ``k`` once armed: each link's push
     waits there, and when all ``links`` do the test is told (and kills the process)."""
-    from rlferry.weights import _sender
+    from rlferry.weights import _finishing, _sender
 
     bucketed, armed, held, lock = _sender.bucketed, threading.Event(), [0], threading.Lock()
 
@@ -677,7 +677,7 @@ def _held_at_bucket(k, links, conn):
                 threading.Event().wait()  # killed here, mid-stream
             yield bucket
 
-    _sender.bucketed = held_bucketed
+    _sender.bucketed = _finishing.bucketed = held_bucketed  # a push's buckets, both ways
     return armed
 
 

@@ -1,7 +1,8 @@
 """A sender's preparation of a push: the plan of its layout (kept while the layout stays),
 the transport's buffers and group, the packer, what each receiver must attach, and how
-the push starts (through the hub, or on the receivers' start lines: see _line).
-:class:`WeightSender` runs the push itself."""
+the push starts (through the hub, on the receivers' start lines: see _line, or, over a
+mailbox transport whose receivers committed the last push, by the pushing thread alone,
+its tensors possibly written ahead). :class:`WeightSender` runs the push itself."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ class PushPreparing:
     _loop: WireLoop
     _committed: list[Member] | None
     _lining: Push | None
+    _last_members: list[Member] | None
+    _direct_of: tuple[Any, list[torch.Tensor]] | None
+    _here_last: bool
+    _ahead: tuple[list[Member], list[torch.Tensor]] | None
 
     def _cap_buckets(self, cap: int) -> None:
         """Make the default bucket at most ``cap`` bytes (a multiple of 256): a
@@ -181,3 +186,52 @@ class PushPreparing:
         if out:
             self._stats["plans"] += 1
         return out
+
+    def _lean(self, last: list[Member] | None) -> list[Member] | None:
+        """The members of a push this thread may start alone, without the wire loop's hops
+        (a begin that picks them, a start that tells them): over a mailbox transport whose
+        receivers read the pushed tensors in place or have them written into theirs, when
+        every receiver of the last push (``last``: all committed it) is still the hub's
+        every member, asking for work, holding the plan and buffers. On four H200s the
+        hops put a 2 -> 2 update's first write 1.2 ms into the push."""
+        mail, plan = self._mailbox, self._plan
+        if mail is None or not mail.direct or plan is None or last is None:
+            return None
+        now = list(self._hub.members.values())  # this thread's snapshot (see _begin)
+        gen = self._transport.generation
+        if len(now) != len(last) or not all(a is b for a, b in zip(now, last, strict=True)):
+            return None
+        if all(m.idle and m.plan == plan.fingerprint and m.generation == gen and not m.verify
+               for m in now):  # fmt: skip
+            return now
+        return None
+
+    def _kept_direct(self, named: Any, same: bool, guard: Any) -> list[torch.Tensor] | None:
+        """The tensors of the last push, read in place again: the caller pushes the very list
+        it pushed last, its tensors checked to lie where they lay (``same``); else None."""
+        kept = self._direct_of
+        if kept is None or not same or guard is not None or kept[0] is not named:
+            return None
+        return kept[1] if named is self._planned_for else None
+
+    def _write_ahead(self) -> None:
+        """Before a push whose caller is about to check that its tensors lie where the last
+        push's lay (a :class:`ShardedSender` on GPUs): if the last push went the
+        :meth:`_lean` way with them too, make them ready now (cuda_ipc: the trainer's GPU
+        starts writing into the receivers), and the push that follows, its tensors found
+        in place, announces them. Found elsewhere, that push goes the usual way and writes
+        them again: the bytes written ahead came from the kept views, whose memory they
+        keep alive (never freed memory), and no receiver commits before the push's own
+        announcement. On four H200s the checks took 0.3 ms of a 4.1 GB update's start."""
+        with self._lock:
+            kept = self._direct_of
+            members = self._lean(self._last_members) if self._here_last else None
+            if members is None or kept is None:
+                return
+            assert self._mailbox is not None
+            self._mailbox.ready(kept[1], [m.key for m in members])
+            self._ahead = (members, kept[1])
+
+    def _forget_ahead(self) -> None:
+        """The push after :meth:`_write_ahead` did not run (its caller failed first)."""
+        self._ahead = None

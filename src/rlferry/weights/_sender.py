@@ -7,24 +7,24 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from rlferry.wire import Server, default_address, wire_loop
 
 from ._config import SenderConfig
-from ._errors import PushTimeout, SenderClosed, WeightSyncError
+from ._errors import SenderClosed, WeightSyncError
+from ._finishing import PushFinishing, error_class
 from ._hub import Hub, Member, Push
 from ._line import Commits, Starter
 from ._messages import Described
 from ._pack import Packer, bucketed
 from ._plan import Plan
-from ._preparing import PushPreparing
 from ._report import PushReport, SenderStatistics
 from ._turns import drain
 from .transports import make_sender
-from .transports._base import CollectiveSender, MailboxSender, checksum
+from .transports._base import CollectiveSender, MailboxSender
 
 __all__ = ["WeightSender"]
 
@@ -41,14 +41,7 @@ def _sent(begun: concurrent.futures.Future[Any], deadline: float) -> None:
             push.told.wait(max(0.0, deadline - time.monotonic()))
 
 
-def _error_class(
-    failed: list[Member], default: type[WeightSyncError] = WeightSyncError
-) -> type[WeightSyncError]:
-    """``PushTimeout`` if one of ``failed`` missed the push's timeout, else ``default``."""
-    return PushTimeout if any(m.late for m in failed) else default
-
-
-class WeightSender(PushPreparing):
+class WeightSender(PushFinishing):
     """Streams named tensors to the receivers of one group, bucket by bucket.
 
     ``transport``: ``"shm"`` (CPU tensors, receivers on this host), ``"cuda_ipc"``
@@ -355,7 +348,7 @@ class WeightSender(PushPreparing):
                     coll.form(deadline)
                 rejected = run(self._hub.planned(deadline))
                 if rejected:
-                    raise _error_class(rejected)(
+                    raise error_class(rejected)(
                         f"push of version {version}: {self._failures_text(rejected)}; no "
                         "bucket moved",
                         {m.name: m.error or "" for m in rejected},
@@ -375,33 +368,6 @@ class WeightSender(PushPreparing):
         return (yield from self._finish(
             push, plan, named, checked, t0, deadline, buckets, direct=direct
         ))  # fmt: skip
-
-    def _lean(self, last: list[Member] | None) -> list[Member] | None:
-        """The members of a push this thread may start alone, without the wire loop's hops
-        (a begin that picks them, a start that tells them): over a mailbox transport whose
-        receivers read the pushed tensors in place or have them written into theirs, when
-        every receiver of the last push (``last``: all committed it) is still the hub's
-        every member, asking for work, holding the plan and buffers. On four H200s the
-        hops put a 2 -> 2 update's first write 1.2 ms into the push."""
-        mail, plan = self._mailbox, self._plan
-        if mail is None or not mail.direct or plan is None or last is None:
-            return None
-        now = list(self._hub.members.values())  # this thread's snapshot (see _begin)
-        gen = self._transport.generation
-        if len(now) != len(last) or not all(a is b for a, b in zip(now, last, strict=True)):
-            return None
-        if all(m.idle and m.plan == plan.fingerprint and m.generation == gen and not m.verify
-               for m in now):  # fmt: skip
-            return now
-        return None
-
-    def _kept_direct(self, named: Any, same: bool, guard: Any) -> list[torch.Tensor] | None:
-        """The tensors of the last push, read in place again: the caller pushes the very list
-        it pushed last, its tensors checked to lie where they lay (``same``); else None."""
-        kept = self._direct_of
-        if kept is None or not same or guard is not None or kept[0] is not named:
-            return None
-        return kept[1] if named is self._planned_for else None
 
     def _push_here(
         self, members: list[Member], direct: list[torch.Tensor], named: Any, seq: int,
@@ -427,28 +393,6 @@ class WeightSender(PushPreparing):
             push, plan, named, False, t0, deadline, direct=direct, written=written
         ))  # fmt: skip
 
-    def _write_ahead(self) -> None:
-        """Before a push whose caller is about to check that its tensors lie where the last
-        push's lay (a :class:`ShardedSender` on GPUs): if the last push went the
-        :meth:`_lean` way with them too, make them ready now (cuda_ipc: the trainer's GPU
-        starts writing into the receivers), and the push that follows, its tensors found
-        in place, announces them. Found elsewhere, that push goes the usual way and writes
-        them again: the bytes written ahead came from the kept views, whose memory they
-        keep alive (never freed memory), and no receiver commits before the push's own
-        announcement. On four H200s the checks took 0.3 ms of a 4.1 GB update's start."""
-        with self._lock:
-            kept = self._direct_of
-            members = self._lean(self._last_members) if self._here_last else None
-            if members is None or kept is None:
-                return
-            assert self._mailbox is not None
-            self._mailbox.ready(kept[1], [m.key for m in members])
-            self._ahead = (members, kept[1])
-
-    def _forget_ahead(self) -> None:
-        """The push after :meth:`_write_ahead` did not run (its caller failed first)."""
-        self._ahead = None
-
     def _guarded(
         self, buckets: Iterator[tuple[int, list[Any]]], guard: Callable[..., list[int]],
         plan: Plan,
@@ -461,140 +405,6 @@ class WeightSender(PushPreparing):
             if replaced and self._packer is not None:
                 self._packer.forget(replaced)
             yield k, tensors
-
-    def _abandon(
-        self,
-        begun: concurrent.futures.Future[Any] | None,
-        e: BaseException,
-        deadline: float,
-        seq: int,
-        lined: bool = False,
-    ) -> NoReturn:
-        """Raise ``e``, met before the members were known; a push the hub started is aborted,
-        not left. A begin still waiting for its members is cancelled (it starts nothing);
-        one started on the members' lines (``lined``) is not: their starts went. The hub
-        is asked on its loop, after the cancel, whether the push started (there a begin
-        either started it or never will): asking the future was not enough. A begin that
-        had started the push, its result not yet passed to the future, was cancelled all
-        the same, and a Ctrl-C in the begin's very submission left no future to ask; the
-        receiver left streaming took the next push's buckets as this one's."""
-        if begun is not None and not lined:
-            begun.cancel()
-        started = self._loop.run(self._hub.withdraw(seq, self._lining, deadline))
-        if started is None:
-            raise e
-        self._fail(e, started, deadline)
-
-    def _fail(self, e: BaseException, push: Push, deadline: float) -> NoReturn:
-        """Abort ``push`` after ``e`` and raise: ``e`` itself, or, for a WeightSyncError that
-        names nobody, one naming the members that failed."""
-        coll, version = self._collective, push.version
-        reason = f"the sender failed: {type(e).__name__}: {e}"
-        if coll is not None:
-            coll.broken()
-        now = time.monotonic()  # members get a second at least to let go, 5 s at most
-        self._loop.run(self._hub.abort(reason, max(min(deadline, now + 5), now + 1)))
-        if isinstance(e, PushTimeout):  # the ones that did not let go are named
-            self._loop.run(self._hub.finish(now))
-        self._loop.loop.call_soon_threadsafe(self._hub.done)
-        if isinstance(e, WeightSyncError) and not e.failures:
-            failed = [m for m in push.members if m.error is not None]
-            more = f"; {self._failures_text(failed)}" if failed else ""
-            raise _error_class(failed, type(e))(
-                f"push of version {version}: {e}{more}", {m.name: m.error or "" for m in failed}
-            ) from None
-        raise e
-
-    def _finish(
-        self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
-        deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
-        packed: bool = False, direct: list[torch.Tensor] | None = None, written: bool = False,
-    ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
-        """Stream the buckets of a started push and wait for the members' commits.
-        ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
-        buffer 0 if the push went the fast way; else packed again)."""
-        mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
-        committed = False  # every member said so on the group (see transports._broadcast)
-        try:
-            if direct is not None:
-                assert mail is not None
-                if not written:
-                    mail.ready(direct, [m.key for m in push.members if m.error is None])
-                # receivers read the tensors in place (or the sender wrote them into theirs):
-                # every bucket is ready, in one answer
-                self._loop.loop.call_soon_threadsafe(self._hub.announce_all, plan.buckets)
-            elif coll is not None:
-                buckets = buckets or bucketed(plan, named, checked)
-                committed = yield from coll.stream(
-                    plan, buckets, self._packer, verify, deadline, packed
-                )
-            else:
-                yield from self._stream_mailbox(
-                    plan, buckets or bucketed(plan, named, checked), verify, deadline
-                )
-            yield True  # this push waits for its commits once the caller's others streamed
-            # every member's commit comes to this thread on the commit line (mailbox), else
-            # wakes it from the loop at once; at the deadline, the loop names the late ones
-            p = push
-            if mail is not None and self._hub.commits is not None:
-                pids = {m.key: m.pid for m in push.members}
-                committed = self._hub.commits.wait(push.seq, pids, push.settled, deadline)
-                self._stats["line"] += committed
-            if not committed and not push.settled.wait(max(0.0, deadline - time.monotonic())):
-                p = self._loop.run(self._hub.finish(deadline))
-        except BaseException as e:
-            self._fail(e, push, deadline)
-        self._loop.loop.call_soon_threadsafe(self._hub.done, push if committed else None)
-        seconds = time.perf_counter() - t0
-        self._last_seconds = seconds
-        if committed:  # their acks are on their way: the next push waits for them
-            ok, failed = tuple(m.name for m in p.members), []
-            self._committed = p.members
-        else:
-            ok = tuple(m.name for m in p.members if m.error is None and m.step > 0)
-            failed = [m for m in p.members if m.error is not None]
-        if mail is not None and not failed and len(ok) == len(p.members):
-            self._last_members = p.members  # each committed it (see _lean)
-        report = PushReport(
-            version, plan.nbytes, seconds, ok, len(plan.specs), plan.buckets, push.plan is not None
-        )
-        self._stats["pushes"] += 1
-        self._stats["bytes"] += plan.nbytes
-        if failed:
-            if coll is not None:
-                coll.broken()
-            some = f"{len(ok)} committed it" if ok else "none committed it"
-            raise _error_class(failed)(
-                f"push of version {version}: {self._failures_text(failed)}; {some}",
-                {m.name: m.error or "" for m in failed},
-                report,
-            )
-        return report
-
-    def _failures_text(self, failed: list[Member]) -> str:
-        return "; ".join(f"receiver `{m.name}` ({m.where}): {m.error}" for m in failed)
-
-    def _stream_mailbox(
-        self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,
-        deadline: float,
-    ) -> Generator[bool | None, None, None]:  # fmt: skip
-        tr, hub, packer = self._mailbox, self._hub, self._packer
-        assert tr is not None and packer is not None and packer.plan is plan
-        members = hub.push.members if hub.push else []
-        readers = [m.key for m in members]
-        call = self._loop.loop.call_soon_threadsafe
-        for k, tensors in buckets:
-            b = k % 2
-            if k >= 2 and not all(m.step >= k - 2 or m.settled for m in members):
-                readers = self._loop.run(hub.free(k - 2, deadline))
-            elif k >= 2:  # every ack already came: no need to ask the loop
-                readers = [m.key for m in members if m.error is None]
-            tr.before_pack(b, readers)
-            packer.pack(k, tensors)
-            tr.after_pack(b)
-            sum_ = checksum(tr.buffer(b)[: plan.bucket_used[k]]) if verify else None
-            call(hub.announce, k, sum_)
-            yield False
 
     # -- the rest ---------------------------------------------------------------------
     def statistics(self) -> SenderStatistics:
