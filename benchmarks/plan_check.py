@@ -7,7 +7,8 @@ those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's
 send and receive reached on that machine, not the nominal one), plus ``--update-ms``
 per update, ``--link-ms`` per further link of a rank at either end and ``--bucket-ms``
 per further bucket (the library's, or what the machine's one-rank-to-one 4 MB update
-took: ``--update-ms``). A run with ``--bucket-mb`` is predicted with its buckets. A
+took: ``--update-ms``; a cuda_ipc run, whose trainer GPUs write, with the library's
+costs of writes). A run with ``--bucket-mb`` is predicted with its buckets. A
 bound run moves bytes only: it is predicted without the update's cost. A run whose
 ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's bytes. Prints
 measured p50 (updates 2 on), predicted, and their ratio.
@@ -25,7 +26,13 @@ import statistics
 import torch
 
 from rlferry.weights import Cluster, TensorSpec, predict
-from rlferry.weights._predict import BUCKET_MS, LINK_MS, UPDATE_MS
+from rlferry.weights._predict import (
+    BUCKET_MS,
+    LINK_MS,
+    UPDATE_MS,
+    WRITE_LINK_MS,
+    WRITE_UPDATE_MS,
+)
 
 import _weights_engine as eng
 from _common import table
@@ -68,11 +75,13 @@ def main(argv: list[str] | None = None) -> None:
         if run["device"] != "cuda" or not (bound or run.get("point_to_point")):
             continue
         tp = run["tp"]
+        costs = (0.0, 0.0, 0.0) if bound else (a.update_ms, a.link_ms, a.bucket_ms)
+        if run["transport"] == "cuda_ipc":  # the trainer's GPUs write: the writes' costs
+            costs = (WRITE_UPDATE_MS, WRITE_LINK_MS, 0.0)
         cluster = Cluster(
             fsdp=run["senders"], engines=run["receivers"] // tp, engine_tp=tp,
             engine_dtype=torch.bfloat16, nvlink_GBps=a.nvlink_gbytes,
-            update_ms=0.0 if bound else a.update_ms, link_ms=0.0 if bound else a.link_ms,
-            bucket_ms=0.0 if bound else a.bucket_ms,
+            update_ms=costs[0], link_ms=costs[1], bucket_ms=costs[2],
         )  # fmt: skip
         p = predict(specs_of(run), cluster)
         if run.get("bucket_bytes") and not bound:  # its buckets: the budget that makes them
@@ -88,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{run['senders']} -> {run['receivers']} (TP {tp})"
             + (f", {run['gpus']} GPUs" if run.get("gpus") else "")
             + (f", {run['bucket_bytes'] >> 20} MiB buckets" if run.get("bucket_bytes") else ""),
-            "NCCL send/recv (bound)" if bound else "rlferry point to point",
+            "NCCL send/recv (bound)" if bound
+            else "rlferry, cuda_ipc writes" if run["transport"] == "cuda_ipc"
+            else "rlferry point to point",
             f"{got * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{got / pred:.2f}",
         ])  # fmt: skip
     header = ["model MB", "ranks", "path", "measured p50 ms", "predicted ms", "measured/predicted"]

@@ -158,13 +158,15 @@ def _plan_weights_parser(sub: Any) -> None:
                     help="Gb/s per GPU and direction across hosts (default 400)")  # fmt: skip
     pw.add_argument("--update-ms", type=float, default=None,
                     help="what an update costs besides its bytes with one link a rank "
-                    "(default 1.5: a 4 MB update of one rank to one on H200s)")  # fmt: skip
+                    "(default 1.5: a 4 MB update of one rank to one on H200s; cuda_ipc writes "
+                    "within one host: 0.6)")  # fmt: skip
     pw.add_argument("--link-ms", type=float, default=None,
                     help="and for each more link of the trainer rank with the most, "
-                    "and again of the engine rank with the most (default 0.55)")  # fmt: skip
+                    "and again of the engine rank with the most (default 0.55; cuda_ipc "
+                    "writes: 0.15)")  # fmt: skip
     pw.add_argument("--bucket-ms", type=float, default=None,
                     help="and for each more bucket of the rank with the most "
-                    "(default 0.09)")  # fmt: skip
+                    "(default 0.09; cuda_ipc writes: 0)")  # fmt: skip
     pw.add_argument("--buffer-gib", type=float, default=None,
                     help="what a rank's link buffers may take together (ShardedSender's "
                     "buffer_bytes; default 4): more makes fewer, larger buckets")  # fmt: skip

@@ -56,7 +56,15 @@ from ._plan import TensorSpec
 from ._shardplan import ShardPlan
 from ._tp import tp_layout, tp_split_dim
 
-__all__ = ["Cluster", "Prediction", "model_specs", "predict", "trainer_layout"]
+__all__ = [
+    "WRITE_LINK_MS",
+    "WRITE_UPDATE_MS",
+    "Cluster",
+    "Prediction",
+    "model_specs",
+    "predict",
+    "trainer_layout",
+]
 
 # What an update costs besides its bytes, on H200 hosts (benchmarks/RESULTS.md, sessions
 # 15 and 17): a 4 MB update of one trainer rank to one engine rank took 1.5-1.7 ms; each
@@ -66,6 +74,12 @@ UPDATE_MS = 1.5
 LINK_MS = 0.55  # for each link of the trainer rank with the most, past its first; again
 # for the engine rank with the most
 BUCKET_MS = 0.09  # for each bucket of the rank with the most, past each link's first
+# The same over cuda_ipc writes within a host (a trainer rank's GPU writes its pieces into
+# the engine ranks' tensors: no pack, no load, every bucket announced at once, so no cost a
+# bucket): 2 trainer ranks to a TP=2 engine on four H200s took 0.5-1.0 ms besides the
+# bytes NCCL's own send/recv moved (4.1 and 16.4 GB; benchmarks/RESULTS.md, session 29)
+WRITE_UPDATE_MS = 0.6
+WRITE_LINK_MS = 0.15
 MAX_BUCKET_BYTES = 256 << 20  # a link's default bucket on a GPU at most (WeightSender's)
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
