@@ -608,6 +608,69 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
         close_all(sender, receivers)
 
 
+def test_an_interrupt_in_a_push_started_without_the_loop_aborts_it_and_the_next_works():
+    """Over shm, pushes of the same tensors after one that every receiver committed start
+    from the pushing thread alone and end on the receivers' commit datagrams; a Ctrl-C
+    while one waits for them (engine rank 0 holds its load) aborts it, and the next push
+    (the usual way) brings every rank to its version exactly."""
+    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
+    entered, gate, pushing = threading.Event(), threading.Event(), [0]
+
+    def held(load, items):
+        if pushing[0] == 3:
+            entered.set()
+            assert gate.wait(WAIT)
+        load(items)
+
+    engine, sender, params, receivers = one_rank_to_tp2(
+        "lean-interrupted", specs, (held, None), transport="shm", point_to_point=True
+    )
+    mine = {n: t.clone() for n, t in full_weights(specs, 1).items()}
+    armed = [False]
+
+    def interrupt(signum, frame):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def kill_when_held():
+        assert entered.wait(WAIT)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        for v in (1, 2):
+            pushing[0] = v
+            for n, t in full_weights(specs, v).items():
+                mine[n].copy_(t)
+            sender.push(mine, version=v, timeout=WAIT)
+        links = sender.statistics().per_receiver.values()
+        assert [w.started_here for w in links] == [1, 1]  # version 2
+        assert [w.commits_on_line for w in links] == [2, 2]
+        pushing[0], armed[0] = 3, True
+        for n, t in full_weights(specs, 3).items():
+            mine[n].copy_(t)
+        killer = threading.Thread(target=kill_when_held)
+        killer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sender.push(mine, version=3, timeout=WAIT)
+        armed[0] = False
+        gate.set()
+        killer.join(WAIT)
+        pushing[0] = 4
+        for n, t in full_weights(specs, 4).items():
+            mine[n].copy_(t)
+        sender.push(mine, version=4, timeout=WAIT)
+        for r in range(2):
+            assert receivers[r].wait_for(4, WAIT)
+            want = expected_params(engine, r, full_weights(specs, 4))
+            assert all(torch.equal(params[r][n], want[n]) for n in want)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        gate.set()
+        close_all(sender, receivers)
+
+
 def test_an_interrupt_between_two_steps_of_a_push_closes_it():
     """A Ctrl-C lands between two steps as often as in one: the push is closed (it aborts
     and lets its sender's lock go), not left suspended for its receivers to wait on."""

@@ -192,8 +192,8 @@ class PushPreparing:
         (a begin that picks them, a start that tells them): over a mailbox transport whose
         receivers read the pushed tensors in place or have them written into theirs, when
         every receiver of the last push (``last``: all committed it) is still the hub's
-        every member, asking for work, holding the plan and buffers. On four H200s the
-        hops put a 2 -> 2 update's first write 1.2 ms into the push."""
+        every member, holding the plan and buffers. On four H200s the hops put a 2 -> 2
+        update's first write 1.2 ms into the push."""
         mail, plan = self._mailbox, self._plan
         if mail is None or not mail.direct or plan is None or last is None:
             return None
@@ -201,8 +201,11 @@ class PushPreparing:
         gen = self._transport.generation
         if len(now) != len(last) or not all(a is b for a, b in zip(now, last, strict=True)):
             return None
-        if all(m.idle and m.plan == plan.fingerprint and m.generation == gen and not m.verify
-               for m in now):  # fmt: skip
+        # each asks for work, or will once its acknowledgement of the last push (which
+        # ended on its word on the commit line) reaches the hub: the hub answers it with
+        # this push's buckets then, whichever of the two it hears first
+        if all(not m.gone and m.plan == plan.fingerprint and m.generation == gen
+               and not m.verify for m in now):  # fmt: skip
             return now
         return None
 
