@@ -551,16 +551,14 @@ def test_one_engine_rank_failing_fails_only_its_link_of_a_point_to_point_push(
         close_all(sender, receivers)
 
 
-@pytest.mark.parametrize("one_thread", [False, True])
-def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works(
-    one_thread, monkeypatch
-):
-    """Ctrl-C while a rank pushes its links: it goes up at once (a link still pushing ends on
-    its own, within its timeout; taken in turn by one thread, it is aborted), each engine
-    rank holds a whole version, and the next push works."""
+def interrupt_the_third_push(group, transport, push, after_two=lambda sender: None, **kw):
+    """One trainer rank to a TP=2 engine in this process, point to point over ``transport``
+    (``kw``: the sender's other arguments, ``prepare`` a function of it): ``push(sender, specs,
+    v)`` pushes versions 1 and 2 (``after_two(sender)`` checks then), a Ctrl-C lands while
+    version 3's push runs (engine rank 0 holds its load), then version 4 reaches both engine
+    ranks exactly."""
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
-    entered, gate = threading.Event(), threading.Event()
-    pushing = [0]
+    entered, gate, pushing = threading.Event(), threading.Event(), [0]
 
     def held(load, items):  # engine rank 0 holds version 3's load until the push was interrupted
         if pushing[0] == 3:
@@ -568,10 +566,11 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
             assert gate.wait(WAIT)
         load(items)
 
+    prepare = kw.pop("prepare", lambda sender: None)
     engine, sender, params, receivers = one_rank_to_tp2(
-        "interrupted", specs, (held, None), transport="broadcast", point_to_point=True
+        group, specs, (held, None), transport=transport, point_to_point=True, **kw
     )
-    monkeypatch.setattr(sender, "_one_thread", lambda: one_thread)
+    prepare(sender)
     armed = [False]
 
     def interrupt(signum, frame):
@@ -587,17 +586,18 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
     try:
         for v in (1, 2):
             pushing[0] = v
-            sender.push(full_weights(specs, v), version=v, timeout=WAIT)
+            push(sender, specs, v)
+        after_two(sender)
         pushing[0], armed[0] = 3, True
         killer = threading.Thread(target=kill_when_held)
         killer.start()
         with pytest.raises(KeyboardInterrupt):
-            sender.push(full_weights(specs, 3), version=3, timeout=WAIT)
+            push(sender, specs, 3)
         armed[0] = False
         gate.set()
         killer.join(WAIT)
         pushing[0] = 4
-        sender.push(full_weights(specs, 4), version=4, timeout=WAIT)
+        push(sender, specs, 4)
         for r in range(2):
             assert receivers[r].wait_for(4, WAIT)
             want = expected_params(engine, r, full_weights(specs, 4))
@@ -606,6 +606,23 @@ def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next
         signal.signal(signal.SIGUSR1, before)
         gate.set()
         close_all(sender, receivers)
+
+
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works(
+    one_thread, monkeypatch
+):
+    """Ctrl-C while a rank pushes its links: it goes up at once (a link still pushing ends on
+    its own, within its timeout; taken in turn by one thread, it is aborted), each engine
+    rank holds a whole version, and the next push works."""
+
+    def push(sender, specs, v):
+        sender.push(full_weights(specs, v), version=v, timeout=WAIT)
+
+    interrupt_the_third_push(
+        "interrupted", "broadcast", push,
+        prepare=lambda sender: monkeypatch.setattr(sender, "_one_thread", lambda: one_thread),
+    )  # fmt: skip
 
 
 def test_an_interrupt_in_a_push_started_without_the_loop_aborts_it_and_the_next_works():
@@ -613,62 +630,19 @@ def test_an_interrupt_in_a_push_started_without_the_loop_aborts_it_and_the_next_
     from the pushing thread alone and end on the receivers' commit datagrams; a Ctrl-C
     while one waits for them (engine rank 0 holds its load) aborts it, and the next push
     (the usual way) brings every rank to its version exactly."""
-    specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
-    entered, gate, pushing = threading.Event(), threading.Event(), [0]
+    mine = {}
 
-    def held(load, items):
-        if pushing[0] == 3:
-            entered.set()
-            assert gate.wait(WAIT)
-        load(items)
+    def push(sender, specs, v):  # the same tensors, new values in place
+        for n, t in full_weights(specs, v).items():
+            mine.setdefault(n, torch.empty_like(t)).copy_(t)
+        sender.push(mine, version=v, timeout=WAIT)
 
-    engine, sender, params, receivers = one_rank_to_tp2(
-        "lean-interrupted", specs, (held, None), transport="shm", point_to_point=True
-    )
-    mine = {n: t.clone() for n, t in full_weights(specs, 1).items()}
-    armed = [False]
-
-    def interrupt(signum, frame):
-        if armed[0]:
-            armed[0] = False
-            raise KeyboardInterrupt
-
-    def kill_when_held():
-        assert entered.wait(WAIT)
-        os.kill(os.getpid(), signal.SIGUSR1)
-
-    before = signal.signal(signal.SIGUSR1, interrupt)
-    try:
-        for v in (1, 2):
-            pushing[0] = v
-            for n, t in full_weights(specs, v).items():
-                mine[n].copy_(t)
-            sender.push(mine, version=v, timeout=WAIT)
+    def after_two(sender):
         links = sender.statistics().per_receiver.values()
         assert [w.started_here for w in links] == [1, 1]  # version 2
         assert [w.commits_on_line for w in links] == [2, 2]
-        pushing[0], armed[0] = 3, True
-        for n, t in full_weights(specs, 3).items():
-            mine[n].copy_(t)
-        killer = threading.Thread(target=kill_when_held)
-        killer.start()
-        with pytest.raises(KeyboardInterrupt):
-            sender.push(mine, version=3, timeout=WAIT)
-        armed[0] = False
-        gate.set()
-        killer.join(WAIT)
-        pushing[0] = 4
-        for n, t in full_weights(specs, 4).items():
-            mine[n].copy_(t)
-        sender.push(mine, version=4, timeout=WAIT)
-        for r in range(2):
-            assert receivers[r].wait_for(4, WAIT)
-            want = expected_params(engine, r, full_weights(specs, 4))
-            assert all(torch.equal(params[r][n], want[n]) for n in want)
-    finally:
-        signal.signal(signal.SIGUSR1, before)
-        gate.set()
-        close_all(sender, receivers)
+
+    interrupt_the_third_push("lean-interrupted", "shm", push, after_two)
 
 
 def test_an_interrupt_between_two_steps_of_a_push_closes_it():
