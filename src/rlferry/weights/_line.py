@@ -50,21 +50,30 @@ _stream = msgspec.msgpack.Decoder(Stream)
 _committed = msgspec.msgpack.Decoder(Committed)
 
 
-def _bind(prefix: str) -> tuple[socket.socket, str] | None:
-    """A datagram socket at a fresh abstract name that learns each sender's pid; None off
-    Linux or where it cannot be bound."""
-    if sys.platform != "linux":
-        return None
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        name = f"rlferry-{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
-        s.bind("\0" + name)
-    except OSError as e:  # no line: the control channel alone
-        log.info("no %s line (%s): the control channel alone", prefix, e)
-        s.close()
-        return None
-    return s, name
+class _Bound:
+    """A datagram socket at a fresh abstract name (``name``) that learns each sender's pid;
+    none (``name`` empty) off Linux or where it cannot be bound."""
+
+    def __init__(self, prefix: str, what: str) -> None:
+        self._sock: socket.socket | None = None
+        self.name = ""
+        if sys.platform != "linux":
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            name = f"rlferry-{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+            s.bind("\0" + name)
+        except OSError as e:  # no line: the control channel alone
+            log.info("no %s line (%s): the control channel alone", what, e)
+            s.close()
+            return
+        self._sock, self.name = s, name
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def _receive(s: socket.socket) -> tuple[bytes, int]:
@@ -78,15 +87,12 @@ def _receive(s: socket.socket) -> tuple[bytes, int]:
     return data, pid
 
 
-class Line:
+class Line(_Bound):
     """A receiver's end: bound at a fresh abstract name (``name``), read by its thread."""
 
     def __init__(self) -> None:
-        self._sock: socket.socket | None = None
-        self.name = ""
-        bound = _bind("line")
-        if bound is not None:
-            self._sock, self.name = bound
+        super().__init__("line", "start")
+        if self._sock is not None:
             self._sock.setblocking(False)
 
     @property
@@ -113,22 +119,13 @@ class Line:
                 log.warning("start line: dropped a malformed datagram: %s", e)
         return got
 
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
-
-class Commits:
+class Commits(_Bound):
     """A mailbox sender's commit line (see the module's note): bound at ``name``, read by
     the pushing thread."""
 
     def __init__(self) -> None:
-        self._sock: socket.socket | None = None
-        self.name = ""
-        bound = _bind("commits")
-        if bound is not None:
-            self._sock, self.name = bound
+        super().__init__("commits", "commit")
         self._wakes = Starter()
 
     def wake(self) -> None:
@@ -178,9 +175,7 @@ class Commits:
 
     def close(self) -> None:
         self._wakes.close()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        super().close()
 
 
 class Starter:
