@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
 from ._engine import (
@@ -34,7 +35,6 @@ from ._engine import (
     FinishReason,
     GenerateRequest,
     PauseMode,
-    RequestError,
     SamplingParams,
 )
 from ._fleet import Fleet, Member, Moved
@@ -97,9 +97,9 @@ class Coordinator:
         engine_timeout: float = ENGINE_TIMEOUT,
     ) -> None:
         if stale not in ("drop", "regenerate"):
-            raise ValueError(f"stale: expected 'drop' or 'regenerate', got {stale!r}")
+            raise RequestError(f"stale: expected 'drop' or 'regenerate', got {stale!r}")
         if not isinstance(engine_timeout, (int, float)) or not engine_timeout > 0:
-            raise ValueError(f"engine_timeout: expected seconds > 0, got {engine_timeout!r}")
+            raise RequestError(f"engine_timeout: expected seconds > 0, got {engine_timeout!r}")
         self._bound = Staleness(batch_size, max_staleness, max_running, version)
         self.stale = stale
         self.engine_timeout = float(engine_timeout)
@@ -108,7 +108,7 @@ class Coordinator:
         for engine in engines:
             self._fleet.add(engine)
         if not self._fleet.members:
-            raise ValueError(
+            raise RequestError(
                 "engines: expected at least one engine, got none (pass HFEngine objects, "
                 "RemoteEngine objects or URLs of `rlferry serve engine`; more can join later "
                 "with add_engine)"
@@ -149,7 +149,7 @@ class Coordinator:
         prompts again (``"restart"``). A request the engine does not give back in time
         restarts from the tokens it had before it went there."""
         if requests not in ("continue", "restart"):
-            raise ValueError(f"requests: expected 'continue' or 'restart', got {requests!r}")
+            raise RequestError(f"requests: expected 'continue' or 'restart', got {requests!r}")
         member = self._fleet.remove(name, requests)
         self._notify()
         calls = dict(member.calls)
@@ -230,7 +230,7 @@ class Coordinator:
         request = GenerateRequest(request_id="check", prompt_ids=list(prompt_ids), params=params)
         most = self._bound.batch_size * (self._bound.max_staleness + 1)
         if type(n) is not int or not 1 <= n <= most:
-            raise ValueError(
+            raise RequestError(
                 f"n: expected an int in [1, {most}] (batch_size x (max_staleness + 1)), got {n!r}"
             )
         await self._settle()
@@ -385,7 +385,7 @@ class Coordinator:
             TimeoutError: not enough fresh groups within ``timeout``.
         """
         if type(groups) is not int or groups < 1:
-            raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
+            raise RequestError(f"groups: expected an int >= 1, got {groups!r}")
 
         def ready() -> list[_Unit] | None:
             self._sift()
@@ -444,11 +444,11 @@ class Coordinator:
             EngineError: no engine in the fleet can be updated (each is broken).
         """
         if type(version) is not int or version <= self.version:
-            raise ValueError(
+            raise RequestError(
                 f"version: expected an int above the current {self.version}, got {version!r}"
             )
         if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+            raise RequestError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         await self._settle()
         if not any(m.state in ("serving", "behind") for m in self._fleet):
             raise EngineError(

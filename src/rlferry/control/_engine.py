@@ -21,10 +21,13 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from rlferry.errors import Gone, RequestError, RlferryError
+
 __all__ = [
     "Completion",
     "Engine",
     "EngineError",
+    "EngineGone",
     "EngineStatistics",
     "FinishReason",
     "GenerateRequest",
@@ -42,38 +45,28 @@ PauseMode = Literal["keep", "abort", "wait"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class EngineError(Exception):
+class EngineError(RlferryError):
     """An engine failed a request or a step of a weight update; ``engine`` names it (the
     engines, comma-separated, for an update that several failed: ``failures`` maps each
-    name to its reason). ``gone``: the engine is unreachable, closed or dead (a lost
-    connection, an answer that never came, a process that exited), so it serves nothing
-    until it is added again; otherwise it answered and refused or failed this one step."""
+    name to its reason). The control plane's base error. Where the engine answered, it
+    refused or failed this one step and serves on; where it is unreachable, closed or
+    dead the error is an :class:`EngineGone`."""
 
-    def __init__(
-        self,
-        engine: str,
-        message: str,
-        failures: dict[str, str] | None = None,
-        *,
-        gone: bool = False,
-    ) -> None:
+    gone = False
+    """True for an :class:`EngineGone`: the engine serves nothing until it is added again."""
+
+    def __init__(self, engine: str, message: str, failures: dict[str, str] | None = None) -> None:
         super().__init__(f"engine `{engine}`: {message}")
         self.engine = engine
         self.reason = message
         self.failures = dict(failures or {engine: message})
-        self.gone = gone
 
 
-class RequestError(ValueError):
-    """A request that an engine refuses (a token id outside its vocabulary, prompt +
-    ``max_tokens`` beyond its context, a bad sampling value): the request's fault, never
-    the engine's. It fails that request only; the engine keeps serving. The message is the
-    engine's (field, expected, got, fix), the same in process and over HTTP; ``engine``
-    names the engine that refused it (empty when the coordinator refused it at submit)."""
+class EngineGone(EngineError, Gone):
+    """The engine is unreachable, closed or dead (a lost connection, an answer that never
+    came, a process that exited): it serves nothing until it is added again."""
 
-    def __init__(self, message: str, engine: str = "") -> None:
-        super().__init__(message)
-        self.engine = engine
+    gone = True
 
 
 class WeightUpdateError(EngineError):
@@ -132,17 +125,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature: expected a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(
+            raise RequestError(
                 f"stop_token_ids: expected token ids (ints >= 0), got {self.stop_token_ids!r}"
             )
         if self.seed is not None and type(self.seed) is not int:
-            raise ValueError(f"seed: expected None or an int, got {self.seed!r}")
+            raise RequestError(f"seed: expected None or an int, got {self.seed!r}")
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -155,9 +148,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id: expected a non-empty str, got {self.request_id!r}")
+            raise RequestError(f"request_id: expected a non-empty str, got {self.request_id!r}")
         if not self.prompt_ids or not all(type(t) is int and t >= 0 for t in self.prompt_ids):
-            raise ValueError(
+            raise RequestError(
                 "prompt_ids: expected a non-empty list of token ids (ints >= 0), "
                 f"got {self.prompt_ids[:8]!r}"
             )

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
 from ._engine import Engine, EngineError, EngineStatistics
@@ -75,7 +76,7 @@ class Fleet:
             )
         old = self.members.get(engine.name)
         if old is not None and old.state != "broken":
-            raise ValueError(
+            raise RequestError(
                 f"engine `{engine.name}`: expected a name not in the fleet, got one that is "
                 f"({old.state}); a coordinator's engines need unique names (remove_engine it "
                 "first to replace it)"
@@ -88,7 +89,7 @@ class Fleet:
     def remove(self, name: str, moved: Moved) -> Member:
         member = self.members.pop(name, None)
         if member is None:
-            raise ValueError(
+            raise RequestError(
                 f"remove_engine: expected the name of an engine in the fleet "
                 f"({', '.join(map(repr, self.members)) or 'none'}), got {name!r}"
             )

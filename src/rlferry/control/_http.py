@@ -29,16 +29,17 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
 from ._engine import (
     Completion,
     Engine,
     EngineError,
+    EngineGone,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
-    RequestError,
 )
 
 __all__ = ["EngineServer", "RemoteEngine"]
@@ -259,7 +260,7 @@ class RemoteEngine:
 
     def __init__(self, url: str, *, token: str | None = None, name: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"url: expected http://HOST:PORT, got {url!r}")
+            raise RequestError(f"url: expected http://HOST:PORT, got {url!r}")
         self.url = url.rstrip("/")
         self.name = name or self.url
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -297,16 +298,12 @@ class RemoteEngine:
                     raise self._refused(path, resp.status, raw)
                 return msgspec.json.decode(raw, type=kind) if kind else msgspec.json.decode(raw)
         except asyncio.TimeoutError:
-            raise EngineError(
-                self.name, f"{path}: no answer within {timeout} s", gone=True
-            ) from None
+            raise EngineGone(self.name, f"{path}: no answer within {timeout} s") from None
         except aiohttp.ClientConnectorError as e:
-            raise EngineError(
-                self.name, f"{path}: unreachable ({e.os_error or e})", gone=True
-            ) from None
+            raise EngineGone(self.name, f"{path}: unreachable ({e.os_error or e})") from None
         except aiohttp.ClientError as e:
-            raise EngineError(
-                self.name, f"{path}: the engine went away ({type(e).__name__}: {e})", gone=True
+            raise EngineGone(
+                self.name, f"{path}: the engine went away ({type(e).__name__}: {e})"
             ) from None
 
     def _refused(self, path: str, status: int, raw: bytes) -> Exception:
@@ -328,7 +325,9 @@ class RemoteEngine:
             return SecurityError(f"engine `{self.name}`: {path}: the server {what}")
         if status == 400:
             return RequestError(message, self.name)
-        return EngineError(self.name, f"{path}: {kind + ': ' if kind else ''}{message}", gone=gone)
+        return (EngineGone if gone else EngineError)(
+            self.name, f"{path}: {kind + ': ' if kind else ''}{message}"
+        )
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """``request``'s completion. The calls made in one turn of the event loop travel
@@ -373,8 +372,8 @@ class RemoteEngine:
                     elif frame.kind == "RequestError":
                         future.set_exception(RequestError(frame.message, self.name))
                     else:
-                        future.set_exception(EngineError(
-                            self.name, f"{path}: {frame.kind}: {frame.message}", gone=frame.gone
+                        future.set_exception((EngineGone if frame.gone else EngineError)(
+                            self.name, f"{path}: {frame.kind}: {frame.message}"
                         ))  # fmt: skip
         except (aiohttp.ClientError, asyncio.IncompleteReadError, msgspec.DecodeError,
                 KeyError, OSError) as e:  # fmt: skip
@@ -385,7 +384,7 @@ class RemoteEngine:
             )
             for future in left.values():
                 if not future.done():
-                    future.set_exception(EngineError(self.name, f"{path}: {why}", gone=True))
+                    future.set_exception(EngineGone(self.name, f"{path}: {why}"))
         finally:  # cancelled by close(): its callers are told, never left waiting
             for future in left.values():
                 if not future.done():

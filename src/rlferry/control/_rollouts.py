@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.queue import AsyncQueueClient
 
 from ._coordinator import Group
@@ -26,7 +27,7 @@ def rollout_columns(
     ``response_len``.
     """
     if not groups:
-        raise ValueError("groups: expected at least one finished group, got none")
+        raise RequestError("groups: expected at least one finished group, got none")
     meta: dict[str, list[Any]] = {
         k: [] for k in ("group", "version_start", "version_end", "finish_reason", "engine",
                         "response_len")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlferry.errors import RequestError
+
 __all__ = ["Staleness"]
 
 
@@ -35,15 +37,17 @@ class Staleness:
 
     def __post_init__(self) -> None:
         if type(self.batch_size) is not int or self.batch_size < 1:
-            raise ValueError(f"batch_size: expected an int >= 1, got {self.batch_size!r}")
+            raise RequestError(f"batch_size: expected an int >= 1, got {self.batch_size!r}")
         if type(self.max_staleness) is not int or self.max_staleness < 0:
-            raise ValueError(
+            raise RequestError(
                 f"max_staleness: expected an int >= 0 (0 = synchronous), got {self.max_staleness!r}"
             )
         if self.max_running is not None and (
             type(self.max_running) is not int or self.max_running < 1
         ):
-            raise ValueError(f"max_running: expected None or an int >= 1, got {self.max_running!r}")
+            raise RequestError(
+                f"max_running: expected None or an int >= 1, got {self.max_running!r}"
+            )
 
     def capacity(self) -> int:
         """Samples that may be admitted now."""
@@ -98,7 +102,7 @@ class Staleness:
         for key in ("version", "consumed", "dropped", "regenerated", "lag_sum", "lag_max"):
             value = state.get(key)
             if type(value) is not int or value < 0:
-                raise ValueError(
+                raise RequestError(
                     f"state_dict[{key!r}]: expected an int >= 0, got {value!r} "
                     "(pass what Coordinator.state_dict() returned)"
                 )

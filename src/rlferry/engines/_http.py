@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from rlferry.control import EngineError, RequestError
+from rlferry.control import EngineError, EngineGone, RequestError
 from rlferry.wire import SecurityError
 
 __all__ = ["JsonClient"]
@@ -59,16 +59,12 @@ class JsonClient:
                     raise EngineError(self.name, f"{path}: HTTP {resp.status}: {raw[:500]!r}")
                 return json.loads(raw) if raw else None
         except asyncio.TimeoutError:
-            raise EngineError(
-                self.name, f"{path}: no answer within {timeout} s", gone=True
-            ) from None
+            raise EngineGone(self.name, f"{path}: no answer within {timeout} s") from None
         except aiohttp.ClientConnectorError as e:
-            raise EngineError(
-                self.name, f"{path}: unreachable ({e.os_error or e})", gone=True
-            ) from None
+            raise EngineGone(self.name, f"{path}: unreachable ({e.os_error or e})") from None
         except aiohttp.ClientError as e:
-            raise EngineError(
-                self.name, f"{path}: the server went away ({type(e).__name__}: {e})", gone=True
+            raise EngineGone(
+                self.name, f"{path}: the server went away ({type(e).__name__}: {e})"
             ) from None
 
     async def close(self) -> None:

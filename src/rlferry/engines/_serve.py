@@ -9,6 +9,8 @@ import os
 import signal
 from typing import Any
 
+from rlferry.errors import RequestError
+
 __all__ = ["ENGINES", "serve_engine"]
 
 ENGINES = ("hf", "vllm")
@@ -20,7 +22,7 @@ def _vllm_engine(
     """A ``VLLMEngine`` of ``model`` as the demo and ``serve engine`` run it: token ids in
     and out (no tokenizer), eager, the checkpoint's dtype (float32 on the CPU)."""
     if device is not None and str(device) != "cpu" and not str(device).startswith("cuda"):
-        raise ValueError(f"--device: expected cpu or cuda[:N] for vllm, got {device!r}")
+        raise RequestError(f"--device: expected cpu or cuda[:N] for vllm, got {device!r}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU
     if device is not None and str(device).startswith("cuda:"):  # vLLM takes the first visible
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device).partition(":")[2]
@@ -64,9 +66,9 @@ def serve_engine(
     from rlferry.control import EngineServer
 
     if engine not in ENGINES:
-        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+        raise RequestError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     if type(nice) is not int or not 0 <= nice <= 19:
-        raise ValueError(f"--nice: expected an int in [0, 19], got {nice!r}")
+        raise RequestError(f"--nice: expected an int in [0, 19], got {nice!r}")
     if nice:
         _lower_priority(nice)
 

@@ -182,13 +182,13 @@ class VLLMServerEngine:
         update_timeout: float = 60.0,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"VLLMServerEngine.url: expected http://HOST:PORT, got {url!r}")
+            raise RequestError(f"VLLMServerEngine.url: expected http://HOST:PORT, got {url!r}")
         if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"VLLMServerEngine.name: expected a non-empty str, got {name!r}")
+            raise RequestError(f"VLLMServerEngine.name: expected a non-empty str, got {name!r}")
         if type(version) is not int or version < 0:
-            raise ValueError(f"VLLMServerEngine.version: expected an int >= 0, got {version!r}")
+            raise RequestError(f"VLLMServerEngine.version: expected an int >= 0, got {version!r}")
         if not isinstance(update_timeout, (int, float)) or not update_timeout > 0:
-            raise ValueError(
+            raise RequestError(
                 f"VLLMServerEngine.update_timeout: expected a number > 0, got {update_timeout!r}"
             )
         self.url = url.rstrip("/")
@@ -244,7 +244,7 @@ class VLLMServerEngine:
     # -- pause ------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "keep") -> None:
         if mode not in _MODES:
-            raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+            raise RequestError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         await self._call("POST", "/pause", params={"mode": mode})
         self._paused = True
 

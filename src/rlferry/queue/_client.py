@@ -33,7 +33,6 @@ from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
 from ._checks import check_partition, check_timeout, checked_address, checked_put, positive, staged
 from ._columns import assemble, split_rows
 from ._errors import ERRORS, QueueClosed, QueueError, SchemaError, ServiceGone
-from ._errors import RemoteError as QueueRemoteError
 from ._messages import Ack, Clear, Fields, Get, Info, Put, Read, Release, Stats, to_wire
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
 
@@ -110,7 +109,7 @@ class AsyncQueueClient:
         except RemoteError as e:
             known = ERRORS.get(e.kind)
             if known is None:
-                raise QueueRemoteError(e.kind, f"{e.message} (at {client.address})") from None
+                raise RemoteError(e.kind, f"{e.message} (at {client.address})") from None
             raise known(e.message) from None
         except SecurityError:
             raise

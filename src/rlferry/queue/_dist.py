@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.wire import decode, encode
 from rlferry.wire._codec import _tensor_buffer
 
@@ -39,7 +40,7 @@ def get_broadcast(
     )
     if dist.get_rank() == src:
         if client is None:
-            raise ValueError(f"client: expected a QueueClient on the source rank {src}, got None")
+            raise RequestError(f"client: expected a QueueClient on the source rank {src}, got None")
         b = client.get(partition, **get)
         frames = [
             memoryview(f).cast("B")

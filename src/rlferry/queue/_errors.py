@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlferry.wire import RemoteError as WireRemoteError
+from rlferry.errors import Closed, Gone, RemoteError, RequestError, RlferryError, Timeout
 
 __all__ = [
     "GetTimeout",
@@ -17,47 +17,42 @@ __all__ = [
 ]
 
 
-class QueueError(Exception):
+class QueueError(RlferryError):
     """Base class of every error the queue raises."""
 
 
-class SchemaError(QueueError, ValueError):
+class SchemaError(QueueError, RequestError):
     """A put or get whose fields, rows, indexes or values do not fit (see the message)."""
 
 
-class UnknownTask(QueueError, KeyError):
+class UnknownTask(QueueError, RequestError, KeyError):
     """A task name that was not registered when the queue started."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
 
-class UnknownPartition(QueueError, KeyError):
+class UnknownPartition(QueueError, RequestError, KeyError):
     """A partition that does not exist (never put, or cleared)."""
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class GetTimeout(QueueError, TimeoutError):
+class GetTimeout(QueueError, Timeout):
     """``get`` found too few ready samples before its timeout; nothing was leased."""
 
 
-class PutTimeout(QueueError, TimeoutError):
+class PutTimeout(QueueError, Timeout):
     """``put`` found no room (capacity or max_partitions) before its timeout; nothing was stored."""
 
 
-class ServiceGone(QueueError):
+class ServiceGone(QueueError, Gone):
     """The controller or a storage unit died or became unreachable."""
 
 
-class QueueClosed(QueueError):
+class QueueClosed(QueueError, Closed):
     """The client or queue was closed."""
-
-
-class RemoteError(QueueError, WireRemoteError):
-    """A service of the queue raised an error the client has no class for (a bug, or a
-    newer server): ``kind`` is the remote class name, ``message`` its text."""
 
 
 ERRORS: dict[str, type[QueueError]] = {

@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar, Union
 import msgspec
 from msgspec import Meta
 
+from rlferry.errors import RequestError
 from rlferry.wire._errors import brief
 
 from ._errors import SchemaError
@@ -74,13 +75,13 @@ class Alloc(_Request, frozen=True, tag="alloc"):
     def __post_init__(self) -> None:
         for key, values in self.meta.items():
             if len(values) != self.rows:
-                raise ValueError(
+                raise RequestError(
                     f"meta `{key}`: expected {self.rows} values (one per sample), got {len(values)}"
                 )
         if self.indexes is not None and (
             len(self.indexes) != self.rows or len(set(self.indexes)) != self.rows
         ):
-            raise ValueError(f"indexes: expected {self.rows} distinct indexes (one per row)")
+            raise RequestError(f"indexes: expected {self.rows} distinct indexes (one per row)")
 
 
 class Produced(_Request, frozen=True, tag="produced"):
@@ -106,7 +107,9 @@ class Get(_Request, frozen=True, tag="get"):
 
     def __post_init__(self) -> None:
         if self.dp_rank >= self.dp_size:
-            raise ValueError(f"dp_rank: expected an int in [0, {self.dp_size}), got {self.dp_rank}")
+            raise RequestError(
+                f"dp_rank: expected an int in [0, {self.dp_size}), got {self.dp_rank}"
+            )
 
 
 class Ack(_Request, frozen=True, tag="ack"):

@@ -15,6 +15,8 @@ import secrets
 import threading
 from typing import Any
 
+from rlferry.errors import RequestError, RlferryError
+
 __all__ = ["DEATH_GRACE", "Deaths", "LaunchError", "Watched", "actor_name", "ask", "deaths",
            "node_address", "ray", "secret", "where"]  # fmt: skip
 
@@ -23,7 +25,7 @@ DEATH_GRACE = 1.0
 milliseconds; a connection lost to a live actor is reported as such after this)."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(RlferryError, RuntimeError):
     """A job could not start on Ray (a name taken, a placement that cannot fit, an actor
     that failed to start); the message says what was asked, what Ray had, and the fix."""
 
@@ -44,7 +46,7 @@ def actor_name(job: str, role: str) -> str:
 
 def check_job(job: Any) -> str:
     if not isinstance(job, str) or not job or "/" in job:
-        raise ValueError(
+        raise RequestError(
             f"job: expected a non-empty name without '/', got {job!r} (e.g. job='grpo-run-7')"
         )
     return job

@@ -18,12 +18,14 @@ from typing import Any, TypeVar
 from rlferry.control import (
     Completion,
     EngineError,
+    EngineGone,
     EngineServer,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
     RemoteEngine,
 )
+from rlferry.errors import RequestError
 from rlferry.wire import is_local, wire_loop
 
 from ._common import (
@@ -137,27 +139,27 @@ class RayEngine:
             raise
         if not task.done():
             task.cancel()
-            raise EngineError(
-                self.name, f"actor `{self.actor_name}` died: {end.result()}", gone=True
-            )
+            raise EngineGone(self.name, f"actor `{self.actor_name}` died: {end.result()}")
         try:
             return task.result()
         except EngineError as e:
             # Ray fails a restartable actor's calls ~1 s after its death: not waited for
             why = await deaths.why(self._key, 0.0 if self.restartable else DEATH_GRACE)
             if why is None and e.gone and self.restartable:
-                raise EngineError(self.name, f"actor `{self.actor_name}` lost: {e.reason} (Ray "
-                                  "restarts it: await RayEngines.restarted or rejoin)",
-                                  gone=True) from None  # fmt: skip
+                raise EngineGone(
+                    self.name,
+                    f"actor `{self.actor_name}` lost: {e.reason} (Ray restarts it: await "
+                    "RayEngines.restarted or rejoin)",
+                ) from None
             if why is None and e.gone:
-                raise EngineError(self.name, f"actor `{self.actor_name}`: {e.reason} (Ray "
-                                  f"reported no death within {DEATH_GRACE:g} s)", gone=True
-                                  ) from None  # fmt: skip
+                raise EngineGone(
+                    self.name,
+                    f"actor `{self.actor_name}`: {e.reason} (Ray reported no death within "
+                    f"{DEATH_GRACE:g} s)",
+                ) from None
             if why is None:
                 raise
-            raise EngineError(
-                self.name, f"actor `{self.actor_name}` died: {why}", gone=True
-            ) from None
+            raise EngineGone(self.name, f"actor `{self.actor_name}` died: {why}") from None
 
     async def ended(self, timeout: float) -> str:
         """Why the actor ended (Ray's reason), once it did; at most ``timeout`` seconds.
@@ -259,16 +261,16 @@ class RayEngines(Placed):
         r = ray()
         check_job(job)
         if engine not in ("hf", "vllm"):
-            raise ValueError(f"engine: expected 'hf' or 'vllm', got {engine!r}")
+            raise RequestError(f"engine: expected 'hf' or 'vllm', got {engine!r}")
         if type(engines) is not int or engines < 1:
-            raise ValueError(f"engines: expected an int >= 1, got {engines!r}")
+            raise RequestError(f"engines: expected an int >= 1, got {engines!r}")
         g = gpus_per_engine
         if type(g) not in (int, float) or g < 0 or (g > 1 and g != int(g)):
-            raise ValueError(
+            raise RequestError(
                 f"gpus_per_engine: expected 0, a fraction of one GPU or a whole number, got {g!r}"
             )
         if runtime_env is not None and not isinstance(runtime_env, dict):
-            raise ValueError(
+            raise RequestError(
                 f"runtime_env: expected a dict of Ray's runtime environment (e.g. "
                 f"{{'env_vars': {{...}}}}) or None, got {type(runtime_env).__name__}"
             )
@@ -336,13 +338,13 @@ class RayEngines(Placed):
             ask = self._actors[i].url.options(max_task_retries=-1).remote()
             url = await asyncio.wait_for(_ref(ask), timeout)
         except asyncio.TimeoutError:
-            raise EngineError(
+            raise EngineGone(
                 old.name, f"actor `{old.actor_name}` did not serve again within {timeout:g} s "
-                "of its restart", gone=True,
+                "of its restart"
             ) from None  # fmt: skip
         except r.exceptions.RayActorError as e:
-            raise EngineError(old.name, f"actor `{old.actor_name}` is dead for good: "
-                                        f"{reason(e)}", gone=True) from None  # fmt: skip
+            raise EngineGone(old.name, f"actor `{old.actor_name}` is dead for good: "
+                                        f"{reason(e)}") from None  # fmt: skip
         new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token, True)
         self.engines[i] = new
         await old.close()

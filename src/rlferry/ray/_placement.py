@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlferry.errors import RequestError
+
 from ._common import LaunchError, ray
 
 __all__ = ["READY_TIMEOUT", "STOP_TIMEOUT", "Placed", "free_resources", "place", "stop_all"]
@@ -56,7 +58,7 @@ def place(
             message names the bundles and each node's free resources.
     """
     if type(ready_timeout) not in (int, float) or not ready_timeout > 0:
-        raise ValueError(f"ready_timeout: expected seconds > 0, got {ready_timeout!r}")
+        raise RequestError(f"ready_timeout: expected seconds > 0, got {ready_timeout!r}")
     r = ray()
     pg = r.util.placement_group(bundles, strategy=strategy, name=name)
     try:

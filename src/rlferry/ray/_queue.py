@@ -19,6 +19,7 @@ import contextlib
 import os
 from typing import Any
 
+from rlferry.errors import RequestError
 from rlferry.queue import (
     AsyncQueueClient,
     ControllerService,
@@ -179,7 +180,7 @@ class RayQueue(Placed):
             n = storage_units or sum(1 for node in r.nodes() if node.get("Alive"))
             bundles = [{"CPU": cpus_per_unit} for _ in range(n)]
         elif storage_units is not None and storage_units != len(bundles):
-            raise ValueError(
+            raise RequestError(
                 f"storage_units: expected {len(bundles)} (one per bundle), got {storage_units}"
             )
         ctrl_name = actor_name(job, "controller")

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlferry.errors import RequestError
+
 if TYPE_CHECKING:
     from .demo import DemoConfig
 
@@ -49,7 +51,7 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
     free, total = torch.cuda.mem_get_info(0)
     if need > 0.9 * free:
         gib = 2**30
-        raise ValueError(
+        raise RequestError(
             f"device: the run needs about {need / gib:.1f} GiB on GPU 0 ({engines_there} "
             f"engine(s) x ({serve * params / gib:.2f} GiB of weights + {cache / gib:.2f} GiB "
             f"of KV cache) + a trainer rank's {16 * params // dp / gib:.2f} GiB), got "

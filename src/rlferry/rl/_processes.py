@@ -16,6 +16,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rlferry.errors import RequestError
+
 from ._trainer import trainer_main
 
 __all__ = ["START_TIMEOUT", "Processes", "RayProcesses", "answer", "call", "free_port",
@@ -226,14 +228,14 @@ def check_ray_address(address: str) -> None:
         return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(
+        raise RequestError(
             f"ray_address: expected HOST:PORT of a running Ray head (as `ray start --head` "
             f"prints it), ray://HOST:PORT or auto, got {address!r}"
         )
     try:
         socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT).close()
     except OSError as e:
-        raise ValueError(
+        raise RequestError(
             f"ray_address: expected a running Ray head at {address!r}, got no connection "
             f"within {RAY_CONNECT_TIMEOUT:.0f} s ({e}); start one with `ray start --head`, "
             "or drop --ray-address for a local Ray"

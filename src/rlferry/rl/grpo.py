@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 __all__ = [
     "GrpoBatch",
     "GrpoStats",
@@ -49,9 +51,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """``(R_i - mean_g) / (std_g + 1e-6)`` per group of ``group_size`` consecutive rewards
     (population std); exactly 0 for a group whose rewards are all equal. float32."""
     if type(group_size) is not int or group_size < 1:
-        raise ValueError(f"group_advantages.group_size: expected an int >= 1, got {group_size!r}")
+        raise RequestError(f"group_advantages.group_size: expected an int >= 1, got {group_size!r}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(
+        raise RequestError(
             f"group_advantages.rewards: expected a 1-D tensor of whole groups of {group_size}, "
             f"got shape {tuple(rewards.shape)} (one reward per sample, groups consecutive)"
         )
@@ -78,16 +80,16 @@ class GrpoBatch:
     def __post_init__(self) -> None:
         n = len(self.prompts)
         if n == 0:
-            raise ValueError("GrpoBatch.prompts: expected at least one sequence, got 0")
+            raise RequestError("GrpoBatch.prompts: expected at least one sequence, got 0")
         for name in ("responses", "logprobs", "advantages"):
             if len(getattr(self, name)) != n:
-                raise ValueError(
+                raise RequestError(
                     f"GrpoBatch.{name}: expected {n} rows (as prompts), "
                     f"got {len(getattr(self, name))} (one per sequence)"
                 )
         for i, (resp, lp) in enumerate(zip(self.responses, self.logprobs, strict=True)):
             if len(lp) != len(resp):
-                raise ValueError(
+                raise RequestError(
                     f"GrpoBatch.logprobs[{i}]: expected {len(resp)} values (one per token of "
                     f"responses[{i}]), got {len(lp)}"
                 )
@@ -119,7 +121,7 @@ def pad_batch(
     ``attention_mask`` and ``response_mask`` (bool, true on the response's tokens), each
     ``(n, longest)``. Right padding keeps every real token at its natural position."""
     if len(responses) != len(prompts) or not prompts:
-        raise ValueError(
+        raise RequestError(
             f"pad_batch.responses: expected {len(prompts)} rows (as prompts) and at least one, "
             f"got {len(responses)}"
         )
@@ -174,7 +176,7 @@ def grpo_loss(model: Any, batch: GrpoBatch, *, clip: float = 0.2) -> tuple[torch
     """The loss of the module docstring on ``batch`` (a differentiable 0-d tensor; call
     ``backward`` on it) and its :class:`GrpoStats`. Inputs go to the model's device."""
     if not 0 < clip < 1:
-        raise ValueError(f"grpo_loss.clip: expected a number in (0, 1), got {clip!r}")
+        raise RequestError(f"grpo_loss.clip: expected a number in (0, 1), got {clip!r}")
     device = next(model.parameters()).device
     input_ids, attention_mask, response_mask = (
         t.to(device) for t in pad_batch(batch.prompts, batch.responses)
@@ -189,7 +191,7 @@ def grpo_loss(model: Any, batch: GrpoBatch, *, clip: float = 0.2) -> tuple[torch
     mask = response_mask.float()
     tokens = int(response_mask.sum())
     if tokens == 0:
-        raise ValueError(
+        raise RequestError(
             "grpo_loss.batch: expected at least one response token, got 0 (every response is empty)"
         )
     diff = (logp - engine) * mask

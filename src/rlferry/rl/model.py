@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 from .task import ReverseTask
 
 __all__ = ["PRESETS", "make_model", "model_config", "warm_start"]
@@ -48,7 +50,7 @@ def _transformers() -> Any:
 
 def _check_preset(preset: object) -> str:
     if preset not in PRESETS:
-        raise ValueError(
+        raise RequestError(
             f"make_model.preset: expected one of 'tiny', 'small' or 'qwen3-0.6b', got {preset!r}"
         )
     return str(preset)
@@ -59,7 +61,7 @@ def model_config(preset: str, vocab_size: int) -> Any:
     tf = _transformers()
     preset = _check_preset(preset)
     if type(vocab_size) is not int or vocab_size < 1:
-        raise ValueError(f"make_model.vocab_size: expected an int >= 1, got {vocab_size!r}")
+        raise RequestError(f"make_model.vocab_size: expected an int >= 1, got {vocab_size!r}")
     special = dict(pad_token_id=0, eos_token_id=1, bos_token_id=None)  # the task's tokenizer
     if preset == "qwen3-0.6b":
         return tf.Qwen3Config(

@@ -18,6 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rlferry.errors import RequestError
+
 from ._records import RunRecord, StepRecord
 
 __all__ = ["format_progress", "read_runs", "summarize", "write_report"]
@@ -126,7 +128,7 @@ def write_report(out_dir: str | Path, runs: Sequence[RunRecord]) -> Path:
         ImportError: matplotlib is not installed (``pip install 'rlferry[demo]'``).
     """
     if not runs:
-        raise ValueError("write_report: expected at least one run, got none")
+        raise RequestError("write_report: expected at least one run, got none")
     _matplotlib()  # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

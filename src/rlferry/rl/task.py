@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlferry.errors import RequestError
+
 __all__ = ["Prompt", "ReverseTask", "Tokenizer"]
 
 PAD = "<pad>"
@@ -34,10 +36,10 @@ class Tokenizer:
 
     def __init__(self, letters: str = "abcdefghij") -> None:
         if not isinstance(letters, str) or not letters:
-            raise ValueError(f"Tokenizer.letters: expected a non-empty str, got {letters!r}")
+            raise RequestError(f"Tokenizer.letters: expected a non-empty str, got {letters!r}")
         for c in letters:
             if c in "<>" or c.isspace() or letters.count(c) > 1:
-                raise ValueError(
+                raise RequestError(
                     f"Tokenizer.letters: expected distinct characters other than '<', '>' "
                     f"and whitespace, got {letters!r} (check {c!r})"
                 )
@@ -66,7 +68,7 @@ class Tokenizer:
             else:
                 c = text[i]
                 if c not in self._ids:
-                    raise ValueError(
+                    raise RequestError(
                         f"Tokenizer.encode: expected the letters {self.letters!r}, '>', "
                         f"'<eos>' or '<pad>', got {c!r} at index {i} of {text!r} "
                         "(make the tokenizer with every letter the task uses)"
@@ -82,7 +84,7 @@ class Tokenizer:
         for i, t in enumerate(ids):
             t = int(t)
             if not 0 <= t < len(self._symbols):
-                raise ValueError(
+                raise RequestError(
                     f"Tokenizer.decode: expected ids in [0, {len(self._symbols)}), got {t} "
                     f"at index {i} (ids from another tokenizer or model vocabulary?)"
                 )
@@ -115,7 +117,7 @@ class ReverseTask:
 
     def __init__(self, length: int = 5, letters: str = "abcdefghij") -> None:
         if type(length) is not int or length < 1:
-            raise ValueError(f"ReverseTask.length: expected an int >= 1, got {length!r}")
+            raise RequestError(f"ReverseTask.length: expected an int >= 1, got {length!r}")
         self.length = length
         self.tokenizer = Tokenizer(letters)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from rlferry.errors import RequestError
+
 __all__ = [
     "Box",
     "box_str",
@@ -115,13 +117,13 @@ def check_box(box: object, shape: Sequence[int], field: str) -> Box:
     try:
         out = tuple((int(a), int(b)) for a, b in box)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
-        raise ValueError(
+        raise RequestError(
             f"{field}: expected {want}, got {box!r} (give a tuple of (start, stop) pairs)"
         ) from None
     if len(out) != len(shape) or not all(
         0 <= a <= b <= d for (a, b), d in zip(out, shape, strict=False)
     ):
-        raise ValueError(
+        raise RequestError(
             f"{field}: expected {want} with 0 <= start <= stop <= size, got {box_str(out)} "
             "(a region outside the tensor, or of another rank)"
         )

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._plan import ALIGN
 
 __all__ = ["TRANSPORTS", "ReceiverConfig", "SenderConfig"]
@@ -18,7 +20,7 @@ MIN_BUCKET = 4096
 
 def _check_group(owner: str, group: Any) -> None:
     if not isinstance(group, str) or not group:
-        raise ValueError(f"{owner}.group: expected a non-empty str, got {group!r}")
+        raise RequestError(f"{owner}.group: expected a non-empty str, got {group!r}")
 
 
 def _check_device(owner: str, device: Any) -> torch.device | None:
@@ -27,7 +29,7 @@ def _check_device(owner: str, device: Any) -> torch.device | None:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(
+        raise RequestError(
             f"{owner}.device: expected a torch device such as 'cuda:0' or 'cpu', got {device!r}"
         ) from None
 
@@ -51,21 +53,21 @@ class SenderConfig:
         _check_group("WeightSender", self.group)
         for flag in ("zero_copy", "grouped_pack", "nccl_high_priority"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(
+                raise RequestError(
                     f"WeightSender.{flag}: expected a bool, got {getattr(self, flag)!r}"
                 )
         if self.transport not in TRANSPORTS:
-            raise ValueError(
+            raise RequestError(
                 f"WeightSender.transport: expected one of 'shm', 'cuda_ipc', 'broadcast', "
                 f"got {self.transport!r}"
             )
         if type(self.receivers) is not int or self.receivers < 1:
-            raise ValueError(
+            raise RequestError(
                 f"WeightSender.receivers: expected an int >= 1, got {self.receivers!r}"
             )
         b = self.bucket_bytes
         if b is not None and (type(b) is not int or b < MIN_BUCKET):
-            raise ValueError(
+            raise RequestError(
                 f"WeightSender.bucket_bytes: expected an int >= {MIN_BUCKET} "
                 f"(or None: chosen from free memory), got {b!r}"
             )
@@ -74,12 +76,12 @@ class SenderConfig:
         if self.bind is not None and not (
             isinstance(self.bind, str) and self.bind.split("://")[0] in ("tcp", "ipc")
         ):
-            raise ValueError(
+            raise RequestError(
                 f"WeightSender.bind: expected tcp://HOST:PORT or ipc://PATH, got {self.bind!r}"
             )
         object.__setattr__(self, "device", _check_device("WeightSender", self.device))
         if self.transport == "cuda_ipc" and self.device is not None and self.device.type != "cuda":
-            raise ValueError(
+            raise RequestError(
                 f"WeightSender.device: expected a CUDA device for transport 'cuda_ipc', "
                 f"got {str(self.device)!r}"
             )
@@ -103,31 +105,31 @@ class ReceiverConfig:
     def __post_init__(self) -> None:
         _check_group("WeightReceiver", self.group)
         if not isinstance(self.address, str) or "://" not in self.address:
-            raise ValueError(
+            raise RequestError(
                 f"WeightReceiver.address: expected the sender's address "
                 f"(tcp://HOST:PORT or ipc://PATH, from sender.address), got {self.address!r}"
             )
         if not callable(self.load):
-            raise ValueError(
+            raise RequestError(
                 f"WeightReceiver.load: expected a callable taking a list of (name, tensor), "
                 f"got {type(self.load).__name__}"
             )
         if self.on_commit is not None and not callable(self.on_commit):
-            raise ValueError(
+            raise RequestError(
                 f"WeightReceiver.on_commit: expected a callable taking the version, "
                 f"got {type(self.on_commit).__name__}"
             )
         if self.on_failure is not None and not callable(self.on_failure):
-            raise ValueError(
+            raise RequestError(
                 f"WeightReceiver.on_failure: expected a callable taking (reason, final), "
                 f"got {type(self.on_failure).__name__}"
             )
         e = self.expected
         if e is not None and not (callable(e) or isinstance(e, Mapping)):
-            raise ValueError(
+            raise RequestError(
                 f"WeightReceiver.expected: expected a mapping of name to tensor or a callable, "
                 f"got {type(e).__name__}"
             )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise ValueError(f"WeightReceiver.name: expected a non-empty str, got {self.name!r}")
+            raise RequestError(f"WeightReceiver.name: expected a non-empty str, got {self.name!r}")
         object.__setattr__(self, "device", _check_device("WeightReceiver", self.device))

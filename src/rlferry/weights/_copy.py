@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.wire._copy import BulkCopy, bytes_copy
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
@@ -163,16 +164,16 @@ class GroupedCopy:
         programs: int | None = None,
     ) -> None:
         if programs is not None and programs < 1:
-            raise ValueError(f"GroupedCopy.programs: expected None or >= 1, got {programs}")
+            raise RequestError(f"GroupedCopy.programs: expected None or >= 1, got {programs}")
         self.programs = programs
         dsts, srcs = list(dst), list(src)
         if len(dsts) != len(srcs):
-            raise ValueError(
+            raise RequestError(
                 f"GroupedCopy: expected as many sources as destinations ({len(dsts)}), "
                 f"got {len(srcs)}"
             )
         if names is not None and len(names) != len(dsts):
-            raise ValueError(
+            raise RequestError(
                 f"GroupedCopy: expected a name per pair ({len(dsts)}), got {len(names)}"
             )
         for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
@@ -238,7 +239,7 @@ def _check_pair(d: Any, s: Any, name: str) -> None:
                 f"got {type(t).__name__}"
             )
     if d.shape != s.shape:
-        raise ValueError(
+        raise RequestError(
             f"GroupedCopy: tensor `{name}`: expected shape {tuple(d.shape)} (the "
             f"destination's), got {tuple(s.shape)}"
         )
@@ -317,7 +318,7 @@ class ParamLoader:
         missing = [n for n in names if n not in self.params]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise ValueError(
+            raise RequestError(
                 f"ParamLoader: tensor `{missing[0]}`{more}: not a parameter of this engine "
                 f"(expected one of its {len(self.params)} names)"
             )

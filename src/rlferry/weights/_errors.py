@@ -17,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from rlferry.errors import Closed, Gone, RlferryError, Timeout
+
 if TYPE_CHECKING:
     from ._report import PushReport
 
 __all__ = ["PushTimeout", "ReceiverClosed", "SenderClosed", "SenderGone", "WeightSyncError"]
 
 
-class WeightSyncError(Exception):
+class WeightSyncError(RlferryError):
     """A push that did not reach every receiver, or a configuration that cannot work.
 
     ``failures`` maps each failed receiver's name to its reason (empty for a
@@ -43,22 +45,22 @@ class WeightSyncError(Exception):
         self.report = report
 
 
-class SenderClosed(WeightSyncError):
+class SenderClosed(WeightSyncError, Closed):
     """The sender was closed (by you): it pushes no more. Make a new one."""
 
 
-class ReceiverClosed(WeightSyncError):
+class ReceiverClosed(WeightSyncError, Closed):
     """The receiver was closed (by you): it loads no more, ``wait_for`` cannot succeed
     for a version it does not hold, and it cannot start again. Make a new one."""
 
 
-class SenderGone(WeightSyncError):
+class SenderGone(WeightSyncError, Gone):
     """The receiver's sender went away (closed or died), or never answered its join:
     the receiver loads no more and keeps its last version. Join the next sender with
     a new receiver."""
 
 
-class PushTimeout(WeightSyncError, TimeoutError):
+class PushTimeout(WeightSyncError, Timeout):
     """A push did not finish within its ``timeout``: too few receivers were ready
     (the message names each that joined and what it was doing), or some did not
     acknowledge in time (``failures`` names them; ``report`` says who committed)."""

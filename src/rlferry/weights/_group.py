@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlferry.wire import AsyncClient, PeerGone, RemoteError, RequestTimeout, WireError, wire_loop
+from rlferry.errors import RequestError
+from rlferry.wire import (
+    AsyncClient,
+    PeerGone,
+    RemoteError,
+    RequestTimeout,
+    SecurityError,
+    WireError,
+    wire_loop,
+)
 
 from ._errors import SenderGone, WeightSyncError
 from ._layouts import TrainerLayout
@@ -50,7 +59,7 @@ def described(
     """The ``Described`` reply for ``group``: its ranks' addresses and their layout (point
     to point: each rank's link to engine rank ``engine_rank`` of ``engines``)."""
     if len(addresses) != trainer.ranks:
-        raise ValueError(
+        raise RequestError(
             f"addresses: expected one per trainer rank ({trainer.ranks}), got {len(addresses)}"
         )
     return Described(
@@ -120,7 +129,7 @@ def describe_group(
             f"no answer from the sender of group {group!r} at {address} within {timeout:g} s "
             "(is the sender running, and is this its address?)"
         ) from None
-    except WireError as e:
+    except (WireError, SecurityError) as e:
         raise WeightSyncError(f"no answer from the sender at {address}: {e}") from None
     if not isinstance(reply, Described):
         raise WeightSyncError(

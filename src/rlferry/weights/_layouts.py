@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import Box, box_str, check_box, chunk_bounds, extents, full_box, volume
 from ._plan import TensorSpec, dtype_name
 
@@ -60,16 +62,16 @@ class TrainerLayout:
     def __post_init__(self) -> None:
         by_name = {s.name: s for s in self.specs}
         if len(by_name) != len(self.specs):
-            raise ValueError("TrainerLayout.specs: expected unique names, got a name twice")
+            raise RequestError("TrainerLayout.specs: expected unique names, got a name twice")
         if not self.owned:
-            raise ValueError("TrainerLayout.owned: expected at least one rank, got none")
+            raise RequestError("TrainerLayout.owned: expected at least one rank, got none")
         owned = []
         for r, boxes in enumerate(self.owned):
             mine = {}
             for name, box in boxes.items():
                 spec = by_name.get(name)
                 if spec is None:
-                    raise ValueError(
+                    raise RequestError(
                         f"TrainerLayout.owned[{r}][{name!r}]: expected a tensor of specs, got an "
                         "unknown name (give the spec of every tensor a rank owns)"
                     )
@@ -108,7 +110,7 @@ def fsdp_layout(specs: Iterable[TensorSpec], ranks: int, *, dim: int = 0) -> Tra
     """FSDP2 ``fully_shard`` over ``ranks``: each tensor split on ``dim`` as ``torch.chunk``;
     a 0-d tensor (it cannot be split) is owned whole by the rank with the fewest bytes."""
     if type(ranks) is not int or ranks < 1:
-        raise ValueError(f"fsdp_layout.ranks: expected an int >= 1, got {ranks!r}")
+        raise RequestError(f"fsdp_layout.ranks: expected an int >= 1, got {ranks!r}")
     specs = tuple(specs)
     owned: list[dict[str, Box]] = [{} for _ in range(ranks)]
     load = [0] * ranks
@@ -119,7 +121,7 @@ def fsdp_layout(specs: Iterable[TensorSpec], ranks: int, *, dim: int = 0) -> Tra
             load[r] += s.nbytes
             continue
         if not 0 <= dim < len(s.shape):
-            raise ValueError(
+            raise RequestError(
                 f"fsdp_layout.dim: expected a dimension of `{s.name}` {list(s.shape)}, got {dim}"
             )
         for r in range(ranks):
@@ -162,7 +164,7 @@ def dtensor_layout(named: Iterable[tuple[str, Any]], ranks: int | None = None) -
                         a, b = chunk_bounds(hi - lo, mesh_ranks.shape[mdim], coord[mdim])
                         cut[p.dim] = (lo + a, lo + b)
                     elif not isinstance(p, Replicate):
-                        raise ValueError(
+                        raise RequestError(
                             f"tensor `{name}`: expected Shard(d) or Replicate placements, got "
                             f"{p!r} (not a box of the full tensor: a Partial needs a reduction; "
                             "give its full_tensor() or an explicit TrainerLayout)"
@@ -174,7 +176,7 @@ def dtensor_layout(named: Iterable[tuple[str, Any]], ranks: int | None = None) -
             if volume(box) == 0 and spec.shape:
                 continue
             if any(r >= ranks for r in rs):
-                raise ValueError(
+                raise RequestError(
                     f"tensor `{name}`: its mesh holds rank {max(rs)}, expected ranks below "
                     f"{ranks} (give ranks= the trainer's world size)"
                 )
@@ -225,14 +227,14 @@ class EngineLayout:
     def __post_init__(self) -> None:
         by_name = {s.name: s for s in self.specs}
         if not self.receivers:
-            raise ValueError("EngineLayout.receivers: expected at least one receiver, got none")
+            raise RequestError("EngineLayout.receivers: expected at least one receiver, got none")
         lines = [f"{s.name}{list(s.shape)}{dtype_name(s.dtype)}" for s in self.specs]
         for r, params in enumerate(self.receivers):
             names = set()
             for p in params:
                 where = f"EngineLayout.receivers[{r}][{p.name!r}]"
                 if p.name in names:
-                    raise ValueError(f"{where}: expected unique parameter names, got it twice")
+                    raise RequestError(f"{where}: expected unique parameter names, got it twice")
                 names.add(p.name)
                 lines.append(f"{r}:{p.name}{list(p.shape)}{dtype_name(p.dtype)}")
                 _check_parts(p, by_name, where)
@@ -276,7 +278,7 @@ def _check_parts(p: ParamLayout, specs: Mapping[str, TensorSpec], where: str) ->
     for i, q in enumerate(p.parts):
         spec = specs.get(q.source)
         if spec is None:
-            raise ValueError(
+            raise RequestError(
                 f"{where}.parts[{i}].source: expected a tensor of the specs, got {q.source!r} "
                 "(the engine layout names the trainer's tensors)"
             )
@@ -284,20 +286,20 @@ def _check_parts(p: ParamLayout, specs: Mapping[str, TensorSpec], where: str) ->
         at = check_box(q.at, p.shape, f"{where}.parts[{i}].at")
         e, ea = extents(box), extents(at)
         if ea[len(ea) - len(e) :] != e or any(x != 1 for x in ea[: len(ea) - len(e)]):
-            raise ValueError(
+            raise RequestError(
                 f"{where}.parts[{i}]: expected `at` of the extents of `box` {list(e)}, got "
                 f"{list(ea)} (a part is copied as it is, never reshaped)"
             )
         for j, other in enumerate(seen):
             if _overlap(other, at):
-                raise ValueError(
+                raise RequestError(
                     f"{where}.parts[{i}].at: expected parts that do not overlap, got "
                     f"{box_str(at)} over parts[{j}] {box_str(other)} (each byte of a "
                     "parameter comes from one part)"
                 )
         seen.append(at)
     if not math.prod(p.shape) and p.parts:
-        raise ValueError(f"{where}: an empty parameter has no parts")
+        raise RequestError(f"{where}: an empty parameter has no parts")
 
 
 def _overlap(a: Box, b: Box) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire import Client, WireError
+from rlferry.wire import Client, RemoteError, SecurityError, WireError
 
 from ._config import ReceiverConfig
 from ._errors import WeightSyncError
@@ -92,7 +92,7 @@ class PushLoading:
         go, the serving loop's next send meets the same error."""
         try:
             self._prefetch = self._send(ack)
-        except WireError as e:
+        except (WireError, RemoteError, SecurityError) as e:
             log.debug("receiver %s: the next bucket was not asked for: %s", self.name, e)
 
     def _handle(self, msg: Any) -> Ack:
@@ -184,7 +184,7 @@ class PushLoading:
         assert self._client is not None
         try:
             reply = decode_reply(self._client.request(encode(op), op.timeout + 10))
-        except WireError as e:
+        except (WireError, RemoteError, SecurityError) as e:
             raise WeightSyncError(f"the sender did not answer a store request: {e}") from None
         if not isinstance(reply, StoreReply):
             raise WeightSyncError(

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import Box, chunk_bounds, full_box, volume
 from ._budget import (
     LINK_BUFFER_BYTES,
@@ -105,12 +107,12 @@ def model_specs(
             values = json.load(f)
         model_type = values.pop("model_type", None)
         if not model_type:
-            raise ValueError(f"config {config!r}: expected a `model_type` key, got none")
+            raise RequestError(f"config {config!r}: expected a `model_type` key, got none")
         cfg = transformers.AutoConfig.for_model(model_type, **{**values, **overrides})
     else:
         cls = getattr(transformers, config, None)
         if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
-            raise ValueError(
+            raise RequestError(
                 f"config: expected a config.json path, a transformers configuration class "
                 f"name such as Qwen3MoeConfig or a preset ({', '.join(PRESETS)}), got {config!r}"
             )
@@ -189,15 +191,17 @@ class Cluster:
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
             v = getattr(self, f)
             if type(v) is not int or v < 1:
-                raise ValueError(f"Cluster.{f}: expected an int >= 1, got {v!r}")
+                raise RequestError(f"Cluster.{f}: expected an int >= 1, got {v!r}")
         for f in ("nvlink_GBps", "network_GBps"):
             if not getattr(self, f) > 0:
-                raise ValueError(f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}")
+                raise RequestError(
+                    f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}"
+                )
         for f in ("update_ms", "link_ms", "bucket_ms"):
             if not getattr(self, f) >= 0:
-                raise ValueError(f"Cluster.{f}: expected a time >= 0, got {getattr(self, f)!r}")
+                raise RequestError(f"Cluster.{f}: expected a time >= 0, got {getattr(self, f)!r}")
         if type(self.buffer_bytes) is not int or self.buffer_bytes < 2 * MIN_BUCKET_BYTES:
-            raise ValueError(
+            raise RequestError(
                 f"Cluster.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} (two "
                 f"buffers of the smallest bucket), got {self.buffer_bytes!r}"
             )
@@ -337,7 +341,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
-            raise ValueError(f"--set: expected key=value, got {item!r}")
+            raise RequestError(f"--set: expected key=value, got {item!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -376,7 +380,7 @@ def preset_or_config(config: str, overrides: Mapping[str, Any]) -> tuple[str, di
 def _dtype(field: str, name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(
+        raise RequestError(
             f"{field}: expected a torch dtype name such as bfloat16 or float8_e4m3fn, got {name!r}"
         )
     return dtype
@@ -402,11 +406,11 @@ def plan_weights(
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
-        raise ValueError(
+        raise RequestError(
             f"--trainer-tp: expected a divisor of --trainer-gpus {trainer_gpus}, got {trainer_tp!r}"
         )
     if not buffer_gib * 2**30 >= 2 * MIN_BUCKET_BYTES:
-        raise ValueError(
+        raise RequestError(
             f"--buffer-gib: expected at least {2 * MIN_BUCKET_BYTES / 2**30:g} (two buffers of "
             f"the smallest bucket, {MIN_BUCKET_BYTES >> 20} MiB), got {buffer_gib!r}"
         )

@@ -19,6 +19,7 @@ from rlferry.wire import (
     PeerGone,
     RemoteError,
     RequestTimeout,
+    SecurityError,
     WireError,
 )
 
@@ -207,7 +208,7 @@ class WeightReceiver(PushLoading):
                 f"receiver `{self.name}`: no answer from the sender at {c.address} within "
                 f"{timeout:g} s (is the sender running, and is this its address?)"
             ) from None
-        except WireError as e:
+        except (WireError, SecurityError) as e:
             self._client.close()
             raise WeightSyncError(
                 f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
@@ -320,7 +321,7 @@ class WeightReceiver(PushLoading):
         assert self._client is not None
         try:
             self._client.send(encode(msgspec.structs.replace(ack, park=False)), reply=False)
-        except WireError as e:
+        except (WireError, RemoteError, SecurityError) as e:
             log.debug("receiver %s: an acknowledgement was not sent: %s", self.name, e)
 
     def _wake(self) -> None:

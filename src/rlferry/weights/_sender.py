@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.wire import Server, default_address, wire_loop
 
 from ._config import SenderConfig
@@ -221,7 +222,7 @@ class WeightSender(PushFinishing):
         (it returns their indices). Such a caller must push the
         layout of the last push (a push that started streaming the old one fails, aborted)."""
         if type(version) is not int:
-            raise ValueError(f"push.version: expected an int, got {version!r}")
+            raise RequestError(f"push.version: expected an int, got {version!r}")
         if self._closed:
             raise SenderClosed(
                 f"push of version {version}: the sender of group {self.config.group!r} is "

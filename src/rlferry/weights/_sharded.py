@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import extents, full_box, relative, slices
 from ._budget import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES, bucket_cap, busier_ends, link_ctas
 from ._errors import WeightSyncError
@@ -87,7 +89,7 @@ class _Plans:
 
 def _check_rank(owner: str, rank: Any, n: int, what: str) -> int:
     if type(rank) is not int or not 0 <= rank < n:
-        raise ValueError(
+        raise RequestError(
             f"{owner}.rank: expected an int in [0, {n}) (the {what} layout has {n}), got {rank!r}"
         )
     return rank
@@ -134,7 +136,7 @@ class ShardedSender:
     ) -> None:
         self.rank = _check_rank("ShardedSender", rank, trainer.ranks, "trainer")
         if type(buffer_bytes) is not int or buffer_bytes < 2 * MIN_BUCKET_BYTES:
-            raise ValueError(
+            raise RequestError(
                 f"ShardedSender.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} "
                 f"(two buffers of the smallest bucket), got {buffer_bytes!r} (bytes, as an "
                 "int: 4 << 30 is 4 GiB)"
@@ -193,7 +195,7 @@ class ShardedSender:
         if trainer is not None:
             _check_rank("ShardedSender", self.rank, trainer.ranks, "trainer")
             if self._group_addresses is not None and len(self._group_addresses) != trainer.ranks:
-                raise ValueError(
+                raise RequestError(
                     f"set_layouts.trainer: expected {len(self._group_addresses)} ranks (the "
                     f"group this rank describes), got {trainer.ranks} (describe_group anew)"
                 )
@@ -204,7 +206,7 @@ class ShardedSender:
         if self.point_to_point:
             now = self._plans.get().receivers_of(self.rank)
             if now != sorted(self._links):
-                raise ValueError(
+                raise RequestError(
                     f"set_layouts: expected the engine ranks {sorted(self._links)} that trainer "
                     f"rank {self.rank} serves point to point, got {now} (make a new "
                     "ShardedSender for other engine ranks)"
@@ -235,12 +237,12 @@ class ShardedSender:
             self._describe_links(given)
         else:
             if not all(isinstance(a, str) and a for a in given):
-                raise ValueError(
+                raise RequestError(
                     "describe_group.addresses: expected every rank's address (a str), got "
                     f"{given!r}"
                 )
             if len(given) <= self.rank or given[self.rank] != self.address:
-                raise ValueError(
+                raise RequestError(
                     f"describe_group.addresses: expected this rank's address {self.address!r} "
                     f"at index {self.rank}, got {given!r} (give ShardedSender.address of "
                     "every rank, by rank)"
@@ -252,7 +254,7 @@ class ShardedSender:
         if not all(isinstance(a, Mapping) for a in addresses) or (
             len(addresses) <= self.rank or dict(addresses[self.rank]) != self.addresses
         ):
-            raise ValueError(
+            raise RequestError(
                 f"describe_group.addresses: expected every rank's addresses by engine rank "
                 f"(ShardedSender.addresses, point to point), this rank's {self.addresses!r} at "
                 f"index {self.rank}, got {addresses!r}"
@@ -264,7 +266,7 @@ class ShardedSender:
             None,
         )  # fmt: skip
         if split is not None:
-            raise ValueError(
+            raise RequestError(
                 f"describe_group: point to point, engine ranks learn only the trainer layout "
                 f"and need every tensor whole; parameter `{split}` is a slice (give TP engine "
                 "ranks their layout and addresses themselves)"

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import extents, slices
 from ._copy import GroupedCopy
 from ._errors import ReceiverClosed, WeightSyncError
@@ -130,7 +132,7 @@ class ShardedReceiver:
             t = self._params.get(n)
             if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 got = "no such tensor" if t is None else f"shape {list(t.shape)} {t.dtype}"
-                raise ValueError(
+                raise RequestError(
                     f"ShardedReceiver.params[{n!r}]: expected {spec.describe()} (engine rank "
                     f"{self.rank} of the engine layout), got {got} (give this rank's tensors, "
                     "made from EngineLayout.param_specs)"
@@ -185,7 +187,7 @@ class ShardedReceiver:
         if isinstance(a, Mapping):  # a sender's addresses by engine rank (point to point)
             a = a.get(self.rank)
         if a is None:
-            raise ValueError(
+            raise RequestError(
                 f"ShardedReceiver.addresses: expected the address of trainer rank {s} (this "
                 f"rank needs its bytes), got none (give every ShardedSender.address)"
             )
@@ -212,7 +214,7 @@ class ShardedReceiver:
             raise ReceiverClosed(f"receiver `{self.name}` is closed (make a new ShardedReceiver)")
         if isinstance(address, Mapping):  # checked before the rank's link is dropped
             if self.rank not in address:
-                raise ValueError(
+                raise RequestError(
                     f"connect.address: expected trainer rank {sender}'s addresses by engine "
                     f"rank, with this one's ({self.rank}), got engine ranks {sorted(address)} "
                     "(give the replacement's ShardedSender.addresses)"
@@ -283,7 +285,7 @@ class ShardedReceiver:
              for i, (w, g) in enumerate(zip(want, specs, strict=False)) if w != g),
             f"expected {len(want)} pieces, got {len(specs)}",
         )  # fmt: skip
-        raise ValueError(
+        raise RequestError(
             f"trainer rank {link.sender} sends pieces this receiver's plan {plan.fingerprint} "
             f"does not: {diff} (give every sender and receiver the same layouts)"
         )

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import Box, box_str, cover, full_box, intersect, relative, shift, volume
 from ._layouts import EngineLayout, TrainerLayout
 from ._plan import TensorSpec, dtype_name
@@ -106,7 +108,7 @@ class ShardPlan:
         for e in engine.specs:
             t = specs.get(e.name)
             if t is not None and (t.shape, t.dtype) != (e.shape, e.dtype):
-                raise ValueError(
+                raise RequestError(
                     f"tensor `{e.name}`: the trainer layout has {t.describe()}, the engine "
                     f"layout {e.describe()} (build both from the same model's specs)"
                 )
@@ -117,7 +119,7 @@ class ShardPlan:
                 for q in p.parts:
                     src = specs.get(q.source)
                     if src is None:
-                        raise ValueError(
+                        raise RequestError(
                             f"receiver {r} parameter `{p.name}` needs tensor `{q.source}`: "
                             "expected a tensor of the trainer layout, got an unknown name "
                             "(the engine layout names the trainer's tensors)"
@@ -232,13 +234,13 @@ def _check_owned(
     r, param, _ = user
     where = f"tensor `{t.name}` {box_str(box)}, needed by receiver {r} for `{param}`"
     if got < want:
-        raise ValueError(
+        raise RequestError(
             f"{where}: expected every element owned by a trainer rank, got {want - got} of "
             f"{want} owned by none (the trainer layout must cover every tensor the engine needs)"
         )
     if got > want:
         ranks = [s for s, _ in hits]
-        raise ValueError(
+        raise RequestError(
             f"{where}: expected each element owned by one trainer rank, got overlapping "
             f"boxes of ranks {ranks} (own a replicated tensor on one rank only)"
         )

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ._boxes import Box, chunk_bounds, full_box
 from ._layouts import EngineLayout, ParamLayout, Part
 from ._plan import TensorSpec
@@ -52,9 +54,9 @@ def tp_layout(
     """The layout of ``replicas`` engines of ``tp`` ranks each (receiver ``i * tp + r`` is
     rank ``r`` of engine ``i``); ``dtype``: the engine's (default: each tensor's own)."""
     if type(tp) is not int or tp < 1:
-        raise ValueError(f"tp_layout.tp: expected an int >= 1, got {tp!r}")
+        raise RequestError(f"tp_layout.tp: expected an int >= 1, got {tp!r}")
     if type(replicas) is not int or replicas < 1:
-        raise ValueError(f"tp_layout.replicas: expected an int >= 1, got {replicas!r}")
+        raise RequestError(f"tp_layout.replicas: expected an int >= 1, got {replicas!r}")
     specs = tuple(specs)
     ranks = [_rank(specs, tp, r, dtype) for r in range(tp)]
     return EngineLayout(specs, tuple(ranks) * replicas)

@@ -18,7 +18,14 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rlferry.wire import AsyncClient, ChannelClosed, WireError, wire_loop
+from rlferry.wire import (
+    AsyncClient,
+    ChannelClosed,
+    RemoteError,
+    SecurityError,
+    WireError,
+    wire_loop,
+)
 
 from ._messages import Abort, Watch, decode_reply, encode
 
@@ -86,7 +93,7 @@ class StreamWatch:
                     reply = decode_reply(await client.request(encode(Watch(key, seen))))
                 except ChannelClosed:
                     return
-                except WireError as e:  # the sender died (or refuses us: it says so again)
+                except (WireError, RemoteError, SecurityError) as e:  # it died, or refuses us
                     self._end(None, f"the sender went away mid-stream: {e}")
                     return
                 if isinstance(reply, Abort):

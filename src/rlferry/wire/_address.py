@@ -14,6 +14,8 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
+from rlferry.errors import RequestError
+
 from ._errors import SecurityError
 
 __all__ = [
@@ -43,7 +45,7 @@ def default_address(transport: str = "tcp") -> str:
         _sweep_once()
         name = f"rlferry-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock"
         return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
-    raise ValueError(f"transport: expected 'tcp' or 'ipc', got {transport!r}")
+    raise RequestError(f"transport: expected 'tcp' or 'ipc', got {transport!r}")
 
 
 def check_address(address: Any) -> str:
@@ -54,12 +56,12 @@ def check_address(address: Any) -> str:
     """
     scheme, sep, rest = address.partition("://") if isinstance(address, str) else ("", "", "")
     if not sep or not rest or scheme not in ("tcp", "ipc", "inproc"):
-        raise ValueError(
+        raise RequestError(
             f"address: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {address!r} "
             "(use the address the server printed, scheme included)"
         )
     if scheme == "tcp" and not rest.rpartition(":")[0]:
-        raise ValueError(f"address: expected tcp://HOST:PORT, got {address!r} (no port)")
+        raise RequestError(f"address: expected tcp://HOST:PORT, got {address!r} (no port)")
     return address
 
 

@@ -105,7 +105,7 @@ def refusal(kind: int, address: str, secret: object) -> SecurityError | None:
     return SecurityError(f"{address} refused this client's handshake: {why}")
 
 
-def gone_after(kind: int, address: str, secret: object, before: WireError | None) -> WireError:
+def gone_after(kind: int, address: str, secret: object, before: Exception | None) -> Exception:
     """Why requests fail after the monitor's event ``kind`` (a refusal, or a disconnect;
     a refusal stays the reason through the disconnect that follows it)."""
     refused = refusal(kind, address, secret)
@@ -170,7 +170,7 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._releases: _Releases | None = None
-        self._gone: WireError | None = None
+        self._gone: Exception | None = None
         self._closed = False
 
     def connect(self) -> None:
@@ -232,7 +232,7 @@ class AsyncClient:
             value = reply_value(frames[1:], self._owe)  # a late reply's views go at once
             if fut is not None:
                 fut.set_result(value)
-        except WireError as e:  # RemoteError too
+        except (WireError, RemoteError) as e:
             if fut is not None:
                 fut.set_exception(e)
 
@@ -257,7 +257,7 @@ class AsyncClient:
         finally:
             monitor.close(0)
 
-    def _fail_all(self, exc: WireError) -> None:
+    def _fail_all(self, exc: Exception) -> None:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

@@ -29,6 +29,8 @@ from typing import Any
 import msgspec
 import torch
 
+from rlferry.errors import RlferryError
+
 from ._copy import in_order
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, DTYPES, TensorRef
@@ -63,7 +65,7 @@ ACCEPTED = (
 )
 
 
-class _Refused(Exception):
+class _Refused(RlferryError):
     """Raised deep in the tree; the path is added while the stack unwinds."""
 
     def __init__(self, path: list[str], reason: str) -> None:

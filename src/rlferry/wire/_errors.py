@@ -5,6 +5,8 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
+from rlferry.errors import Closed, Gone, RemoteError, RlferryError, SecurityError, Timeout
+
 __all__ = [
     "ChannelClosed",
     "PeerGone",
@@ -16,34 +18,21 @@ __all__ = [
 ]
 
 
-class WireError(Exception):
-    """A value that cannot travel, or bytes that are not a valid rlferry message."""
+class WireError(RlferryError):
+    """A value that cannot travel, or bytes that are not a valid rlferry message; the
+    base of the wire's errors."""
 
 
-class ChannelClosed(WireError):
+class ChannelClosed(WireError, Closed):
     """You closed this socket (or its owner did); no more requests can be made on it."""
 
 
-class PeerGone(WireError):
+class PeerGone(WireError, Gone):
     """The other side disconnected or died while a request was waiting for its reply."""
 
 
-class RequestTimeout(WireError, TimeoutError):
+class RequestTimeout(WireError, Timeout):
     """No reply came within the request's timeout."""
-
-
-class RemoteError(WireError):
-    """The server's handler raised; ``kind`` is the remote exception's class name."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
-
-
-class SecurityError(WireError):
-    """A bind that would expose a service without a shared secret, a secret too short, or
-    a server that refused this client's secret (or its lack of one)."""
 
 
 class _Brief(reprlib.Repr):

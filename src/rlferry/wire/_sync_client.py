@@ -24,6 +24,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from rlferry.errors import RequestError
+
 from ._address import check_address
 from ._clients import CONNECT_TIMEOUT, dealer, gone_after, never_answered, reply_value
 from ._codec import encode
@@ -69,7 +71,7 @@ class Client:
         self._owed: collections.deque[int] = collections.deque()  # releases, from any thread
         self._connect_by = 0.0
         self._connected = False
-        self._gone: WireError | None = None
+        self._gone: Exception | None = None
         self._closing = False
         self._closed = False
 
@@ -114,14 +116,14 @@ class Client:
         self, rid: bytes, timeout: float | None, interruptible: bool, also: Any = None
     ) -> list[zmq.Frame] | None:
         if rid not in self._pending and rid not in self._replies and not self._closing:
-            raise ValueError(
+            raise RequestError(
                 f"wait: expected the id of a request sent with a reply awaited and not read "
                 f"yet, got {rid!r} (each reply is read once; send(..., reply=False) drops it)"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         if also is not None:  # by its number: the poller names a plain socket so
             if not isinstance(also, int) and not hasattr(also, "fileno"):
-                raise ValueError(
+                raise RequestError(
                     f"wait: also: expected a socket or a file descriptor, got {also!r} (pass "
                     "the socket whose readability should end the wait too)"
                 )
@@ -264,7 +266,7 @@ class Client:
                     frames = self._wait(rid, timeout, interruptible=False)
                     assert frames is not None  # nothing else ends this wait
                     reply_value(frames[1:], self._owe)
-                except WireError as e:
+                except (WireError, RemoteError) as e:
                     log.info("the farewell to %s got no answer: %s", self.address, e)
             self._closed = True
             exports.peer_gone(self._key)

@@ -4,10 +4,17 @@ TransferQueue's client wraps a controller error into ``RuntimeError``; its stora
 raises ``StorageKeyNotFoundError`` (a ``KeyError``); its module functions assert
 that ``init()`` ran. Each class here is a subclass of that type, so ``except``
 clauses written for TransferQueue catch them, with a message naming what was
-expected, what came and the fix.
+expected, what came and the fix. Each is also the error rlferry's queue raises for the
+same end (``GetMetaTimeout`` is a :class:`rlferry.queue.GetTimeout`, ``ClientClosed`` a
+``QueueClosed``, ``ServiceGone`` the queue's ``ServiceGone``), so ``rlferry.errors``'
+families catch them too.
 """
 
 from __future__ import annotations
+
+from rlferry.errors import RequestError
+from rlferry.queue import GetTimeout, QueueClosed, QueueError
+from rlferry.queue import ServiceGone as QueueServiceGone
 
 __all__ = [
     "ClientClosed",
@@ -18,25 +25,25 @@ __all__ = [
 ]
 
 
-class StorageKeyNotFoundError(KeyError):
+class StorageKeyNotFoundError(QueueError, RequestError, KeyError):
     """A requested sample has no value for a field (cleared, or never put)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; this one is a sentence
         return str(self.args[0]) if self.args else ""
 
 
-class GetMetaTimeout(RuntimeError):
+class GetMetaTimeout(GetTimeout, RuntimeError):
     """``get_meta`` waited its whole timeout and too few samples were ready."""
 
 
-class ClientClosed(RuntimeError):
+class ClientClosed(QueueClosed, RuntimeError):
     """A call on a client after ``close()``."""
 
 
-class ServiceGone(RuntimeError):
+class ServiceGone(QueueServiceGone, RuntimeError):
     """The process that holds the queue's state (a service process, or its Ray actor) died or
     stopped answering; the message names it and, on Ray, Ray's reason."""
 
 
-class NotInitialized(AssertionError):
+class NotInitialized(QueueError, AssertionError):
     """A module function called before ``init()`` or after ``close()``."""

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlferry.queue import SchemaError
 from rlferry.wire import (
     AsyncClient,
     ChannelClosed,
@@ -103,7 +104,7 @@ class Link:
             wire_loop().run(client.close())
 
 
-class _Unsendable(TypeError):
+class _Unsendable(SchemaError, TypeError):
     """A request held a value the wire does not carry (nothing was sent)."""
 
 

@@ -38,6 +38,7 @@ import torch
 from rlferry.control import (
     Completion,
     EngineError,
+    EngineGone,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
@@ -78,7 +79,7 @@ def _check_room(model: Any, device: torch.device, max_batch: int, max_len: int) 
         return
     free, total = torch.cuda.mem_get_info(device)
     if need > 0.9 * free:
-        raise ValueError(
+        raise RequestError(
             f"HFEngine: the KV cache of {max_batch} slots x {max_len} tokens needs "
             f"{need / 2**30:.2f} GiB, got {free / 2**30:.2f} GiB free of {total / 2**30:.2f} "
             f"GiB on {device} (lower max_batch or max_model_len)"
@@ -146,17 +147,17 @@ class HFEngine(DecodeThread):
             ("version", version, 0),
         ):  # fmt: skip
             if type(value) is not int or value < low:
-                raise ValueError(f"HFEngine.{field}: expected an int >= {low}, got {value!r}")
+                raise RequestError(f"HFEngine.{field}: expected an int >= {low}, got {value!r}")
         if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 2):
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.max_model_len: expected None or an int >= 2, got {max_model_len!r}"
             )
         if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"HFEngine.name: expected a non-empty str, got {name!r}")
+            raise RequestError(f"HFEngine.name: expected a non-empty str, got {name!r}")
         if not isinstance(check_finite, bool):
-            raise ValueError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
+            raise RequestError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
         if kv_cache not in (None, "dynamic", "slots"):
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.kv_cache: expected None, 'dynamic' or 'slots', got {kv_cache!r}"
             )
         loaded = load_model(model, device, dtype)
@@ -176,7 +177,7 @@ class HFEngine(DecodeThread):
         if kv_cache is None:
             kv_cache = "slots" if self.device.type == "cuda" and slots_ok else "dynamic"
         if kv_cache == "slots" and not slots_ok:
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.kv_cache: expected 'dynamic' for this model, got 'slots' (slots need "
                 f"eager or sdpa attention, no sliding-window layers and logits_to_keep; this "
                 f"model has attention {impl!r}, sliding={loaded.sliding})"
@@ -257,7 +258,7 @@ class HFEngine(DecodeThread):
                 self._ids.pop(r.request_id, None)
         for r in rows:
             if not r.future.done():
-                r.future.set_exception(EngineError(self.name, self._dead, gone=True))
+                r.future.set_exception(EngineGone(self.name, self._dead))
 
     def _check_request(self, request: Any) -> None:
         if not isinstance(request, GenerateRequest):
@@ -303,7 +304,7 @@ class HFEngine(DecodeThread):
         rows finished (requests not admitted yet wait for :meth:`resume`). Requests that
         come while paused wait for :meth:`resume`."""
         if mode not in _MODES:
-            raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+            raise RequestError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         waiter = Waiter.here("pause")
         with self._cond:
             self._alive()

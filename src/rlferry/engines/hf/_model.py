@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from rlferry.errors import RequestError
+from rlferry.weights import WeightSyncError
+
 __all__ = ["Loaded", "NonFinite", "check_finite", "load_model", "transformers"]
 
 
@@ -40,27 +43,27 @@ def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError):
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.device: expected a torch device such as 'cuda:0' or 'cpu', "
                 f"got {device!r}"
             ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.device: expected a device this torch can use, got {str(device)!r} "
                 "(torch.cuda.is_available() is False)"
             )
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"HFEngine.dtype: expected None or a torch.dtype, got {dtype!r}")
+        raise RequestError(f"HFEngine.dtype: expected None or a torch.dtype, got {dtype!r}")
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isdir(path):
-            raise ValueError(
+            raise RequestError(
                 f"HFEngine.model: expected a transformers causal LM or a local directory, "
                 f"got {path!r}, which is not a directory (nothing is downloaded)"
             )
         model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     if not isinstance(model, tf.PreTrainedModel) or not model.can_generate():
-        raise ValueError(
+        raise RequestError(
             f"HFEngine.model: expected a transformers causal LM or a local directory, "
             f"got {type(model).__name__}"
         )
@@ -81,8 +84,8 @@ def load_model(model: Any, device: Any, dtype: torch.dtype | None) -> Loaded:
     )
 
 
-class NonFinite(ValueError):
-    """A pushed tensor holds NaN or Inf."""
+class NonFinite(WeightSyncError, RequestError):
+    """A pushed tensor holds NaN or Inf: the pusher's fault (also a ``ValueError``)."""
 
 
 def check_finite(items: list[tuple[str, torch.Tensor]]) -> None:

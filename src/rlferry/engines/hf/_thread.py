@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlferry.control import EngineError
+from rlferry.control import EngineError, EngineGone
 
 from ._batch import Batch, Row
 from ._bridge import Waiter, settle
@@ -119,7 +119,7 @@ class DecodeThread:
 
     def _alive(self) -> None:
         if self._dead is not None:
-            raise EngineError(self.name, self._dead, gone=True)
+            raise EngineGone(self.name, self._dead)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -252,7 +252,9 @@ class DecodeThread:
                     self._counts["aborted" if r.finish == "abort" else "finished"] += 1
         for r in rows:
             if error is not None:
-                settle(r.loop, r.future, error=EngineError(self.name, error, gone=gone))
+                settle(
+                    r.loop, r.future, error=(EngineGone if gone else EngineError)(self.name, error)
+                )
             else:
                 assert r.finish is not None
                 settle(r.loop, r.future, r.completion(self.name, r.finish))
@@ -278,7 +280,7 @@ class DecodeThread:
         unfinished = f"{self._dead}: the request ended unfinished (resubmit it)"
         self._end(rows, error=unfinished, gone=True)
         for w in waiters:
-            w.fail(EngineError(self.name, self._dead, gone=True))
+            w.fail(EngineGone(self.name, self._dead))
 
 
 def _aborted_by(aborts: list[Abort]) -> Callable[[Row], bool]:

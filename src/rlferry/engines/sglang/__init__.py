@@ -38,6 +38,7 @@ from rlferry.control import (
     GenerateRequest,
     PauseMode,
 )
+from rlferry.errors import RequestError
 
 from .._http import JsonClient
 
@@ -56,7 +57,7 @@ class SGLangEngine:
         self, url: str, *, name: str | None = None, api_key: str | None = None, version: int = 0
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"url: expected http://HOST:PORT, got {url!r}")
+            raise RequestError(f"url: expected http://HOST:PORT, got {url!r}")
         self.url = url.rstrip("/")
         self.name = name or self.url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -153,7 +154,7 @@ class SGLangEngine:
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+            raise RequestError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         if mode == "wait":
             self._open.clear()
             await self._idle.wait()  # our requests in flight end (each is bounded)
@@ -232,7 +233,7 @@ class SGLangWeights:
         timeout: float = 120.0,
     ) -> None:
         if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
+            raise RequestError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
         self.engines = list(engines)
         self.backend = backend
         self.master_address = master_address

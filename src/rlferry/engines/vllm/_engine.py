@@ -12,6 +12,7 @@ from typing import Any
 from rlferry.control import (
     Completion,
     EngineError,
+    EngineGone,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
@@ -66,18 +67,18 @@ class VLLMEngine:
         **engine_args: Any,
     ) -> None:
         if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"VLLMEngine.name: expected a non-empty str, got {name!r}")
+            raise RequestError(f"VLLMEngine.name: expected a non-empty str, got {name!r}")
         if type(version) is not int or version < 0:
-            raise ValueError(f"VLLMEngine.version: expected an int >= 0, got {version!r}")
+            raise RequestError(f"VLLMEngine.version: expected an int >= 0, got {version!r}")
         if not isinstance(update_timeout, (int, float)) or not update_timeout > 0:
-            raise ValueError(
+            raise RequestError(
                 f"VLLMEngine.update_timeout: expected a number > 0, got {update_timeout!r}"
             )
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if isinstance(model, AsyncLLM):
             if engine_args:
-                raise ValueError(
+                raise RequestError(
                     f"VLLMEngine: engine_args {sorted(engine_args)} apply to a model path "
                     "only, not to an AsyncLLM already made"
                 )
@@ -165,7 +166,7 @@ class VLLMEngine:
     async def pause(self, mode: PauseMode = "keep") -> None:
         """vLLM's ``pause_generation(mode)``: returns once the engine is paused."""
         if mode not in _MODES:
-            raise ValueError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
+            raise RequestError(f"pause: mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         self._alive()
         await self._call("pause", self.llm.pause_generation(mode=mode, clear_cache=mode != "keep"))
         self._paused = True
@@ -328,7 +329,7 @@ class VLLMEngine:
     # -- life -------------------------------------------------------------------------------
     def _alive(self) -> None:
         if self._closed:
-            raise EngineError(self.name, "closed (make a new VLLMEngine)", gone=True)
+            raise EngineGone(self.name, "closed (make a new VLLMEngine)")
 
     async def _call(self, what: str, call: Any) -> Any:
         try:

@@ -21,12 +21,14 @@ from typing import Any
 
 import torch
 
+from rlferry.weights import WeightSyncError
+
 __all__ = ["Gate", "GateError"]
 
 _IDLE, _STARTED, _OPEN, _ENDED = "idle", "started", "open", "ended"
 
 
-class GateError(RuntimeError):
+class GateError(WeightSyncError, RuntimeError):
     """A weight update that did not commit its version (the message says why)."""
 
 

@@ -14,6 +14,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from rlferry.errors import RequestError
 from rlferry.weights import PushReport, WeightSender, WeightSyncError
 
 __all__ = ["LLMClient", "RlferryTrainerEngine", "RlferryTrainerInitInfo"]
@@ -45,7 +46,7 @@ class RlferryTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         # transport, receivers, bind, secret, bucket_bytes: WeightSender checks them
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise ValueError(
+            raise RequestError(
                 f"RlferryTrainerInitInfo.timeout: expected a number > 0, got {self.timeout!r}"
             )
 
@@ -120,7 +121,9 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
     def send_weights(self, *, version: int | None = None, source: Any = None) -> PushReport | None:
         source = self.source if source is None else source
         if source is None:
-            raise ValueError("send_weights: expected a source (at trainer_init or here), got None")
+            raise RequestError(
+                "send_weights: expected a source (at trainer_init or here), got None"
+            )
         named, layout = _named(source)
         if not self.is_sender:
             for _ in named:  # every rank gathers (FSDP's full_tensor is a collective)
@@ -129,7 +132,7 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
         if version is None:
             version = self.version + 1
         if type(version) is not int or version < 0:
-            raise ValueError(f"send_weights.version: expected an int >= 0, got {version!r}")
+            raise RequestError(f"send_weights.version: expected an int >= 0, got {version!r}")
         assert self.sender is not None
         timeout = self.timeout
         self.client.start_weight_update()

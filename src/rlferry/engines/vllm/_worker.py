@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rlferry.errors import RequestError
 from rlferry.weights import TensorSpec, WeightReceiver
 
 from ._gate import Gate, GateError
@@ -35,7 +36,7 @@ log = logging.getLogger("rlferry.engines")
 
 def _positive(owner: str, field: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{owner}.{field}: expected a number > 0 (seconds), got {value!r}")
+        raise RequestError(f"{owner}.{field}: expected a number > 0 (seconds), got {value!r}")
 
 
 @dataclass
@@ -58,16 +59,16 @@ class RlferryInitInfo(WeightTransferInitInfo):
         for field in ("group", "address"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
-                raise ValueError(f"init_info.{field}: expected a non-empty str, got {value!r}")
+                raise RequestError(f"init_info.{field}: expected a non-empty str, got {value!r}")
         for field in ("secret", "name"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(
+                raise RequestError(
                     f"init_info.{field}: expected None or a non-empty str, got {value!r}"
                 )
         _positive("init_info", "timeout", self.timeout)
         if not isinstance(self.verify, bool):
-            raise ValueError(f"init_info.verify: expected a bool, got {self.verify!r}")
+            raise RequestError(f"init_info.verify: expected a bool, got {self.verify!r}")
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RlferryUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if self.version is not None and (type(self.version) is not int or self.version < 0):
-            raise ValueError(
+            raise RequestError(
                 f"update_info.version: expected None or an int >= 0, got {self.version!r}"
             )
         _positive("update_info", "timeout", self.timeout)
@@ -109,7 +110,7 @@ def checkpoint_check(path: str) -> Callable[[list[TensorSpec]], None] | None:
         ]
         if bad:
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise ValueError(
+            raise RequestError(
                 f"{len(bad)} of {len(specs)} tensors differ from the checkpoint at {path}: "
                 + "; ".join(bad[:3])
                 + more

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from rlferry.errors import RequestError
+
 from .._errors import WeightSyncError
 
 if TYPE_CHECKING:
@@ -76,7 +78,7 @@ def direct_views(
         for p in desc["tensors"]:  # type: ignore[attr-defined]
             st = [int(x) for x in p[2]] if len(p) == 3 else None
             if len(p) not in (2, 3) or (st is not None and min(st, default=0) < 0):
-                raise ValueError(p)
+                raise RequestError(p)
             i, at = int(p[0]), int(p[1])
             views.append(storages[i][at:] if i >= 0 else empty)
             strides.append(st)
