@@ -208,7 +208,7 @@ def test_serve_engine_nice_lowers_its_priority_and_a_bad_one_is_refused(model_di
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr == (
-        "rlferry serve engine: ValueError: --nice: expected an int in [0, 19], got 25\n"
+        "rlferry serve engine: RequestError: --nice: expected an int in [0, 19], got 25\n"
     )
     proc, _ = serve(model_dir, "--nice", "5")
     try:  # every thread of the engine, made after the nice, has it
