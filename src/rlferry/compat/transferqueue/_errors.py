@@ -12,7 +12,6 @@ families catch those too.
 
 from __future__ import annotations
 
-from rlferry.errors import RequestError
 from rlferry.queue import QueueClosed, QueueError
 from rlferry.queue import ServiceGone as QueueServiceGone
 
