@@ -6,7 +6,15 @@ import random
 import pytest
 import torch
 
-from rlferry.control import Coordinator, EngineError, SamplingParams, WeightUpdateError
+from rlferry import errors
+from rlferry.control import (
+    Coordinator,
+    EngineClosed,
+    EngineError,
+    EngineGone,
+    SamplingParams,
+    WeightUpdateError,
+)
 from rlferry.weights import WeightSender
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
@@ -46,7 +54,7 @@ def perturbed(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
 
 
 async def close_all(coord, engines, sender):
-    await coord.close()
+    await coord.aclose()
     for engine in engines:
         engine.close()
     sender.close()
@@ -152,7 +160,7 @@ def test_a_restored_coordinator_keeps_staleness_bounded():
                 version=step, timeout=30,
             )  # fmt: skip
         saved = coord.state_dict()
-        await coord.close()
+        await coord.aclose()
         again = Coordinator(engines, batch_size=2, max_staleness=1)
         fresh = again.statistics().capacity
         again.load_state_dict(saved)
@@ -264,3 +272,52 @@ def test_prometheus_metrics_read_the_coordinators_statistics():
     assert "rlferry_version 3.0" in text
     assert "rlferry_capacity 24.0" in text  # (2 + 3 + 1) x 4
     assert "rlferry_dropped_total 0.0" in text
+
+
+def test_async_with_closes_the_coordinator_and_a_call_after_aclose_raises_closed():
+    async def main():
+        async with Coordinator([NOWHERE], batch_size=4) as coord:
+            assert coord.statistics().engines == 1
+        await coord.aclose()  # a second close does nothing
+        for call in (coord.batch(1), coord.submit([1, 2]), coord.remove_engine("x")):
+            with pytest.raises(EngineClosed) as e:
+                await call
+            assert isinstance(e.value, errors.Closed)
+        assert str(e.value) == (
+            "engine `coordinator`: remove_engine after aclose() (make a new Coordinator)"
+        )
+        with pytest.raises(EngineClosed, match="add_engine after aclose"):
+            coord.add_engine("http://127.0.0.1:9")
+        assert coord.statistics().version == 0  # its state reads on
+
+    run(main())
+
+
+def test_a_call_waiting_on_the_coordinator_when_it_closes_raises_closed():
+    async def main():
+        coord = Coordinator([NOWHERE], batch_size=4)
+        waiting = asyncio.ensure_future(coord.batch(1, timeout=30))
+        await asyncio.sleep(0.05)
+        await coord.aclose()
+        with pytest.raises(EngineClosed) as e:
+            await waiting
+        assert str(e.value) == "engine `coordinator`: closed while waiting for 1 finished groups"
+
+    run(main())
+
+
+def test_coordinator_close_is_a_deprecated_alias_of_aclose():
+    async def main():
+        coord = Coordinator([NOWHERE], batch_size=4)
+        with pytest.warns(DeprecationWarning, match=r"coordinator\.aclose\(\)"):
+            await coord.close()
+        with pytest.raises(EngineClosed):
+            await coord.batch(1)
+
+    run(main())
+
+
+def test_the_control_planes_error_classes_are_of_their_families():
+    assert issubclass(EngineClosed, EngineGone) and issubclass(EngineClosed, errors.Closed)
+    assert issubclass(EngineGone, EngineError) and issubclass(EngineGone, errors.Gone)
+    assert EngineClosed("e", "closed").gone

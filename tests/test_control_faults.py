@@ -85,10 +85,10 @@ class Fleet:
 
     async def close(self, coord: Coordinator | None = None) -> None:
         if coord is not None:
-            await coord.close()
+            await coord.aclose()
         for engine in self.engines:
             if isinstance(engine, RemoteEngine):
-                await engine.close()
+                await engine.aclose()
             else:
                 engine.close()
         for proc in self.procs.values():
@@ -145,7 +145,7 @@ def test_a_push_that_raises_before_reaching_the_engines_leaves_every_engine_serv
             report = await f.update(coord, state, 1)
             assert report.version == 1 and coord.version == 1
             assert [await x.get_weight_version() for x in f.engines] == [1, 1]
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -167,7 +167,7 @@ def test_a_push_of_the_wrong_shape_is_the_pushs_fault_not_the_engines(kind, mode
             )
             assert coord.statistics().engines_serving == 2 and coord.version == 0
             assert await serves(coord, 2) == {"e0", "e1"}
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -203,7 +203,7 @@ def test_a_push_that_fails_midway_names_the_push_and_the_next_update_restores_th
             await f.update(coord, second, 2)
             assert coord.statistics().engines_serving == 2
             assert await serves(coord, 2) == {"e0", "e1"}
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -254,7 +254,7 @@ def test_an_update_whose_every_engine_dies_at_pause_fails_there_without_running_
             pushed = []  # a push would wait its whole timeout for receivers that never join
             with pytest.raises(WeightUpdateError) as e:
                 await coord.update_weights(pushed.append, version=1, timeout=20)
-            await coord.close()
+            await coord.aclose()
             return pushed, e.value, coord.version
 
     pushed, error, version = asyncio.run(main())
@@ -304,7 +304,7 @@ def test_the_coordinator_refuses_a_bad_prompt_at_submit_from_the_engines_limits(
             stats = coord.statistics()
             assert stats.running == 0 and stats.capacity == 16 and stats.engines_serving == 2
             assert await serves(coord, 2) == {"e0", "e1"}
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -329,7 +329,7 @@ def test_a_request_an_engine_refuses_fails_its_group_once_and_the_fleet_serves_o
             stats = coord.statistics()
             assert stats.engines_serving == 2 and stats.failed_groups == 1
             assert await serves(coord, 2) == {"e0", "e1"}
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -381,7 +381,7 @@ def test_a_removed_engines_requests_go_on_elsewhere_and_updates_no_longer_name_i
                 "remove_engine: expected the name of an engine in the fleet ('e1'), got 'e0'"
             )
         finally:
-            await coord.close()
+            await coord.aclose()
             e0.close()
             e1.close()
             sender.close()
@@ -415,7 +415,7 @@ def test_an_engine_that_dies_mid_generation_is_loud_once_and_its_samples_go_on(
                 stats = coord.statistics()
                 assert stats.engines_serving == 1 and set(stats.not_serving) == {"e1"}
                 assert stats.not_serving["e1"].startswith("broken: a request failed: ")
-                await coord.close()
+                await coord.aclose()
                 gc.collect()
             noisy = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
             assert noisy == []
@@ -448,7 +448,7 @@ def test_a_restarted_engine_is_re_added_and_brought_to_the_fleets_version_before
             assert report.engines == ("e0", "e1")
             assert coord.statistics().engines_serving == 2
             assert await serves(coord, 2) == {"e0", "e1"}
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())
 
@@ -474,6 +474,6 @@ def test_a_wait_with_no_engine_serving_says_so_and_why_each_left(model_dir):
                 "engine `coordinator`: update to version 1: no engine to update (0 of 1 engines "
                 "serving: `e0`: broken: "
             )
-            await coord.close()
+            await coord.aclose()
 
     asyncio.run(main())

@@ -11,8 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from rlferry import errors
 from rlferry.control import (
     Coordinator,
+    EngineClosed,
     EngineError,
     EngineServer,
     GenerateRequest,
@@ -54,7 +56,7 @@ async def in_process_server(name: str, token: str | None = None):
     try:
         yield await server.start()
     finally:
-        await server.close()
+        await server.aclose()
         engine.close()
 
 
@@ -82,7 +84,7 @@ def test_a_remote_engine_generates_what_the_same_engine_does_in_process(model_di
             stats = await remote.statistics()
             assert stats.name == "far" and stats.finished == 1
         finally:
-            await remote.close()
+            await remote.aclose()
             local.close()
 
     try:
@@ -111,7 +113,7 @@ def test_a_control_call_answers_while_more_generates_wait_than_a_connection_pool
                 assert len({c.request_id for c in done}) == 150
                 assert all(len(c.token_ids) == 2 for c in done)
             finally:
-                await remote.close()
+                await remote.aclose()
 
     asyncio.run(main())
 
@@ -150,8 +152,8 @@ def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(mod
             group = await (await coord.submit([1, 2], SamplingParams(max_tokens=2), n=2))
             assert {c.engine for c in group.completions} == {"local"}
         finally:
-            await coord.close()
-            await remote.close()
+            await coord.aclose()
+            await remote.aclose()
             local.close()
             sender.close()
 
@@ -179,7 +181,7 @@ def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
         message = str(e.value)
         assert message.startswith("engine `dies`: /generate_many: ")
         assert "went away" in message or "unreachable" in message
-        await remote.close()
+        await remote.aclose()
 
     try:
         asyncio.run(main())
@@ -256,7 +258,7 @@ def test_requests_of_one_turn_travel_together_each_answered_as_it_ends_a_bad_one
                 assert await remote.abort_requests(["long"]) == 1
                 assert (await asyncio.wait_for(long, 60)).finish_reason == "abort"
             finally:
-                await remote.close()
+                await remote.aclose()
 
     asyncio.run(main())
 
@@ -271,7 +273,7 @@ def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
                 GenerateRequest(request_id=f"o{i}", prompt_ids=[1, 2], params=params)))
                 for i in range(3)]  # fmt: skip
             await asyncio.sleep(0.2)  # the exchange is open, its requests wait in the engine
-            await leaving.close()  # gone before any frame
+            await leaving.aclose()  # gone before any frame
             for o in orphans:  # their callers are told at once, never left waiting
                 with pytest.raises(EngineError, match="this RemoteEngine was closed"):
                     await asyncio.wait_for(o, 10)
@@ -282,7 +284,7 @@ def test_a_client_that_goes_away_mid_exchange_leaves_the_server_serving(caplog):
             assert len(done.token_ids) == 4
             stats = await staying.statistics()  # the orphans ended (aborted, or ran out)
             assert stats.finished + stats.aborted == 4 and stats.running == 0
-            await staying.close()
+            await staying.aclose()
 
     with caplog.at_level("ERROR"):
         asyncio.run(main())
@@ -295,7 +297,7 @@ def test_a_server_with_a_token_refuses_requests_without_it():
             stranger = RemoteEngine(url, name="guarded")
             with pytest.raises(SecurityError) as e:
                 await stranger.is_paused()
-            await stranger.close()
+            await stranger.aclose()
             assert str(e.value) == (
                 "engine `guarded`: /is_paused: the server needs a token and this client has "
                 "none (pass token= the server's --token)"
@@ -303,16 +305,56 @@ def test_a_server_with_a_token_refuses_requests_without_it():
             wrong = RemoteEngine(url, name="guarded", token="another token of 32 bytes......")
             with pytest.raises(SecurityError) as e:
                 await wrong.generate(GenerateRequest(request_id="a", prompt_ids=[1]))
-            await wrong.close()
+            await wrong.aclose()
             assert str(e.value) == (
                 "engine `guarded`: /generate_many: the server refused this client's token (pass "
                 "token= the one the server was started with, its --token)"
             )
             good = RemoteEngine(url, token=TOKEN)
             assert await good.is_paused() is False
-            await good.close()
+            await good.aclose()
 
     asyncio.run(main())
     with pytest.raises(SecurityError) as e:
         EngineServer.check_bind("127.0.0.1", "short")
     assert str(e.value).startswith("token: expected at least 16 bytes, got 5")
+
+
+def test_a_remote_engine_after_aclose_raises_closed_and_close_is_deprecated():
+    async def main():
+        engine = HFEngine(tiny_model(0), name="served")
+        async with EngineServer(engine) as server:  # started on entry
+            async with RemoteEngine(server.url, name="far") as remote:
+                assert await remote.is_paused() is False
+            await remote.aclose()  # a second close does nothing
+            for call in (remote.is_paused(), remote.generate(GenerateRequest(
+                    request_id="late", prompt_ids=[1]))):  # fmt: skip
+                with pytest.raises(EngineClosed) as e:
+                    await call
+                assert isinstance(e.value, errors.Closed) and e.value.gone
+            assert str(e.value) == (
+                "engine `far`: /generate_many: this RemoteEngine was closed (aclose())"
+            )
+            old = RemoteEngine(server.url)
+            with pytest.warns(DeprecationWarning, match=r"engine\.aclose\(\)"):
+                await old.close()
+        with pytest.raises(EngineClosed, match=r"EngineServer\.start after aclose"):
+            await server.start()
+        assert (await engine.statistics()).name == "served"  # the engine is the caller's
+        await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_engine_server_close_is_a_deprecated_alias_of_aclose():
+    async def main():
+        async with HFEngine(tiny_model(0), name="e") as engine:
+            server = EngineServer(engine)
+            await server.start()
+            with pytest.warns(DeprecationWarning, match=r"server\.aclose\(\)"):
+                await server.close()
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await session.get(server.url + "/is_paused")
+
+    asyncio.run(main())

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from rlferry.control import Engine, EngineError, GenerateRequest, SamplingParams
+from rlferry import errors
+from rlferry.control import Engine, EngineClosed, EngineError, GenerateRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 from rlferry.engines.hf import HFEngine  # noqa: E402
@@ -450,6 +451,20 @@ def test_close_fails_the_requests_in_flight_and_every_later_call(model):
         with pytest.raises(EngineError):
             await engine.pause()
         engine.close()  # twice is fine
+
+    asyncio.run(main())
+
+
+def test_async_with_closes_the_engine_and_later_calls_raise_closed(model):
+    async def main():
+        async with HFEngine(model, name="e") as engine:
+            done = await engine.generate(req("r", PROMPTS["a"], max_tokens=2))
+            assert len(done.token_ids) == 2
+        await engine.aclose()  # a second close does nothing
+        with pytest.raises(EngineClosed) as e:
+            await engine.generate(req("late", PROMPTS["a"]))
+        assert isinstance(e.value, errors.Closed) and e.value.gone
+        assert str(e.value) == "engine `e`: closed (make a new engine)"
 
     asyncio.run(main())
 

@@ -50,9 +50,9 @@ def test_a_control_call_answers_behind_150_requests_in_flight_and_errors_name_th
             nobody = JsonClient("server0", "http://127.0.0.1:9")  # nothing listens on port 9
             with pytest.raises(EngineError, match=r"engine `server0`: /fast: unreachable"):
                 await nobody.call("GET", "/fast", timeout=5)
-            await nobody.close()
+            await nobody.aclose()
         finally:
-            await client.close()
+            await client.aclose()
             await runner.cleanup()
 
     asyncio.run(main())

@@ -54,9 +54,9 @@ def test_the_coordinator_drives_ray_engines_over_http(engines):
             await coord.submit([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), n=4)
             (group,) = await coord.batch(1, timeout=60)
         finally:
-            await coord.close()
+            await coord.aclose()
             for e in engines.engines:
-                await e.close()
+                await e.aclose()
         return group
 
     group = asyncio.run(main())
@@ -100,7 +100,7 @@ def test_an_engine_killed_with_a_generate_waiting_and_mid_update_fails_calls_nam
                 await asyncio.wait_for(call, 10)
             errors.append(str(e.value))
         for e in started.engines:
-            await e.close()
+            await e.aclose()
         return errors
 
     with RayEngines.start("kills", model_dir, engines=2, cpus_per_engine=0.5,
@@ -139,10 +139,10 @@ def test_a_restarted_engine_actor_rejoins_and_is_updated_before_it_serves(ray_cl
             (group,) = await coord.batch(1, timeout=60)
             return e.value, await new.get_weight_version(), group
         finally:
-            await coord.close()
+            await coord.aclose()
             sender.close()
             for e in started.engines:
-                await e.close()
+                await e.aclose()
 
     with RayEngines.start("restart", model_dir, engines=1, cpus_per_engine=0.5, max_restarts=1,
                           options={"device": "cpu"}) as started:  # fmt: skip
@@ -170,10 +170,10 @@ def test_weights_reach_engine_actors_by_broadcast_through_the_launchers_rendezvo
             return sender.address, [(await e.get_weight_version(), await e.fingerprint())
                                     for e in engines.engines]  # fmt: skip
         finally:
-            await coord.close()
+            await coord.aclose()
             sender.close()
             for e in engines.engines:
-                await e.close()
+                await e.aclose()
 
     address, served = asyncio.run(main())
     assert address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")  # off loopback

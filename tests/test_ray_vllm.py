@@ -56,7 +56,7 @@ def test_a_vllm_engine_actor_generates_is_updated_and_its_death_is_named(ray_clu
                 with pytest.raises(EngineError) as died:
                     await asyncio.wait_for(waiting, 30)
             finally:
-                await coord.close()
+                await coord.aclose()
                 sender.close()
             return before, report, after, version, died.value
 

@@ -221,7 +221,7 @@ def test_generate_sends_sglangs_fields_and_reads_its_answer(fields):
             assert sent["sampling_params"]["max_new_tokens"] == 6
             assert sent["sampling_params"]["sampling_seed"] == 3
         finally:
-            await engine.close()
+            await engine.aclose()
             await server.close()
 
     asyncio.run(main())
@@ -247,7 +247,7 @@ def test_pause_modes_map_to_sglangs_and_wait_drains_first(fields):
             assert modes == ["in_place", "abort", "in_place"]
             await engine.resume()
         finally:
-            await engine.close()
+            await engine.aclose()
             await server.close()
 
     asyncio.run(main())
@@ -261,7 +261,7 @@ def test_weights_broadcast_to_the_server_and_its_answers_carry_the_version(field
         weights = SGLangWeights([engine], backend="gloo")
         coord = Coordinator([engine], batch_size=2, max_staleness=1)
         try:
-            await weights.init()
+            assert await weights.start() is weights
             init = next(b for kind, b in server.requests if kind == "init")
             assert init["rank_offset"] == 1 and init["world_size"] == 2
 
@@ -277,9 +277,9 @@ def test_weights_broadcast_to_the_server_and_its_answers_carry_the_version(field
             assert update["weight_version"] == "1" and update["group_name"] == "rlferry"
             assert update["names"] == list(trainer.state_dict())
         finally:
-            await coord.close()
+            await coord.aclose()
             weights.close()
-            await engine.close()
+            await engine.aclose()
             await server.close()
 
     asyncio.run(main())
@@ -291,5 +291,16 @@ def test_the_sglang_engine_refuses_a_weight_sender_and_says_why():
         with pytest.raises(Exception) as e:
             await engine.init_weight_transfer("g", "ipc:///tmp/x.sock")
         assert "not from a WeightSender: use SGLangWeights" in str(e.value)
+
+    asyncio.run(main())
+
+
+def test_sglang_weights_init_is_a_deprecated_alias_of_start():
+    async def main():
+        with SGLangWeights([], backend="gloo", group_name="alone") as weights:  # trainer alone
+            with pytest.warns(DeprecationWarning, match=r"weights\.start\(\)"):
+                await weights.init()
+            await weights.push([("w", torch.zeros(2))], version=1)
+        weights.close()  # a second close does nothing
 
     asyncio.run(main())

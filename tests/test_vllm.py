@@ -168,7 +168,7 @@ def trainer(llm):
     )
     engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     yield engine
-    engine.shutdown()
+    engine.close()
 
 
 def vllm_greedy(llm, prompt: list[int], n: int):
@@ -441,7 +441,7 @@ def test_a_coordinator_update_changes_the_version_of_later_tokens(engine, loop):
             )
             done = await task
             after = await engine.generate(req("after", PROMPTS[2], 10, temperature=0.0))
-            await coord.close()
+            await coord.aclose()
             return report, done, after, await engine.get_weight_version()
 
     report, done, after, version = loop.run_until_complete(main())
@@ -469,7 +469,7 @@ def test_a_layout_the_engine_refuses_fails_the_push_and_the_engine_serves_on(eng
                     lambda t: sender.push(state.items(), version=before + 1, timeout=t),
                     version=before + 1,
                 )
-            await coord.close()
+            await coord.aclose()
         paused = await engine.is_paused()  # resumed on the version it held
         got = await engine.generate(req("after", PROMPTS[2], 4, temperature=0.0))
         return e.value, before, want, got, await engine.get_weight_version(), paused

@@ -115,8 +115,8 @@ async def driven(url: str, name: str):
     try:
         yield engine, sender, coord
     finally:
-        await coord.close()
-        await engine.close()
+        await coord.aclose()
+        await engine.aclose()
         sender.close()
 
 

@@ -10,6 +10,7 @@ from ._coordinator import Coordinator, CoordinatorStatistics, Group, UpdateRepor
 from ._engine import (
     Completion,
     Engine,
+    EngineClosed,
     EngineError,
     EngineGone,
     EngineStatistics,
@@ -29,6 +30,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorStatistics",
     "Engine",
+    "EngineClosed",
     "EngineError",
     "EngineGone",
     "EngineServer",

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from rlferry.wire import SecurityError
 from ._engine import (
     Completion,
     Engine,
+    EngineClosed,
     EngineError,
     FinishReason,
     GenerateRequest,
@@ -83,6 +85,11 @@ class Coordinator:
     limits the engines announce before anything is queued. An engine fault (gone, a
     failed step) takes that engine out of rotation, its samples continue on the others
     with their tokens so far; ``remove_engine`` and ``add_engine`` change the fleet.
+
+    End of life: :meth:`aclose` (or ``async with``) cancels the rollouts in flight and
+    closes the engines it made from URLs; calls waiting on it and every later call (but
+    :meth:`statistics` and :meth:`state_dict`) raise :class:`EngineClosed` naming
+    ``coordinator``.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class Coordinator:
         engine, which it replaces (a server that restarted). It gets rollouts once it
         answers ``statistics()`` with a version the fleet's staleness bound allows; else
         once an ``update_weights`` reached it (join it to the trainer's sender first)."""
+        self._check_open("add_engine")
         self._fleet.add(engine)
         self._notify()
         try:
@@ -148,6 +156,7 @@ class Coordinator:
         (``"continue"``: aborted on the engine first, within ``timeout``) or from their
         prompts again (``"restart"``). A request the engine does not give back in time
         restarts from the tokens it had before it went there."""
+        self._check_open("remove_engine")
         if requests not in ("continue", "restart"):
             raise RequestError(f"requests: expected 'continue' or 'restart', got {requests!r}")
         member = self._fleet.remove(name, requests)
@@ -163,7 +172,7 @@ class Coordinator:
         for call in calls.values():
             call.cancel()  # what did not come back goes on elsewhere
         if member.owned:  # made here from a URL: nobody else can close it
-            await _close(member.engine)
+            await _aclose(member.engine)
 
     async def _settle(self) -> None:
         """Ask every engine added since the last time for its name, version and limits."""
@@ -190,7 +199,7 @@ class Coordinator:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (result := ready()) is None:
             if self._closed:
-                raise EngineError("coordinator", f"closed while waiting for {what}")
+                raise EngineClosed("coordinator", f"closed while waiting for {what}")
             event = self._changed
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -226,6 +235,7 @@ class Coordinator:
                 must take batches and update its version for room to come).
             ValueError: bad arguments.
         """
+        self._check_open("submit")
         params = params or SamplingParams()
         request = GenerateRequest(request_id="check", prompt_ids=list(prompt_ids), params=params)
         most = self._bound.batch_size * (self._bound.max_staleness + 1)
@@ -384,6 +394,7 @@ class Coordinator:
         Raises:
             TimeoutError: not enough fresh groups within ``timeout``.
         """
+        self._check_open("batch")
         if type(groups) is not int or groups < 1:
             raise RequestError(f"groups: expected an int >= 1, got {groups!r}")
 
@@ -443,6 +454,7 @@ class Coordinator:
                 unchanged (push the same version again).
             EngineError: no engine in the fleet can be updated (each is broken).
         """
+        self._check_open("update_weights")
         if type(version) is not int or version <= self.version:
             raise RequestError(
                 f"version: expected an int above the current {self.version}, got {version!r}"
@@ -497,23 +509,48 @@ class Coordinator:
         return self._bound.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_open("load_state_dict")
         self._bound.load_state_dict(state)
         self._notify()
 
-    async def close(self) -> None:
-        """Cancel the rollouts in flight; waiting calls raise. The engines made here from
-        URLs are closed; engines passed as objects stay open (they are the caller's)."""
+    # -- end of life ----------------------------------------------------------------------
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise EngineClosed("coordinator", f"{call} after aclose() (make a new Coordinator)")
+
+    async def aclose(self) -> None:
+        """Cancel the rollouts in flight; waiting calls raise :class:`EngineClosed`. The
+        engines made here from URLs are closed; engines passed as objects stay open (they
+        are the caller's). A second call does nothing."""
+        if self._closed:
+            return
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
         self._notify()
         for m in self._fleet:
             if m.owned:
-                await _close(m.engine)
+                await _aclose(m.engine)
+
+    async def close(self) -> None:
+        """Deprecated: ``await coordinator.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "Coordinator.close() is deprecated: use `await coordinator.aclose()` (or "
+            "`async with Coordinator(...)`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> Coordinator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
-async def _close(engine: Engine) -> None:
+async def _aclose(engine: Engine) -> None:
     """Close an engine made from a URL (a ``RemoteEngine``: its HTTP client)."""
-    closing = getattr(engine, "close", None)
+    closing = getattr(engine, "aclose", None)
     if closing is not None:
         await closing()

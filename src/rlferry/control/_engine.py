@@ -22,11 +22,12 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from rlferry.errors import Gone, RequestError, RlferryError
+from rlferry.errors import Closed, Gone, RequestError, RlferryError
 
 __all__ = [
     "Completion",
     "Engine",
+    "EngineClosed",
     "EngineError",
     "EngineGone",
     "EngineStatistics",
@@ -87,6 +88,12 @@ class EngineGone(EngineError, Gone):
     came, a process that exited): it serves nothing until it is added again."""
 
     gone = True
+
+
+class EngineClosed(EngineGone, Closed):
+    """The engine was closed by its owner (``close()`` / ``aclose()``), then used: the calls
+    in flight when it closed and every later one fail with it (make a new engine). It is
+    an :class:`EngineGone` too: to a coordinator, a closed engine is gone."""
 
 
 class WeightUpdateError(EngineError):
@@ -201,22 +208,36 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """An engine's state and counters."""
+    """An engine's state and counters (since the engine started)."""
 
     name: str
+    """The engine's name (its weight receivers are named after it)."""
     version: int | None
+    """The whole weight version it serves (None: it does not know)."""
     paused: bool
+    """Whether it is not stepping now (paused, updating weights, or refusing to step)."""
     running: int
+    """Requests generating now."""
     waiting: int
+    """Requests accepted and not generating yet."""
     finished: int
+    """Requests that ended at a stop token or ``max_tokens``."""
     aborted: int
+    """Requests that ended by an abort (finish reason ``abort``)."""
     tokens: int
+    """Tokens generated."""
     steps: int
+    """Forward passes run (0 where the engine does not count them)."""
     step_seconds: float
+    """Seconds spent stepping (or with a request in flight, where the engine cannot say)."""
     paused_seconds: float
+    """Seconds it did not step because a pause, an update or a refusal held it."""
     updates: int
+    """Weight updates it ended."""
     update_seconds: float
+    """Seconds spent in weight updates."""
     last_error: str | None
+    """Why its last failed step or update failed (None: none failed)."""
     vocab_size: int | None = None
     """Token ids must be below it (None: the engine does not say; it checks itself)."""
     max_model_len: int | None = None

@@ -22,6 +22,7 @@ import hmac
 import json
 import struct
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from rlferry.wire import SecurityError
 from ._engine import (
     Completion,
     Engine,
+    EngineClosed,
     EngineError,
     EngineGone,
     EngineStatistics,
@@ -110,6 +112,10 @@ class EngineServer:
     /init_weight_transfer``, ``POST /start_weight_update``, ``POST /finish_weight_update``
     (``{"version": v}``), ``GET /weight_version``, ``GET /statistics``, and ``GET
     /fingerprint`` for an engine that has one (``HFEngine``).
+
+    End of life: :meth:`aclose` (or ``async with``, which starts it too) stops serving;
+    the engine itself stays open (it is the caller's). A start after it raises
+    :class:`EngineClosed`.
     """
 
     def __init__(
@@ -120,6 +126,7 @@ class EngineServer:
         self.host, self.port = host, port
         self._token = token
         self._runner: web.AppRunner | None = None
+        self._closed = False
         self.url = ""
 
     @staticmethod
@@ -129,6 +136,15 @@ class EngineServer:
         _check_token(host, token)
 
     async def start(self) -> str:
+        """Bind and serve; the URL it serves at (also :attr:`url`).
+
+        Raises:
+            EngineClosed: the server was closed (make a new one).
+        """
+        if self._closed:
+            raise EngineClosed(
+                self.engine.name, "EngineServer.start after aclose() (make a new EngineServer)"
+            )
         app = web.Application(middlewares=[self._guard], client_max_size=64 << 20)
         e = self.engine
         app.add_routes([
@@ -235,10 +251,30 @@ class EngineServer:
 
         return handle
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Stop serving (the engine stays open); a second call does nothing."""
+        self._closed = True
         if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def close(self) -> None:
+        """Deprecated: ``await server.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "EngineServer.close() is deprecated: use `await server.aclose()` (or `async with "
+            "EngineServer(...)`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> EngineServer:
+        if self._runner is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def _ok(value: Any) -> web.Response:
@@ -256,6 +292,9 @@ class RemoteEngine:
     ``name``: how the coordinator and the trainer's ``WeightSender`` know it (default: the
     URL). Every failure is an :class:`EngineError` naming it: unreachable, gone mid-request
     (at once: the connection closes), or an error of the engine.
+
+    End of life: :meth:`aclose` (or ``async with``) closes its HTTP client (the engine
+    serves on); the calls in flight and every later one raise :class:`EngineClosed`.
     """
 
     def __init__(self, url: str, *, token: str | None = None, name: str | None = None) -> None:
@@ -268,6 +307,7 @@ class RemoteEngine:
         # generate() calls of this turn of the event loop, sent together at its end
         self._batch: list[tuple[GenerateRequest, asyncio.Future[Completion]]] = []
         self._streams: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -286,6 +326,8 @@ class RemoteEngine:
         self, method: str, path: str, body: Any = None, kind: type[T] | None = None,
         timeout: float | None = CONTROL_TIMEOUT,
     ) -> Any:  # fmt: skip
+        if self._closed:
+            raise self._closed_error(path)
         data = msgspec.json.encode(body) if body is not None else None
         limit = aiohttp.ClientTimeout(total=timeout, sock_connect=CONNECT_TIMEOUT)
         try:
@@ -332,6 +374,8 @@ class RemoteEngine:
     async def generate(self, request: GenerateRequest) -> Completion:
         """``request``'s completion. The calls made in one turn of the event loop travel
         as one ``/generate_many`` exchange; each returns when its own request ends."""
+        if self._closed:
+            raise self._closed_error("/generate_many")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
         self._batch.append((request, future))
@@ -341,6 +385,8 @@ class RemoteEngine:
 
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, []
+        if not batch:  # closed since: its callers were told
+            return
         task = asyncio.ensure_future(self._stream(batch))
         self._streams.add(task)
         task.add_done_callback(self._streams.discard)
@@ -385,13 +431,13 @@ class RemoteEngine:
             for future in left.values():
                 if not future.done():
                     future.set_exception(EngineGone(self.name, f"{path}: {why}"))
-        finally:  # cancelled by close(): its callers are told, never left waiting
+        finally:  # cancelled by aclose(): its callers are told, never left waiting
             for future in left.values():
                 if not future.done():
-                    future.set_exception(self._closed(path))
+                    future.set_exception(self._closed_error(path))
 
-    def _closed(self, path: str) -> EngineError:
-        return EngineError(self.name, f"{path}: this RemoteEngine was closed (close())")
+    def _closed_error(self, path: str) -> EngineClosed:
+        return EngineClosed(self.name, f"{path}: this RemoteEngine was closed (aclose())")
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._request("POST", "/pause", _Pause(mode))
@@ -428,13 +474,32 @@ class RemoteEngine:
         out: EngineStatistics = await self._request("GET", "/statistics", kind=EngineStatistics)
         return out
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the HTTP client (the engine serves on): the calls in flight and every later
+        one raise :class:`EngineClosed`. A second call does nothing."""
+        self._closed = True
         for task in list(self._streams):
             task.cancel()
         for _, future in self._batch:
             if not future.done():
-                future.set_exception(self._closed("/generate_many"))
+                future.set_exception(self._closed_error("/generate_many"))
         self._batch = []
         if self._session is not None:
-            await self._session.close()
-            self._session = None
+            session, self._session = self._session, None
+            await session.close()
+
+    async def close(self) -> None:
+        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "RemoteEngine.close() is deprecated: use `await engine.aclose()` (or `async with "
+            "RemoteEngine(...)`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> RemoteEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from rlferry.control import EngineError, EngineGone, RequestError
+from rlferry.control import EngineClosed, EngineError, EngineGone, RequestError
 from rlferry.wire import SecurityError
 
 __all__ = ["JsonClient"]
@@ -24,19 +24,22 @@ class JsonClient:
     control call (pause, weights) must never queue behind them (aiohttp's default pool
     of 100 made a pause wait for hundreds of completions). No keep-alive: a server that
     closes a connection after an error answer would fail the next request on it with a
-    reset."""
+    reset. After :meth:`aclose`, every call raises ``EngineClosed``."""
 
     def __init__(self, name: str, url: str, headers: dict[str, str] | None = None) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self._headers = headers or {}
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     async def call(
         self, method: str, path: str, body: Any = None, *, timeout: float | None,
         params: dict[str, str] | None = None,
     ) -> Any:  # fmt: skip
         """The decoded JSON answer (None for an empty one)."""
+        if self._closed:
+            raise EngineClosed(self.name, f"{path}: this engine was closed (aclose())")
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=True), headers=self._headers
@@ -67,6 +70,9 @@ class JsonClient:
                 self.name, f"{path}: the server went away ({type(e).__name__}: {e})"
             ) from None
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the HTTP session (the server keeps running); a second call does nothing."""
+        self._closed = True
         if self._session is not None:
-            await self._session.close()
+            session, self._session = self._session, None
+            await session.close()

@@ -91,12 +91,9 @@ def serve_engine(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-            await server.close()
+            await server.aclose()
         finally:
-            if engine == "vllm":
-                await e.aclose()
-            else:
-                e.close()
+            await e.aclose()
 
     EngineServer.check_bind(host, token)
     asyncio.run(main())

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -170,6 +171,9 @@ class VLLMServerEngine:
     waits for it, checks the workers' receivers hold ``v`` and labels it. A push that
     failed after loading part of the weights leaves the engine paused (``resume`` keeps
     it so) until an update commits whole.
+
+    End of life: :meth:`aclose` (or ``async with``) closes its HTTP client (the server
+    keeps running); later calls raise :class:`~rlferry.control.EngineClosed`.
     """
 
     def __init__(
@@ -372,6 +376,25 @@ class VLLMServerEngine:
             last_error=self._error,
         )  # fmt: skip
 
+    async def aclose(self) -> None:
+        """Close the HTTP session (the server keeps running); a second call does nothing."""
+        update, self._update = self._update, None
+        if update is not None:  # an update in flight: nobody will finish it
+            update.cancel()
+        await self._http.aclose()
+
     async def close(self) -> None:
-        """Close the HTTP session (the server keeps running)."""
-        await self._http.close()
+        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "VLLMServerEngine.close() is deprecated: use `await engine.aclose()` (or `async "
+            "with VLLMServerEngine(...)`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> VLLMServerEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

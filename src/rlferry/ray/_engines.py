@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from rlferry.control import (
     Completion,
+    EngineClosed,
     EngineError,
     EngineGone,
     EngineServer,
@@ -83,11 +85,9 @@ class EngineActor(Watched):
         return str(self._token)
 
     async def close(self) -> None:
-        await asyncio.wrap_future(wire_loop().submit(self._server.close()))
-        if hasattr(self._engine, "aclose"):
-            await asyncio.wrap_future(wire_loop().submit(self._engine.aclose()))
-        else:
-            self._engine.close()
+        """Stop serving and close the engine (the launcher's call to every actor)."""
+        await asyncio.wrap_future(wire_loop().submit(self._server.aclose()))
+        await asyncio.wrap_future(wire_loop().submit(self._engine.aclose()))
         self._closed.set()
 
 
@@ -117,7 +117,9 @@ class RayEngine:
     the actor and Ray's reason as soon as Ray reports the actor dead (a call whose
     connection broke first waits up to ``DEATH_GRACE`` seconds for Ray's reason; for a
     restartable actor, which Ray reports only about 1 s later, it fails at once naming the
-    actor as lost)."""
+    actor as lost). :meth:`aclose` (or ``async with``) closes its HTTP client (the actor
+    serves on: :class:`RayEngines` owns it); later calls raise
+    :class:`~rlferry.control.EngineClosed`."""
 
     def __init__(self, name: str, actor_name: str, handle: Any, url: str, token: str,
                  restartable: bool = False) -> None:  # fmt: skip
@@ -128,8 +130,13 @@ class RayEngine:
         self._remote = RemoteEngine(url, token=token, name=name)
         self._key = f"{actor_name}@{url}"  # one life of the actor
         self._end = deaths.watch(self._key, handle)
+        self._closed = False
 
     async def _guard(self, call: Awaitable[T]) -> T:
+        if self._closed:
+            if asyncio.iscoroutine(call):
+                call.close()  # never started: nothing to await
+            raise EngineClosed(self.name, "this RayEngine was closed (aclose())")
         task: asyncio.Future[Any] = asyncio.ensure_future(call)
         end: asyncio.Future[Any] = asyncio.wrap_future(self._end)
         try:
@@ -202,8 +209,25 @@ class RayEngine:
     async def statistics(self) -> EngineStatistics:
         return await self._guard(self._remote.statistics())
 
+    async def aclose(self) -> None:
+        """Close the HTTP client (the actor serves on); a second call does nothing."""
+        self._closed = True
+        await self._remote.aclose()
+
     async def close(self) -> None:
-        await self._remote.close()
+        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "RayEngine.close() is deprecated: use `await engine.aclose()` (or `async with`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> RayEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class RayEngines(Placed):
@@ -347,7 +371,7 @@ class RayEngines(Placed):
                                         f"{reason(e)}") from None  # fmt: skip
         new = RayEngine(old.name, old.actor_name, self._actors[i], url, self._token, True)
         self.engines[i] = new
-        await old.close()
+        await old.aclose()
         return new
 
     async def rejoin(self, i: int, coordinator: Any, *, weights: tuple[str, str] | None = None,
@@ -369,7 +393,8 @@ class RayEngines(Placed):
         return new
 
     def close(self) -> None:
-        """Stop every engine and remove the actors and their placement group."""
+        """Stop every engine and remove the actors and their placement group; a second call
+        does nothing."""
         self._stop()
 
     def __enter__(self) -> RayEngines:

@@ -400,10 +400,10 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             producer.cancel()
             if asked is not None and not asked.done():
                 asked.cancel()  # a step failed: the error told is that one
-            await coord.close()
+            await coord.aclose()
             await client.close()
             for e in engines:
-                await e.close()
+                await e.aclose()
     record.summary["wall_seconds"] = time.monotonic() - t_start
     return record
 

@@ -38,7 +38,6 @@ import torch
 from rlferry.control import (
     Completion,
     EngineError,
-    EngineGone,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
@@ -117,10 +116,11 @@ class HFEngine(DecodeThread):
     cache's one-token steps still call it by name, on the few shapes of their buckets
     and spans (one plan each, made when its graph is captured).
 
-    End of life: :meth:`close` (or ``with``) stops the thread; requests in flight and
-    calls waiting on the engine raise :class:`~rlferry.control.EngineError`, as does
-    every later call. A step that raises fails the requests of the batch (their
-    ``generate`` raises ``EngineError`` naming the exception); the engine goes on.
+    End of life: :meth:`close` (or ``with``; :meth:`aclose` or ``async with`` on an event
+    loop) stops the thread; requests in flight and calls waiting on the engine raise
+    :class:`~rlferry.control.EngineClosed`, as does every later call. A step that raises
+    fails the requests of the batch (their ``generate`` raises ``EngineError`` naming the
+    exception); the engine goes on.
 
     On the CPU the decode thread has its own OpenMP team: with another thread's team
     alive (the one that built the model, say), libgomp throttles its spin-waits and
@@ -258,7 +258,7 @@ class HFEngine(DecodeThread):
                 self._ids.pop(r.request_id, None)
         for r in rows:
             if not r.future.done():
-                r.future.set_exception(EngineGone(self.name, self._dead))
+                r.future.set_exception(self._gone(self.name, self._dead))
 
     def _check_request(self, request: Any) -> None:
         if not isinstance(request, GenerateRequest):
@@ -512,7 +512,8 @@ class HFEngine(DecodeThread):
     # -- life ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the decode thread (after the step in progress) and leave the sender; what
-        was in flight raises ``EngineError``."""
+        was in flight raises :class:`~rlferry.control.EngineClosed`. A second call does
+        nothing. Blocks up to the step in progress: on an event loop, ``await aclose()``."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -524,11 +525,22 @@ class HFEngine(DecodeThread):
         if recv is not None:
             recv.close()
 
+    async def aclose(self) -> None:
+        """:meth:`close` on a worker thread: the event loop serves on while the step in
+        progress ends."""
+        await asyncio.to_thread(self.close)
+
     def __enter__(self) -> HFEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> HFEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def __repr__(self) -> str:
         return f"HFEngine(name={self.name!r}, device={str(self.device)!r}, version={self._version})"

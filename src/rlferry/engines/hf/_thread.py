@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlferry.control import EngineError, EngineGone
+from rlferry.control import EngineClosed, EngineError, EngineGone
 
 from ._batch import Batch, Row
 from ._bridge import Waiter, settle
@@ -84,6 +84,7 @@ class DecodeThread:
         self._deferred = 0  # decode steps run while rows could have joined
         self._closing = False
         self._dead: str | None = None  # why the thread ended (closed, or it failed)
+        self._gone: type[EngineGone] = EngineGone  # EngineClosed once closed by its owner
         self._version = version
         self._error: str | None = None
         self._counts = dict.fromkeys(("finished", "aborted", "tokens", "steps", "updates"), 0)
@@ -119,7 +120,7 @@ class DecodeThread:
 
     def _alive(self) -> None:
         if self._dead is not None:
-            raise EngineGone(self.name, self._dead)
+            raise self._gone(self.name, self._dead)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -213,7 +214,7 @@ class DecodeThread:
             log.error("engine %s: %s", self.name, self._error)
             rows = list(dict.fromkeys(batch.rows + admit))
             batch.clear()  # its cache may be half updated
-            self._end(rows, error=f"{self._error} (the request's tokens are lost: resubmit it)")
+            self._end(rows, f"{self._error} (the request's tokens are lost: resubmit it)")
         self._end(ended)
 
     def _take_queued(self, aborts: list[Abort]) -> list[Row]:
@@ -240,9 +241,11 @@ class DecodeThread:
             if waiter is not None:
                 waiter.resolve(sum(ids is None or r.request_id in ids for r in ended))
 
-    def _end(self, rows: list[Row], error: str | None = None, *, gone: bool = False) -> None:
-        """Tell the callers of ``rows`` that they ended (with ``error``: that they failed;
-        ``gone``: because the engine ended)."""
+    def _end(
+        self, rows: list[Row], error: str | None = None, kind: type[EngineError] = EngineError
+    ) -> None:
+        """Tell the callers of ``rows`` that they ended (with ``error``: that they failed,
+        raising ``kind``)."""
         if not rows:
             return
         with self._cond:
@@ -252,9 +255,7 @@ class DecodeThread:
                     self._counts["aborted" if r.finish == "abort" else "finished"] += 1
         for r in rows:
             if error is not None:
-                settle(
-                    r.loop, r.future, error=(EngineGone if gone else EngineError)(self.name, error)
-                )
+                settle(r.loop, r.future, error=kind(self.name, error))
             else:
                 assert r.finish is not None
                 settle(r.loop, r.future, r.completion(self.name, r.finish))
@@ -269,6 +270,7 @@ class DecodeThread:
                 else f"its decode thread failed: {type(error).__name__}: {error} (a bug: "
                 "please report it)"
             )
+            self._gone = EngineClosed if error is None else EngineGone
             rows = list(self._batch.rows) + list(self._waiting)
             for staged in self._staged.values():
                 rows += staged
@@ -278,9 +280,9 @@ class DecodeThread:
             self._waiters, self._aborts = [], []
             self._cond.notify_all()
         unfinished = f"{self._dead}: the request ended unfinished (resubmit it)"
-        self._end(rows, error=unfinished, gone=True)
+        self._end(rows, unfinished, self._gone)
         for w in waiters:
-            w.fail(EngineGone(self.name, self._dead))
+            w.fail(self._gone(self.name, self._dead))
 
 
 def _aborted_by(aborts: list[Abort]) -> Callable[[Row], bool]:

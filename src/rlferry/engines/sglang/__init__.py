@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -51,7 +52,9 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class SGLangEngine:
     """An SGLang server as an rlferry engine. ``version``: the version of the weights the
-    server starts with (its label ``"default"`` reads as it)."""
+    server starts with (its label ``"default"`` reads as it). :meth:`aclose` (or ``async
+    with``) closes its HTTP client (the server keeps running); later calls raise
+    :class:`~rlferry.control.EngineClosed`."""
 
     def __init__(
         self, url: str, *, name: str | None = None, api_key: str | None = None, version: int = 0
@@ -206,8 +209,25 @@ class SGLangEngine:
             update_seconds=0.0, last_error=None,
         )  # fmt: skip
 
+    async def aclose(self) -> None:
+        """Close the HTTP client (the server keeps running); a second call does nothing."""
+        await self._http.aclose()
+
     async def close(self) -> None:
-        await self._http.close()
+        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
+        warnings.warn(
+            "SGLangEngine.close() is deprecated: use `await engine.aclose()` (or `async with "
+            "SGLangEngine(...)`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.aclose()
+
+    async def __aenter__(self) -> SGLangEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class SGLangWeights:
@@ -219,6 +239,9 @@ class SGLangWeights:
     ``"gloo"`` for CPU ones. The group meets on a TCP store this process serves at
     ``master_address:master_port`` (loopback unless told otherwise), formed as SGLang's
     ``init_custom_process_group`` forms it (a store prefixed by the group's name).
+
+    Lifecycle: ``await weights.start()`` forms the group; :meth:`close` (or ``with``;
+    :meth:`aclose` or ``async with`` on the event loop) leaves it.
     """
 
     def __init__(
@@ -244,8 +267,9 @@ class SGLangWeights:
         self.world_size = 1 + tp_size * len(self.engines)
         self._pg: Any = None
 
-    async def init(self) -> None:
-        """Form the group: every server is asked to join while this process joins as rank 0."""
+    async def start(self) -> SGLangWeights:
+        """Form the group: every server is asked to join while this process joins as rank 0
+        (each within ``timeout`` seconds); returns this object."""
         import torch.distributed as dist
 
         store = dist.TCPStore(
@@ -266,6 +290,16 @@ class SGLangWeights:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
+        return self
+
+    async def init(self) -> None:
+        """Deprecated: ``await weights.start()``."""
+        warnings.warn(
+            "SGLangWeights.init() is deprecated: use `await weights.start()`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        await self.start()
 
     def _join(self, store: Any) -> None:
         from torch.distributed.distributed_c10d import (
@@ -327,7 +361,24 @@ class SGLangWeights:
             self._pg.broadcast([t.detach().contiguous()], options).wait()
 
     def close(self) -> None:
-        """Leave the group (the servers see its connections close)."""
+        """Leave the group (the servers see its connections close); a second call does
+        nothing."""
         if self._pg is not None:
             pg, self._pg = self._pg, None
             pg.shutdown()
+
+    async def aclose(self) -> None:
+        """:meth:`close` on a worker thread (leaving the group may wait on the network)."""
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> SGLangWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> SGLangWeights:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

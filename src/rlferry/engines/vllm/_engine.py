@@ -11,8 +11,8 @@ from typing import Any
 
 from rlferry.control import (
     Completion,
+    EngineClosed,
     EngineError,
-    EngineGone,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
@@ -53,8 +53,9 @@ class VLLMEngine:
     ``is_paused()`` is true) until an update commits whole; one that failed before
     loading anything serves its previous version.
 
-    End of life: :meth:`close` shuts vLLM down; requests in flight fail with
-    :class:`EngineError`.
+    End of life: :meth:`close` (or ``with``; :meth:`aclose` or ``async with`` on the
+    event loop it serves) shuts vLLM down; requests in flight fail with
+    :class:`EngineError`, every later call with :class:`EngineClosed`.
     """
 
     def __init__(
@@ -329,7 +330,7 @@ class VLLMEngine:
     # -- life -------------------------------------------------------------------------------
     def _alive(self) -> None:
         if self._closed:
-            raise EngineGone(self.name, "closed (make a new VLLMEngine)")
+            raise EngineClosed(self.name, "closed (make a new VLLMEngine)")
 
     async def _call(self, what: str, call: Any) -> Any:
         try:
@@ -340,7 +341,7 @@ class VLLMEngine:
             raise EngineError(self.name, f"{what} failed: {_reason(e)}") from e
 
     def close(self) -> None:
-        """Shut vLLM down (its engine core process included)."""
+        """Shut vLLM down (its engine core process included); a second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -360,6 +361,12 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def _reason(e: BaseException) -> str:

@@ -70,6 +70,10 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
     place: zero copy over shm and cuda_ipc); default the one given at ``trainer_init``.
     Returns the push's ``PushReport`` (None on a rank that does not send).
 
+    End of life: :meth:`close` (or ``with``) closes the ``WeightSender``;
+    :meth:`shutdown`, the name vLLM's ``TrainerWeightTransferEngine`` gives it, does the
+    same.
+
     Raises (``send_weights``):
         WeightSyncError: a receiver failed or rejected the push (``failures`` names
             each vLLM worker's receiver and its reason) or the engine's
@@ -165,10 +169,22 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
         self.version, self.last_report = version, report
         return report
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        """Close the ``WeightSender`` (the receivers see it go); a second call does nothing."""
         sender, self.sender = self.sender, None
         if sender is not None:
             sender.close()
+
+    def shutdown(self) -> None:
+        """:meth:`close`, by the name of vLLM's ``TrainerWeightTransferEngine`` API (code
+        written against vLLM's factory calls it for any backend)."""
+        self.close()
+
+    def __enter__(self) -> RlferryTrainerEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _named(source: Any) -> tuple[Iterable[tuple[str, torch.Tensor]], list[Any] | None]:
