@@ -145,15 +145,15 @@ async def delivered_across(url: str, n: int) -> list[float]:
 async def delivered_framed(url: str, n: int) -> list[float]:
     """As :func:`delivered_across`, through ``/generate_many`` (what ``RemoteEngine``
     sends): the frame's ``done_ns`` against its arrival."""
-    from rlferry.control._http import _FRAME_DECODER, _LENGTH
+    from rlferry.control._http import FRAME_DECODER, LENGTH
 
     out = []
     async with aiohttp.ClientSession() as session:
         for i in range(n):
             body = msgspec.json.encode([one_token(i)])
             async with session.post(url + "/generate_many", data=body) as resp:
-                (size,) = _LENGTH.unpack(await resp.content.readexactly(_LENGTH.size))
-                frame = _FRAME_DECODER.decode(await resp.content.readexactly(size))
+                (size,) = LENGTH.unpack(await resp.content.readexactly(LENGTH.size))
+                frame = FRAME_DECODER.decode(await resp.content.readexactly(size))
                 got = time.monotonic_ns()
                 assert frame.completion is not None, frame
                 out.append((got - frame.done_ns) / 1e9)

@@ -21,9 +21,10 @@ from ._engine import (
     SamplingParams,
     WeightUpdateError,
 )
-from ._http import EngineServer, RemoteEngine
 from ._metrics import register_metrics
+from ._remote import RemoteEngine
 from ._rollouts import put_groups, rollout_columns
+from ._server import EngineServer
 
 __all__ = [
     "Completion",

@@ -1,9 +1,10 @@
 """The coordinator: routes rollouts to engines, bounds staleness, runs weight updates.
 
-Everything runs on one asyncio loop and waits on events: a ``submit`` over the
-staleness bound waits on the coordinator's condition (woken by a finished rollout or a
+Everything runs on one asyncio loop and waits on events (``_changes.py``): a ``submit``
+over the staleness bound waits on the coordinator's event (set by a finished rollout or a
 new version), a rollout waits on its engine's ``generate`` (the engine pushes the
-completion), a ``batch`` waits for finished groups. Nothing polls.
+completion; ``_samples.py`` runs each sample across the engines), a ``batch`` waits for
+finished groups. Nothing polls.
 
 A weight update is one call: pause every engine (``keep``, ``abort`` or ``wait``), push
 through the trainer's ``WeightSender``, have every engine serve the new version, resume
@@ -15,54 +16,27 @@ and a request an engine refuses fails that request, never the engine.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 import warnings
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
-
-import msgspec
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
-from ._engine import (
-    Completion,
-    Engine,
-    EngineClosed,
-    EngineError,
-    FinishReason,
-    GenerateRequest,
-    PauseMode,
-    SamplingParams,
-)
-from ._fleet import Fleet, Member, Moved
+from ._changes import Changes
+from ._engine import Engine, EngineClosed, EngineError, GenerateRequest, PauseMode, SamplingParams
+from ._fleet import Fleet, Moved
 from ._records import CoordinatorStatistics, Group
+from ._samples import Samples
 from ._staleness import Staleness
 from ._update import UpdateReport, run_update
 
 __all__ = ["Coordinator", "CoordinatorStatistics", "Group", "UpdateReport"]
 
 log = logging.getLogger("rlferry.control")
-T = TypeVar("T")
-_ids = itertools.count(1)
 ENGINE_TIMEOUT = 600.0
 """Seconds a sample waits for an engine that serves before its group fails."""
-
-
-@dataclass
-class _Unit:
-    id: int
-    group: Any
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int
-    future: asyncio.Future[Group]
-    completions: list[Completion | None] = field(default_factory=list)
-    ended: int = 0  # samples finished or failed
 
 
 class Coordinator:
@@ -109,9 +83,9 @@ class Coordinator:
             raise RequestError(f"engine_timeout: expected seconds > 0, got {engine_timeout!r}")
         self._bound = Staleness(batch_size, max_staleness, max_running, version)
         self.stale = stale
-        self.engine_timeout = float(engine_timeout)
         self._fleet = Fleet()
-        self._changed = asyncio.Event()  # set and replaced on every change waiters care about
+        self._changes = Changes(self._fleet.describe)
+        self._samples = Samples(self._fleet, self._bound, self._changes, float(engine_timeout))
         for engine in engines:
             self._fleet.add(engine)
         if not self._fleet.members:
@@ -120,16 +94,9 @@ class Coordinator:
                 "RemoteEngine objects or URLs of `rlferry serve engine`; more can join later "
                 "with add_engine)"
             )
-        self._ready: deque[_Unit] = deque()
-        self._running = asyncio.Event()  # set while no update holds rollouts back
-        self._running.set()
-        self._abort_epoch = 0  # bumped by an update in abort mode: its aborts are continued
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._waiting_submits = 0
-        self._failed_groups = 0
         self._updates = 0
         self._seconds = {"pause": 0.0, "push": 0.0, "update": 0.0}
-        self._closed = False
 
     # -- engines ------------------------------------------------------------------------
     def add_engine(self, engine: Engine | str) -> None:
@@ -140,12 +107,12 @@ class Coordinator:
         once an ``update_weights`` reached it (join it to the trainer's sender first)."""
         self._check_open("add_engine")
         self._fleet.add(engine)
-        self._notify()
+        self._changes.notify()
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return  # asked on the first submit or update
-        self._spawn(self._settle())
+        self._samples.spawn(self._settle())
 
     async def remove_engine(
         self, name: str, *, requests: Moved = "continue", timeout: float = 10.0
@@ -160,7 +127,7 @@ class Coordinator:
         if requests not in ("continue", "restart"):
             raise RequestError(f"requests: expected 'continue' or 'restart', got {requests!r}")
         member = self._fleet.remove(name, requests)
-        self._notify()
+        self._changes.notify()
         calls = dict(member.calls)
         if requests == "continue" and calls and member.state != "broken":
             try:
@@ -177,38 +144,21 @@ class Coordinator:
     async def _settle(self) -> None:
         """Ask every engine added since the last time for its name, version and limits."""
         await self._fleet.settle(self.version, self._bound.max_staleness)
-        self._notify()
+        self._changes.notify()
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    @property
+    def engine_timeout(self) -> float:
+        """Seconds a sample waits for an engine that serves before its group fails."""
+        return self._samples.engine_timeout
+
+    @engine_timeout.setter
+    def engine_timeout(self, seconds: float) -> None:
+        self._samples.engine_timeout = seconds
 
     @property
     def version(self) -> int:
         """The trainer's version: that of the last update any engine committed."""
         return self._bound.version
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _until(self, ready: Callable[[], T | None], timeout: float | None, what: str) -> T:
-        """Wait on the coordinator's events until ``ready()`` gives something; a timeout
-        says how many engines serve, and why the others do not."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (result := ready()) is None:
-            if self._closed:
-                raise EngineClosed("coordinator", f"closed while waiting for {what}")
-            event = self._changed
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"{what}: not within {timeout} s ({self._fleet.describe()})")
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
-                continue  # the loop's check raises with the reason
-        return result
 
     # -- rollouts -----------------------------------------------------------------------
     async def submit(
@@ -247,7 +197,7 @@ class Coordinator:
         self._check_prompt(request)
         self._waiting_submits += 1
         try:
-            await self._until(
+            await self._changes.until(
                 lambda: True if self._bound.capacity() >= n else None,
                 timeout,
                 f"admission of {n} samples (capacity {self._bound.capacity()} at version "
@@ -255,12 +205,7 @@ class Coordinator:
             )
         finally:
             self._waiting_submits -= 1
-        unit = _Unit(
-            next(_ids), group, request.prompt_ids, params, n,
-            asyncio.get_running_loop().create_future(), [None] * n,
-        )  # fmt: skip
-        self._start(unit)
-        return unit.future
+        return self._samples.submit(group, request.prompt_ids, params, n).future
 
     def _check_prompt(self, request: GenerateRequest) -> None:
         """Refuse a prompt that an engine of the fleet would refuse, before it is queued."""
@@ -282,108 +227,6 @@ class Coordinator:
                 "max_tokens; nothing was submitted)"
             )
 
-    def _start(self, unit: _Unit) -> None:
-        self._bound.admit(unit.n)
-        unit.completions = [None] * unit.n
-        unit.ended = 0
-        for i in range(unit.n):
-            self._spawn(self._rollout(unit, i))
-        self._notify()
-
-    async def _rollout(self, unit: _Unit, i: int) -> None:
-        """One sample: generated on an engine; continued on another after an abort of an
-        update in ``abort`` mode, after its engine failed (from the tokens it had before
-        it went there) or left the fleet (``remove_engine``'s ``requests``)."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        reason: FinishReason = "length"
-        engine_name = ""
-        try:
-            while len(tokens) < unit.params.max_tokens:
-                await self._running.wait()
-                epoch = self._abort_epoch
-                member = await self._until(
-                    self._fleet.pick, self.engine_timeout, "an engine that serves"
-                )
-                done = await self._generate(member, unit, i, tokens)
-                if done is None or (done.finish_reason == "abort" and member.removed):
-                    if member.removed == "restart":
-                        tokens, logprobs, versions = [], [], []
-                    if done is None or member.removed == "restart":
-                        continue  # its tokens there are lost: on from before it went there
-                tokens += done.token_ids
-                logprobs += done.logprobs
-                versions += done.versions
-                reason, engine_name = done.finish_reason, done.engine or member.name
-                if reason != "abort" or (self._abort_epoch == epoch and not member.removed):
-                    break  # an abort by an update in abort mode or a removal goes on
-        except asyncio.CancelledError:
-            self._ended(unit, None, None)
-            raise
-        except Exception as e:  # the request's fault, or no engine served: the group's error
-            self._ended(unit, None, e)
-            return
-        done_ = Completion(
-            request_id=f"r{unit.id}-{i}", prompt_ids=unit.prompt_ids, token_ids=tokens,
-            logprobs=logprobs, versions=versions, finish_reason=reason, engine=engine_name,
-        )  # fmt: skip
-        unit.completions[i] = done_
-        self._ended(unit, done_, None)
-
-    async def _generate(
-        self, member: Member, unit: _Unit, i: int, tokens: list[int]
-    ) -> Completion | None:
-        """One request of a sample on ``member``; None if the engine failed it or left."""
-        params = msgspec.structs.replace(
-            unit.params, max_tokens=unit.params.max_tokens - len(tokens)
-        )
-        request = GenerateRequest(
-            request_id=f"r{unit.id}-{i}-{len(tokens)}", prompt_ids=unit.prompt_ids + tokens,
-            params=params,
-        )  # fmt: skip
-        call: asyncio.Future[Completion] = asyncio.ensure_future(member.engine.generate(request))
-        member.calls[request.request_id] = call  # type: ignore[assignment]
-        member.running += 1
-        try:
-            return await call
-        except asyncio.CancelledError:
-            if self._closed or member.removed is None or not call.cancelled():
-                raise
-            return None  # remove_engine took it back
-        except (EngineError, SecurityError) as e:  # the engine's: out of rotation, on elsewhere
-            why = e.reason if isinstance(e, EngineError) else str(e)
-            self._fleet.mark(member, "broken", f"a request failed: {why}")
-            self._notify()
-            return None
-        finally:
-            member.running -= 1
-            member.calls.pop(request.request_id, None)
-
-    def _ended(self, unit: _Unit, done: Completion | None, error: BaseException | None) -> None:
-        """A sample of ``unit`` finished, failed (``error``) or was cancelled (neither);
-        the group resolves once all ended. A group's error is logged once and reaches
-        whoever awaits its future (and nobody else)."""
-        unit.ended += 1
-        self._bound.finish(accepted=done is not None)
-        if done is None and not unit.future.done():
-            if error is None:
-                unit.future.cancel()  # closed: nobody needs to hear of it
-            else:
-                self._failed_groups += 1
-                log.warning("group %r failed: %s", unit.group, error)
-                unit.future.set_exception(error)
-                unit.future.exception()  # logged above: asyncio need not log it again
-        if unit.ended == unit.n:
-            if unit.future.done():  # it failed: its finished samples will not be trained
-                self._bound.discard(sum(c is not None for c in unit.completions))
-            else:
-                finished = [c for c in unit.completions if c is not None]
-                group = Group(group=unit.group, prompt_ids=unit.prompt_ids, completions=finished)
-                self._ready.append(unit)
-                unit.future.set_result(group)
-        self._notify()
-
     async def batch(self, groups: int, *, timeout: float | None = None) -> list[Group]:
         """Take ``groups`` finished groups for one training step, oldest first.
 
@@ -398,39 +241,19 @@ class Coordinator:
         if type(groups) is not int or groups < 1:
             raise RequestError(f"groups: expected an int >= 1, got {groups!r}")
 
-        def ready() -> list[_Unit] | None:
-            self._sift()
-            if len(self._ready) < groups:
-                return None
-            return [self._ready.popleft() for _ in range(groups)]
-
-        units = await self._until(ready, timeout, f"{groups} finished groups")
+        units = await self._changes.until(
+            lambda: self._samples.take(groups, self.stale == "regenerate"),
+            timeout,
+            f"{groups} finished groups",
+        )
         out = []
         for unit in units:
             group = unit.future.result()
             lag = self._bound.lag(group.version_start)
             self._bound.consume(unit.n, lag)
             out.append(group)
-        self._notify()
+        self._changes.notify()
         return out
-
-    def _sift(self) -> None:
-        """Drop or regenerate the ready groups that lag too much now."""
-        keep: deque[_Unit] = deque()
-        while self._ready:
-            unit = self._ready.popleft()
-            if not self._bound.stale(unit.future.result().version_start):
-                keep.append(unit)
-                continue
-            self._bound.discard(unit.n)
-            if self.stale == "regenerate":
-                self._bound.regenerated += unit.n
-                again = _Unit(
-                    unit.id, unit.group, unit.prompt_ids, unit.params, unit.n,
-                    asyncio.get_running_loop().create_future(),
-                )  # fmt: skip
-                self._start(again)
-        self._ready = keep
 
     # -- weight updates ---------------------------------------------------------------------
     async def update_weights(
@@ -468,8 +291,8 @@ class Coordinator:
                 f"({self._fleet.describe()}; add_engine one that is back)",
             )  # fmt: skip
         if mode == "abort":
-            self._abort_epoch += 1
-        self._running.clear()
+            self._samples.abort_epoch += 1
+        self._samples.running.clear()
         try:
             after, outcome = await run_update(
                 self._fleet, push, version=version, current=self.version,
@@ -477,8 +300,8 @@ class Coordinator:
             )  # fmt: skip
             self._bound.version = after
         finally:
-            self._running.set()
-            self._notify()
+            self._samples.running.set()
+            self._changes.notify()
         self._updates += 1
         if isinstance(outcome, EngineError):
             raise outcome
@@ -493,13 +316,13 @@ class Coordinator:
         return CoordinatorStatistics(
             version=b.version, max_staleness=b.max_staleness, engines=len(self._fleet.members),
             engines_serving=self._fleet.serving(),
-            running=b.running, ready_groups=len(self._ready), accepted=b.accepted,
+            running=b.running, ready_groups=len(self._samples.ready), accepted=b.accepted,
             consumed=b.consumed, dropped=b.dropped, regenerated=b.regenerated,
             capacity=b.capacity(), staleness_mean=b.lag_sum / b.consumed if b.consumed else 0.0,
             staleness_max=b.lag_max, updates=self._updates,
             pause_seconds=self._seconds["pause"], push_seconds=self._seconds["push"],
             update_seconds=self._seconds["update"], waiting_submits=self._waiting_submits,
-            failed_groups=self._failed_groups,
+            failed_groups=self._samples.failed_groups,
             not_serving={m.name: f"{m.state}: {m.why}" for m in self._fleet if m.state != "serving"}
             | self._fleet.left,
         )  # fmt: skip
@@ -511,23 +334,22 @@ class Coordinator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_open("load_state_dict")
         self._bound.load_state_dict(state)
-        self._notify()
+        self._changes.notify()
 
     # -- end of life ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
-        if self._closed:
+        if self._changes.closed:
             raise EngineClosed("coordinator", f"{call} after aclose() (make a new Coordinator)")
 
     async def aclose(self) -> None:
         """Cancel the rollouts in flight; waiting calls raise :class:`EngineClosed`. The
         engines made here from URLs are closed; engines passed as objects stay open (they
         are the caller's). A second call does nothing."""
-        if self._closed:
+        if self._changes.closed:
             return
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        self._notify()
+        self._changes.closed = True
+        self._samples.cancel()
+        self._changes.notify()
         for m in self._fleet:
             if m.owned:
                 await _aclose(m.engine)

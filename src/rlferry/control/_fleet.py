@@ -27,7 +27,7 @@ from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
 from ._engine import Engine, EngineError, EngineStatistics
-from ._http import RemoteEngine
+from ._remote import RemoteEngine
 
 __all__ = ["CHECK_TIMEOUT", "Fleet", "Member", "Moved", "State"]
 
