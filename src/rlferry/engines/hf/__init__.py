@@ -3,6 +3,7 @@
 batches: a slot KV cache with CUDA-graph decode steps (``_slots.py``, CUDA's default) or
 transformers' dynamic cache (``_batch.py``)."""
 
-from ._engine import SLOT_LEN, HFEngine
+from ._cache import SLOT_LEN
+from ._engine import HFEngine
 
 __all__ = ["SLOT_LEN", "HFEngine"]

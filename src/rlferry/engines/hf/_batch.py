@@ -13,15 +13,17 @@ float rounding of a different batch shape). Finished rows leave through
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from rlferry.control import Completion, FinishReason, GenerateRequest
+
+from ._model import cache_kw
+from ._sampling import sample, sampling, uniforms
 
 if TYPE_CHECKING:
     from ._slots import SlotBatch
@@ -91,7 +93,7 @@ class Batch:
         self.model = model
         self.device = device
         self._new_cache = new_cache
-        self._kw = _cache_kw(model)
+        self._kw = cache_kw(model)
         self._logits_kw = logits_kw  # "logits_to_keep" where the model takes it
         self.rows: list[Row] = []
         self._dtype = next(model.parameters()).dtype
@@ -136,8 +138,8 @@ class Batch:
             input_ids=ids, attention_mask=mask if padded else None, position_ids=positions,
             use_cache=True, **kw, **{self._kw: cache},
         )  # fmt: skip
-        how = _params(rows, self.device)
-        tokens, logprobs = _sample(out.logits[:, -1, :], how, _uniforms(how, self.device))
+        how = sampling(rows, self.device)
+        tokens, logprobs = sample(out.logits[:, -1, :], how, uniforms(how, self.device))
         self._join(rows, cache, mask, positions[:, -1] + 1, tokens)
         return record(self, tokens, logprobs, version, first=len(self.rows) - len(rows))
 
@@ -155,8 +157,8 @@ class Batch:
             position_ids=self.positions[:, None], use_cache=True, **{self._kw: self.cache},
         )  # fmt: skip
         self.positions = self.positions + 1  # the cache grew in place
-        tokens, logprobs = _sample(
-            out.logits[:, -1, :], self._params, _uniforms(self._params, self.device)
+        tokens, logprobs = sample(
+            out.logits[:, -1, :], self._params, uniforms(self._params, self.device)
         )
         self.next_ids = tokens
         return record(self, tokens, logprobs, version, first=0)
@@ -219,7 +221,7 @@ class Batch:
         self._sampling()
 
     def _sampling(self) -> None:
-        self._params = _params(self.rows, self.device)
+        self._params = sampling(self.rows, self.device)
 
 
 def record(
@@ -252,73 +254,6 @@ def record(
     return ended
 
 
-def _cache_kw(model: torch.nn.Module) -> str:
-    """The name ``model.forward`` takes its KV cache by (``cache`` from transformers 5.24 on,
-    ``past_key_values`` before: deprecated since)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` (batch, heads, columns, dim) with ``n`` zero columns before its own."""
     return F.pad(t, (0, 0, n, 0)) if n else t
-
-
-class Sampling(NamedTuple):
-    """How to sample each row: temperature (1 for greedy rows: their logprobs are of the
-    plain softmax), top-p (None when every row keeps all tokens), which rows are greedy
-    (None when none or all are), whether all are, and each sampled row's generator."""
-
-    temps: torch.Tensor
-    top_p: torch.Tensor | None
-    greedy: torch.Tensor | None
-    all_greedy: bool
-    rngs: list[random.Random | None]
-
-
-def _params(rows: Sequence[Row], device: torch.device) -> Sampling:
-    rngs = [r.rng for r in rows]
-    sampled = sum(g is not None for g in rngs)
-    temps = torch.tensor([[r.temperature or 1.0] for r in rows], dtype=torch.float32)
-    top_p = None
-    if any(r.top_p < 1.0 for r in rows if r.rng is not None):
-        top_p = torch.tensor([[r.top_p] for r in rows], dtype=torch.float32).to(device)
-    greedy = None
-    if 0 < sampled < len(rows):
-        greedy = torch.tensor([g is None for g in rngs], dtype=torch.bool).to(device)
-    return Sampling(temps.to(device), top_p, greedy, sampled == 0, rngs)
-
-
-def _uniforms(how: Sampling, device: torch.device) -> torch.Tensor | None:
-    """Each sampled row's uniform from its own generator (None when every row is greedy):
-    drawn before a step, so that its copy to the device waits for nothing."""
-    if how.all_greedy:
-        return None
-    u = torch.tensor([g.random() if g is not None else 0.0 for g in how.rngs])
-    return u.to(device, torch.float32, non_blocking=True)[:, None]
-
-
-def _sample(
-    logits: torch.Tensor, how: Sampling, u: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of every row and its log probability under ``softmax(logits / T)``
-    (before top-p). Greedy rows take the argmax of the logits; sampled rows invert their
-    distribution's CDF at their uniform ``u`` (from :func:`_uniforms`)."""
-    logits = logits.float()
-    if how.all_greedy or u is None:  # log softmax at one token: no (rows, vocab) output
-        tokens = logits.argmax(-1)
-        return tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(-1)
-    logp = torch.log_softmax(logits / how.temps, -1)
-    probs = logp.exp()
-    last = logits.shape[-1] - 1
-    if how.top_p is None:
-        cdf = probs.cumsum(-1)
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)[:, 0]
-    else:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        sp, order = probs.sort(-1, descending=True)
-        cdf = torch.where(sp.cumsum(-1) - sp < how.top_p, sp, 0.0).cumsum(-1)
-        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=last)
-        tokens = order.gather(1, pick)[:, 0]
-    if how.greedy is not None:
-        tokens = torch.where(how.greedy, logits.argmax(-1), tokens)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]

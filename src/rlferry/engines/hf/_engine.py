@@ -23,8 +23,6 @@ loaded anything leaves the model whole: the engine goes on serving its version.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import itertools
 import logging
 import os
@@ -41,48 +39,22 @@ from rlferry.control import (
     EngineStatistics,
     GenerateRequest,
     PauseMode,
-    RequestError,
 )
-from rlferry.weights import (
-    EngineLayout,
-    ParamLoader,
-    ShardedReceiver,
-    WeightReceiver,
-    describe_group,
-    fingerprint,
-)
+from rlferry.errors import RequestError
+from rlferry.weights import ShardedReceiver, WeightReceiver, fingerprint
 
-from ._batch import Batch, Row
+from ._batch import Row
 from ._bridge import Waiter
-from ._kernels import GQA_SDPA, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
-from ._model import NonFinite, check_finite, load_model
-from ._slots import SlotBatch
-from ._thread import DecodeThread
+from ._cache import choose_batch
+from ._model import NonFinite, check_finite, check_request, load_model
+from ._receivers import join_senders
+from ._thread import STEP_BOUND, DecodeThread
 
 __all__ = ["HFEngine"]
 
 log = logging.getLogger("rlferry.engines")
 _names = itertools.count()
 _MODES = ("keep", "abort", "wait")
-STEP_BOUND = 600.0
-"""Seconds a weight load and ``close`` wait for the step in progress to end."""
-SLOT_LEN = 2048
-"""The default ``max_model_len`` of a slot cache (each slot holds that many tokens)."""
-
-
-def _check_room(model: Any, device: torch.device, max_batch: int, max_len: int) -> None:
-    """Refuse a slot cache that would not fit in the device's free memory, with the numbers
-    and the settings that shrink it, before anything is allocated."""
-    need = SlotBatch.nbytes(model, max_batch, max_len)
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    if need > 0.9 * free:
-        raise RequestError(
-            f"HFEngine: the KV cache of {max_batch} slots x {max_len} tokens needs "
-            f"{need / 2**30:.2f} GiB, got {free / 2**30:.2f} GiB free of {total / 2**30:.2f} "
-            f"GiB on {device} (lower max_batch or max_model_len)"
-        )
 
 
 class HFEngine(DecodeThread):
@@ -164,49 +136,21 @@ class HFEngine(DecodeThread):
         self.model = loaded.model
         self.device: torch.device = loaded.device
         self.vocab_size = loaded.vocab_size
-        self.max_model_len = max_model_len or loaded.max_len
         self._check_finite = check_finite
         # The engine's tensors by their state_dict names (views of the parameters and
         # persistent buffers): what a push must match and where it is loaded.
         self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict())
-        params = inspect.signature(self.model.forward).parameters
-        kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        sdpa = impl in ("sdpa", GQA_SDPA)
-        slots_ok = (impl == "eager" or sdpa) and not loaded.sliding and kw == "logits_to_keep"
-        if kv_cache is None:
-            kv_cache = "slots" if self.device.type == "cuda" and slots_ok else "dynamic"
-        if kv_cache == "slots" and not slots_ok:
-            raise RequestError(
-                f"HFEngine.kv_cache: expected 'dynamic' for this model, got 'slots' (slots need "
-                f"eager or sdpa attention, no sliding-window layers and logits_to_keep; this "
-                f"model has attention {impl!r}, sliding={loaded.sliding})"
-            )
-        self.kv_cache = kv_cache
-        batch: Batch | SlotBatch
-        if kv_cache == "slots":
-            length = max_model_len or min(loaded.max_len or SLOT_LEN, SLOT_LEN)
-            self.max_model_len = length
-            _check_room(self.model, self.device, max_batch, length)
-            if impl == "sdpa":  # the same attention, without copying the cache per step
-                use_gqa_sdpa(self.model)
-            fuse_rms_norms(self.model)  # the same values, in fewer kernels
-            if cuda_graphs and self.device.type == "cuda":  # for the process: see fuse_rotary
-                fuse_rotary(self.model)
-            batch = SlotBatch(
-                self.model, self.device, max_batch=max_batch, max_len=length,
-                graphs=cuda_graphs and self.device.type == "cuda", max_prefill=max_prefill_tokens,
-            )  # fmt: skip
-        else:
-            batch = Batch(self.model, self.device, loaded.new_cache, kw, loaded.sliding)
+        chosen = choose_batch(
+            loaded, kv_cache, max_batch=max_batch, max_model_len=max_model_len,
+            max_prefill=max_prefill_tokens, cuda_graphs=cuda_graphs,
+        )  # fmt: skip
+        self.kv_cache = chosen.kv_cache
+        self.max_model_len = chosen.max_model_len
         super().__init__(
-            name or f"hf-{os.getpid()}-{next(_names)}", batch, version=version,
+            name or f"hf-{os.getpid()}-{next(_names)}", chosen.batch, version=version,
             max_batch=max_batch, max_prefill=max_prefill_tokens,
         )  # fmt: skip
         self._receiver: WeightReceiver | ShardedReceiver | None = None
-        self._since_commit = 0  # buckets loaded since the last commit (under _cond)
-        self._load_error: str | None = None  # why the last load failed (under _cond)
-        self._update_since: float | None = None
         self._thread.start()
 
     # -- requests ---------------------------------------------------------------------------
@@ -221,7 +165,7 @@ class HFEngine(DecodeThread):
             TypeError: not a ``GenerateRequest``.
             EngineError: the engine closed (``gone``), or the step it was in failed.
         """
-        self._check_request(request)
+        check_request(request, self.vocab_size, self.max_model_len, self.name)
         loop = asyncio.get_running_loop()
         row = Row(request, loop, loop.create_future())
         rid = request.request_id
@@ -246,39 +190,6 @@ class HFEngine(DecodeThread):
                 self._aborts.append(({rid}, None))
                 self._cond.notify_all()
             raise
-
-    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._cond:
-            rows = self._staged.pop(loop, [])
-            if self._dead is None:
-                self._waiting.extend(rows)
-                self._cond.notify_all()
-                return
-            for r in rows:
-                self._ids.pop(r.request_id, None)
-        for r in rows:
-            if not r.future.done():
-                r.future.set_exception(self._gone(self.name, self._dead))
-
-    def _check_request(self, request: Any) -> None:
-        if not isinstance(request, GenerateRequest):
-            raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
-        rid, prompt = request.request_id, request.prompt_ids
-        bad = next((i for i, t in enumerate(prompt) if t >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(
-                f"request `{rid}`: prompt_ids[{bad}]: expected a token id below "
-                f"{self.vocab_size} (the model's vocab_size), got {prompt[bad]}",
-                self.name,
-            )
-        n = len(prompt) + request.params.max_tokens
-        if self.max_model_len is not None and n > self.max_model_len:
-            raise RequestError(
-                f"request `{rid}`: expected prompt + max_tokens <= {self.max_model_len} (the "
-                f"engine's max_model_len), got {len(prompt)} + {request.params.max_tokens} "
-                f"= {n} (shorten the prompt or lower max_tokens)",
-                self.name,
-            )
 
     async def abort_requests(self, ids: Sequence[str] | None = None) -> int:
         """End these requests (every one with None) at the next step boundary, with their
@@ -350,32 +261,11 @@ class HFEngine(DecodeThread):
         joins every rank's link to it."""
         with self._cond:
             self._alive()
-        found = await asyncio.to_thread(
-            describe_group, group, address, secret=secret, timeout=timeout
-        )
-        device = self.device if self.device.type == "cuda" else None
-        recv: WeightReceiver | ShardedReceiver
-        if found.trainer is None or found.addresses is None:
-            load = functools.partial(self._load, ParamLoader(self._tensors))
-            recv = WeightReceiver(
-                group=group, address=address, load=load, on_commit=self._on_commit,
-                expected=self._tensors, name=self.name, secret=secret, device=device,
-            )  # fmt: skip
-        else:
-            dtypes = {n: t.dtype for n, t in self._tensors.items()}
-            p2p = found.engine_rank is not None  # a link of its own from every rank
-            rank = found.engine_rank if found.engine_rank is not None else 0
-            recv = ShardedReceiver(
-                group=group, rank=rank, trainer=found.trainer,
-                engine=EngineLayout.whole(
-                    found.trainer.specs, receivers=found.engines if p2p else 1, dtype=dtypes
-                ),
-                params=self._tensors,
-                addresses={r: a for r, a in enumerate(found.addresses) if a},
-                on_commit=self._on_commit, name=self.name, device=device, secret=secret,
-                around_load=self._load, point_to_point=p2p,
-            )  # fmt: skip
-        await asyncio.to_thread(recv.start, timeout)
+        recv = await join_senders(
+            group, address, tensors=self._tensors, name=self.name, secret=secret,
+            device=self.device if self.device.type == "cuda" else None, timeout=timeout,
+            load=self._load, on_commit=self._on_commit,
+        )  # fmt: skip
         with self._cond:
             old, self._receiver = self._receiver, recv
         if old is not None:
@@ -430,61 +320,15 @@ class HFEngine(DecodeThread):
         """The receiver's ``load``: stop stepping at the push's first bucket, then copy.
         Sharded, every trainer rank's bucket comes on a thread of its own: each waits for
         the step in progress to end (the first one to come stopped the next ones)."""
-        with self._cond:
-            first = not self._loading
-            if first:
-                self._loading = True
-                self._load_error = None
-                if self._update_since is None:
-                    self._update_since = time.monotonic()
-                self._gate_changed()
-            if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
-                if first:
-                    self._loading = False
-                    self._gate_changed()
-                raise EngineError(
-                    self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
-                    "the push was not loaded (a step that long is a bug: please report it)",
-                )  # fmt: skip
+        self._stop_for_load()
         try:
             if self._check_finite:
                 check_finite(items)
             loader(items)
         except Exception as e:
-            with self._cond:
-                self._load_error = f"{type(e).__name__}: {e}"
-                if isinstance(e, NonFinite) and self._since_commit == 0:
-                    self._loading = False  # nothing was loaded: the model is still whole
-                    if not self._updating:
-                        self._update_since = None
-                    self._error = f"weights: a push was refused before loading ({e})"
-                else:
-                    self._error = (
-                        f"weights: a push failed after {self._since_commit} of its buckets "
-                        f"were loaded ({type(e).__name__}: {e}); the model holds a mix of "
-                        "versions: no step runs until a version commits whole"
-                    )
-                self._gate_changed()
+            self._load_failed(e, refused=isinstance(e, NonFinite))
             raise
-        with self._cond:
-            self._since_commit += 1
-
-    def _on_commit(self, version: int) -> None:
-        with self._cond:
-            self._version = version
-            self._loading = False
-            self._refusing = None
-            self._load_error = None
-            self._since_commit = 0
-            self._counts["updates"] += 1
-            if not self._updating:
-                self._update_done()
-            self._gate_changed()
-
-    def _update_done(self) -> None:
-        if self._update_since is not None:
-            self._seconds["update"] += time.monotonic() - self._update_since
-            self._update_since = None
+        self._loaded()
 
     # -- state --------------------------------------------------------------------------
     async def fingerprint(self) -> str:

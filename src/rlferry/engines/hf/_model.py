@@ -1,7 +1,9 @@
-"""Loading the model an :class:`~rlferry.engines.hf.HFEngine` serves, and checking pushes."""
+"""Loading the model an :class:`~rlferry.engines.hf.HFEngine` serves; checking the pushes
+and the requests it gets against it."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,10 +11,19 @@ from typing import Any
 
 import torch
 
+from rlferry.control import GenerateRequest
 from rlferry.errors import RequestError
 from rlferry.weights import WeightSyncError
 
-__all__ = ["Loaded", "NonFinite", "check_finite", "load_model", "transformers"]
+__all__ = [
+    "Loaded",
+    "NonFinite",
+    "cache_kw",
+    "check_finite",
+    "check_request",
+    "load_model",
+    "transformers",
+]
 
 
 def transformers() -> Any:
@@ -100,4 +111,33 @@ def check_finite(items: list[tuple[str, torch.Tensor]]) -> None:
         raise NonFinite(
             f"tensor `{bad}`: expected finite values, got NaN or Inf (check_finite; did "
             "the trainer diverge?)"
+        )
+
+
+def cache_kw(model: torch.nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache by (``cache`` from transformers 5.24 on,
+    ``past_key_values`` before: deprecated since)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def check_request(request: Any, vocab_size: int, max_model_len: int | None, engine: str) -> None:
+    """Refuse a request the model cannot run (a token id outside ``vocab_size``, prompt +
+    ``max_tokens`` beyond ``max_model_len``), naming ``engine``."""
+    if not isinstance(request, GenerateRequest):
+        raise TypeError(f"generate: expected a GenerateRequest, got {type(request).__name__}")
+    rid, prompt = request.request_id, request.prompt_ids
+    bad = next((i for i, t in enumerate(prompt) if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(
+            f"request `{rid}`: prompt_ids[{bad}]: expected a token id below "
+            f"{vocab_size} (the model's vocab_size), got {prompt[bad]}",
+            engine,
+        )
+    n = len(prompt) + request.params.max_tokens
+    if max_model_len is not None and n > max_model_len:
+        raise RequestError(
+            f"request `{rid}`: expected prompt + max_tokens <= {max_model_len} (the "
+            f"engine's max_model_len), got {len(prompt)} + {request.params.max_tokens} "
+            f"= {n} (shorten the prompt or lower max_tokens)",
+            engine,
         )

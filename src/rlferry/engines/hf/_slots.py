@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-from ._batch import Row, Sampling, _cache_kw, _params, _sample, _uniforms, record
+from ._batch import Row, record
+from ._model import cache_kw
+from ._sampling import Sampling, sample, sampling, uniforms
 
 __all__ = ["PrefillCache", "SlotBatch", "SlotCache"]
 
@@ -118,7 +120,7 @@ class SlotBatch:
         self.model, self.device = model, device
         self.rows: list[Row] = []
         self.max_len = max_len
-        self._kw = _cache_kw(model)
+        self._kw = cache_kw(model)
         from transformers import DynamicCache
 
         # The cache's shapes, read from a one-token forward (a model's own head layout).
@@ -151,7 +153,7 @@ class SlotBatch:
         # the longest row's columns at the next step: _reach + _steps (steps since start)
         self._reach, self._steps = 1, 0
         self._pool: Any = None
-        self._how: Sampling = _params([], device)
+        self._how: Sampling = sampling([], device)
         self.max_batch = max_batch
         rows = sorted({self._bucket(n) for n in range(1, max_batch + 1)})
         # the logits of the decode graphs over slots [0, B), every span's, by B
@@ -233,9 +235,9 @@ class SlotBatch:
         ]
         self.pos[at] = n
         self.rows.extend(rows)
-        self._how = _params(self.rows, self.device)
-        joined = _params(rows, self.device)
-        tokens, logprobs = _sample(logits, joined, _uniforms(joined, self.device))
+        self._how = sampling(self.rows, self.device)
+        joined = sampling(rows, self.device)
+        tokens, logprobs = sample(logits, joined, uniforms(joined, self.device))
         self.ids[at] = tokens
         ended = record(self, tokens, logprobs, version, first)
         self._reached()
@@ -267,13 +269,13 @@ class SlotBatch:
         """One forward pass feeding every row its last token; the rows that ended."""
         n = len(self.rows)
         key = self.step_key()
-        u = _uniforms(self._how, self.device)  # copied before the step: no wait in between
+        u = uniforms(self._how, self.device)  # copied before the step: no wait in between
         if self._use_graphs:
             self._graphs[key].replay()
             logits = self._logits[key[0]][:n]
         else:
             logits = self._step(key)[:n]
-        tokens, logprobs = _sample(logits, self._how, u)
+        tokens, logprobs = sample(logits, self._how, u)
         self.ids[:n] = tokens
         self._steps += 1  # every row is a token longer
         return record(self, tokens, logprobs, version, 0)
@@ -368,7 +370,7 @@ class SlotBatch:
                 self.rows[h] = self.rows[m]
         self.rows = self.rows[:n]
         self._free(n)
-        self._how = _params(self.rows, self.device)
+        self._how = sampling(self.rows, self.device)
         self._reached()
 
     def _free(self, start: int) -> None:
@@ -381,5 +383,5 @@ class SlotBatch:
         """Drop every row (after a failed step, whatever state it left)."""
         self.rows = []
         self._free(0)
-        self._how = _params([], self.device)
+        self._how = sampling([], self.device)
         self._reached()

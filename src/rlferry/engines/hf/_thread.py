@@ -29,6 +29,8 @@ __all__ = ["Abort", "DecodeThread"]
 
 log = logging.getLogger("rlferry.engines")
 
+STEP_BOUND = 600.0
+"""Seconds a weight load and ``close`` wait for the step in progress to end."""
 JOIN_SHARE = 4
 """Waiting rows join a decoding batch once they are at least 1/JOIN_SHARE of its rows..."""
 JOIN_AFTER = 4
@@ -86,6 +88,9 @@ class DecodeThread:
         self._dead: str | None = None  # why the thread ended (closed, or it failed)
         self._gone: type[EngineGone] = EngineGone  # EngineClosed once closed by its owner
         self._version = version
+        self._since_commit = 0  # buckets loaded since the last commit
+        self._load_error: str | None = None  # why the last load failed
+        self._update_since: float | None = None  # an update (or a push) under way since
         self._error: str | None = None
         self._counts = dict.fromkeys(("finished", "aborted", "tokens", "steps", "updates"), 0)
         self._seconds = dict.fromkeys(("step", "paused", "update"), 0.0)
@@ -121,6 +126,85 @@ class DecodeThread:
     def _alive(self) -> None:
         if self._dead is not None:
             raise self._gone(self.name, self._dead)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The rows ``loop`` staged in its last iteration join the waiting ones (they are
+        prefilled together), or fail if the engine ended since."""
+        with self._cond:
+            rows = self._staged.pop(loop, [])
+            if self._dead is None:
+                self._waiting.extend(rows)
+                self._cond.notify_all()
+                return
+            for r in rows:
+                self._ids.pop(r.request_id, None)
+        for r in rows:
+            if not r.future.done():
+                r.future.set_exception(self._gone(self.name, self._dead))
+
+    # -- a push's gate (the receiver's threads) ---------------------------------------------
+    def _stop_for_load(self) -> None:
+        """Stop stepping (at a push's first bucket) and wait for the step in progress to
+        end; raise ``EngineError`` if it does not within ``STEP_BOUND``."""
+        with self._cond:
+            first = not self._loading
+            if first:
+                self._loading = True
+                self._load_error = None
+                if self._update_since is None:
+                    self._update_since = time.monotonic()
+                self._gate_changed()
+            if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
+                if first:
+                    self._loading = False
+                    self._gate_changed()
+                raise EngineError(
+                    self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
+                    "the push was not loaded (a step that long is a bug: please report it)",
+                )  # fmt: skip
+
+    def _loaded(self) -> None:
+        """A bucket of the push loaded."""
+        with self._cond:
+            self._since_commit += 1
+
+    def _load_failed(self, e: Exception, *, refused: bool) -> None:
+        """A bucket failed to load: ``refused`` before anything was copied (the model is
+        still whole if no bucket of the push loaded before), else the model holds a mix
+        and no step runs until a version commits whole."""
+        with self._cond:
+            self._load_error = f"{type(e).__name__}: {e}"
+            if refused and self._since_commit == 0:
+                self._loading = False  # nothing was loaded: the model is still whole
+                if not self._updating:
+                    self._update_since = None
+                self._error = f"weights: a push was refused before loading ({e})"
+            else:
+                self._error = (
+                    f"weights: a push failed after {self._since_commit} of its buckets "
+                    f"were loaded ({type(e).__name__}: {e}); the model holds a mix of "
+                    "versions: no step runs until a version commits whole"
+                )
+            self._gate_changed()
+
+    def _on_commit(self, version: int) -> None:
+        """The receiver committed ``version`` whole: it is served from the next step."""
+        with self._cond:
+            self._version = version
+            self._loading = False
+            self._refusing = None
+            self._load_error = None
+            self._since_commit = 0
+            self._counts["updates"] += 1
+            if not self._updating:
+                self._update_done()
+            self._gate_changed()
+
+    def _update_done(self) -> None:
+        """Account the update's seconds (under ``_cond``)."""
+        if self._update_since is not None:
+            self._seconds["update"] += time.monotonic() - self._update_since
+            self._update_since = None
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
