@@ -8,7 +8,9 @@ import torch
 
 from rlferry import errors
 from rlferry.control import (
+    ControlError,
     Coordinator,
+    CoordinatorTimeout,
     EngineClosed,
     EngineError,
     EngineGone,
@@ -317,7 +319,33 @@ def test_coordinator_close_is_a_deprecated_alias_of_aclose():
     run(main())
 
 
-def test_the_control_planes_error_classes_are_of_their_families():
-    assert issubclass(EngineClosed, EngineGone) and issubclass(EngineClosed, errors.Closed)
-    assert issubclass(EngineGone, EngineError) and issubclass(EngineGone, errors.Gone)
+def test_the_control_planes_error_classes_are_of_their_base_and_their_families():
+    from rlferry.engines import NotStarted
+
+    families = {
+        EngineError: (),
+        EngineGone: (errors.Gone,),
+        EngineClosed: (errors.Closed, errors.Gone, EngineGone),
+        WeightUpdateError: (),
+        CoordinatorTimeout: (errors.Timeout, TimeoutError),
+        NotStarted: (errors.Closed, RuntimeError),
+    }
+    for cls, kinds in families.items():
+        assert issubclass(cls, ControlError) and issubclass(cls, errors.RlferryError)
+        assert all(issubclass(cls, k) for k in kinds), cls
     assert EngineClosed("e", "closed").gone
+    assert not issubclass(CoordinatorTimeout, EngineError)  # no engine is at fault
+
+
+def test_a_wait_of_the_coordinator_that_ends_raises_coordinator_timeout():
+    async def main():
+        async with Coordinator([NOWHERE], batch_size=4) as coord:
+            with pytest.raises(CoordinatorTimeout) as e:
+                await coord.batch(1, timeout=0.05)
+            assert isinstance(e.value, TimeoutError) and isinstance(e.value, errors.Timeout)
+            assert str(e.value) == (
+                "1 finished groups: not within 0.05 s (0 of 1 engines serving: "
+                "`http://127.0.0.1:9`: new: not asked for its state yet)"
+            )
+
+    run(main())

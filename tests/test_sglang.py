@@ -304,3 +304,16 @@ def test_sglang_weights_init_is_a_deprecated_alias_of_start():
         weights.close()  # a second close does nothing
 
     asyncio.run(main())
+
+
+def test_a_push_before_start_raises_not_started():
+    from rlferry import errors
+    from rlferry.engines import NotStarted
+
+    async def main():
+        with pytest.raises(NotStarted) as e:
+            await SGLangWeights([], backend="gloo").push([], version=1)
+        assert isinstance(e.value, errors.Closed) and isinstance(e.value, RuntimeError)
+        assert str(e.value) == "SGLangWeights.push: call start() first (the group is not formed)"
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ._engine import EngineClosed
+from ._errors import CoordinatorTimeout, EngineClosed
 
 __all__ = ["Changes"]
 
@@ -39,8 +39,8 @@ class Changes:
 
         Raises:
             EngineClosed: the coordinator closed first.
-            TimeoutError: ``timeout`` passed; the message says how many engines serve,
-                and why the others do not.
+            CoordinatorTimeout: (a ``TimeoutError``) ``timeout`` passed; the message says
+                how many engines serve, and why the others do not.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while (result := ready()) is None:
@@ -49,7 +49,7 @@ class Changes:
             event = self._changed
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"{what}: not within {timeout} s ({self._describe()})")
+                raise CoordinatorTimeout(f"{what}: not within {timeout} s ({self._describe()})")
             try:
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:

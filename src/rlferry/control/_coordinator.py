@@ -25,7 +25,8 @@ from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
 from ._changes import Changes
-from ._engine import Engine, EngineClosed, EngineError, GenerateRequest, PauseMode, SamplingParams
+from ._engine import Engine, GenerateRequest, PauseMode, SamplingParams
+from ._errors import EngineClosed, EngineError
 from ._fleet import Fleet, Moved
 from ._records import CoordinatorStatistics, Group
 from ._samples import Samples
@@ -173,16 +174,18 @@ class Coordinator:
         """Admit ``n`` samples of ``prompt_ids`` (waiting, by event, while the staleness
         bound is full) and start them on the least-loaded engines; the future resolves
         with the :class:`Group` once all ``n`` finished, or fails with the first
-        sample's error (a :class:`RequestError`, or a ``TimeoutError`` naming each engine
-        and why it does not serve when none served within ``engine_timeout``; logged
-        once as well).
+        sample's error (a :class:`RequestError`, or a :class:`CoordinatorTimeout` naming
+        each engine and why it does not serve when none served within ``engine_timeout``;
+        logged once as well).
 
         Raises:
             RequestError: a prompt no engine of the fleet can run (a token id outside the
                 smallest vocabulary, prompt + ``max_tokens`` beyond the smallest context
                 the engines announce): nothing was queued.
-            TimeoutError: the bound stayed full for ``timeout`` seconds (the trainer
-                must take batches and update its version for room to come).
+            CoordinatorTimeout: (a ``TimeoutError``) the bound stayed full for ``timeout``
+                seconds (the trainer must take batches and update its version for room to
+                come).
+            EngineClosed: the coordinator was closed.
             ValueError: bad arguments.
         """
         self._check_open("submit")
@@ -235,7 +238,9 @@ class Coordinator:
         ``version_start`` is at least ``version - max_staleness``.
 
         Raises:
-            TimeoutError: not enough fresh groups within ``timeout``.
+            CoordinatorTimeout: (a ``TimeoutError``) not enough fresh groups within
+                ``timeout``.
+            EngineClosed: the coordinator was closed.
         """
         self._check_open("batch")
         if type(groups) is not int or groups < 1:

@@ -16,27 +16,21 @@ pickled, and are checked on construction.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from rlferry.errors import Closed, Gone, RequestError, RlferryError
+from rlferry.errors import RequestError
 
 __all__ = [
     "Completion",
     "Engine",
-    "EngineClosed",
-    "EngineError",
-    "EngineGone",
     "EngineStatistics",
     "FinishReason",
     "GenerateRequest",
     "PauseMode",
-    "RequestError",
     "SamplingParams",
-    "WeightUpdateError",
 ]
 
 PauseMode = Literal["keep", "abort", "wait"]
@@ -45,97 +39,6 @@ PauseMode = Literal["keep", "abort", "wait"]
 ``wait``: no new request is admitted, in-flight ones finish, then the engine pauses."""
 
 FinishReason = Literal["stop", "length", "abort"]
-
-
-class EngineError(RlferryError):
-    """An engine failed a request or a step of a weight update; ``engine`` names it (the
-    engines, comma-separated, for an update that several failed: ``failures`` maps each
-    name to its reason). The control plane's base error. Where the engine answered, it
-    refused or failed this one step and serves on; where it is unreachable, closed or
-    dead the error is an :class:`EngineGone`."""
-
-    gone = False
-    """True for an :class:`EngineGone`: the engine serves nothing until it is added again."""
-
-    def __new__(cls, *args: object, gone: bool | None = None, **kwargs: object) -> EngineError:
-        if gone is not None:  # the 0.1 spelling of EngineGone, kept for one release
-            warnings.warn(
-                "EngineError(..., gone=...) is deprecated: raise EngineGone(...) for an engine "
-                "that is gone",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if gone and cls is EngineError:
-                cls = EngineGone
-        return super().__new__(cls, *args)
-
-    def __init__(
-        self,
-        engine: str,
-        message: str,
-        failures: dict[str, str] | None = None,
-        *,
-        gone: bool | None = None,
-    ) -> None:
-        super().__init__(f"engine `{engine}`: {message}")
-        self.engine = engine
-        self.reason = message
-        self.failures = dict(failures or {engine: message})
-
-
-class EngineGone(EngineError, Gone):
-    """The engine is unreachable, closed or dead (a lost connection, an answer that never
-    came, a process that exited): it serves nothing until it is added again."""
-
-    gone = True
-
-
-class EngineClosed(EngineGone, Closed):
-    """The engine was closed by its owner (``close()`` / ``aclose()``), then used: the calls
-    in flight when it closed and every later one fail with it (make a new engine). It is
-    an :class:`EngineGone` too: to a coordinator, a closed engine is gone."""
-
-
-class WeightUpdateError(EngineError):
-    """A weight update that failed somewhere. ``stage`` is where the first failure happened
-    (``pause``, ``start_weight_update``, ``push``, ``finish_weight_update``, ``resume``);
-    ``failures`` maps each party at fault (an engine's name, or ``push`` for the trainer's
-    push itself) to its stage and reason, and names no one else; ``serving`` maps every
-    engine that serves after the update to the version it serves; ``waiting`` maps the
-    engines that are not at fault but serve nothing until a later update reaches them (a
-    push that failed after they loaded part of it) to why. ``version`` is the trainer's
-    version after the update: the new one if any engine committed it, else unchanged (retry
-    the same version)."""
-
-    def __init__(
-        self,
-        target: int,
-        stage: str,
-        failures: dict[str, str],
-        serving: dict[str, int | None],
-        waiting: dict[str, str],
-        version: int,
-    ) -> None:
-        parts = [f"`{name}`: {why}" for name, why in failures.items()]
-        if serving:
-            at = sorted({v for v in serving.values() if v is not None})
-            parts.append(
-                f"{len(serving)} engine(s) serve version {', '.join(map(str, at)) or '?'}: "
-                + ", ".join(serving)
-            )
-        parts += [f"`{name}` waits for the next update: {why}" for name, why in waiting.items()]
-        if version < target:
-            parts.append(f"the trainer's version stays {version} (retry version {target})")
-        names = ", ".join(failures) or "(none)"
-        super().__init__(
-            names, f"weight update to version {target} failed at {stage}: " + "; ".join(parts),
-            failures,
-        )  # fmt: skip
-        self.stage = stage
-        self.target = target
-        self.serving = dict(serving)
-        self.waiting = dict(waiting)
-        self.version = version
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

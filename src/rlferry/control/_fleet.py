@@ -26,7 +26,8 @@ from typing import Literal
 from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
-from ._engine import Engine, EngineError, EngineStatistics
+from ._engine import Engine, EngineStatistics
+from ._errors import EngineError
 from ._remote import RemoteEngine
 
 __all__ = ["CHECK_TIMEOUT", "Fleet", "Member", "Moved", "State"]

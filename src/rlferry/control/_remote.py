@@ -15,15 +15,8 @@ import msgspec
 from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
 
-from ._engine import (
-    Completion,
-    EngineClosed,
-    EngineError,
-    EngineGone,
-    EngineStatistics,
-    GenerateRequest,
-    PauseMode,
-)
+from ._engine import Completion, EngineStatistics, GenerateRequest, PauseMode
+from ._errors import EngineClosed, EngineError, EngineGone
 from ._http import FRAME_DECODER, LENGTH, Abort, Pause, Transfer, Version
 
 __all__ = ["CONNECT_TIMEOUT", "CONTROL_TIMEOUT", "RemoteEngine"]

@@ -24,7 +24,8 @@ import msgspec
 from rlferry.wire import SecurityError
 
 from ._changes import Changes
-from ._engine import Completion, EngineError, FinishReason, GenerateRequest, SamplingParams
+from ._engine import Completion, FinishReason, GenerateRequest, SamplingParams
+from ._errors import EngineError
 from ._fleet import Fleet, Member
 from ._records import Group
 from ._staleness import Staleness

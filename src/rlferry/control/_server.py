@@ -17,7 +17,8 @@ from aiohttp import web
 
 from rlferry.errors import RequestError
 
-from ._engine import Engine, EngineClosed, EngineError, GenerateRequest
+from ._engine import Engine, GenerateRequest
+from ._errors import EngineClosed, EngineError
 from ._http import LENGTH, Abort, Frame, Pause, Transfer, Version, check_token
 
 __all__ = ["EngineServer"]

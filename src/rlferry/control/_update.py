@@ -31,7 +31,8 @@ import msgspec
 
 from rlferry.wire import SecurityError
 
-from ._engine import EngineError, PauseMode, WeightUpdateError
+from ._engine import PauseMode
+from ._errors import EngineError, WeightUpdateError
 from ._fleet import Fleet, Member
 
 __all__ = ["PUSH", "UpdateReport", "run_update"]

@@ -41,6 +41,7 @@ from rlferry.control import (
 )
 from rlferry.errors import RequestError
 
+from .._errors import NotStarted
 from .._http import JsonClient
 
 __all__ = ["SGLangEngine", "SGLangWeights"]
@@ -323,9 +324,10 @@ class SGLangWeights:
 
         Raises:
             EngineError: a server refused the update (its answer names why).
+            NotStarted: the group is not formed (call :meth:`start` first).
         """
         if self._pg is None:
-            raise RuntimeError("SGLangWeights.push: call init() first (the group is not formed)")
+            raise NotStarted("SGLangWeights.push: call start() first (the group is not formed)")
         tensors = list(named_tensors)
         body = {
             "names": [n for n, _ in tensors],

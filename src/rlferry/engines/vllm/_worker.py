@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 from rlferry.errors import RequestError
 from rlferry.weights import TensorSpec, WeightReceiver
 
+from .._errors import NotStarted
 from ._gate import Gate, GateError
 
 __all__ = ["RlferryInitInfo", "RlferryUpdateInfo", "RlferryWeightTransferEngine", "WorkerExtension"]
@@ -257,7 +258,7 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
     # -- the rest --------------------------------------------------------------------------
     def _required(self, call: str) -> Gate:
         if self._gate is None:
-            raise RuntimeError(
+            raise NotStarted(
                 f"{call}: the rlferry backend has not joined a sender (call "
                 "init_weight_transfer_engine with {'group': ..., 'address': ...} first)"
             )
