@@ -258,7 +258,7 @@ async def run_fanout(args: argparse.Namespace) -> str:
                     if k >= 2:
                         runs[name].append(got)
         finally:
-            await remote.close()
+            await remote.aclose()
             await session.close()
             proc.terminate()
             proc.wait(30)
@@ -294,9 +294,9 @@ async def run_idle(args: argparse.Namespace) -> str:
             wall = time.monotonic() - t0
             after = [cpu_seconds(p) for p in pids]
         finally:
-            await coord.close()
+            await coord.aclose()
             for e in engines:
-                await e.close()
+                await e.aclose()
             for p, _ in procs:
                 p.terminate()
                 p.wait(30)
@@ -326,7 +326,7 @@ async def run_update(args: argparse.Namespace) -> str:
             await engine.init_weight_transfer("bench", sender.address)
             rows, step = await _cycles(args, engine, sender, trainer.state_dict())
         finally:
-            await engine.close()
+            await engine.aclose()
             sender.close()
             proc.terminate()
             proc.wait(60)
@@ -374,7 +374,7 @@ async def _cycles(
                 )
     finally:
         generating.cancel()
-        await coord.close()
+        await coord.aclose()
     rows = [
         ["bare WeightSender.push (baseline)", *stats_ms(bare)],
         ["update_weights, engine idle", *stats_ms(idle)],

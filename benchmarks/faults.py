@@ -155,7 +155,7 @@ async def main(args: argparse.Namespace) -> None:
             procs["e1"].wait(30)
             await load.rate(1.0)  # a request to it fails meanwhile: it is broken
             assert coord.statistics().engines_serving == 1, coord.statistics()
-            await engines["e1"].close()
+            await engines["e1"].aclose()
             procs["e1"], engines["e1"] = start_engine(tmp, "e1")
             await engines["e1"].init_weight_transfer("faults", sender.address)
             t0 = time.perf_counter()
@@ -188,9 +188,9 @@ async def main(args: argparse.Namespace) -> None:
                              f"{min(ratios):.2f} / {mid:.2f}"])  # fmt: skip
         finally:
             await load.close()
-            await coord.close()
+            await coord.aclose()
             for e in engines.values():
-                await e.close()
+                await e.aclose()
             for p in procs.values():
                 p.terminate()
                 p.wait(30)

@@ -68,7 +68,7 @@ async def _engine_death(started: RayEngines, restart: bool) -> tuple[float, str]
         seconds, message = time.perf_counter() - t0, str(e)
     if restart:
         await started.restarted(0)
-    await started.engines[0].close()
+    await started.engines[0].aclose()
     return seconds, message
 
 

@@ -68,7 +68,7 @@ async def _measure(engine: Any, trainer: dict[str, torch.Tensor], transport: str
             )
             updates.append(time.perf_counter() - t1)
     finally:
-        await coord.close()
+        await coord.aclose()
         sender.close()
     return rate, updates[1:]  # the first update sends the plan and opens the buffers
 
@@ -97,7 +97,7 @@ async def _baseline(
     try:
         return await _measure(remote, trainer, transport, a)
     finally:
-        await remote.close()
+        await remote.aclose()
         proc.terminate()
         proc.wait(30)
 
@@ -131,7 +131,7 @@ def main() -> None:
                     try:
                         return await _measure(started.engines[0], trainer, transport, a)
                     finally:
-                        await started.engines[0].close()
+                        await started.engines[0].aclose()
 
                 results["Ray actor (HTTP)"] = asyncio.run(on_ray())
         finally:
