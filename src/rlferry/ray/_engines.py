@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from rlferry.control import (
     Completion,
-    EngineClosed,
     EngineError,
     EngineGone,
     EngineStatistics,
@@ -56,9 +55,11 @@ class RayEngine:
     the actor and Ray's reason as soon as Ray reports the actor dead (a call whose
     connection broke first waits up to ``DEATH_GRACE`` seconds for Ray's reason; for a
     restartable actor, which Ray reports only about 1 s later, it fails at once naming the
-    actor as lost). :meth:`aclose` (or ``async with``) closes its HTTP client (the actor
-    serves on: :class:`RayEngines` owns it); later calls raise
-    :class:`~rlferry.control.EngineClosed`."""
+    actor as lost).
+
+    :meth:`aclose` (or ``async with``) closes the handle's HTTP client, which belongs to
+    the event loop that used it; the handle stays usable (a later call, on any loop, opens
+    a new client): the actor is :class:`RayEngines`', which stops it."""
 
     def __init__(self, name: str, actor_name: str, handle: Any, url: str, token: str,
                  restartable: bool = False) -> None:  # fmt: skip
@@ -66,16 +67,12 @@ class RayEngine:
         self.actor_name = actor_name
         self.restartable = restartable
         self.url = url
+        self._token = token
         self._remote = RemoteEngine(url, token=token, name=name)
         self._key = f"{actor_name}@{url}"  # one life of the actor
         self._end = deaths.watch(self._key, handle)
-        self._closed = False
 
     async def _guard(self, call: Awaitable[T]) -> T:
-        if self._closed:
-            if asyncio.iscoroutine(call):
-                call.close()  # never started: nothing to await
-            raise EngineClosed(self.name, "this RayEngine was closed (aclose())")
         task: asyncio.Future[Any] = asyncio.ensure_future(call)
         end: asyncio.Future[Any] = asyncio.wrap_future(self._end)
         try:
@@ -149,9 +146,13 @@ class RayEngine:
         return await self._guard(self._remote.statistics())
 
     async def aclose(self) -> None:
-        """Close the HTTP client (the actor serves on); a second call does nothing."""
-        self._closed = True
-        await self._remote.aclose()
+        """Close the HTTP client of this event loop (the actor serves on; a later call opens
+        a new client); a second call does nothing."""
+        closing, self._remote = (
+            self._remote,
+            RemoteEngine(self.url, token=self._token, name=self.name),
+        )
+        await closing.aclose()
 
     async def close(self) -> None:
         """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
