@@ -15,7 +15,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlferry.errors import RequestError
-from rlferry.weights import PushReport, WeightSender, WeightSyncError
+from rlferry.weights import PushReport, SenderClosed, WeightSender, WeightSyncError
 
 __all__ = ["LLMClient", "RlferryTrainerEngine", "RlferryTrainerInitInfo"]
 
@@ -78,7 +78,8 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
         WeightSyncError: a receiver failed or rejected the push (``failures`` names
             each vLLM worker's receiver and its reason) or the engine's
             ``update_weights`` failed; ``finish_weight_update`` is not called and vLLM
-            keeps serving its previous version label.
+            keeps serving its previous version label. A ``SenderClosed`` (one of them)
+            after :meth:`close`.
     """
 
     init_info_cls = RlferryTrainerInitInfo
@@ -137,7 +138,11 @@ class RlferryTrainerEngine(TrainerWeightTransferEngine):
             version = self.version + 1
         if type(version) is not int or version < 0:
             raise RequestError(f"send_weights.version: expected an int >= 0, got {version!r}")
-        assert self.sender is not None
+        if self.sender is None:
+            raise SenderClosed(
+                f"send_weights of version {version}: this trainer engine was closed (make a "
+                "new one with trainer_init)"
+            )
         timeout = self.timeout
         self.client.start_weight_update()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlferry-vllm-update")
