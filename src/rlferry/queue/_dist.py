@@ -8,7 +8,7 @@ import torch
 
 from rlferry.errors import RequestError
 from rlferry.wire import decode, encode
-from rlferry.wire._codec import _tensor_buffer
+from rlferry.wire._codec import tensor_buffer
 
 from ._client import Batch, QueueClient
 
@@ -67,7 +67,7 @@ def get_broadcast(
     payload = torch.empty(sum(lengths), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src, group=group)
     host = payload.cpu()
-    view = _tensor_buffer(host)
+    view = tensor_buffer(host)
     frames, at = [], 0
     for n in lengths:
         frames.append(view[at : at + n])
