@@ -33,21 +33,17 @@ PENDING: dict[str, set[str]] = {
         "rlferry/compat/transferqueue",
         "rlferry/control",
         "rlferry/engines/hf",
-        "rlferry/queue",
         "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
     "room": {"rlferry/compat/transferqueue", "rlferry/weights"},
     "private": {
         "rlferry/compat/transferqueue",
         "rlferry/engines/hf",
-        "rlferry/queue",
         "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
 }
 

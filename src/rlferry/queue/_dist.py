@@ -10,7 +10,8 @@ from rlferry.errors import RequestError
 from rlferry.wire import decode, encode
 from rlferry.wire._codec import tensor_buffer
 
-from ._client import Batch, QueueClient
+from ._client import Batch
+from ._sync_client import QueueClient
 
 __all__ = ["get_broadcast"]
 
