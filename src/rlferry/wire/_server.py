@@ -58,7 +58,7 @@ class Server(AsyncResource):
     parked ``get``) does not hold up the others. Bind defaults to 127.0.0.1 on
     a free port; a non-loopback bind needs ``secret`` (CURVE, keys derived from
     it) and raises :class:`SecurityError` without one. Over ipc:// large
-    frames travel through shared memory (see ``rlferry.wire._shm``).
+    frames travel through shared memory (see ``_bulk.py`` and ``_shm.py``).
 
     ``forward``: for services that only store values and send them on (storage
     units): requests decode with ``decode(..., forward=True)``, so long str/bytes lists
