@@ -84,8 +84,8 @@ class Queue:
         )
         loop = wire_loop()
         services: list[Server] = []
+        ctrl = Controller(config, [])
         try:
-            ctrl = Controller(config, [])
             for _ in range(config.storage_units):
                 unit = StorageUnit(on_stored=ctrl.published)
                 address = config.unit_bind() or default_address("ipc")
@@ -102,7 +102,8 @@ class Queue:
             )
             address = loop.run(srv.start())
             services.append(srv)
-        except BaseException:
+        except BaseException:  # what started closes again: a half-started queue holds nothing
+            loop.run(ctrl.aclose())
             for s in services:
                 loop.run(s.aclose())
             raise
