@@ -33,11 +33,9 @@ PENDING: dict[str, set[str]] = {
         "rlferry/compat/transferqueue",
         "rlferry/control",
         "rlferry/engines/hf",
-        "rlferry/queue",
         "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
     "room": {"rlferry/compat/transferqueue", "rlferry/weights"},
     "floors": {
@@ -50,11 +48,9 @@ PENDING: dict[str, set[str]] = {
     "private": {
         "rlferry/compat/transferqueue",
         "rlferry/engines/hf",
-        "rlferry/queue",
         "rlferry/rl",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
 }
 

@@ -1,5 +1,5 @@
-"""Request/reply over zmq: the asyncio server, and what it shares with its clients
-(``_clients.py``): the process's zmq context, its authenticator, the message format.
+"""The asyncio request/reply server over zmq (its clients: ``_clients.py``,
+``_sync_client.py``; what they share: ``_channel.py``).
 
 Messages are the codec's frames behind an 8-byte request id (and, on replies, a
 status byte). Frames are sent and received with ``copy=False``.
@@ -8,17 +8,12 @@ status byte). Frames are sent and received with ``copy=False``.
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import threading
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
-import zmq.auth.thread
 from zmq.utils.monitor import parse_monitor_message
 
 from ._address import (
@@ -29,138 +24,41 @@ from ._address import (
     ipc_path,
     remove_socket_file,
 )
+from ._bulk import pack_bulk, unpack_bulk
+from ._channel import (
+    CONTROL,
+    ERR,
+    OK,
+    SOCKOPTS,
+    Releases,
+    authenticator,
+    log,
+    monitor_address,
+    peer_pid,
+    release_codec,
+    shared_context,
+    uses_shm,
+)
 from ._codec import encode
 from ._decode import decode
-from ._errors import (
-    WireError,
-)
-from ._shm import AVAILABLE as _SHM_AVAILABLE
-from ._shm import exports, pack_bulk, unpack_bulk
+from ._errors import ChannelClosed, WireError
+from ._lifecycle import AsyncResource
+from ._shm import exports
 
 __all__ = ["Handler", "Server"]
-
-log = logging.getLogger("rlferry.wire")
 
 Handler = Callable[[Any, bytes], Awaitable[Any]]
 """``await handler(value, peer)`` returns the reply value; an exception becomes a RemoteError."""
 
-_OK, _ERR = b"\x00", b"\x01"
-_CONTROL = bytes(8)  # request id of a release message
-_release_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[int]))
-_SOCKOPTS = {
-    zmq.HEARTBEAT_IVL: 1000,
-    zmq.HEARTBEAT_TIMEOUT: 5000,
-    zmq.HEARTBEAT_TTL: 5000,
-    zmq.SNDBUF: 4 << 20,
-    zmq.RCVBUF: 4 << 20,
-}
 
-_context_lock = threading.Lock()
-_context: zmq.asyncio.Context | None = None
-_auth: _Authenticator | None = None
-
-
-def shared_context() -> zmq.asyncio.Context:
-    """The zmq context all rlferry sockets of this process share."""
-    global _context
-    with _context_lock:
-        if _context is None or _context.closed:
-            _context = zmq.asyncio.Context(io_threads=2)
-        return _context
-
-
-_forked_away: list[Any] = []  # a parent's context and authenticator, never used (nor ended)
-
-
-def _forget_after_fork() -> None:
-    """A forked child cannot use its parent's zmq context (its I/O threads did not survive
-    the fork): it makes its own on first use. The parent's is kept referenced, so that no
-    finalizer tries to end it here."""
-    global _context, _auth, _context_lock
-    _forked_away.extend(x for x in (_context, _auth) if x is not None)
-    _context = _auth = None
-    _context_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-class _Authenticator:
-    """The context's ZAP handler: admits a client whose key matches the server's domain."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.allowed: dict[str, bytes] = {}
-        self.thread = zmq.auth.thread.ThreadAuthenticator(zmq.Context(shadow=ctx.underlying))
-        self.thread.start()
-
-    def allow(self, domain: str, client_public: bytes) -> None:
-        self.allowed[domain] = client_public
-        self.thread.configure_curve_callback(domain, credentials_provider=self)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return self.allowed.get(domain) == key
-
-
-def _authenticator(ctx: zmq.asyncio.Context) -> _Authenticator:
-    global _auth
-    with _context_lock:
-        if _auth is None:
-            _auth = _Authenticator(ctx)
-        return _auth
-
-
-def _monitor_address() -> str:
-    """A monitor endpoint of its own. pyzmq's default names it after the socket's fd, and
-    a new socket that reuses the fd of one closed a moment ago then collides with the old
-    monitor's endpoint, which the reaper has not yet unbound: under load, requests to
-    that server were never seen (found with a create/request/close loop beside CPU hogs)."""
-    return f"inproc://rlferry-monitor-{uuid.uuid4().hex}"
-
-
-def _uses_shm(address: str) -> bool:
-    return _SHM_AVAILABLE and address.startswith("ipc://")
-
-
-def _peer_pid(frame: zmq.Frame) -> int | None:
-    """The sending process's pid, as libzmq reads it from an ipc:// connection."""
-    try:
-        return int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
-    except (zmq.ZMQError, ValueError, IndexError):
-        return None
-
-
-class _Releases:
-    """Release messages owed to peers, queued from any thread, sent from the loop."""
-
-    def __init__(self, send: Callable[[bytes, list[int]], Awaitable[None]]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._send = send
-        self._owed: dict[bytes, list[int]] = {}
-
-    def owe(self, peer: bytes, eid: int) -> None:
-        if self._loop.is_closed():
-            return  # the process is shutting down: its peers see it disconnect
-        self._loop.call_soon_threadsafe(self._add, peer, eid)
-
-    def _add(self, peer: bytes, eid: int) -> None:
-        if not self._owed:
-            self._loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
-        self._owed.setdefault(peer, []).append(eid)
-
-    async def _flush(self) -> None:
-        owed, self._owed = self._owed, {}
-        for peer, ids in owed.items():
-            await self._send(peer, ids)
-
-
-class Server:
+class Server(AsyncResource):
     """An asyncio request/reply service on a ROUTER socket.
 
     Each request runs ``handler`` as its own task, so a request that waits (a
     parked ``get``) does not hold up the others. Bind defaults to 127.0.0.1 on
     a free port; a non-loopback bind needs ``secret`` (CURVE, keys derived from
     it) and raises :class:`SecurityError` without one. Over ipc:// large
-    frames travel through shared memory (see ``rlferry.wire._shm``).
+    frames travel through shared memory (see ``_bulk.py`` and ``_shm.py``).
 
     ``forward``: for services that only store values and send them on (storage
     units): requests decode with ``decode(..., forward=True)``, so long str/bytes lists
@@ -173,6 +71,10 @@ class Server:
     ``on_disconnect(peer)``, if given, is called on the loop when a client that
     sent a request disconnects (closed, died, or silent past the heartbeat):
     a service that parks requests or holds state per client learns it at once.
+
+    Lifecycle: the constructor checks the address; ``await start()`` binds;
+    ``await aclose()`` (idempotent) stops serving. ``async with Server(...) as srv``
+    starts it and closes it on exit.
     """
 
     def __init__(
@@ -192,29 +94,40 @@ class Server:
         self._handler = handler
         self._secret = secret
         self._bind = address
-        self._shm = _uses_shm(address)
+        self._shm = uses_shm(address)
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._bg: list[asyncio.Task[None]] = []
         self._peers_by_fd: dict[int, bytes] = {}
         self._monitor: zmq.Socket[bytes] | None = None  # disconnect events (see _disconnects)
         self._on_disconnect = on_disconnect
-        self._releases: _Releases | None = None
+        self._releases: Releases | None = None
         self._socket_file: str | None = None
+        self._closed = False
         self.address = ""
 
     async def start(self) -> str:
-        """Bind and start serving on the running loop; returns the bound address."""
+        """Bind and start serving on the running loop; returns the bound address (a second
+        call returns it again).
+
+        Raises:
+            WireError: the address cannot be bound.
+            ChannelClosed: the server was closed.
+        """
+        if self._closed:
+            raise ChannelClosed(f"server {self.address or self._bind} is closed")
+        if self._sock is not None:
+            return self.address
         ctx = shared_context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        for opt, val in _SOCKOPTS.items():
+        for opt, val in SOCKOPTS.items():
             sock.setsockopt(opt, val)
         if self._secret is not None:
             keys = curve_keys(self._secret)
             domain = "rlferry-" + keys.server_public.decode()
-            _authenticator(ctx).allow(domain, keys.client_public)
+            authenticator(ctx).allow(domain, keys.client_public)
             sock.zap_domain = domain.encode()
             sock.curve_server = True
             sock.curve_secretkey = keys.server_secret
@@ -227,10 +140,10 @@ class Server:
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket_file = ipc_path(self.address)
-        self._releases = _Releases(self._send_release)
+        self._releases = Releases(self._send_release)
         self._bg = [asyncio.ensure_future(self._serve())]
         if self._shm or self._on_disconnect is not None:
-            addr = _monitor_address()
+            addr = monitor_address()
             sock.monitor(addr, zmq.EVENT_DISCONNECTED)
             # a sync socket, read only by _disconnects: every event is taken in order, also
             # just before a request's socket is mapped to its client
@@ -243,7 +156,7 @@ class Server:
     async def _send_release(self, peer: bytes, ids: list[int]) -> None:
         if self._sock is not None:
             try:
-                await self._sock.send_multipart([peer, _CONTROL, _release_codec[0].encode(ids)])
+                await self._sock.send_multipart([peer, CONTROL, release_codec[0].encode(ids)])
             except zmq.ZMQError:
                 log.debug("release to a client that is gone was dropped")
 
@@ -277,7 +190,7 @@ class Server:
             if len(frames) < 3:
                 log.warning("dropped a message of %d frames (not an rlferry request)", len(frames))
                 continue
-            if frames[1].bytes == _CONTROL:
+            if frames[1].bytes == CONTROL:
                 self._released(frames[0].bytes, frames[2].bytes)
                 continue
             task = asyncio.ensure_future(self._answer(frames))
@@ -286,7 +199,7 @@ class Server:
 
     def _released(self, peer: bytes, body: bytes) -> None:
         try:
-            exports.release(peer, _release_codec[1].decode(body))
+            exports.release(peer, release_codec[1].decode(body))
         except msgspec.DecodeError:
             log.warning("dropped a malformed release message")
 
@@ -306,20 +219,20 @@ class Server:
                 body = unpack_bulk(
                     frames[2].bytes,
                     body,
-                    _peer_pid(frames[-1]),
+                    peer_pid(frames[-1]),
                     lambda eid: releases.owe(peer, eid),
                 )
             value = decode(body, forward=self._forward, tensors=self._tensors)
             del body, frames
             result = await self._handler(value, peer)
             del value  # lets the request's shared memory go back to the client early
-            reply, status = encode(result, shared=self._shm), _OK
+            reply, status = encode(result, shared=self._shm), OK
         except asyncio.CancelledError:
             return
         except Exception as e:  # the error travels back to the caller, named
             if not isinstance(e, WireError):
                 log.debug("handler raised", exc_info=True)
-            reply, status = encode([type(e).__name__, str(e)]), _ERR
+            reply, status = encode([type(e).__name__, str(e)]), ERR
         desc = b""
         if self._shm:
             desc, reply = pack_bulk(reply, peer)
@@ -331,9 +244,14 @@ class Server:
             log.info("reply to a client that is gone was dropped: %s", e)
             exports.peer_gone(peer)
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def aclose(self) -> None:
         """Stop serving; requests in progress are cancelled (their clients see PeerGone).
-        An ipc:// server removes its socket file."""
+        An ipc:// server removes its socket file. A second call does nothing."""
+        self._closed = True
         for t in [*self._bg, *self._tasks]:
             t.cancel()
         if self._sock is not None:

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import bisect
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rlferry.wire._errors import brief
+import msgspec
 
-from ._columns import nbytes, rows_of, take
-from ._errors import SchemaError
-from ._messages import Drop, Dump, Load, Put, Read, Stats, storage_request
+from rlferry.wire._errors import brief
+from rlferry.wire._lifecycle import AsyncResource
+
+from .._columns import nbytes, rows_of, take
+from .._errors import QueueClosed, SchemaError
+from .._messages import Drop, Dump, Load, Put, Read, Stats, storage_request
+from ..statistics import StorageStatistics
 
 __all__ = ["StorageUnit", "Stored"]
 
@@ -127,8 +132,12 @@ class _Field:
         return [i for start, stop, _, _ in self.runs for i in range(start, stop)]
 
 
-class StorageUnit:
-    """The payload of a shard of samples; ``handle`` is its wire handler."""
+class StorageUnit(AsyncResource):
+    """The payload of a shard of samples; ``handle`` is its wire handler.
+
+    It holds no socket: ``await aclose()`` (idempotent) lets go of the payload, and a
+    request after that raises :class:`QueueClosed`.
+    """
 
     def __init__(self, on_stored: Stored | None = None) -> None:
         self.on_stored = on_stored  # tells the controller which samples now have which fields
@@ -137,9 +146,12 @@ class StorageUnit:
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.monotonic()
+        self._closed = False
 
     async def handle(self, value: Any, peer: bytes) -> Any:
         """The wire handler: a typed request, checked whole, then served."""
+        if self._closed:
+            raise QueueClosed("this storage unit is closed")
         msg = storage_request(value)
         if isinstance(msg, Read):
             return self.read(msg.indexes, msg.fields)
@@ -148,7 +160,7 @@ class StorageUnit:
         if isinstance(msg, Drop):
             return self.drop(msg.indexes)
         if isinstance(msg, Stats):
-            return self.stats()
+            return msgspec.to_builtins(self.statistics())
         if isinstance(msg, Dump):
             return self.dump()
         assert isinstance(msg, Load)
@@ -220,16 +232,26 @@ class StorageUnit:
             for a, b, _ in index_runs
         )
 
-    def stats(self) -> dict[str, Any]:
+    def statistics(self) -> StorageStatistics:
+        """Bytes held, in and out, their rates since the unit started, samples held."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        return {
-            "bytes_held": self.bytes_held,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "put_bytes_per_s": self.bytes_in / elapsed,
-            "get_bytes_per_s": self.bytes_out / elapsed,
-            "samples": len({i for f in self.fields.values() for i in f.indexes()}),
-        }
+        return StorageStatistics(
+            bytes_held=self.bytes_held,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            put_bytes_per_s=self.bytes_in / elapsed,
+            get_bytes_per_s=self.bytes_out / elapsed,
+            samples=len({i for f in self.fields.values() for i in f.indexes()}),
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Deprecated: :meth:`statistics` (a frozen record)."""
+        warnings.warn(
+            "StorageUnit.stats() is deprecated: use StorageUnit.statistics() (a frozen record)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return dict(msgspec.to_builtins(self.statistics()))
 
     def dump(self) -> dict[str, Any]:
         """Every held value, per field: ``{field: [indexes, rows]}`` (for save)."""
@@ -244,3 +266,11 @@ class StorageUnit:
         for name, (indexes, rows) in fields.items():
             self.store(indexes, {name: rows})
         return len(fields)
+
+    async def aclose(self) -> None:
+        """Let go of every value held; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.fields.clear()
+        self.bytes_held = 0
