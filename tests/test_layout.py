@@ -42,6 +42,7 @@ PENDING: dict[str, set[str]] = {
         "rlferry",
         "rlferry/compat/transferqueue",
         "rlferry/queue",
+        "rlferry/queue/services",
         "rlferry/weights",
         "rlferry/weights/transports",
     },
