@@ -22,6 +22,7 @@ from rlferry.compat.transferqueue import (  # noqa: E402
     NotInitialized,
     StorageKeyNotFoundError,
 )
+from rlferry.compat.transferqueue.metadata import samples_of  # noqa: E402
 
 TensorDict = tensordict.TensorDict
 
@@ -241,8 +242,9 @@ def test_unknown_and_unsupported_configuration_is_refused_by_its_dotted_key():
 def test_batch_meta_holds_arrays_and_survives_pickle(client):
     client.put(rows(1000), partition_id="p")
     meta = client.get_meta(["x"], 1000, "p", task_name="t")
-    assert isinstance(meta._gi, np.ndarray)
-    assert meta._custom is None and meta._pids == "p"  # no per-sample objects
+    samples = samples_of(meta)
+    assert isinstance(samples.indexes, np.ndarray)
+    assert samples.custom is None and samples.partition == "p"  # no per-sample objects
     back = pickle.loads(pickle.dumps(meta))
     assert back.global_indexes == list(range(1000))
     assert back.partition_ids == ["p"] * 1000

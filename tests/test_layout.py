@@ -30,7 +30,6 @@ MAX_ROOM = 15
 # that comes to follow the rule must leave this list).
 PENDING: dict[str, set[str]] = {
     "lines": {
-        "rlferry/compat/transferqueue",
         "rlferry/control",
         "rlferry/engines/hf",
         "rlferry/queue",
@@ -39,9 +38,8 @@ PENDING: dict[str, set[str]] = {
         "rlferry/weights/transports",
         "rlferry/wire",
     },
-    "room": {"rlferry/compat/transferqueue", "rlferry/weights"},
+    "room": {"rlferry/weights"},
     "private": {
-        "rlferry/compat/transferqueue",
         "rlferry/engines/hf",
         "rlferry/queue",
         "rlferry/rl",
