@@ -95,7 +95,7 @@ def meta_out(meta: BatchMeta) -> dict[str, Any]:
         "gi": samples.indexes,
         "pid": samples.partition,
         "schema": schema_out(meta.field_schema),
-        "status": samples.status,
+        "status": meta.production_status,
         "custom": samples.custom,
     }
 

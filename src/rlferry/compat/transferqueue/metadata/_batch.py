@@ -25,12 +25,6 @@ __all__ = ["BatchMeta", "from_arrays", "samples_of"]
 log = logging.getLogger("rlferry.compat.transferqueue")
 
 
-def _writable(value: Any) -> Any:
-    if isinstance(value, np.ndarray) and not value.flags.writeable:
-        return value.copy()  # arrays deserialized zero-copy are read-only
-    return value
-
-
 def _check_len(what: str, got: int, n: int) -> None:
     if got != n:
         raise ValueError(f"{what} length {got} != batch_size {n}: expected one entry per sample")
@@ -43,7 +37,7 @@ class BatchMeta:
     Picklable (frameworks broadcast it with ``torch.distributed.broadcast_object_list``).
     """
 
-    __slots__ = ("_samples", "extra_info", "field_schema")
+    __slots__ = ("_samples", "extra_info", "field_schema", "production_status")
 
     def __init__(
         self,
@@ -73,12 +67,12 @@ class BatchMeta:
                 meta["per_sample_shapes"] = list(meta["per_sample_shapes"])
                 _check_len(f"Field '{name}' per_sample_shapes", len(meta["per_sample_shapes"]), n)
         if production_status is None:
-            status = np.zeros(n, dtype=np.int8)
+            self.production_status = np.zeros(n, dtype=np.int8)
         else:
-            status = np.array(production_status, dtype=np.int8).reshape(-1)
-            _check_len("production_status", len(status), n)
+            self.production_status = np.array(production_status, dtype=np.int8).reshape(-1)
+            _check_len("production_status", len(self.production_status), n)
         self.extra_info = dict(extra_info or {})
-        self._samples = Samples(gi, pids, status)
+        self._samples = Samples(gi, pids)
         if custom_meta:
             _check_len("custom_meta", len(custom_meta), n)
             self._samples.custom = [dict(d) for d in custom_meta]
@@ -91,24 +85,25 @@ class BatchMeta:
         cls,
         samples: Samples,
         schema: dict[str, dict[str, Any]],
+        status: np.ndarray,
         extra_info: dict[str, Any] | None = None,
     ) -> BatchMeta:
         """A batch of samples already checked (no per-sample work)."""
         b = cls.__new__(cls)
         b._samples = samples
         b.field_schema = schema
+        b.production_status = status
         b.extra_info = extra_info if extra_info is not None else {}
         return b
 
     def __getstate__(self) -> tuple[Any, ...]:
-        s = self._samples
-        return (s.backend, s.custom, s.indexes, s.partition, self.extra_info,
-                self.field_schema, s.status)  # fmt: skip
+        return tuple(getattr(self, s) for s in self.__slots__)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        backend, custom, indexes, partition, extra, schema, status = map(_writable, state)
-        self._samples = Samples(indexes, partition, status, custom, backend)
-        self.extra_info, self.field_schema = extra, schema
+        for slot, value in zip(self.__slots__, state, strict=True):
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                value = value.copy()  # arrays deserialized zero-copy are read-only
+            setattr(self, slot, value)
 
     # ---- the attributes TransferQueue users read ----
     @property
@@ -126,14 +121,6 @@ class BatchMeta:
     @partition_ids.setter
     def partition_ids(self, value: Sequence[str]) -> None:
         self._samples.partition = one_or_each(list(value))
-
-    @property
-    def production_status(self) -> np.ndarray:
-        return self._samples.status
-
-    @production_status.setter
-    def production_status(self, value: np.ndarray) -> None:
-        self._samples.status = value
 
     @property
     def custom_meta(self) -> list[dict[str, Any]]:
@@ -243,7 +230,8 @@ class BatchMeta:
         """The samples at positions ``rows`` (already checked), metadata copied."""
         schema = copy.deepcopy(self.field_schema)
         pick_shapes(schema, rows.tolist())
-        return BatchMeta._of(self._samples.take(rows), schema, dict(self.extra_info))
+        status = self.production_status[rows]
+        return BatchMeta._of(self._samples.take(rows), schema, status, dict(self.extra_info))
 
     def select_samples(self, sample_indices: Sequence[int]) -> BatchMeta:
         rows = np.asarray(sample_indices, dtype=np.int64).reshape(-1)
@@ -260,7 +248,8 @@ class BatchMeta:
             f: copy.deepcopy(self.field_schema[f]) for f in field_names if f in self.field_schema
         }
         samples = self._samples.with_fields(set(field_names))
-        return BatchMeta._of(samples, schema, copy.deepcopy(self.extra_info))
+        status = self.production_status.copy()
+        return BatchMeta._of(samples, schema, status, copy.deepcopy(self.extra_info))
 
     def copy(self) -> BatchMeta:
         return self._take(np.arange(self.size))
@@ -337,6 +326,7 @@ class BatchMeta:
         return cls._of(
             Samples.concat([c._samples for c in data]),
             concat_schema(schemas, [c.size for c in data]),
+            np.concatenate([c.production_status for c in data]),
             merge_extra([c.extra_info for c in data], "BatchMeta"),
         )
 
@@ -353,12 +343,13 @@ class BatchMeta:
         if (np.bincount(rows, minlength=self.size) != 1).any():
             raise ValueError("reorder: expected each position once (Indices contain duplicates)")
         self._samples.reorder(rows)
+        self.production_status = self.production_status[rows]
         pick_shapes(self.field_schema, rows.tolist())
 
     @classmethod
     def empty(cls, extra_info: dict[str, Any] | None = None) -> BatchMeta:
-        samples = Samples(np.zeros(0, dtype=np.int64), [], np.zeros(0, dtype=np.int8))
-        return cls._of(samples, {}, dict(extra_info or {}))
+        samples = Samples(np.zeros(0, dtype=np.int64), [])
+        return cls._of(samples, {}, np.zeros(0, dtype=np.int8), dict(extra_info or {}))
 
     def __str__(self) -> str:
         return (
@@ -379,7 +370,7 @@ def from_arrays(
 ) -> BatchMeta:
     """A batch from arrays already checked (no per-sample work): global indexes (int64),
     one partition id or one per sample, the schema, production status (int8), custom meta."""
-    return BatchMeta._of(Samples(indexes, partition, status, custom), schema)
+    return BatchMeta._of(Samples(indexes, partition, custom), schema, status)
 
 
 def samples_of(meta: BatchMeta) -> Samples:

@@ -1,7 +1,7 @@
 """The samples a ``BatchMeta`` names, one entry each, held as arrays.
 
-Global indexes are one int64 array, production status one int8 array, the partition one
-string while every sample shares it (else one string per sample), and the per-sample dicts
+Global indexes are one int64 array, the partition one string while every sample shares it
+(else one string per sample), and the per-sample dicts
 (``custom`` meta, the storage backend's meta) exist only once someone reads or sets them: a
 batch of 100k samples is a handful of Python objects, not 100k.
 """
@@ -19,29 +19,40 @@ __all__ = ["Samples", "one_or_each"]
 Dicts = list[dict[str, Any]]
 
 
+def _writable(value: Any) -> Any:
+    if isinstance(value, np.ndarray) and not value.flags.writeable:
+        return value.copy()  # arrays deserialized zero-copy are read-only
+    return value
+
+
 def one_or_each(pids: list[str]) -> str | list[str]:
     """A batch's partition ids as held: the one id all samples share, or the list."""
     return pids[0] if pids and pids.count(pids[0]) == len(pids) else pids
 
 
 class Samples:
-    """Global indexes, partition, production status and the optional per-sample dicts."""
+    """Global indexes, partition and the optional per-sample dicts."""
 
-    __slots__ = ("backend", "custom", "indexes", "partition", "status")
+    __slots__ = ("backend", "custom", "indexes", "partition")
 
     def __init__(
         self,
         indexes: np.ndarray,
         partition: str | list[str],
-        status: np.ndarray,
         custom: Dicts | None = None,
         backend: Dicts | None = None,
     ) -> None:
         self.indexes = indexes
         self.partition = partition
-        self.status = status
         self.custom = custom
         self.backend = backend
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for slot, value in zip(self.__slots__, state, strict=True):
+            setattr(self, slot, _writable(value))
 
     def __len__(self) -> int:
         return len(self.indexes)
@@ -73,7 +84,7 @@ class Samples:
         pids = self.partition
         if not isinstance(pids, str):
             pids = [pids[i] for i in rows]
-        out = Samples(self.indexes[rows], pids, self.status[rows])
+        out = Samples(self.indexes[rows], pids)
         if self.custom is not None:
             out.custom = [copy.deepcopy(self.custom[i]) for i in rows.tolist()]
         if self.backend is not None:
@@ -83,7 +94,7 @@ class Samples:
     def with_fields(self, wanted: set[str]) -> Samples:
         """A copy whose backend meta keeps only the ``wanted`` fields (and private keys)."""
         pids = self.partition if isinstance(self.partition, str) else list(self.partition)
-        out = Samples(self.indexes.copy(), pids, self.status.copy())
+        out = Samples(self.indexes.copy(), pids)
         if self.custom is not None:
             out.custom = copy.deepcopy(self.custom)
         if self.backend is not None:
@@ -98,7 +109,6 @@ class Samples:
         self.indexes = self.indexes[rows]
         if not isinstance(self.partition, str):
             self.partition = [self.partition[i] for i in rows]
-        self.status = self.status[rows]
         order = rows.tolist()
         if self.custom is not None:
             self.custom = [self.custom[i] for i in order]
@@ -123,11 +133,7 @@ class Samples:
             pids = first
         else:
             pids = [pid for p in parts for pid in p.partition_ids()]
-        out = Samples(
-            np.concatenate([p.indexes for p in parts]),
-            pids,
-            np.concatenate([p.status for p in parts]),
-        )
+        out = Samples(np.concatenate([p.indexes for p in parts]), pids)
         if any(p.custom is not None for p in parts):
             out.custom = [m for p in parts for m in p.custom_list()]
         if any(p.backend is not None for p in parts):
