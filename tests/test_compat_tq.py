@@ -251,6 +251,19 @@ def test_batch_meta_holds_arrays_and_survives_pickle(client):
     assert client.get_data(back)["x"].reshape(-1).tolist() == [float(i) for i in range(1000)]
 
 
+def test_a_batch_meta_unpickled_from_read_only_buffers_has_writable_arrays(client):
+    client.put(rows(4), partition_id="p")
+    meta = client.get_meta(["x"], 4, "p", task_name="t")
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(meta, protocol=5, buffer_callback=buffers.append)
+    back = pickle.loads(data, buffers=[b.raw().toreadonly() for b in buffers])  # as Ray's
+    assert buffers, "the arrays did not travel out of band: the case is not exercised"
+    assert samples_of(back).indexes.flags.writeable
+    assert back.production_status.flags.writeable
+    back.add_fields(TensorDict({"y": torch.ones(4)}, batch_size=4))
+    assert back.global_indexes == meta.global_indexes and back.is_ready
+
+
 def test_custom_meta_reaches_the_next_get_meta(client):
     meta = client.put(rows(2), partition_id="p")
     meta.update_custom_meta([{"score": 1}, {"score": 2}])
