@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._extra import merge_extra
-from ._samples import Samples, one_or_each
+from ._samples import Samples, one_or_each, writable
 from ._schema import check_concat, concat_schema, extract_field_schema, pick_shapes
 from ._views import SampleViews
 
@@ -101,9 +101,7 @@ class BatchMeta:
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         for slot, value in zip(self.__slots__, state, strict=True):
-            if isinstance(value, np.ndarray) and not value.flags.writeable:
-                value = value.copy()  # arrays deserialized zero-copy are read-only
-            setattr(self, slot, value)
+            setattr(self, slot, writable(value))
 
     # ---- the attributes TransferQueue users read ----
     @property

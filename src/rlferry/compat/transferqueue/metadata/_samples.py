@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Samples", "one_or_each"]
+__all__ = ["Samples", "one_or_each", "writable"]
 
 Dicts = list[dict[str, Any]]
 
 
-def _writable(value: Any) -> Any:
+def writable(value: Any) -> Any:
+    """``value``, or a copy of it if it is a read-only array (as arrays deserialized
+    zero-copy are, by Ray for one)."""
     if isinstance(value, np.ndarray) and not value.flags.writeable:
         return value.copy()  # arrays deserialized zero-copy are read-only
     return value
@@ -52,7 +54,7 @@ class Samples:
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         for slot, value in zip(self.__slots__, state, strict=True):
-            setattr(self, slot, _writable(value))
+            setattr(self, slot, writable(value))
 
     def __len__(self) -> int:
         return len(self.indexes)
