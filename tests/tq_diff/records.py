@@ -13,18 +13,36 @@ from typing import Any
 
 import torch
 
+RAISED_BY_TRANSFERQUEUE = (
+    AssertionError,
+    FileNotFoundError,
+    IndexError,
+    KeyError,
+    NotImplementedError,
+    RuntimeError,
+    TypeError,
+    ValueError,
+)
+"""The built-in exception types TransferQueue's API raises (and its users catch)."""
+
 
 def error_name(exc: BaseException) -> str:
-    """The most specific built-in exception class of `exc` (`ValueError`, `RuntimeError`, ...).
+    """The built-in exception class a caller of TransferQueue catches `exc` by (`ValueError`,
+    `RuntimeError`, ...).
 
-    TransferQueue raises built-in exception types; an implementation may raise a subclass with
-    a clearer message (an rlferry error that is also a `ValueError`). Callers catch the built-in
-    type, so that is what has to match.
+    TransferQueue raises built-in exception types: one of those is recorded as it is. An
+    implementation may raise a subclass with a clearer message (an rlferry error that is also
+    a `RuntimeError`); callers catch the built-in type, so that is what has to match: the most
+    specific of its built-in classes that TransferQueue raises (an rlferry error also belongs to
+    rlferry's families: a `Timeout` is a `TimeoutError` too, which TransferQueue never raises).
     """
-    for cls in type(exc).__mro__:
-        if cls.__module__ == "builtins":
+    if type(exc).__module__ == "builtins":
+        return type(exc).__name__
+    builtin = [cls for cls in type(exc).__mro__ if cls.__module__ == "builtins"]
+    for cls in builtin:
+        if cls in RAISED_BY_TRANSFERQUEUE:
             return cls.__name__
-    return type(exc).__name__
+    return builtin[0].__name__ if builtin else type(exc).__name__
 
 
 def outcome(fn: Callable[[], Any], convert: Callable[[Any], Any] | None = None) -> dict:
