@@ -30,7 +30,7 @@ def tq() -> Any:
         "rlferry.compat.transferqueue",
         # ImportError too: a shim whose [tq] extra (tensordict, omegaconf) is missing says so.
         exc_type=ImportError,
-        reason="rlferry.compat.transferqueue (issue 21) or its [tq] extra is not importable here",
+        reason="rlferry.compat.transferqueue or its [tq] extra is not importable here",
     )
     shim.install()
     import transfer_queue

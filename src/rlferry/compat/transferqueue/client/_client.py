@@ -2,7 +2,7 @@
 
 Every method of TransferQueue 0.1.11's client, sync and ``async_`` twin, with its
 arguments and return types, over a backend's controller and store: in this process
-(embedded) or held by a service (``_backend.py``); a get_meta that must wait waits on
+(embedded) or held by a service (``backends``); a get_meta that must wait waits on
 an event, on a thread or on the caller's event loop (on a service: a parked request).
 """
 
@@ -14,45 +14,19 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
-from ._backend import Backend, Part
-from ._errors import ClientClosed
-from ._meta import BatchMeta, extract_field_schema
-from ._remote import RemoteController
+from .._errors import ClientClosed
+from ..backends import Backend, Part, RemoteController
+from ..metadata import BatchMeta, extract_field_schema, samples_of
+from ._checks import check_get, index_list, key_list
+from ._columns import column, empty_tensordict, parsed, rows_of, scatter, tensordict_of
+from ._process import current_backend
 
-__all__ = ["AsyncTransferQueueClient", "TransferQueueClient"]
+__all__ = ["AsyncTransferQueueClient", "TransferQueueClient", "backend_of"]
 
 log = logging.getLogger("rlferry.compat.transferqueue")
 T = TypeVar("T")
-
-
-def _tensordict(data: Any) -> Any:
-    from tensordict import TensorDict
-
-    if not isinstance(data, TensorDict):
-        raise TypeError(
-            f"data: expected a TensorDict with batch_size=[n], got {type(data).__name__} "
-            "(wrap columns as TensorDict({...}, batch_size=n))"
-        )
-    return data
-
-
-def _empty_tensordict() -> Any:
-    from tensordict import TensorDict
-
-    return TensorDict({}, batch_size=0)
-
-
-def _by_partition(meta: BatchMeta) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
-    """``(partition, global indexes, positions in the batch or None for all)``."""
-    if isinstance(meta._pids, str):
-        return [(meta._pids, meta._gi, None)]
-    groups: dict[str, list[int]] = {}
-    for pos, pid in enumerate(meta._pids):
-        groups.setdefault(pid, []).append(pos)
-    return [(pid, meta._gi[np.array(p)], np.array(p)) for pid, p in groups.items()]
 
 
 class AsyncTransferQueueClient:
@@ -70,8 +44,6 @@ class AsyncTransferQueueClient:
     ) -> None:
         """TransferQueue's signature; ``controller_info`` and the ZMQ settings are not used
         (the client reaches the queue ``init()`` made)."""
-        from ._interface import current_backend
-
         self.client_id = client_id
         self._backend: Backend | None = current_backend(controller_info)
 
@@ -86,32 +58,10 @@ class AsyncTransferQueueClient:
                 "(call tq.init() again and use tq.get_client())"
             )
         if self._backend.pid != os.getpid():  # a forked child: reach the queue, not a copy
-            from ._interface import current_backend
-
             self._backend = current_backend()
         return self._backend
 
     # ---- get_meta ----
-    def _check_get(self, data_fields: Any, batch_size: Any, mode: str, task_name: Any) -> None:
-        """Arguments TransferQueue's controller refuses: a ``RuntimeError``, as its client
-        reports every controller error."""
-        if mode not in ("fetch", "force_fetch", "insert"):
-            raise RuntimeError(
-                f"mode: expected 'fetch', 'force_fetch' or 'insert', got {mode!r} (Invalid mode)"
-            )
-        if isinstance(data_fields, str) or not isinstance(data_fields, (list, tuple)):
-            raise RuntimeError(
-                f"data_fields: expected a list of field names, got {type(data_fields).__name__} "
-                f"(e.g. data_fields=[{data_fields!r}])"
-            )
-        if mode != "force_fetch" and (type(batch_size) is not int or batch_size < 1):
-            raise RuntimeError(f"batch_size: expected a positive int, got {batch_size!r}")
-        if mode == "fetch" and task_name is None:
-            raise RuntimeError(
-                "task_name: expected the consumer task's name in fetch mode, got None "
-                "(each task reads every sample once: e.g. task_name='actor_train')"
-            )
-
     def get_meta(
         self,
         data_fields: list[str],
@@ -131,7 +81,7 @@ class AsyncTransferQueueClient:
             GetMetaTimeout (a RuntimeError): too few ready samples within the timeout.
         """
         ctl = self._live.controller
-        self._check_get(data_fields, batch_size, mode, task_name)
+        check_get(data_fields, batch_size, mode, task_name)
         if mode == "insert":
             return ctl.insert(partition_id, list(data_fields), batch_size)
         if mode == "force_fetch":
@@ -150,7 +100,7 @@ class AsyncTransferQueueClient:
     ) -> BatchMeta:
         if mode != "fetch":
             return self.get_meta(data_fields, batch_size, partition_id, mode, task_name)
-        self._check_get(data_fields, batch_size, mode, task_name)
+        check_get(data_fields, batch_size, mode, task_name)
         return await self._live.controller.async_fetch(
             partition_id, list(data_fields), batch_size, str(task_name), dict(sampling_config or {})
         )
@@ -159,10 +109,11 @@ class AsyncTransferQueueClient:
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store the batch's ``custom_meta`` at the controller."""
         backend = self._live
-        if metadata.size == 0 or metadata._custom is None:
+        samples = samples_of(metadata)
+        if metadata.size == 0 or samples.custom is None:
             return
-        for pid, indexes, rows in _by_partition(metadata):
-            custom = metadata._custom if rows is None else [metadata._custom[i] for i in rows]
+        for pid, indexes, rows in samples.groups():
+            custom = samples.custom if rows is None else [samples.custom[i] for i in rows]
             backend.controller.set_custom(pid, indexes, custom)
 
     def put(
@@ -180,7 +131,7 @@ class AsyncTransferQueueClient:
                 stored then).
         """
         backend = self._live
-        data = _tensordict(data)
+        data = tensordict_of(data)
         n = data.batch_size[0] if len(data.batch_size) else 0
         schema = extract_field_schema(data)  # checks every column's rows first
         if metadata is None:
@@ -197,18 +148,19 @@ class AsyncTransferQueueClient:
                 f"data: expected {metadata.size} rows (the BatchMeta's size), got {n} "
                 "(put one row per sample of the metadata)"
             )
-        columns = {name: _column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
+        columns = {name: column(data, name, n) for name in data.keys()}  # noqa: SIM118 (a TensorDict)
         if data_parser is not None:
-            columns = _parsed(columns, data_parser)
-        custom = metadata._custom
+            columns = parsed(columns, data_parser)
+        samples = samples_of(metadata)
+        custom = samples.custom
         parts: list[Part] = []
-        for pid, indexes, rows in _by_partition(metadata):
+        for pid, indexes, rows in samples.groups():
             if rows is None:
                 parts.append((pid, indexes, columns, schema, custom))
                 continue
             sub = extract_field_schema(data[torch.from_numpy(rows)])
             mine = None if custom is None else [custom[i] for i in rows]
-            parts.append((pid, indexes, _rows(columns, rows), sub, mine))
+            parts.append((pid, indexes, rows_of(columns, rows), sub, mine))
         backend.put(parts)
         return metadata.add_fields(data)
 
@@ -221,17 +173,17 @@ class AsyncTransferQueueClient:
         backend = self._live
         if not metadata or metadata.size == 0 or not metadata.field_names:
             log.warning("get_data: empty BatchMeta: returning an empty TensorDict")
-            return _empty_tensordict()
+            return empty_tensordict()
         from tensordict import TensorDict
 
         fields = metadata.field_names
-        parts = _by_partition(metadata)
+        parts = samples_of(metadata).groups()
         if len(parts) == 1:
             pid, indexes, _ = parts[0]
             out = backend.store.get(pid, indexes, fields)
         else:
             pieces = [(rows, backend.store.get(pid, idx, fields)) for pid, idx, rows in parts]
-            out = {f: _scatter([(r, p[f]) for r, p in pieces], metadata.size) for f in fields}
+            out = {f: scatter([(r, p[f]) for r, p in pieces], metadata.size) for f in fields}
         return TensorDict(out, batch_size=metadata.size)
 
     # ---- clearing ----
@@ -246,7 +198,7 @@ class AsyncTransferQueueClient:
         if metadata.size == 0:
             log.warning("clear_samples: empty BatchMeta: nothing to clear")
             return
-        backend.clear([(pid, indexes) for pid, indexes, _ in _by_partition(metadata)])
+        backend.clear([(pid, indexes) for pid, indexes, _ in samples_of(metadata).groups()])
 
     # ---- status ----
     def get_consumption_status(
@@ -279,37 +231,12 @@ class AsyncTransferQueueClient:
         self, keys: list[str] | str, partition_id: str, create: bool = False
     ) -> BatchMeta:
         ctl = self._live.controller
-        if isinstance(keys, str):
-            keys = [keys]
-        elif isinstance(keys, list):
-            if not keys:
-                raise ValueError("keys: expected at least one key, got an empty list")
-            bad = [k for k in keys if not isinstance(k, str)]
-            if bad:
-                raise TypeError(
-                    f"keys: expected strings, got {bad[:4]!r} (Not all elements in `keys` are "
-                    "strings: convert them with str())"
-                )
-        else:
-            raise TypeError(
-                f"keys: expected a string or a list of strings, got {type(keys).__name__}"
-            )
+        keys = key_list(keys)
         return ctl.kv_meta(keys, partition_id, create)
 
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         ctl = self._live.controller
-        if isinstance(global_indexes, int):
-            global_indexes = [global_indexes]
-        elif isinstance(global_indexes, list):
-            if not global_indexes:
-                raise ValueError("global_indexes: expected at least one index, got an empty list")
-            if not all(isinstance(i, int) for i in global_indexes):
-                raise TypeError("global_indexes: expected ints (Not all elements are int)")
-        else:
-            raise TypeError(
-                f"global_indexes: expected an int or a list of ints, got "
-                f"{type(global_indexes).__name__}"
-            )
+        global_indexes = index_list(global_indexes)
         keys = ctl.kv_keys(global_indexes, partition_id)
         if len(keys) != len(global_indexes):
             raise RuntimeError(
@@ -430,52 +357,13 @@ class TransferQueueClient(AsyncTransferQueueClient):
     def _run_coroutine(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine to its end from sync code (TransferQueue's helper, used by its
         module functions): on a private event loop, never on the caller's."""
-        import asyncio
-
         return asyncio.run(coro)
 
 
-def _column(data: Any, name: str, n: int) -> Any:
-    """One field of a TensorDict: a tensor (dense or nested), or a list of ``n`` values (a
-    NonTensorData of one value stands for that value in every row)."""
-    value = data.get(name)
-    if isinstance(value, torch.Tensor):
-        return value
-    items = data[name]
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__len__") or len(items) != n:
-        return [items] * n
-    return list(items)
+def backend_of(client: AsyncTransferQueueClient) -> Backend:
+    """The backend ``client`` reaches (in a forked child: the queue, connected again).
 
-
-def _parsed(columns: dict[str, Any], parser: Callable[[Any], Any]) -> dict[str, Any]:
-    """TransferQueue's ``data_parser``: it edits a dict of batched values in place (tensors as
-    they are, nested tensors and non-tensor columns as lists)."""
-    plain = {
-        k: (list(v.unbind()) if isinstance(v, torch.Tensor) and v.is_nested else v)
-        for k, v in columns.items()
-    }
-    parser(plain)
-    return plain
-
-
-def _rows(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, v in columns.items():
-        if isinstance(v, torch.Tensor) and not v.is_nested:
-            out[name] = v[torch.from_numpy(rows)]
-        else:
-            items = list(v.unbind()) if isinstance(v, torch.Tensor) else v
-            out[name] = [items[i] for i in rows.tolist()]
-    return out
-
-
-def _scatter(pieces: list[tuple[np.ndarray | None, Any]], n: int) -> Any:
-    """One column of a batch that spans partitions, from each partition's rows."""
-    from ._store import _pack
-
-    values: list[Any] = [None] * n
-    for rows, p in pieces:
-        items = list(p.unbind()) if isinstance(p, torch.Tensor) else list(p.tolist())
-        for r, v in zip(rows.tolist() if rows is not None else range(n), items, strict=True):
-            values[r] = v
-    return _pack(values)
+    Raises:
+        ClientClosed: the client was closed.
+    """
+    return client._live

@@ -28,9 +28,9 @@ from rlferry.ray._common import (
 )
 from rlferry.wire import default_address
 
+from .._config import merged_config
+from ..samplers import BaseSampler
 from ._backend import Backend, Connection, embedded, remote
-from ._config import merged_config
-from ._samplers import BaseSampler
 
 __all__ = ["JOB", "ServiceActor", "attach", "start"]
 

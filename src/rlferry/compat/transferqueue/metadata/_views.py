@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import MappingProxyType
 from typing import Any
 
 __all__ = ["SampleViews"]
 
+Locate = Callable[[int], tuple[int, str]]
+"""Position in the batch -> (global index, partition id)."""
+
 
 class _SampleView:
     """A read-only view of one sample of a ``BatchMeta`` (made on demand)."""
 
-    __slots__ = ("_batch", "_i")
+    __slots__ = ("_batch", "_i", "_locate")
 
-    def __init__(self, batch: Any, i: int) -> None:
+    def __init__(self, batch: Any, i: int, locate: Locate) -> None:
         self._batch = batch
         self._i = i
+        self._locate = locate
 
     @property
     def global_index(self) -> int:
-        return int(self._batch._gi[self._i])
+        return self._locate(self._i)[0]
 
     @property
     def partition_id(self) -> str:
-        return self._batch._pid_at(self._i)
+        return self._locate(self._i)[1]
 
     @property
     def production_status(self) -> int:
@@ -54,10 +58,14 @@ class _SampleView:
 
 
 class SampleViews(Sequence[_SampleView]):
-    __slots__ = ("_batch",)
+    """The samples of ``batch`` as views; ``locate`` answers a position's global index and
+    partition (the batch's own arrays, read when a view is read)."""
 
-    def __init__(self, batch: Any) -> None:
+    __slots__ = ("_batch", "_locate")
+
+    def __init__(self, batch: Any, locate: Locate) -> None:
         self._batch = batch
+        self._locate = locate
 
     def __len__(self) -> int:
         return self._batch.size
@@ -65,7 +73,7 @@ class SampleViews(Sequence[_SampleView]):
     def __getitem__(self, i: Any) -> Any:
         if not -self._batch.size <= i < self._batch.size:
             raise IndexError(f"sample {i}: expected an index in [0, {self._batch.size})")
-        return _SampleView(self._batch, i % self._batch.size)
+        return _SampleView(self._batch, i % self._batch.size, self._locate)
 
     def __iter__(self) -> Iterator[_SampleView]:
-        return (_SampleView(self._batch, i) for i in range(self._batch.size))
+        return (_SampleView(self._batch, i, self._locate) for i in range(self._batch.size))

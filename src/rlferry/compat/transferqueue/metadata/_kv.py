@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from ._meta import merge_extra
+from ._extra import merge_extra
 
 __all__ = ["KVBatchMeta"]
 

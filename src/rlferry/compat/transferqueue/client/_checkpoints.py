@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from ._client import TransferQueueClient
+from ._process import HERE
 
-__all__ = ["load", "save"]
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 _METADATA_FILE = "metadata.json"
 _CONTROLLER_FILE = "controller_state.pt"
 
 
-def save(client: TransferQueueClient, target: Path, metadata: dict[str, Any] | None) -> None:
+def _save(client: TransferQueueClient, target: Path, metadata: dict[str, Any] | None) -> None:
     tmp = target.parent / f"{target.name}.tmp"
     old = target.parent / f"{target.name}.old"
     if tmp.exists():
@@ -47,7 +48,7 @@ def save(client: TransferQueueClient, target: Path, metadata: dict[str, Any] | N
         raise
 
 
-def load(client: TransferQueueClient, target: Path) -> None:
+def _load(client: TransferQueueClient, target: Path) -> None:
     old = target.parent / f"{target.name}.old"
     if not target.exists() and old.exists():
         old.rename(target)  # a save died between its two renames: the old one is whole
@@ -61,3 +62,31 @@ def load(client: TransferQueueClient, target: Path) -> None:
     if saved.get("storage_saved"):
         client.load_storage_checkpoint(str(target))
     client.load_controller_checkpoint(str(target / _CONTROLLER_FILE))
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    *,
+    include_storage: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Write the whole state (controller, and the data: it lives in memory, so always) to
+    ``checkpoint_dir``, replacing an earlier checkpoint there only once the new one is whole.
+
+    Raises:
+        RuntimeError: not initialized.
+    """
+    if HERE.client is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    _save(HERE.client, Path(checkpoint_dir), metadata)
+
+
+def load_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Restore the state ``save_checkpoint`` wrote (a checkpoint is trusted: it is unpickled).
+
+    Raises:
+        FileNotFoundError: no checkpoint there. RuntimeError: not initialized.
+    """
+    if HERE.client is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    _load(HERE.client, Path(checkpoint_dir))

@@ -11,24 +11,19 @@ returns an empty ``BatchMeta`` at once instead, as TransferQueue does.
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from ._errors import GetMetaTimeout
-from ._meta import BatchMeta
+from ..metadata import BatchMeta, from_arrays
+from ..samplers import BaseSampler, SequentialSampler
+from ._changes import Changes
 from ._partition import Field, Indexes, Partition
-from ._samplers import BaseSampler, SequentialSampler
 
 __all__ = ["Controller"]
-
-T = TypeVar("T")
-_MODES = ("fetch", "force_fetch", "insert")
 
 
 class Controller:
@@ -42,87 +37,24 @@ class Controller:
         self.timeout = timeout
         self.pre_alloc = pre_alloc
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._changes = Changes(self._lock)
         self._parts: dict[str, Partition] = {}
         self._indexes = Indexes()
-        self._version = 0  # counts changes, for waiters that wait for the next one
 
     # ---- waiting ----
-    def _notify(self) -> None:
-        """Data changed: wake every waiting get_meta (called with the lock held)."""
-        self._version += 1
-        self._changed.notify_all()
-        for loop, fut in self._futures:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_wake, fut)
-        self._futures.clear()
-
-    def wait_for(self, attempt: Callable[[], T | None], what: Callable[[], str]) -> T:
-        """``attempt()`` under the lock until it answers, waiting for puts in between."""
-        deadline = time.monotonic() + self.timeout
-        with self._lock:
-            while True:
-                got = attempt()
-                if got is not None:
-                    return got
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-        raise GetMetaTimeout(what())
-
     def version(self) -> int:
+        """How many times the data changed (for ``wait_change``)."""
         with self._lock:
-            return self._version
+            return self._changes.version
 
     def wait_change(self, seen: int) -> None:
         """Wait until something changed since ``version()`` was ``seen`` (or the get_meta
         timeout passed: the caller looks again either way)."""
-        with self._lock:
-            self._changed.wait_for(lambda: self._version != seen, self.timeout)
-
-    async def async_wait_for(self, attempt: Callable[[], T | None], what: Callable[[], str]) -> T:
-        deadline = time.monotonic() + self.timeout
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                got = attempt()
-                if got is not None:
-                    return got
-                fut: asyncio.Future[None] = loop.create_future()
-                self._futures.append((loop, fut))
-            left = deadline - time.monotonic()
-            try:
-                if left > 0:
-                    await asyncio.wait([fut], timeout=left)
-            finally:  # timed out or cancelled: no put should wake a loop that may be gone
-                with self._lock:
-                    if (loop, fut) in self._futures:
-                        self._futures.remove((loop, fut))
-            if left <= 0:
-                raise GetMetaTimeout(what())
+        self._changes.wait_change(seen, self.timeout)
 
     async def async_wait_change(self, seen: int) -> None:
         """``wait_change`` for a caller on an event loop (a service's parked request)."""
-        deadline = time.monotonic() + self.timeout
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                if self._version != seen:
-                    return
-                fut: asyncio.Future[None] = loop.create_future()
-                self._futures.append((loop, fut))
-            left = deadline - time.monotonic()
-            try:
-                if left > 0:
-                    await asyncio.wait([fut], timeout=left)
-            finally:
-                with self._lock:
-                    if (loop, fut) in self._futures:
-                        self._futures.remove((loop, fut))
-            if left <= 0:
-                return
+        await self._changes.async_wait_change(seen, self.timeout)
 
     def fetch(
         self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
@@ -133,20 +65,21 @@ class Controller:
         Raises:
             GetMetaTimeout: too few ready samples within the timeout.
         """
-        return self.wait_for(*self._fetching(pid, fields, n, task, config))
+        return self._changes.wait_for(*self._fetching(pid, fields, n, task, config))
 
     async def async_fetch(
         self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
     ) -> BatchMeta:
         """``fetch`` on the caller's event loop (it never blocks the loop while it waits)."""
-        return await self.async_wait_for(*self._fetching(pid, fields, n, task, config))
+        return await self._changes.async_wait_for(*self._fetching(pid, fields, n, task, config))
 
     def _fetching(
         self, pid: str, fields: list[str], n: int, task: str, config: dict[str, Any]
-    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str]]:
+    ) -> tuple[Callable[[], BatchMeta | None], Callable[[], str], float]:
         return (
             lambda: self.fetch_attempt(pid, fields, n, task, config),
             lambda: self.fetch_timeout(pid, fields, n, task),
+            self.timeout,
         )
 
     # ---- partitions ----
@@ -181,7 +114,7 @@ class Controller:
         self, part: Partition, indexes: np.ndarray, fields: list[str], status: np.ndarray
     ) -> BatchMeta:
         schema = {f: part.fields[f].schema(indexes) for f in fields if f in part.fields}
-        return BatchMeta._of(indexes, part.id, schema, status, part.custom_list(indexes))
+        return from_arrays(indexes, part.id, schema, status, part.custom_list(indexes))
 
     # ---- get_meta ----
     def insert(self, pid: str, fields: list[str], n: int) -> BatchMeta:
@@ -274,14 +207,14 @@ class Controller:
                 had = np.flatnonzero(col)
                 part.fields.setdefault(name, Field()).update(name, incoming, indexes, had)
                 col[indexes] = True
-            self._notify()
+            self._changes.notify()
 
     def set_custom(self, pid: str, indexes: np.ndarray, custom: list[dict[str, Any]]) -> None:
         with self._lock:
             part = self._parts.get(pid)
             if part is not None:
                 part.custom.update(zip(indexes.tolist(), (dict(c) for c in custom), strict=True))
-                self._notify()
+                self._changes.notify()
 
     # ---- status ----
     def consumption(self, pid: str, task: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -315,14 +248,9 @@ class Controller:
             for name, col in part.consumed.items():
                 if task is None or name == task:
                     col[:] = False
-            self._notify()
+            self._changes.notify()
 
     # ---- clearing ----
-    def partition_indexes(self, pid: str) -> np.ndarray | None:
-        with self._lock:
-            part = self._parts.get(pid)
-            return None if part is None else part.indexes()
-
     def clear_samples(self, pid: str, indexes: np.ndarray) -> None:
         with self._lock:
             part = self._parts.get(pid)
@@ -421,9 +349,4 @@ class Controller:
             self._parts = state["parts"]
             self._indexes.next, self._indexes.free = state["next"], state["free"]
             self.sampler.load_checkpoint(state["sampler"])
-            self._notify()
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+            self._changes.notify()

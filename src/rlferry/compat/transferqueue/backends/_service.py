@@ -22,10 +22,9 @@ import numpy as np
 
 from rlferry.wire import Server
 
+from ..state import Controller, Store
 from ._backend import Backend, clear_parts, drop, put_parts
-from ._controller import Controller
 from ._rpc import columns_out, meta_out, schema_in
-from ._store import Store
 
 __all__ = ["Service", "serve"]
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from ._controller import Controller
+from ..samplers import BaseSampler
+from ..state import Controller, Store
 from ._remote import Link, RemoteController, RemoteStore
-from ._samplers import BaseSampler
-from ._store import Store
 
 __all__ = [
     "Backend",
     "Connection",
+    "Factory",
     "Part",
     "clear_parts",
     "drop",

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from ._backend import Connection
-from ._client import TransferQueueClient
-from ._meta import BatchMeta
+from ..backends import Connection
+from ..metadata import BatchMeta
+from ._client import TransferQueueClient, backend_of
+from ._process import attach, serve_workers
 
 __all__ = [
     "StreamingDataLoader",
@@ -126,8 +127,6 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     def _create_client(self) -> None:
         if self._connection is not None:  # a spawned DataLoader worker: reach the service
-            from ._interface import attach
-
             attach(self._connection)
         self._tq_client = TransferQueueClient(f"StreamingDataset_{uuid.uuid4().hex[:8]}")
 
@@ -155,7 +154,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 self.batch_index += 1
                 yield from self.process_batch_fn(*current, micro_batch_size=self.micro_batch_size)
                 continue
-            seen = client._live.controller.version()
+            seen = backend_of(client).controller.version()
             batch, meta = self.fetch_batch_fn(
                 tq_client=client,
                 data_fields=self.data_fields,
@@ -168,7 +167,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             if batch is not None:
                 self.buffer.append((batch, meta))
             else:
-                client._live.controller.wait_change(seen)
+                backend_of(client).controller.wait_change(seen)
 
     def reset(self) -> None:
         self.batch_index = 0
@@ -206,8 +205,6 @@ class StreamingDataLoader(torch.utils.data.DataLoader):
     ) -> None:
         self.dataset: StreamingDataset = dataset
         if num_workers > 0:
-            from ._interface import serve_workers
-
             dataset._connection = serve_workers()
         super().__init__(
             dataset=dataset,

@@ -20,8 +20,9 @@ import torch
 from rlferry.wire import shared_empty
 from rlferry.wire._copy import bytes_copy, copy_many
 
-from ._errors import StorageKeyNotFoundError
+from .._errors import StorageKeyNotFoundError
 from ._memory import Pool
+from ._values import nested, objects, pack
 
 __all__ = ["Store"]
 
@@ -73,19 +74,6 @@ def _chunk_of(value: Any, jobs: _Jobs) -> tuple[int, Any]:
     if value and all(isinstance(v, torch.Tensor) for v in value):
         return _ROWS, [v.detach().to("cpu", copy=True) for v in value]
     return _OBJECTS, list(value)
-
-
-def _nested(dense: torch.Tensor) -> torch.Tensor:
-    """Rows of a dense tensor as TransferQueue returns tensor fields: a jagged nested tensor
-    (its rows' first dimension ragged), or the column itself for one scalar per sample."""
-    if dense.dim() == 1:
-        return dense
-    n, first = dense.shape[0], dense.shape[1]
-    if n == 0 or first == 0:
-        return torch.nested.as_nested_tensor(list(dense.unbind()), layout=torch.jagged)
-    offsets = torch.arange(n + 1, dtype=torch.int64) * first
-    values = dense.contiguous().reshape(n * first, *dense.shape[2:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 class _Column:
@@ -153,8 +141,8 @@ class _Column:
                 for c in chunks:
                     at = np.flatnonzero(where == c)
                     out[torch.from_numpy(at)] = self.chunks[c][torch.from_numpy(rows[at])]
-                return _nested(out)
-        return _pack([self._row(int(c), int(r)) for c, r in zip(where, rows, strict=True)])
+                return nested(out)
+        return pack([self._row(int(c), int(r)) for c, r in zip(where, rows, strict=True)])
 
     def _one(self, c: int, rows: np.ndarray, jobs: _Jobs) -> Any:
         chunk, kind = self.chunks[c], self.kinds[c]
@@ -166,35 +154,15 @@ class _Column:
                 _copy(out, chunk[int(rows[0]) : int(rows[0]) + n], jobs)
             else:
                 torch.index_select(chunk, 0, torch.from_numpy(rows), out=out)
-            return _nested(out)
+            return nested(out)
         pick = chunk[int(rows[0]) : int(rows[0]) + n] if contiguous else [chunk[r] for r in rows]
         if kind == _ROWS:
-            return _pack([r.clone() for r in pick])
-        return _objects(pick)
+            return pack([r.clone() for r in pick])
+        return objects(pick)
 
     def _row(self, c: int, r: int) -> Any:
         chunk = self.chunks[c]
         return chunk[r].clone() if self.kinds[c] == _DENSE else chunk[r]
-
-
-def _objects(values: list[Any]) -> Any:
-    from tensordict import NonTensorStack
-
-    return NonTensorStack(*values)
-
-
-def _pack(values: list[Any]) -> Any:
-    """Values of one field, as TransferQueue packs them: tensors as one jagged nested tensor
-    (strided when jagged cannot hold them; scalars stacked), anything else a NonTensorStack."""
-    if values and all(isinstance(v, torch.Tensor) for v in values):
-        if all(v.dim() == 0 for v in values):
-            return torch.stack(values)
-        for layout in (torch.jagged, torch.strided):
-            try:
-                return torch.nested.as_nested_tensor(values, layout=layout)
-            except (RuntimeError, TypeError):
-                continue  # rows this layout cannot hold: try the next
-    return _objects(values)
 
 
 class Store:

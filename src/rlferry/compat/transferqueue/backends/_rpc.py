@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import ClientClosed, GetMetaTimeout, NotInitialized, StorageKeyNotFoundError
-from ._meta import BatchMeta
+from .._errors import ClientClosed, GetMetaTimeout, NotInitialized, StorageKeyNotFoundError
+from ..metadata import BatchMeta, from_arrays, samples_of
+from ..state import objects
 
 __all__ = ["ERRORS", "columns_in", "columns_out", "meta_in", "meta_out", "schema_in", "schema_out"]
 
@@ -89,12 +90,13 @@ def schema_in(wire: dict[str, list[Any]]) -> dict[str, dict[str, Any]]:
 
 def meta_out(meta: BatchMeta) -> dict[str, Any]:
     """A ``BatchMeta`` made by the controller (no ``extra_info`` yet) as wire values."""
+    samples = samples_of(meta)
     return {
-        "gi": meta._gi,
-        "pid": meta._pids,
+        "gi": samples.indexes,
+        "pid": samples.partition,
         "schema": schema_out(meta.field_schema),
         "status": meta.production_status,
-        "custom": meta._custom,
+        "custom": samples.custom,
     }
 
 
@@ -102,7 +104,7 @@ def meta_in(wire: dict[str, Any]) -> BatchMeta:
     # the arrays are views of the received frame (read-only): the batch gets its own
     gi = np.array(wire["gi"], dtype=np.int64)
     status = np.array(wire["status"], dtype=np.int8)
-    return BatchMeta._of(gi, wire["pid"], schema_in(wire["schema"]), status, wire["custom"])
+    return from_arrays(gi, wire["pid"], schema_in(wire["schema"]), status, wire["custom"])
 
 
 _TENSOR, _STRIDED, _OBJECTS = "t", "s", "o"
@@ -123,14 +125,12 @@ def columns_out(columns: dict[str, Any]) -> dict[str, list[Any]]:
 
 
 def columns_in(wire: dict[str, list[Any]]) -> dict[str, Any]:
-    from ._store import _objects
-
     out: dict[str, Any] = {}
     for name, (kind, value) in wire.items():
         if kind == _STRIDED:
             out[name] = torch.nested.as_nested_tensor(value, layout=torch.strided)
         elif kind == _OBJECTS:
-            out[name] = _objects(value)
+            out[name] = objects(value)
         else:
             out[name] = value
     return out

@@ -31,8 +31,8 @@ from rlferry.wire import (
     wire_loop,
 )
 
-from ._errors import ClientClosed, ServiceGone
-from ._meta import BatchMeta
+from .._errors import ClientClosed, ServiceGone
+from ..metadata import BatchMeta
 from ._rpc import ERRORS, columns_in, meta_in, put_columns, schema_out
 
 __all__ = ["Link", "RemoteController", "RemoteStore"]
