@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlferry.wire import WireError, decode, encode
-from rlferry.wire._codec import _DTYPES
+from rlferry.wire._refs import DTYPES
 
 
 def roundtrip(value):
@@ -15,9 +15,9 @@ def roundtrip(value):
     return decode([bytearray(memoryview(f).cast("B")) for f in encode(value)])
 
 
-@pytest.mark.parametrize("name", sorted(_DTYPES))
+@pytest.mark.parametrize("name", sorted(DTYPES))
 def test_every_dtype_round_trips_bit_exact(name):
-    dtype = _DTYPES[name]
+    dtype = DTYPES[name]
     raw = torch.randint(0, 256, (3, 5 * dtype.itemsize), dtype=torch.uint8)
     t = raw.view(dtype)
     out = roundtrip(t)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlferry.wire import WireError, decode, encode, shared_empty
-from rlferry.wire._codec import _RAGGED, _TENSOR, _TENSORS, MAGIC
+from rlferry.wire._codec import EXT_RAGGED, EXT_TENSOR, EXT_TENSORS, MAGIC
 
 
 def frames_of(value):
@@ -21,7 +21,7 @@ def header(tree, nframes):
 
 
 def tensor_ext(dtype, shape, frame):
-    return msgspec.msgpack.Ext(_TENSOR, msgspec.msgpack.encode([dtype, shape, frame]))
+    return msgspec.msgpack.Ext(EXT_TENSOR, msgspec.msgpack.encode([dtype, shape, frame]))
 
 
 def test_no_frames():
@@ -96,7 +96,7 @@ def test_unused_frame():
 
 
 def test_ragged_shapes_that_do_not_fit_the_frame():
-    ext = msgspec.msgpack.Ext(_RAGGED, msgspec.msgpack.encode(["int64", [[2], [3]], 1]))
+    ext = msgspec.msgpack.Ext(EXT_RAGGED, msgspec.msgpack.encode(["int64", [[2], [3]], 1]))
     with pytest.raises(WireError, match="ragged shapes need 40 bytes, frame 1 has 32"):
         decode([header(ext, 1), bytearray(32)])
 
@@ -172,7 +172,7 @@ def test_fuzz_plain_values_round_trip(value):
 
 
 def shared_ext(dtype, shape, frame, offset):
-    return msgspec.msgpack.Ext(_TENSOR, msgspec.msgpack.encode([dtype, shape, frame, offset]))
+    return msgspec.msgpack.Ext(EXT_TENSOR, msgspec.msgpack.encode([dtype, shape, frame, offset]))
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ def test_shared_frame_decodes_views_at_their_offsets():
 
 
 def tensor_dict_ext(frame, groups):
-    return msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode([frame, groups]))
+    return msgspec.msgpack.Ext(EXT_TENSORS, msgspec.msgpack.encode([frame, groups]))
 
 
 GROUP = r"a tensor group is not \[keys, dtype, shape, byte offset, byte step >= 0\]"
@@ -242,7 +242,7 @@ GROUP = r"a tensor group is not \[keys, dtype, shape, byte offset, byte step >= 
     ],
 )
 def test_malformed_tensor_dict(node, message):
-    tree = msgspec.msgpack.Ext(_TENSORS, msgspec.msgpack.encode(node))
+    tree = msgspec.msgpack.Ext(EXT_TENSORS, msgspec.msgpack.encode(node))
     with pytest.raises(WireError, match=rf"^malformed message: {message}$"):
         decode([header(tree, 1), bytearray(64)])
 

@@ -22,6 +22,7 @@ from rlferry.compat.transferqueue import (  # noqa: E402
     NotInitialized,
     StorageKeyNotFoundError,
 )
+from rlferry.compat.transferqueue.metadata import samples_of  # noqa: E402
 
 TensorDict = tensordict.TensorDict
 
@@ -241,12 +242,26 @@ def test_unknown_and_unsupported_configuration_is_refused_by_its_dotted_key():
 def test_batch_meta_holds_arrays_and_survives_pickle(client):
     client.put(rows(1000), partition_id="p")
     meta = client.get_meta(["x"], 1000, "p", task_name="t")
-    assert isinstance(meta._gi, np.ndarray)
-    assert meta._custom is None and meta._pids == "p"  # no per-sample objects
+    samples = samples_of(meta)
+    assert isinstance(samples.indexes, np.ndarray)
+    assert samples.custom is None and samples.partition == "p"  # no per-sample objects
     back = pickle.loads(pickle.dumps(meta))
     assert back.global_indexes == list(range(1000))
     assert back.partition_ids == ["p"] * 1000
     assert client.get_data(back)["x"].reshape(-1).tolist() == [float(i) for i in range(1000)]
+
+
+def test_a_batch_meta_unpickled_from_read_only_buffers_has_writable_arrays(client):
+    client.put(rows(4), partition_id="p")
+    meta = client.get_meta(["x"], 4, "p", task_name="t")
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(meta, protocol=5, buffer_callback=buffers.append)
+    back = pickle.loads(data, buffers=[b.raw().toreadonly() for b in buffers])  # as Ray's
+    assert buffers, "the arrays did not travel out of band: the case is not exercised"
+    assert samples_of(back).indexes.flags.writeable
+    assert back.production_status.flags.writeable
+    back.add_fields(TensorDict({"y": torch.ones(4)}, batch_size=4))
+    assert back.global_indexes == meta.global_indexes and back.is_ready
 
 
 def test_custom_meta_reaches_the_next_get_meta(client):
@@ -278,6 +293,7 @@ def test_streaming_dataset_ends_once_the_task_consumed_the_partition(polling):
     assert got == [[0.0, 1.0], [2.0, 3.0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ray", ["absent", "installed, not started"])
 def test_works_with_ray_absent_or_never_started(ray):
     if ray != "absent":

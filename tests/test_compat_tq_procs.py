@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("tensordict", reason="the [tq] extra (tensordict) is missing")
 pytest.importorskip("omegaconf", reason="the [tq] extra (omegaconf) is missing")
 
+pytestmark = pytest.mark.slow  # processes of their own, some killed on purpose
+
 LOADER = """
 import sys, torch
 import rlferry.compat.transferqueue as tq
@@ -87,12 +89,12 @@ def test_a_forked_child_of_an_embedded_queue_that_serves_nobody_is_refused():
 GONE = """
 import os, signal, torch
 import rlferry.compat.transferqueue as tq
-from rlferry.compat.transferqueue import _interface
+from rlferry.compat.transferqueue import client as api
 from tensordict import TensorDict
 
 tq.init({"controller": {"get_meta_timeout": 60}})
-_interface.serve_workers()
-service = _interface.current_backend().service
+api.serve_workers()
+service = api.current_backend().service
 reader = os.fork()
 if reader == 0:
     tq.get_client().get_meta(["x"], 2, "p", task_name="t")  # parked at the parent
@@ -124,12 +126,12 @@ def test_a_value_the_wire_does_not_carry_is_refused_naming_its_field():
     from tensordict import TensorDict
 
     import rlferry.compat.transferqueue as tq
-    from rlferry.compat.transferqueue import _interface
-    from rlferry.compat.transferqueue._backend import remote
+    from rlferry.compat.transferqueue import client as api
+    from rlferry.compat.transferqueue.backends import remote
 
     tq.init()
     try:
-        other = remote(_interface.serve_workers())  # as another process reaches it
+        other = remote(api.serve_workers())  # as another process reaches it
         client = tq.TransferQueueClient("other")
         client._backend = other
         data = TensorDict({"x": torch.ones(2), "obj": [Opaque(), Opaque()]}, batch_size=2)

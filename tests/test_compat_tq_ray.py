@@ -17,11 +17,13 @@ import ray
 from tensordict import TensorDict
 
 import rlferry.compat.transferqueue as tq
-from rlferry.compat.transferqueue import _interface
-from rlferry.compat.transferqueue._backend import embedded
-from rlferry.compat.transferqueue._ray import JOB
+from rlferry.compat.transferqueue import client as api
+from rlferry.compat.transferqueue.backends import embedded
+from rlferry.compat.transferqueue.backends._ray import JOB
 from rlferry.ray import LaunchError
 from rlferry.ray._common import actor_name
+
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import it
 SERVICE = actor_name(JOB, "service")
@@ -178,7 +180,7 @@ def test_a_dead_service_actor_fails_a_waiting_get_meta_naming_the_actor_and_why(
 
 def test_close_removes_the_actor_its_socket_and_its_shared_memory(on_ray):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    address = _interface.current_backend().controller.link.address
+    address = api.current_backend().controller.link.address
     tq.get_client().put(
         TensorDict({"x": torch.zeros(64, 1 << 14)}, batch_size=64), partition_id="p"
     )
@@ -219,10 +221,10 @@ def test_a_node_resource_no_node_has_fails_at_once_naming_it(ray_cluster):
 def test_a_process_of_another_node_reaches_the_service_over_tcp_with_the_jobs_secret(on_ray):
     """Both nodes of the test cluster share one host (they reach the actor over ipc://): the
     way another host reaches it, the node's address and the secret, is taken here by hand."""
-    from rlferry.compat.transferqueue._backend import Connection, remote
+    from rlferry.compat.transferqueue.backends import Connection, remote
     from rlferry.wire import SecurityError
 
-    connection = _interface.current_backend().connection
+    connection = api.current_backend().connection
     assert connection.address.startswith("tcp://") and connection.secret
     far = remote(connection)
     try:

@@ -118,6 +118,7 @@ def test_a_control_call_answers_while_more_generates_wait_than_a_connection_pool
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(model_dir):
     proc, url = serve(model_dir, "--name", "doomed")
 
@@ -164,6 +165,7 @@ def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(mod
             stop(proc)
 
 
+@pytest.mark.slow
 def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
     proc, url = serve(model_dir)
 

@@ -30,26 +30,21 @@ MAX_ROOM = 15
 # that comes to follow the rule must leave this list).
 PENDING: dict[str, set[str]] = {
     "lines": {
-        "rlferry/compat/transferqueue",
-        "rlferry/queue",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
-    "room": {"rlferry/compat/transferqueue", "rlferry/weights"},
+    "room": {"rlferry/weights"},
     "floors": {
         "rlferry",
-        "rlferry/compat/transferqueue",
+        "rlferry/compat/transferqueue/state",
         "rlferry/queue",
+        "rlferry/queue/services",
         "rlferry/weights",
         "rlferry/weights/transports",
     },
     "private": {
-        "rlferry/compat/transferqueue",
-        "rlferry/queue",
         "rlferry/weights",
         "rlferry/weights/transports",
-        "rlferry/wire",
     },
 }
 

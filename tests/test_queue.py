@@ -16,11 +16,12 @@ from rlferry.queue import (
     SeqlenBalanced,
     UnknownTask,
 )
+from rlferry.queue.statistics import TaskStatistics
 
 
 @pytest.fixture
 def q():
-    with Queue.start(storage_units=2, tasks=("actor_train", "critic_train")) as queue:
+    with Queue(storage_units=2, tasks=("actor_train", "critic_train")) as queue:
         yield queue
 
 
@@ -207,7 +208,7 @@ def test_seqlen_balanced_needs_the_length_meta(q):
 
 
 def test_expired_lease_makes_samples_available_again():
-    with Queue.start(storage_units=1, tasks=("train",), lease_timeout=0.3) as q:
+    with Queue(storage_units=1, tasks=("train",), lease_timeout=0.3) as q:
         c = q.client()
         put_rows(c, "p", 2)
         first = c.get("p", task="train", batch_size=2, fields=["x"], timeout=5)
@@ -223,8 +224,8 @@ def test_partition_is_freed_once_every_task_acked_it(q):
     for task in ("actor_train", "critic_train"):
         c.ack(c.get("p", task=task, batch_size=2, fields=["x"], timeout=5))
     stats = c.statistics()
-    assert stats["partitions"] == {} and stats["samples_held"] == 0
-    assert stats["bytes_held"] == 0
+    assert stats.partitions == {} and stats.samples_held == 0
+    assert stats.bytes_held == 0
 
 
 def test_clear_drops_a_partition_and_its_data(q):
@@ -232,11 +233,11 @@ def test_clear_drops_a_partition_and_its_data(q):
     put_rows(c, "p", 3)
     assert c.clear("p") == 3
     stats = c.statistics()
-    assert stats["partitions"] == {} and stats["bytes_held"] == 0
+    assert stats.partitions == {} and stats.bytes_held == 0
 
 
 def test_capacity_makes_put_wait_until_consumers_free_room():
-    with Queue.start(storage_units=1, tasks=("train",), capacity=4) as q:
+    with Queue(storage_units=1, tasks=("train",), capacity=4) as q:
         c = q.client()
         put_rows(c, "p", 4)
         with pytest.raises(PutTimeout) as e:
@@ -251,7 +252,7 @@ def test_capacity_makes_put_wait_until_consumers_free_room():
 
 
 def test_max_partitions_bounds_unfinished_partitions():
-    with Queue.start(storage_units=1, tasks=("train",), max_partitions=1) as q:
+    with Queue(storage_units=1, tasks=("train",), max_partitions=1) as q:
         c = q.client()
         put_rows(c, "step_0", 1)
         with pytest.raises(PutTimeout):
@@ -265,13 +266,14 @@ def test_statistics_report_depth_leases_and_bytes(q):
     put_rows(c, "p", 4)
     c.get("p", task="actor_train", batch_size=2, fields=["x"], timeout=5)
     stats = c.statistics()
-    assert stats["partitions"]["p"]["tasks"]["actor_train"] == {"depth": 2, "leased": 2}
-    assert stats["partitions"]["p"]["tasks"]["critic_train"] == {"depth": 4, "leased": 0}
-    assert stats["leases"] == 1 and stats["samples_held"] == 4
-    assert stats["bytes_held"] == 4 * 4
-    assert {"waiting_gets", "waiting_puts"} <= stats.keys()
-    assert [u["alive"] for u in stats["storage_units"]] == [True, True]
-    assert all(u["address"].startswith("ipc://") for u in stats["storage_units"])
+    tasks = stats.partitions["p"].tasks
+    assert tasks["actor_train"] == TaskStatistics(depth=2, leased=2)
+    assert tasks["critic_train"] == TaskStatistics(depth=4, leased=0)
+    assert stats.leases == 1 and stats.samples_held == 4
+    assert stats.bytes_held == 4 * 4
+    assert stats.waiting_gets == 0 and stats.waiting_puts == 0
+    assert [u.alive for u in stats.storage_units] == [True, True]
+    assert all(u.address.startswith("ipc://") for u in stats.storage_units)
 
 
 def test_save_and_restore_keep_state_and_data(q, tmp_path):
@@ -318,7 +320,7 @@ def test_unknown_task_is_refused(q):
         q.client().get("p", task="reward", batch_size=1, fields=["x"], timeout=1)
     assert str(e.value) == (
         "task `reward`: expected one of ['actor_train', 'critic_train'] "
-        "(register every task when the queue starts: Queue.start(tasks=...) or "
+        "(register every task when the queue starts: Queue(tasks=...) or "
         "`rlferry serve queue --tasks`)"
     )
 
@@ -336,7 +338,7 @@ def test_unsupported_value_names_the_field_and_loses_nothing(q):
     with pytest.raises(SchemaError) as e:
         c.put("p", {"prompt": ["a", object()]})
     assert str(e.value).startswith("field `prompt`, at `$[1]`: type builtins.object; accepted:")
-    assert c.statistics()["samples_held"] == 0  # the failed put left nothing behind
+    assert c.statistics().samples_held == 0  # the failed put left nothing behind
     assert put_rows(c, "p", 1) == [0]
 
 
@@ -377,9 +379,9 @@ def test_bad_get_arguments_are_refused(q):
 
 def test_bad_queue_config_is_refused():
     with pytest.raises(SchemaError, match="storage_units: expected an int >= 1, got 0"):
-        Queue.start(storage_units=0)
+        Queue(storage_units=0)
     with pytest.raises(SchemaError, match="capacity: expected None or an int >= 1, got -1"):
-        Queue.start(capacity=-1)
+        Queue(capacity=-1)
 
 
 def test_fields_added_in_another_order_stay_aligned_with_their_samples(q):

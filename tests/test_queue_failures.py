@@ -14,17 +14,17 @@ import pytest
 import torch
 
 import rlferry.queue._client as client_module
+from rlferry.errors import RemoteError
 from rlferry.queue import (
     GetTimeout,
     PutTimeout,
     Queue,
     QueueClient,
     QueueConfig,
-    RemoteError,
     SchemaError,
     ServiceGone,
 )
-from rlferry.queue._serve import _run_unit, _started
+from rlferry.queue.services._launch import _run_unit, _started
 from rlferry.wire import Client, SecurityError, Server, wire_loop
 from rlferry.wire import RemoteError as WireRemoteError
 
@@ -33,7 +33,7 @@ SECRET = "a shared secret of the whole job"
 
 @pytest.fixture
 def q():
-    with Queue.start(storage_units=2, tasks=("train",)) as queue:
+    with Queue(storage_units=2, tasks=("train",)) as queue:
         yield queue
 
 
@@ -77,7 +77,7 @@ def test_an_address_without_a_scheme_is_refused_at_connect(address):
 
 
 def test_a_client_with_the_wrong_secret_gets_a_security_error_naming_the_secret():
-    with Queue.start(storage_units=1, bind="tcp://127.0.0.1:*", secret=SECRET) as q:
+    with Queue(storage_units=1, bind="tcp://127.0.0.1:*", secret=SECRET) as q:
         wrong = Queue.connect(q.address, secret="another secret, 32 bytes long...")
         with wrong.client() as c, pytest.raises(SecurityError) as e:
             c.put("p", {"x": torch.zeros(1)})
@@ -87,6 +87,7 @@ def test_a_client_with_the_wrong_secret_gets_a_security_error_naming_the_secret(
 
 
 # -- item 2: `rlferry serve queue` checks its config first and sees a unit die at once ---------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -216,14 +217,14 @@ def _park_a_get(address: str, conn) -> None:
         for _ in range(2):  # the get's task runs, then its request's task sends it
             await asyncio.sleep(0)
         # the same socket, after the get: the controller answers this once the get parked
-        conn.send((await c.statistics())["waiting_gets"])
+        conn.send((await c.statistics()).waiting_gets)
         await parked
 
     asyncio.run(main())
 
 
 def test_a_consumer_killed_while_parked_is_not_leased_anything():
-    with Queue.start(storage_units=1, tasks=("train",), lease_timeout=60.0) as q:
+    with Queue(storage_units=1, tasks=("train",), lease_timeout=60.0) as q:
         c = q.client()
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
@@ -235,12 +236,12 @@ def test_a_consumer_killed_while_parked_is_not_leased_anything():
         c.put("p", {"x": torch.arange(2.0)})
         b = c.get("p", task="train", batch_size=2, fields=["x"], timeout=10)
         assert b.data["x"].tolist() == [0.0, 1.0]  # not leased to the dead consumer
-        assert c.statistics()["waiting_gets"] == 0
+        assert c.statistics().waiting_gets == 0
 
 
 # -- item 7: a failed put holds nothing -------------------------------------------------------
 def test_a_sparse_column_is_refused_by_name_and_reserves_nothing():
-    with Queue.start(storage_units=1, tasks=("train",), capacity=4) as q:
+    with Queue(storage_units=1, tasks=("train",), capacity=4) as q:
         c = q.client()
         sparse = torch.eye(4).to_sparse()
         with pytest.raises(SchemaError) as e:
@@ -257,7 +258,7 @@ def test_a_list_of_unsupported_tensors_is_refused_before_the_put(q):
     with pytest.raises(SchemaError) as e:
         c.put("p", {"t": [torch.ones(2), torch.eye(2).to_sparse()]})
     assert str(e.value).startswith("field `t`, at `$[1]`: cannot travel: tensor layout")
-    assert c.statistics()["partitions"] == {}
+    assert c.statistics().partitions == {}
 
 
 @pytest.mark.parametrize(
@@ -283,7 +284,7 @@ def test_a_put_with_bad_meta_raises_before_anything_is_reserved(q, kw, error):
         c.put("p", {"x": torch.zeros(2)}, **kw)
     assert str(e.value).startswith(error)
     stats = c.statistics()
-    assert stats["partitions"] == {} and stats["samples_held"] == 0
+    assert stats.partitions == {} and stats.samples_held == 0
 
 
 def test_a_put_whose_data_fails_after_the_reservation_gives_it_back(q):
@@ -291,7 +292,7 @@ def test_a_put_whose_data_fails_after_the_reservation_gives_it_back(q):
     c.put("p", {"x": torch.zeros(2)})
     with pytest.raises(SchemaError):  # a field's kind changes: the controller refuses it
         c.put("p", {"x": torch.zeros(2, 3)})
-    assert c.statistics()["samples_held"] == 2
+    assert c.statistics().samples_held == 2
     assert c.put("q", {"x": torch.zeros(1)}) == [2]
 
 
@@ -308,7 +309,7 @@ def test_a_remote_error_the_client_has_no_class_for_is_a_remote_error_not_servic
         assert isinstance(e.value, WireRemoteError) and e.value.kind == "KeyError"
         assert str(e.value) == f"KeyError: 'the controller has a bug' (at {address})"
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 # -- items 9 and 10: the controller checks every request before it acts ------------------------
@@ -341,7 +342,7 @@ def test_a_raw_request_that_does_not_fit_changes_nothing(q, request_, error):
     assert e.value.kind == "SchemaError" and e.value.message == error
     c = q.client()
     assert c.put("p", {"x": torch.zeros(2)}) == [0, 1]  # the index counter did not move
-    assert c.statistics()["samples_held"] == 2
+    assert c.statistics().samples_held == 2
 
 
 def test_the_controller_refuses_tensors_before_building_any(q):
@@ -382,7 +383,7 @@ def test_a_get_without_fields_names_the_sync_method(q):
 
 
 def test_a_blocked_put_raises_put_timeout_when_its_timeout_is_over():
-    with Queue.start(storage_units=1, tasks=("train",), capacity=2) as q:
+    with Queue(storage_units=1, tasks=("train",), capacity=2) as q:
         c = q.client()
         c.put("p", {"x": torch.zeros(2)})
         with pytest.raises(PutTimeout) as e:
@@ -398,7 +399,7 @@ def _our_socket_files() -> set[str]:
 
 def test_a_queue_removes_its_socket_files_when_it_closes():
     before = _our_socket_files()
-    with Queue.start(storage_units=2, tasks=("train",)) as q:
+    with Queue(storage_units=2, tasks=("train",)) as q:
         q.client().put("p", {"x": torch.zeros(1)})
         assert len(_our_socket_files() - before) == 3  # the controller and two units
     assert _our_socket_files() == before

@@ -13,6 +13,8 @@ import torch
 
 from rlferry.queue import GetTimeout, Queue, ServiceGone
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def _consume_and_hang(address, conn):
     c = Queue.connect(address).client()
@@ -22,7 +24,7 @@ def _consume_and_hang(address, conn):
 
 
 def test_consumer_killed_mid_batch_loses_nothing():
-    with Queue.start(storage_units=2, tasks=("train",), lease_timeout=1.0) as q:
+    with Queue(storage_units=2, tasks=("train",), lease_timeout=1.0) as q:
         c = q.client()
         c.put("p", {"x": torch.arange(4.0)})
         ctx = mp.get_context("spawn")
@@ -39,7 +41,7 @@ def test_consumer_killed_mid_batch_loses_nothing():
             seen += b.indexes
             c.ack(b)
         assert sorted(seen) == [0, 1, 2, 3] and set(taken) <= set(seen)
-        assert c.statistics()["samples_held"] == 0
+        assert c.statistics().samples_held == 0
 
 
 def _serve(*extra: str) -> tuple[subprocess.Popen[str], str, list[int]]:
@@ -92,8 +94,8 @@ def test_killed_storage_unit_makes_clients_raise_not_hang(served):
         assert time.monotonic() - t0 < 30
         gone = threading.Event()
         for _ in range(200):  # the controller hears of the death from its socket monitor
-            units_now = c.statistics()["storage_units"]
-            if [u["alive"] for u in units_now] == [False, True] and "error" not in units_now[0]:
+            units_now = c.statistics().storage_units
+            if [u.alive for u in units_now] == [False, True] and units_now[0].error is None:
                 break
             gone.wait(0.05)  # allowed: a test waiting for an asynchronous report
         else:
@@ -152,7 +154,7 @@ def test_get_broadcast_gives_every_rank_the_source_ranks_batch():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with Queue.start(storage_units=1, tasks=("train",)) as q:
+    with Queue(storage_units=1, tasks=("train",)) as q:
         q.client().put("p", {"x": torch.arange(3.0), "s": ["a", "b", "c"]}, meta={"g": [1, 2, 3]})
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(2)]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlferry.wire import Client, Server, TensorRef, decode, default_address, encode, wire_loop
-from rlferry.wire._shm import AVAILABLE, BulkFrame
+from rlferry.wire._bulk import BulkFrame
+from rlferry.wire._shm import AVAILABLE
 
 
 def forwarded(value: Any) -> Any:
@@ -77,5 +78,5 @@ def test_a_forwarding_service_holds_references_and_sends_rows_on() -> None:
         for name, col in columns.items():
             assert torch.equal(rows[name], col[10:20])
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
         held.clear()

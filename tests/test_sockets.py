@@ -42,7 +42,7 @@ def server(request):
     srv = Server(echo, default_address(request.param))
     wire_loop().run(srv.start())
     yield srv
-    wire_loop().run(srv.close())
+    wire_loop().run(srv.aclose())
 
 
 def test_default_bind_is_loopback_on_a_free_port():
@@ -51,7 +51,7 @@ def test_default_bind_is_loopback_on_a_free_port():
     try:
         assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 def test_request_gets_the_reply(server):
@@ -114,7 +114,7 @@ def test_an_ipc_server_removes_its_socket_file_on_close():
     srv = Server(echo, default_address("ipc"))
     path = wire_loop().run(srv.start()).removeprefix("ipc://")
     assert os.path.exists(path)
-    wire_loop().run(srv.close())
+    wire_loop().run(srv.aclose())
     assert not os.path.exists(path)
 
 
@@ -147,11 +147,68 @@ def test_close_wakes_a_waiting_request(server):
         c = AsyncClient(server.address)
         waiting = asyncio.ensure_future(c.request("hang", timeout=30))
         await asyncio.sleep(0.1)  # allowed: lets the request reach the server
-        await c.close()
+        await c.aclose()
         with pytest.raises(ChannelClosed, match="was closed"):
             await waiting
 
     asyncio.run(scenario())
+
+
+def test_a_server_in_async_with_serves_inside_and_is_closed_after():
+    async def scenario():
+        async with Server(echo, default_address("ipc")) as srv:
+            async with AsyncClient(srv.address) as c:
+                assert await c.request("hi", timeout=10) == "hi"
+            with pytest.raises(ChannelClosed, match="is closed"):
+                await c.request("hi", timeout=10)
+        with pytest.raises(ChannelClosed, match="is closed"):
+            await srv.start()
+        await srv.aclose()  # a second close does nothing
+        await c.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_second_start_returns_the_bound_address():
+    async def scenario():
+        async with Server(echo) as srv:
+            assert await srv.start() == srv.address
+
+    asyncio.run(scenario())
+
+
+def test_the_old_async_close_names_aclose_and_still_closes():
+    async def scenario():
+        srv = Server(echo)
+        await srv.start()
+        c = AsyncClient(srv.address)
+        assert await c.request(1, timeout=10) == 1
+        with pytest.warns(DeprecationWarning, match=r"use `await AsyncClient.aclose\(\)`"):
+            await c.close()
+        with pytest.raises(ChannelClosed):
+            await c.request(1, timeout=10)
+        with pytest.warns(DeprecationWarning, match=r"use `await Server.aclose\(\)`"):
+            await srv.close()
+        with pytest.raises(ChannelClosed):
+            await srv.start()
+
+    asyncio.run(scenario())
+
+
+def test_a_sync_clients_second_close_does_nothing(server):
+    c = Client(server.address)
+    assert c.request(2, timeout=10) == 2
+    c.close()
+    c.close()
+    with pytest.raises(ChannelClosed, match="is closed"):
+        c.request(1, timeout=1)
+
+
+def test_shared_memory_statistics_are_a_frozen_record():
+    stats = exports.statistics()
+    assert stats.segments >= 0 and stats.exports >= 0 and stats.free_bytes <= stats.segment_bytes
+    with pytest.raises(AttributeError):
+        stats.segments = 1
 
 
 def test_sync_close_from_another_thread_ends_a_wait_at_once(server):
@@ -217,7 +274,7 @@ def test_sync_close_sends_its_farewell_first():
         with pytest.raises(ChannelClosed, match="is closed"):
             c.request("again", timeout=1)
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 def _serve_forever(transport, conn):
@@ -284,7 +341,7 @@ def test_curve_secret_lets_the_right_client_in_and_keeps_others_out():
             "this client has none (pass secret=)"
         )
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 @pytest.mark.skipif(not SHM, reason="shared-memory frames need Linux memfd")
@@ -306,19 +363,19 @@ def test_ipc_large_frames_travel_in_shared_memory_and_the_segment_is_reused():
             # the server's tensor lies in shared memory, not in a socket buffer
             assert exports.find(ptr, x.numel() * 4) is not None
             assert torch.equal(kept[0]["x"], x)
-            lent = exports.statistics()["exports"]
+            lent = exports.statistics().exports
             assert lent >= 1
             kept.clear()  # the server drops its views: the release comes back
             c.request("sync", timeout=10)
             c.request("sync", timeout=10)
-            assert exports.statistics()["exports"] == lent - 1
-            before = exports.statistics()["segments"]
+            assert exports.statistics().exports == lent - 1
+            before = exports.statistics().segments
             for _ in range(3):
                 c.request({"x": x}, timeout=10)
                 kept.clear()
-            assert exports.statistics()["segments"] <= before + 1  # warm segments reused
+            assert exports.statistics().segments <= before + 1  # warm segments reused
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 @pytest.mark.skipif(not SHM, reason="shared-memory frames need Linux memfd")
@@ -332,16 +389,16 @@ def test_a_sync_clients_dropped_large_reply_goes_back_to_the_server():
     address = wire_loop().run(srv.start())
     try:
         with Client(address) as c:
-            before = exports.statistics()["exports"]
+            before = exports.statistics().exports
             got = c.request("big", timeout=10)
             assert torch.equal(got["x"], big)
-            assert exports.statistics()["exports"] == before + 1  # lent to this client
+            assert exports.statistics().exports == before + 1  # lent to this client
             del got  # the views die: a release is owed, sent with the client's next message
             c.request("sync", timeout=10)
             c.request("sync", timeout=10)
-            assert exports.statistics()["exports"] == before
+            assert exports.statistics().exports == before
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 def test_a_sync_wait_after_a_wake_up_sleeps_until_its_reply_or_its_timeout():
@@ -368,7 +425,7 @@ def test_a_sync_wait_after_a_wake_up_sleeps_until_its_reply_or_its_timeout():
                 c.wait(rid, 0.5)
             assert 1 <= len(polls) <= 3, f"{len(polls)} polls in a 0.5 s wait"
     finally:
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
@@ -380,7 +437,7 @@ def test_servers_made_and_closed_in_a_row_all_answer(transport):
         address = wire_loop().run(srv.start())
         with Client(address) as c:
             assert c.request(i, timeout=10) == i
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())
 
 
 def _park_clients_then_wait(address, n, conn):
@@ -438,4 +495,4 @@ def test_a_disconnect_names_the_dead_clients_never_live_ones_that_took_their_soc
         for c in live:
             c.close()
         proc.join(5)
-        wire_loop().run(srv.close())
+        wire_loop().run(srv.aclose())

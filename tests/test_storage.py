@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlferry.queue import SchemaError
-from rlferry.queue._storage import StorageUnit
+from rlferry.queue.services import StorageUnit
 
 FIELDS = ("a", "b")
 ops = st.lists(
@@ -64,7 +64,7 @@ def test_reads_and_bytes_match_a_dict_model(steps: list[tuple[str, str, list[int
             assert got[name].tolist() == [model[name][i] for i in both]
     unit.drop(list(range(41)))
     assert unit.bytes_held == 0
-    assert unit.stats()["samples"] == 0
+    assert unit.statistics().samples == 0
 
 
 def test_a_contiguous_read_of_one_put_is_a_view() -> None:

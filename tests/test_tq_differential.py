@@ -18,6 +18,8 @@ import pytest
 from tq_diff import differences
 from tq_diff.compare import mismatches
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 GOLDEN_PATH = Path(__file__).parent / "tq_diff" / "golden.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())["scenarios"]
 
@@ -28,7 +30,7 @@ def tq() -> Any:
         "rlferry.compat.transferqueue",
         # ImportError too: a shim whose [tq] extra (tensordict, omegaconf) is missing says so.
         exc_type=ImportError,
-        reason="rlferry.compat.transferqueue (issue 21) or its [tq] extra is not importable here",
+        reason="rlferry.compat.transferqueue or its [tq] extra is not importable here",
     )
     shim.install()
     import transfer_queue

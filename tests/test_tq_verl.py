@@ -38,7 +38,7 @@ if not REAL:
         "rlferry.compat.transferqueue",
         # ImportError too: a shim whose [tq] extra (tensordict, omegaconf) is missing says so.
         exc_type=ImportError,
-        reason="rlferry.compat.transferqueue (issue 21) or its [tq] extra is not importable here",
+        reason="rlferry.compat.transferqueue or its [tq] extra is not importable here",
     )
     _shim.install()
 
@@ -53,6 +53,8 @@ import ray  # noqa: E402  (verl imports it; after the shim's install() on purpos
 import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
 
 # How long a test waits for work it started in another thread.
 WAIT_S = 60

@@ -3,9 +3,9 @@
 Each entry names a place in a scenario's record (the scenario, then the keys down to the
 value), the value rlferry gives there, and why. The differential test compares that place with
 this value instead of the golden file's. Every entry is a TransferQueue behaviour that is a bug
-(against issue 21, against its own documentation, or against rlferry's rule that bad input is
-refused before anything is stored) and that no framework depends on; each belongs in the
-README's list of differences.
+(against the shim's contract, against its own documentation, or against rlferry's rule that
+bad input is refused before anything is stored) and that no framework depends on; each belongs
+in the README's list of differences.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ class Difference:
 
 
 _CLEAR_PARTITION = (
-    "issue 21: after clear_partition(pid) the partition is gone from get_partition_list() and "
-    "kv_list(), even when its keys were already cleared (TransferQueue 0.1.11 finds no sample "
-    "in such a partition, does nothing, and keeps listing it)"
+    "the shim's contract: after clear_partition(pid) the partition is gone from "
+    "get_partition_list() and kv_list(), even when its keys were already cleared (TransferQueue "
+    "0.1.11 finds no sample in such a partition, does nothing, and keeps listing it)"
 )
 
 _DOCUMENTED_VALUE_ERROR = (

@@ -1,4 +1,4 @@
-"""Queue clients: asyncio (:class:`AsyncQueueClient`) and sync (:class:`QueueClient`).
+"""The asyncio queue client (:class:`AsyncQueueClient`; its sync twin: ``_sync_client.py``).
 
 A put asks the controller for indexes and placement and, meanwhile, copies its
 columns once into shared memory (over ipc://); then it sends each storage unit
@@ -12,36 +12,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from rlferry.wire import (
-    AsyncClient,
-    ChannelClosed,
-    PeerGone,
-    RemoteError,
-    RequestTimeout,
-    SecurityError,
-    WireError,
-    wire_loop,
-)
+import msgspec
+
 from rlferry.wire._clients import CONNECT_TIMEOUT
 from rlferry.wire._errors import brief
+from rlferry.wire._lifecycle import AsyncResource
 from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
 
 from ._checks import check_partition, check_timeout, checked_address, checked_put, positive, staged
 from ._columns import assemble, split_rows
-from ._errors import ERRORS, QueueClosed, QueueError, SchemaError, ServiceGone
-from ._messages import Ack, Clear, Fields, Get, Info, Put, Read, Release, Stats, to_wire
+from ._errors import QueueError, SchemaError, ServiceGone
+from ._links import CONTROL_TIMEOUT, Links
+from ._messages import Ack, Clear, Fields, Get, Put, Read, Release, Stats
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential, sampler_from
+from .statistics import (
+    ControllerStatistics,
+    QueueStatistics,
+    StorageStatistics,
+    StorageUnitStatistics,
+)
 
-__all__ = ["WARN_AFTER", "AsyncQueueClient", "Batch", "QueueClient"]
+__all__ = ["WARN_AFTER", "AsyncQueueClient", "Batch"]
 
 log = logging.getLogger("rlferry.queue")
 
-T = TypeVar("T")
-_CONTROL_TIMEOUT = 30.0  # requests that never wait on other clients (a dead peer: at once)
 _REPLY_MARGIN = 0.5  # a parked request's reply comes this much after its timeout, at most
 WARN_AFTER = 5.0
 """Seconds a get waits before it checks that the partition holds its fields (and warns)."""
@@ -63,9 +61,13 @@ class Batch:
         return len(self.indexes)
 
 
-class AsyncQueueClient:
+class AsyncQueueClient(AsyncResource):
     """The asyncio client of a queue. Errors: :mod:`rlferry.queue` ``QueueError`` subclasses,
     and :class:`~rlferry.wire.SecurityError` when the queue refuses this client's secret.
+
+    Lifecycle: the constructor checks the address (it connects on the first call);
+    ``await aclose()`` (idempotent) closes it, and ``async with`` closes it on exit; a
+    call after that raises :class:`~rlferry.queue.QueueClosed`.
 
     A queue that does not answer is noticed within ``connect_timeout`` seconds
     (``ServiceGone: ... never answered``), whatever a call's own ``timeout``.
@@ -87,52 +89,12 @@ class AsyncQueueClient:
         why_gone: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
         self.address = checked_address(address)
-        self._secret = secret
-        self._connect_timeout = connect_timeout
-        self._dial = dial
-        self._why_gone = why_gone
-        self._known: dict[str, str] = {}  # dialed address -> the address the service is known by
-        self._controller = self._client_of(address)
-        self._units: list[AsyncClient] = []
+        self._links = Links(
+            address, secret=secret, connect_timeout=connect_timeout, dial=dial, why_gone=why_gone
+        )
         self._batches: dict[tuple[str, str, int, int], int] = {}
         self._warned: set[tuple[str, str]] = set()
-        self._local = SHARED_MEMORY and self._controller.address.startswith("ipc://")
-
-    def _client_of(self, address: str) -> AsyncClient:
-        dialed = self._dial(address) if self._dial is not None else address
-        self._known[dialed] = address
-        return AsyncClient(dialed, secret=self._secret, connect_timeout=self._connect_timeout)
-
-    async def _call(self, client: AsyncClient, msg: Any, timeout: float | None) -> Any:
-        try:
-            return await client.request(to_wire(msg), timeout)
-        except RemoteError as e:
-            known = ERRORS.get(e.kind)
-            if known is None:
-                raise RemoteError(e.kind, f"{e.message} (at {client.address})") from None
-            raise known(e.message) from None
-        except SecurityError:
-            raise
-        except PeerGone as e:
-            message = str(e)
-            if self._why_gone is not None:
-                message = await self._why_gone(self._known[client.address], message)
-            raise ServiceGone(message) from None
-        except RequestTimeout:
-            raise ServiceGone(
-                f"{client.address} did not answer within {timeout} s (is it running?)"
-            ) from None
-        except ChannelClosed:
-            raise QueueClosed("this queue client is closed") from None
-        except WireError as e:  # put checked its values before: this is a bug, say so whole
-            raise SchemaError(f"request `{msg.__struct_config__.tag}`: {e}") from None
-
-    async def _unit(self, unit: int) -> AsyncClient:
-        if unit >= len(self._units):
-            info = await self._call(self._controller, Info(), _CONTROL_TIMEOUT)
-            for address in info["units"][len(self._units) :]:
-                self._units.append(self._client_of(address))
-        return self._units[unit]
+        self._local = SHARED_MEMORY and self._links.controller.address.startswith("ipc://")
 
     async def put(
         self,
@@ -164,7 +126,7 @@ class AsyncQueueClient:
         """
         alloc = checked_put(partition, data, meta, indexes, partition_meta, timeout)
         reply_timeout = None if timeout is None else timeout + _REPLY_MARGIN
-        placing = asyncio.ensure_future(self._call(self._controller, alloc, reply_timeout))
+        placing = asyncio.ensure_future(self._links.ask(alloc, reply_timeout))
         try:
             if self._local:  # the one copy into shared memory runs while the controller places
                 data = await staged(data)
@@ -177,9 +139,9 @@ class AsyncQueueClient:
             sends = []
             for unit, start, stop in _blocks(answer["units"]):
                 columns = {name: split_rows(col, [start, stop])[0] for name, col in data.items()}
-                client = await self._unit(unit)
+                client = await self._links.unit(unit)
                 msg = Put(partition, placed[start:stop], columns)
-                sends.append(self._call(client, msg, _CONTROL_TIMEOUT))
+                sends.append(self._links.call(client, msg, CONTROL_TIMEOUT))
             # each unit makes its rows visible at the controller once stored
             await asyncio.gather(*sends)
         except BaseException:
@@ -202,7 +164,7 @@ class AsyncQueueClient:
     async def _give_back(self, partition: str, indexes: list[int]) -> None:
         """New samples that never became visible: their room goes back."""
         try:
-            await self._call(self._controller, Release(partition, indexes), _CONTROL_TIMEOUT)
+            await self._links.ask(Release(partition, indexes), CONTROL_TIMEOUT)
         except QueueError as e:  # the controller is gone: its state went with it
             log.warning("put `%s`: could not give back %d samples: %s", partition, len(indexes), e)
 
@@ -254,7 +216,7 @@ class AsyncQueueClient:
             sampler_from(sampler), timeout,
         )  # fmt: skip
         reply_timeout = None if timeout is None else timeout + _REPLY_MARGIN
-        asking = asyncio.ensure_future(self._call(self._controller, msg, reply_timeout))
+        asking = asyncio.ensure_future(self._links.ask(msg, reply_timeout))
         try:
             if timeout is None or timeout > WARN_AFTER:
                 await asyncio.wait([asking], timeout=WARN_AFTER)  # one bounded wait, then:
@@ -270,9 +232,9 @@ class AsyncQueueClient:
             by_unit.setdefault(unit, []).append(pos)
         reads = []
         for unit, positions in by_unit.items():
-            client = await self._unit(unit)
+            client = await self._links.unit(unit)
             read = Read([indexes[p] for p in positions], fields)
-            reads.append(self._call(client, read, _CONTROL_TIMEOUT))
+            reads.append(self._links.call(client, read, CONTROL_TIMEOUT))
         parts = await asyncio.gather(*reads)
         n = len(indexes)
         kinds = share["kinds"]  # of the fields that are not plain tensors
@@ -295,7 +257,7 @@ class AsyncQueueClient:
     async def _warn_missing(self, partition: str, task: str, fields: list[str]) -> None:
         """A get has waited a while: if the partition lacks some of its fields, say so once."""
         try:
-            held = await self._call(self._controller, Fields(partition), _CONTROL_TIMEOUT)
+            held = await self._links.ask(Fields(partition), CONTROL_TIMEOUT)
         except QueueError:
             return  # the get itself will report what went wrong
         missing = [f for f in fields if f not in held["fields"]]
@@ -311,33 +273,42 @@ class AsyncQueueClient:
     async def ack(self, batch: Batch) -> int:
         """Mark the batch consumed for its task; returns how many samples were newly consumed."""
         msg = Ack(batch.partition, batch.task, batch.lease, batch.indexes)
-        return int(await self._call(self._controller, msg, _CONTROL_TIMEOUT))
+        return int(await self._links.ask(msg, CONTROL_TIMEOUT))
 
     async def clear(self, partition: str) -> int:
         """Drop a partition and its data now, consumed or not; returns how many samples went."""
         check_partition(partition)
-        return int(await self._call(self._controller, Clear(partition), _CONTROL_TIMEOUT))
+        return int(await self._links.ask(Clear(partition), CONTROL_TIMEOUT))
 
-    async def statistics(self) -> dict[str, Any]:
+    async def statistics(self) -> QueueStatistics:
         """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""
-        stats = await self._call(self._controller, Stats(), _CONTROL_TIMEOUT)
+        answer = await self._links.ask(Stats(), CONTROL_TIMEOUT)
+        ctrl = msgspec.convert(answer, ControllerStatistics)
         units = []
-        for u, alive in enumerate(stats.pop("storage_units_alive")):
-            unit = await self._unit(u)
-            one = {"alive": alive, "address": unit.address}
+        for u, alive in enumerate(ctrl.storage_units_alive):
+            link = await self._links.unit(u)
+            unit = StorageUnitStatistics(alive=alive, address=link.address)
             if alive:
                 try:
-                    one.update(await self._call(unit, Stats(), _CONTROL_TIMEOUT))
+                    answer = await self._links.call(link, Stats(), CONTROL_TIMEOUT)
+                    counters = msgspec.structs.asdict(msgspec.convert(answer, StorageStatistics))
+                    unit = msgspec.structs.replace(unit, **counters)
                 except ServiceGone as e:  # died before the controller heard of it
-                    one.update(alive=False, error=str(e))
-            units.append(one)
-        stats["storage_units"] = units
-        stats["bytes_held"] = sum(u.get("bytes_held", 0) for u in units)
-        return dict(stats)
+                    unit = msgspec.structs.replace(unit, alive=False, error=str(e))
+            units.append(unit)
+        return QueueStatistics(
+            partitions=ctrl.partitions,
+            samples_held=ctrl.samples_held,
+            waiting_gets=ctrl.waiting_gets,
+            waiting_puts=ctrl.waiting_puts,
+            leases=ctrl.leases,
+            storage_units=units,
+            bytes_held=sum(u.bytes_held for u in units),
+        )
 
-    async def close(self) -> None:
-        for c in [self._controller, *self._units]:
-            await c.close()
+    async def aclose(self) -> None:
+        """Close the links to the queue's services; a second call does nothing."""
+        await self._links.aclose()
 
 
 def _blocks(units: list[int]) -> list[tuple[int, int, int]]:
@@ -349,86 +320,3 @@ def _blocks(units: list[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((u, i, i + 1))
     return out
-
-
-class QueueClient:
-    """The sync client: the same methods as :class:`AsyncQueueClient`, blocking.
-
-    Safe to share between threads; runs on the process's wire loop.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        secret: str | bytes | None = None,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        dial: Callable[[str], str] | None = None,
-        why_gone: Callable[[str, str], Awaitable[str]] | None = None,
-    ) -> None:
-        self._loop = wire_loop()
-        self._client = AsyncQueueClient(
-            address, secret=secret, connect_timeout=connect_timeout, dial=dial, why_gone=why_gone
-        )
-        self.address = address
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._loop.run(coro)
-
-    def put(
-        self,
-        partition: str,
-        data: dict[str, Any],
-        *,
-        meta: Mapping[str, Sequence[Any]] | None = None,
-        indexes: Sequence[int] | None = None,
-        partition_meta: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[int]:
-        return self._run(
-            self._client.put(
-                partition, data, meta=meta, indexes=indexes, partition_meta=partition_meta,
-                timeout=timeout,
-            )
-        )  # fmt: skip
-
-    def get(
-        self,
-        partition: str,
-        *,
-        task: str,
-        batch_size: int,
-        fields: Sequence[str],
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        sampler: str | Sequential | GrpoGroups | SeqlenBalanced = "sequential",
-        timeout: float | None = None,
-    ) -> Batch:
-        return self._run(
-            self._client.get(
-                partition, task=task, batch_size=batch_size, fields=fields, dp_rank=dp_rank,
-                dp_size=dp_size, sampler=sampler, timeout=timeout,
-            )
-        )  # fmt: skip
-
-    def ack(self, batch: Batch) -> int:
-        return self._run(self._client.ack(batch))
-
-    def clear(self, partition: str) -> int:
-        return self._run(self._client.clear(partition))
-
-    def statistics(self) -> dict[str, Any]:
-        return self._run(self._client.statistics())
-
-    def close(self) -> None:
-        self._run(self._client.close())
-
-    def __enter__(self) -> QueueClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-for _name in ("put", "get", "ack", "clear", "statistics"):
-    getattr(QueueClient, _name).__doc__ = getattr(AsyncQueueClient, _name).__doc__

@@ -14,7 +14,7 @@ __all__ = ["QueueConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class QueueConfig:
-    """A queue's settings, the same for ``Queue.start``, ``rlferry serve queue`` and the
+    """A queue's settings, the same for ``Queue(...)``, ``rlferry serve queue`` and the
     controller. Checked on construction: a bad value raises :class:`SchemaError` (or
     :class:`~rlferry.wire.SecurityError` for the bind and secret) naming the field,
     before anything starts.

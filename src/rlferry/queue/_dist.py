@@ -8,9 +8,10 @@ import torch
 
 from rlferry.errors import RequestError
 from rlferry.wire import decode, encode
-from rlferry.wire._codec import _tensor_buffer
+from rlferry.wire._codec import tensor_buffer
 
-from ._client import Batch, QueueClient
+from ._client import Batch
+from ._sync_client import QueueClient
 
 __all__ = ["get_broadcast"]
 
@@ -67,7 +68,7 @@ def get_broadcast(
     payload = torch.empty(sum(lengths), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src, group=group)
     host = payload.cpu()
-    view = _tensor_buffer(host)
+    view = tensor_buffer(host)
     frames, at = [], 0
     for n in lengths:
         frames.append(view[at : at + n])

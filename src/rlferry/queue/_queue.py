@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +21,34 @@ from rlferry.wire import decode as wire_decode
 from rlferry.wire import encode as wire_encode
 
 from ._checks import checked_address
-from ._client import AsyncQueueClient, QueueClient
+from ._client import AsyncQueueClient
 from ._config import QueueConfig
-from ._controller import Controller
-from ._errors import SchemaError
+from ._errors import QueueClosed, SchemaError
+from ._links import Links
 from ._messages import Dump, Info, Load
-from ._storage import StorageUnit
+from ._sync_client import QueueClient
+from .services import Controller, StorageUnit
+from .statistics import QueueStatistics
 
 __all__ = ["Queue"]
+
+_DUMP_TIMEOUT = 60.0  # the controller's state: metadata only
+_DATA_TIMEOUT = 600.0  # a storage unit's payload
 
 
 class Queue:
     """A rollout queue: partitions of samples, fields as columns, tasks that each read all once.
 
-    Use :meth:`start` for an embedded queue, :meth:`connect` for one served by
-    ``rlferry serve queue``, :meth:`restore` to resume from :meth:`save`.
+    ``Queue(...)`` starts an embedded queue in this process; :meth:`connect` is a
+    handle on one served by ``rlferry serve queue``; :meth:`restore` resumes from
+    :meth:`save`. ``close()`` (idempotent; also on ``with``'s exit) closes the
+    clients made here and stops the services this queue started.
     """
+
+    address: str
 
     def __init__(
         self,
-        address: str,
-        *,
-        secret: str | bytes | None = None,
-        services: list[Server] | None = None,
-        controller: Controller | None = None,
-    ) -> None:
-        self.address = address
-        self._secret = secret
-        self._services = services or []
-        self._controller = controller
-        self._clients: list[QueueClient] = []
-
-    @classmethod
-    def start(
-        cls,
         *,
         storage_units: int = 2,
         tasks: tuple[str, ...] | list[str] = ("train",),
@@ -62,17 +57,21 @@ class Queue:
         lease_timeout: float = 60.0,
         bind: str | None = None,
         secret: str | bytes | None = None,
-    ) -> Queue:
+    ) -> None:
         """Start a controller and ``storage_units`` storage units in this process.
 
-        The options are :class:`QueueConfig`'s (checked before anything starts):
-        ``tasks``, the consumers that each read every sample once (e.g.
-        ``("actor_train", "critic_train")``); ``capacity``, samples held at most;
-        ``max_partitions``, unfinished partitions at most (the staleness bound); a
-        put over either waits for room. ``lease_timeout``: seconds a got batch
-        stays leased without an ack before it is delivered again. ``bind``: the
-        controller's address (default a fresh ipc:// path); off loopback it needs
-        ``secret``.
+        The options are :class:`~rlferry.queue.services.QueueConfig`'s (checked
+        before anything starts): ``tasks``, the consumers that each read every sample
+        once (e.g. ``("actor_train", "critic_train")``); ``capacity``, samples held at
+        most; ``max_partitions``, unfinished partitions at most (the staleness bound);
+        a put over either waits for room. ``lease_timeout``: seconds a got batch stays
+        leased without an ack before it is delivered again. ``bind``: the controller's
+        address (default a fresh ipc:// path); off loopback it needs ``secret``.
+
+        Raises:
+            SchemaError: an option does not fit (naming it).
+            SecurityError: ``bind`` is off loopback without a ``secret``, or the secret
+                is too short.
         """
         config = QueueConfig(
             storage_units=storage_units,
@@ -85,8 +84,8 @@ class Queue:
         )
         loop = wire_loop()
         services: list[Server] = []
+        ctrl = Controller(config, [])
         try:
-            ctrl = Controller(config, [])
             for _ in range(config.storage_units):
                 unit = StorageUnit(on_stored=ctrl.published)
                 address = config.unit_bind() or default_address("ipc")
@@ -103,11 +102,36 @@ class Queue:
             )
             address = loop.run(srv.start())
             services.append(srv)
-        except BaseException:
+        except BaseException:  # what started closes again: a half-started queue holds nothing
+            loop.run(ctrl.aclose())
             for s in services:
-                loop.run(s.close())
+                loop.run(s.aclose())
             raise
-        return cls(address, secret=secret, services=services, controller=ctrl)
+        self._handle(address, secret, services, ctrl)
+
+    def _handle(
+        self,
+        address: str,
+        secret: str | bytes | None,
+        services: list[Server],
+        controller: Controller | None,
+    ) -> None:
+        self.address = address
+        self._secret = secret
+        self._services = services
+        self._controller = controller
+        self._clients: list[QueueClient] = []
+        self._closed = False
+
+    @classmethod
+    def start(cls, **options: Any) -> Queue:
+        """Deprecated: ``Queue(**options)`` starts an embedded queue."""
+        warnings.warn(
+            "Queue.start(...) is deprecated: use Queue(...), which starts an embedded queue",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return cls(**options)
 
     @classmethod
     def connect(cls, address: str, *, secret: str | bytes | None = None) -> Queue:
@@ -116,19 +140,29 @@ class Queue:
         Raises:
             SchemaError: ``address`` is not a tcp://HOST:PORT or ipc://PATH address.
         """
-        return cls(checked_address(address), secret=secret)
+        q = cls.__new__(cls)
+        q._handle(checked_address(address), secret, [], None)
+        return q
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosed("this queue is closed")
 
     def client(self) -> QueueClient:
         """A sync client (closed with the queue)."""
+        self._check_open()
         c = QueueClient(self.address, secret=self._secret)
         self._clients.append(c)
         return c
 
     def async_client(self) -> AsyncQueueClient:
-        """An asyncio client; close it with ``await client.close()``."""
+        """An asyncio client; close it with ``await client.aclose()`` (or ``async with``)."""
+        self._check_open()
         return AsyncQueueClient(self.address, secret=self._secret)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> QueueStatistics:
+        """Depth per partition and task, leases, waiters, and per storage unit bytes and rates."""
+        self._check_open()
         with QueueClient(self.address, secret=self._secret) as c:
             return c.statistics()
 
@@ -136,57 +170,69 @@ class Queue:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the whole state and data to the directory ``path`` (leases are not kept:
         leased samples are delivered again after :meth:`restore`)."""
+        self._check_open()
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         run = wire_loop().run
-        with QueueClient(self.address, secret=self._secret) as c:
-            cc = c._client
-            state = run(cc._call(cc._controller, Dump(), 60))
-            info = run(cc._call(cc._controller, Info(), 60))
+        links = Links(self.address, secret=self._secret)
+        try:
+            state = run(links.ask(Dump(), _DUMP_TIMEOUT))
+            info = run(links.ask(Info(), _DUMP_TIMEOUT))
             state["tasks"] = info["tasks"]
             _write(out / "controller.rlf", state)
             for u in range(len(info["units"])):
-                unit = run(cc._unit(u))
-                _write(out / f"unit-{u}.rlf", run(cc._call(unit, Dump(), 600)))
+                unit = run(links.unit(u))
+                _write(out / f"unit-{u}.rlf", run(links.call(unit, Dump(), _DATA_TIMEOUT)))
+        finally:
+            run(links.aclose())
 
     @classmethod
-    def restore(cls, path: str | os.PathLike[str], **start: Any) -> Queue:
+    def restore(cls, path: str | os.PathLike[str], **options: Any) -> Queue:
         """Start an embedded queue with the state and data :meth:`save` wrote.
 
-        ``start`` takes :meth:`start`'s options; ``tasks`` and ``storage_units``
-        default to the saved ones.
+        ``options`` are the constructor's; ``tasks`` and ``storage_units`` default to
+        the saved ones.
         """
         src = Path(path)
         state = _read(src / "controller.rlf")
         n_units = len(list(src.glob("unit-*.rlf")))
-        start.setdefault("tasks", tuple(state["tasks"]))
-        start.setdefault("storage_units", n_units)
-        if start["storage_units"] != n_units:
+        options.setdefault("tasks", tuple(state["tasks"]))
+        options.setdefault("storage_units", n_units)
+        if options["storage_units"] != n_units:
             raise SchemaError(
                 f"storage_units: expected {n_units} (as saved in {src}), got "
-                f"{start['storage_units']} (restore with the saved number of units)"
+                f"{options['storage_units']} (restore with the saved number of units)"
             )
-        q = cls.start(**start)
+        q = cls(**options)
         assert q._controller is not None
-        loop = wire_loop()
-        loop.run(_load(q._controller, state))
-        with QueueClient(q.address, secret=q._secret) as c:
-            cc = c._client
+        run = wire_loop().run
+        links = Links(q.address, secret=q._secret)
+        try:
+            run(_load(q._controller, state))
             for u in range(n_units):
-                unit = loop.run(cc._unit(u))
-                loop.run(cc._call(unit, Load(_read(src / f"unit-{u}.rlf")), 600))
+                unit = run(links.unit(u))
+                run(links.call(unit, Load(_read(src / f"unit-{u}.rlf")), _DATA_TIMEOUT))
+        except BaseException:
+            q.close()
+            raise
+        finally:
+            run(links.aclose())
         return q
 
     def close(self) -> None:
-        """Close the clients made here and stop the services this queue started."""
+        """Close the clients made here and stop the services this queue started; a second
+        call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for c in self._clients:
             c.close()
         self._clients.clear()
         loop = wire_loop()
         if self._controller is not None:
-            loop.run(self._controller.close())
+            loop.run(self._controller.aclose())
         for s in self._services:
-            loop.run(s.close())
+            loop.run(s.aclose())
         self._services.clear()
 
     def __enter__(self) -> Queue:

@@ -17,8 +17,8 @@ from ._errors import (
 )
 from ._loop import wire_loop
 from ._refs import TensorRef
+from ._server import Server
 from ._shm import shared_copies, shared_empty
-from ._sockets import Server
 from ._strings import PackedStrings, pack_strings
 from ._sync_client import Client
 

@@ -1,4 +1,4 @@
-"""The asyncio client of a :class:`~._sockets.Server`, and what it shares with the sync
+"""The asyncio client of a :class:`~._server.Server`, and what it shares with the sync
 :class:`~._sync_client.Client`: how a client's socket is made, and how a reply is read.
 
 A request is the codec's frames behind an 8-byte request id; the reply adds a status
@@ -25,6 +25,19 @@ from ._address import (
     curve_keys,
     ipc_path,
 )
+from ._bulk import pack_bulk, unpack_bulk
+from ._channel import (
+    CONTROL,
+    ERR,
+    SOCKOPTS,
+    Releases,
+    log,
+    monitor_address,
+    peer_pid,
+    release_codec,
+    shared_context,
+    uses_shm,
+)
 from ._codec import encode
 from ._decode import decode
 from ._errors import (
@@ -35,19 +48,8 @@ from ._errors import (
     SecurityError,
     WireError,
 )
-from ._shm import exports, pack_bulk, unpack_bulk
-from ._sockets import (
-    _CONTROL,
-    _ERR,
-    _SOCKOPTS,
-    _monitor_address,
-    _peer_pid,
-    _release_codec,
-    _Releases,
-    _uses_shm,
-    log,
-    shared_context,
-)
+from ._lifecycle import AsyncResource
+from ._shm import exports
 
 __all__ = ["CONNECT_TIMEOUT", "AsyncClient"]
 
@@ -80,14 +82,14 @@ def dealer(ctx: zmq.Context[Any], address: str, secret: str | bytes | None) -> t
         )
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    for opt, val in _SOCKOPTS.items():
+    for opt, val in SOCKOPTS.items():
         sock.setsockopt(opt, val)
     if secret is not None:
         keys = curve_keys(secret)
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public
         sock.curve_secretkey = keys.client_secret
-    monitor = sock.get_monitor_socket(_EVENTS, addr=_monitor_address())
+    monitor = sock.get_monitor_socket(_EVENTS, addr=monitor_address())
     sock.connect(address)
     return sock, monitor
 
@@ -129,17 +131,21 @@ def reply_value(frames: list[Any], owe: Callable[[int], None]) -> Any:
     :class:`RemoteError`, a malformed message as :class:`WireError`."""
     body = frames[2:]
     if frames[1].bytes:
-        body = unpack_bulk(frames[1].bytes, body, _peer_pid(frames[-1]), owe)
+        body = unpack_bulk(frames[1].bytes, body, peer_pid(frames[-1]), owe)
     value = decode(body)
-    if frames[0].bytes == _ERR:
+    if frames[0].bytes == ERR:
         raise RemoteError(str(value[0]), str(value[1]))
     return value
 
 
-class AsyncClient:
+class AsyncClient(AsyncResource):
     """An asyncio client of a :class:`Server`; many requests may be in flight at once.
 
-    End of life: :class:`ChannelClosed` after :meth:`close`; :class:`PeerGone`
+    Lifecycle: the constructor checks the address; the first request (or
+    :meth:`connect`) connects; ``await aclose()`` (idempotent) closes; ``async with``
+    closes on exit.
+
+    End of life: :class:`ChannelClosed` after :meth:`aclose`; :class:`PeerGone`
     when the server disconnects while requests wait, when an ipc:// address has no
     socket file, or when no server answered the connection within
     ``connect_timeout`` seconds (default :data:`CONNECT_TIMEOUT`; later requests
@@ -164,12 +170,12 @@ class AsyncClient:
         self._connected = False  # a handshake succeeded, ever
         self._never: asyncio.TimerHandle | None = None
         self._on_state = on_state  # called (on the loop) with True on connect, False on loss
-        self._shm = _uses_shm(address)
+        self._shm = uses_shm(address)
         self._key = f"server:{id(self)}:{address}".encode()  # names the server in exports
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[bytes, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._releases: _Releases | None = None
+        self._releases: Releases | None = None
         self._gone: Exception | None = None
         self._closed = False
 
@@ -184,7 +190,7 @@ class AsyncClient:
             return self._sock
         sock, monitor = dealer(shared_context(), self.address, self._secret)
         self._sock = sock
-        self._releases = _Releases(self._send_release)
+        self._releases = Releases(self._send_release)
         self._tasks = [
             asyncio.ensure_future(self._read(sock)),
             asyncio.ensure_future(self._watch(monitor)),
@@ -201,7 +207,7 @@ class AsyncClient:
 
     async def _send_release(self, peer: bytes, ids: list[int]) -> None:
         if self._sock is not None:
-            await self._sock.send_multipart([_CONTROL, _release_codec[0].encode(ids)])
+            await self._sock.send_multipart([CONTROL, release_codec[0].encode(ids)])
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -219,9 +225,9 @@ class AsyncClient:
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         """Hand a reply to its waiter. A function of its own so that its locals (views of
         shared memory) die when it returns, and the releases go out at once."""
-        if frames[0].bytes == _CONTROL:
+        if frames[0].bytes == CONTROL:
             try:
-                exports.release(self._key, _release_codec[1].decode(frames[1].bytes))
+                exports.release(self._key, release_codec[1].decode(frames[1].bytes))
             except msgspec.DecodeError:
                 log.warning("dropped a malformed release message")
             return
@@ -294,8 +300,11 @@ class AsyncClient:
         finally:
             self._pending.pop(rid, None)
 
-    async def close(self) -> None:
-        """Close the socket; waiting requests raise :class:`ChannelClosed`."""
+    async def aclose(self) -> None:
+        """Close the socket; waiting requests raise :class:`ChannelClosed`. A second call
+        does nothing."""
+        if self._closed:
+            return
         self._closed = True
         if self._never is not None:
             self._never.cancel()

@@ -33,29 +33,42 @@ from rlferry.errors import RlferryError
 
 from ._copy import in_order
 from ._errors import WireError
-from ._refs import DTYPE_NAMES, DTYPES, TensorRef
+from ._refs import DTYPE_NAMES, TensorRef
 from ._shm import BULK_MIN, exports, shared_empty
 from ._strings import PackedStrings, pack_strings
 
-__all__ = ["Buffer", "encode", "tensor_refusal"]
+__all__ = [
+    "EXT_JAGGED",
+    "EXT_NDARRAY",
+    "EXT_RAGGED",
+    "EXT_STRS",
+    "EXT_TENSOR",
+    "EXT_TENSORS",
+    "EXT_TUPLE",
+    "MAGIC",
+    "MAX_DIMS",
+    "NUMPY_KINDS",
+    "Buffer",
+    "encode",
+    "tensor_buffer",
+    "tensor_refusal",
+]
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
 MAGIC = "rlf1"
 MAX_DIMS = 64
 
-# Extension codes of the header tree.
-_TENSOR = 1  # [dtype, shape, frame] or [dtype, shape, frame, byte offset] (a shared frame)
-_NDARRAY = 2  # [dtype.str, shape, frame]
-_TUPLE = 3  # packed list of the items
-_RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
-_JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
-_STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
-_TENSORS = 7  # [frame, [group, ...]]: a dict of tensors of one storage (see _group)
+# Extension codes of the header tree (the decoder reads the same).
+EXT_TENSOR = 1  # [dtype, shape, frame] or [dtype, shape, frame, byte offset] (a shared frame)
+EXT_NDARRAY = 2  # [dtype.str, shape, frame]
+EXT_TUPLE = 3  # packed list of the items
+EXT_RAGGED = 4  # [dtype, [shape, ...], frame]: a list of tensors packed into one frame
+EXT_JAGGED = 5  # [values ext, offsets ext, ragged_idx]: torch.nested jagged tensor
+EXT_STRS = 6  # [kind, offsets ext node, data ext node]: a long list of str or bytes, packed
+EXT_TENSORS = 7  # [frame, [group, ...]]: a dict of tensors of one storage (see _group)
 
-_DTYPES, _DTYPE_NAMES = DTYPES, DTYPE_NAMES
-_ITEMSIZE = {dt: dt.itemsize for dt in _DTYPES.values()}
-_NUMPY_KINDS = "biufc"
+NUMPY_KINDS = "biufc"
 
 _SCALARS = frozenset((int, float, str, bytes, bool, type(None)))
 
@@ -73,7 +86,7 @@ class _Refused(RlferryError):
         self.reason = reason
 
 
-def _tensor_buffer(t: torch.Tensor) -> memoryview:
+def tensor_buffer(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, keeping the tensor alive."""
     return _bytes_at(t.data_ptr(), t.numel() * t.element_size(), t)
 
@@ -90,7 +103,7 @@ def _plain(t: torch.Tensor) -> bool:
     return (
         t.layout == torch.strided
         and t.is_cpu
-        and t.dtype in _DTYPE_NAMES
+        and t.dtype in DTYPE_NAMES
         and not t.requires_grad
         and in_order(t)
     )
@@ -106,7 +119,7 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
         return tensor_refusal(t.values())
     if t.layout != torch.strided:
         return f"tensor layout {t.layout} is not supported (dense or jagged nested only)"
-    if t.dtype not in _DTYPE_NAMES:
+    if t.dtype not in DTYPE_NAMES:
         return f"tensor dtype {t.dtype} is not supported"
     if t.device.type == "meta":
         return "a meta tensor has no data to send"
@@ -142,8 +155,8 @@ class _Encoder:
             key = (storage.data_ptr(), storage.nbytes())
             frame = self._storage_frame(key, t)
             if frame is not None:
-                return [_DTYPE_NAMES[t.dtype], list(t.shape), frame, t.data_ptr() - key[0]]
-        return [_DTYPE_NAMES[t.dtype], list(t.shape), self._add(_tensor_buffer(t))]
+                return [DTYPE_NAMES[t.dtype], list(t.shape), frame, t.data_ptr() - key[0]]
+        return [DTYPE_NAMES[t.dtype], list(t.shape), self._add(tensor_buffer(t))]
 
     def ref_node(self, r: TensorRef) -> list[Any]:
         """A reference to a tensor in shared memory: through shared memory it goes on as a
@@ -169,9 +182,9 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             if obj.is_nested:
                 return self.nested(obj)
-            return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.tensor_node(obj)))
+            return msgspec.msgpack.Ext(EXT_TENSOR, self._packer.encode(self.tensor_node(obj)))
         if type(obj) is TensorRef:
-            return msgspec.msgpack.Ext(_TENSOR, self._packer.encode(self.ref_node(obj)))
+            return msgspec.msgpack.Ext(EXT_TENSOR, self._packer.encode(self.ref_node(obj)))
         if isinstance(obj, dict):
             if self._shared and len(obj) > 1:
                 group = self.tensor_dict(obj)
@@ -202,7 +215,7 @@ class _Encoder:
         if isinstance(obj, PackedStrings):
             return self.strings(obj)
         if isinstance(obj, tuple):
-            return msgspec.msgpack.Ext(_TUPLE, self._packer.encode(self.items(obj)))
+            return msgspec.msgpack.Ext(EXT_TUPLE, self._packer.encode(self.items(obj)))
         if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
             return self.ndarray(obj)
         raise _Refused([], f"type {type(obj).__module__}.{type(obj).__qualname__}")
@@ -225,11 +238,11 @@ class _Encoder:
             elif s.data_ptr() != storage[0] or s.nbytes() != storage[1]:
                 return None
             at = t.data_ptr() - storage[0]
-            _group(entries, k, _DTYPE_NAMES[t.dtype], list(t.shape), at, t.nbytes)
+            _group(entries, k, DTYPE_NAMES[t.dtype], list(t.shape), at, t.nbytes)
         frame = None if storage is None else self._storage_frame(storage, t)
         if frame is None:
             return None
-        return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
+        return msgspec.msgpack.Ext(EXT_TENSORS, self._packer.encode([frame, entries]))
 
     def ref_dict(self, obj: dict[Any, Any], first: TensorRef) -> msgspec.msgpack.Ext | None:
         memory = (first.address, first.whole.nbytes)
@@ -243,12 +256,12 @@ class _Encoder:
         frame = self._storage_frame(memory, first.whole)
         if frame is None:
             return None
-        return msgspec.msgpack.Ext(_TENSORS, self._packer.encode([frame, entries]))
+        return msgspec.msgpack.Ext(EXT_TENSORS, self._packer.encode([frame, entries]))
 
     def strings(self, p: PackedStrings) -> msgspec.msgpack.Ext:
         offsets, data = p.parts()
         node = [p.kind, self.tensor_node(offsets), self.tensor_node(data)]
-        return msgspec.msgpack.Ext(_STRS, self._packer.encode(node))
+        return msgspec.msgpack.Ext(EXT_STRS, self._packer.encode(node))
 
     def items(self, seq: Sequence[Any]) -> list[Any]:
         out = []
@@ -265,7 +278,7 @@ class _Encoder:
         if not seq or not all(type(t) is torch.Tensor and not t.is_nested for t in seq):
             return None
         dtype = seq[0].dtype
-        if any(t.dtype != dtype for t in seq) or dtype not in _DTYPE_NAMES:
+        if any(t.dtype != dtype for t in seq) or dtype not in DTYPE_NAMES:
             return None
         if any(t.layout != torch.strided or t.device.type == "meta" for t in seq):
             return None
@@ -284,8 +297,8 @@ class _Encoder:
                 packed = torch.cat(flat).cpu()
         packed = packed.view(torch.uint8)
         shapes = [list(t.shape) for t in seq]
-        node = [_DTYPE_NAMES[dtype], shapes, self._add(_tensor_buffer(packed))]
-        return msgspec.msgpack.Ext(_RAGGED, self._packer.encode(node))
+        node = [DTYPE_NAMES[dtype], shapes, self._add(tensor_buffer(packed))]
+        return msgspec.msgpack.Ext(EXT_RAGGED, self._packer.encode(node))
 
     def nested(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
         why = tensor_refusal(t)
@@ -294,10 +307,10 @@ class _Encoder:
         values = self.tensor_node(t.values())
         offsets = self.tensor_node(t.offsets())  # type: ignore[attr-defined]
         node = [values, offsets, int(t._ragged_idx)]  # type: ignore[attr-defined]
-        return msgspec.msgpack.Ext(_JAGGED, self._packer.encode(node))
+        return msgspec.msgpack.Ext(EXT_JAGGED, self._packer.encode(node))
 
     def ndarray(self, a: Any) -> msgspec.msgpack.Ext:
-        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+        if a.dtype.kind not in NUMPY_KINDS or a.dtype.fields is not None:
             raise _Refused([], f"numpy dtype {a.dtype} (only bool, int, uint, float, complex)")
         import numpy as np
 
@@ -305,7 +318,7 @@ class _Encoder:
         flat: Any = np.ascontiguousarray(a).reshape(-1)
         buf = memoryview(flat).cast("B") if flat.nbytes else memoryview(b"")
         node = [a.dtype.str, shape, self._add(buf)]
-        return msgspec.msgpack.Ext(_NDARRAY, self._packer.encode(node))
+        return msgspec.msgpack.Ext(EXT_NDARRAY, self._packer.encode(node))
 
 
 def _group(

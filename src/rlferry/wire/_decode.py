@@ -14,25 +14,22 @@ from typing import Any
 import msgspec
 import torch
 
+from ._bulk import BulkFrame
 from ._codec import (
-    _DTYPE_NAMES,
-    _DTYPES,
-    _ITEMSIZE,
-    _JAGGED,
-    _NDARRAY,
-    _NUMPY_KINDS,
-    _RAGGED,
-    _STRS,
-    _TENSOR,
-    _TENSORS,
-    _TUPLE,
+    EXT_JAGGED,
+    EXT_NDARRAY,
+    EXT_RAGGED,
+    EXT_STRS,
+    EXT_TENSOR,
+    EXT_TENSORS,
+    EXT_TUPLE,
     MAGIC,
     MAX_DIMS,
+    NUMPY_KINDS,
     Buffer,
 )
 from ._errors import WireError
-from ._refs import TensorRef, address_of
-from ._shm import BulkFrame
+from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
 from ._strings import KINDS, PackedStrings, check_offsets
 
 __all__ = ["decode"]
@@ -79,7 +76,7 @@ class _Decoding:
         return self.views[index - 1]
 
     def ext(self, code: int, data: memoryview) -> Any:
-        if code == _TUPLE:
+        if code == EXT_TUPLE:
             items = self.decoder.decode(data)
             if not isinstance(items, list):
                 raise WireError("malformed message: a tuple node does not hold a list")
@@ -90,17 +87,17 @@ class _Decoding:
                 "that takes plain values only"
             )
         node = msgspec.msgpack.decode(data)
-        if code == _TENSOR:
+        if code == EXT_TENSOR:
             return self.tensor(node, self.forward)
-        if code == _RAGGED:
+        if code == EXT_RAGGED:
             return self.ragged(node)
-        if code == _JAGGED:
+        if code == EXT_JAGGED:
             return self.jagged(node)
-        if code == _NDARRAY:
+        if code == EXT_NDARRAY:
             return self.ndarray(node)
-        if code == _STRS:
+        if code == EXT_STRS:
             return self.strings(node)
-        if code == _TENSORS:
+        if code == EXT_TENSORS:
             return self.tensor_dict(node)
         raise WireError(f"malformed message: unknown extension code {code}")
 
@@ -163,7 +160,7 @@ class _Decoding:
         base = self.bases.get((id(whole), first.dtype))
         size = first.element_size()
         if base is None or not first.numel() or start % size or step % size:
-            name, shape = _DTYPE_NAMES[first.dtype], list(first.shape)
+            name, shape = DTYPE_NAMES[first.dtype], list(first.shape)
             return [self.cut(index, name, shape, at + i * step, view) for i in range(count)]
         every = base.as_strided(
             [count, *first.shape], [step // size, *first.stride()], start // size
@@ -171,7 +168,7 @@ class _Decoding:
         return list(every.unbind(0))
 
     def dtype(self, name: Any) -> torch.dtype:
-        dtype = _DTYPES.get(name) if type(name) is str else None
+        dtype = DTYPES.get(name) if type(name) is str else None
         if dtype is None:
             raise WireError(f"malformed message: unknown dtype {name!r}")
         return dtype
@@ -189,7 +186,7 @@ class _Decoding:
         the whole frame, or, given the ``view`` of a shared frame, a part of it. With
         ``ref``, a tensor that lies in shared memory comes as a :class:`TensorRef`."""
         dtype = self.dtype(name)
-        size = _ITEMSIZE[dtype]
+        size = dtype.itemsize
         strides = _strides_of(shape)  # checks the shape
         nbytes = (strides[0] * shape[0] if shape else 1) * size
         if view is None:
@@ -267,7 +264,7 @@ class _Decoding:
             dtype = np.dtype(node[0])
         except TypeError:
             raise WireError(f"malformed message: unknown numpy dtype {node[0]!r}") from None
-        if dtype.kind not in _NUMPY_KINDS or dtype.fields is not None:
+        if dtype.kind not in NUMPY_KINDS or dtype.fields is not None:
             raise WireError(f"malformed message: numpy dtype {node[0]!r} is not allowed")
         numel = _checked_numel(node[1])
         view = self.frame(node[2], "an array")

@@ -1,11 +1,10 @@
-"""Bulk frames between processes of one host through shared memory, copied at most once.
+"""Shared memory between processes of one host: this process's segments, what it lent to
+peers, and tensors allocated in it.
 
-Over ipc:// a large frame does not go through the socket. The sender copies it
-into a *segment* (a memfd from its pool, mapped and kept warm) or, when the
-frame already lies in shared memory this process holds (a frame it received),
-refers to it where it is: no copy at all. The message carries only the
-segment's coordinates; the receiver maps the segment (once, then cached) and
-decodes tensors as views of it.
+A *segment* is a memfd from this process's pool, mapped and kept warm. Over ipc://
+the bulk frames of a message travel through segments (``_bulk.py``): the sender
+copies a frame into one, or refers to shared memory it already holds; the receiver
+maps it (once, then cached) and decodes tensors as views of it.
 
 Every such send is an *export* that keeps its memory alive. When the
 receiver's views are all gone (the tensors were freed), it sends a release
@@ -27,7 +26,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -37,30 +36,45 @@ from ._copy import copy_many, in_order
 from ._errors import WireError
 
 __all__ = [
+    "ALIGN",
     "AVAILABLE",
     "BULK_MIN",
-    "BulkFrame",
+    "MEMFD_NAME",
+    "Memory",
+    "Registry",
+    "SharedMemoryStatistics",
+    "Use",
+    "aligned",
     "exports",
-    "pack_bulk",
     "shared_copies",
     "shared_empty",
-    "unpack_bulk",
 ]
 
 AVAILABLE = hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 BULK_MIN = 64 * 1024  # smaller frames are cheaper through the socket
-_ALIGN = 256
+ALIGN = 256
 _ROUND = 2 << 20
-_MEMFD_NAME = "rlferry-bulk"
+MEMFD_NAME = "rlferry-bulk"
 _POOL_IDLE_MAX = 4 << 30  # free segment bytes kept warm for reuse
 _MAPPINGS_KEPT = 8  # remote segments kept mapped after their last view died
 
 
-def _address(buf: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+class SharedMemoryStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """This process's shared memory (:meth:`Registry.statistics`)."""
+
+    segments: int
+    """Pool segments of this process, lent or free."""
+    segment_bytes: int
+    """Their bytes."""
+    free_bytes: int
+    """Bytes of the free segments, kept warm for reuse."""
+    exports: int
+    """Sends whose memory a peer may still read (not released yet)."""
+    mapped_remote: int
+    """Peers' segments mapped in this process."""
 
 
-class _Memory:
+class Memory:
     """A mapped memfd: one of our pool segments, or a peer's that we opened.
 
     The fd stays open while the object lives (peers open ours through
@@ -79,33 +93,33 @@ class _Memory:
         weakref.finalize(self, os.close, fd)
 
 
-class _Use:
+class Use:
     """Holds one use of a memory; when the last use of a pool segment dies it is free again."""
 
     __slots__ = ("__weakref__", "memory")
 
-    def __init__(self, memory: _Memory) -> None:
+    def __init__(self, memory: Memory) -> None:
         self.memory = memory
 
 
-class _Registry:
+class Registry:
     """This process's shared memories, found by address, and what it lent to peers."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.starts: list[int] = []  # sorted base addresses
-        self.memories: list[weakref.ref[_Memory]] = []
-        self.pool: set[_Memory] = set()  # our segments, lent or free
-        self.free: list[_Memory] = []
+        self.memories: list[weakref.ref[Memory]] = []
+        self.pool: set[Memory] = set()  # our segments, lent or free
+        self.free: list[Memory] = []
         self.lent: collections.Counter[int] = collections.Counter()  # ino -> live uses
         self.exports: dict[int, tuple[bytes, list[Any]]] = {}  # id -> (peer, kept alive)
         self.by_peer: dict[bytes, set[int]] = collections.defaultdict(set)
-        self.remote: dict[int, weakref.ref[_Memory]] = {}  # ino -> a peer's segment mapped here
-        self.kept: collections.OrderedDict[int, _Memory] = collections.OrderedDict()
+        self.remote: dict[int, weakref.ref[Memory]] = {}  # ino -> a peer's segment mapped here
+        self.kept: collections.OrderedDict[int, Memory] = collections.OrderedDict()
         self.ids = itertools.count(1)
 
     # -- memories -------------------------------------------------------------
-    def _add(self, m: _Memory) -> None:
+    def _add(self, m: Memory) -> None:
         i = bisect.bisect(self.starts, m.base)
         self.starts.insert(i, m.base)
         self.memories.insert(i, weakref.ref(m))
@@ -118,21 +132,21 @@ class _Registry:
                 del self.starts[i]
                 del self.memories[i]
 
-    def find(self, addr: int, length: int) -> _Memory | None:
+    def find(self, addr: int, length: int) -> Memory | None:
         """The shared memory that holds ``[addr, addr + length)``, if this process has one."""
         with self.lock:
             i = bisect.bisect(self.starts, addr) - 1
             m = self.memories[i]() if i >= 0 else None
         return m if m is not None and addr + length <= m.base + m.size else None
 
-    def use(self, m: _Memory) -> _Use:
-        u = _Use(m)
+    def use(self, m: Memory) -> Use:
+        u = Use(m)
         with self.lock:
             self.lent[m.ino] += 1
         weakref.finalize(u, self._unused, m)
         return u
 
-    def _unused(self, m: _Memory) -> None:
+    def _unused(self, m: Memory) -> None:
         with self.lock:
             self.lent[m.ino] -= 1
             if self.lent[m.ino] > 0:
@@ -145,7 +159,7 @@ class _Registry:
             else:
                 self.pool.discard(m)
 
-    def segment(self, nbytes: int) -> _Memory:
+    def segment(self, nbytes: int) -> Memory:
         """A free pool segment of at least ``nbytes``: a warm one when one fits."""
         with self.lock:
             fits = [m for m in self.free if nbytes <= m.size <= 2 * nbytes + _ROUND]
@@ -154,10 +168,10 @@ class _Registry:
                 self.free.remove(best)
                 return best
         size = -(-nbytes // _ROUND) * _ROUND
-        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            m = _Memory(fd, size, own=True)
+            m = Memory(fd, size, own=True)
         except OSError as e:
             os.close(fd)
             raise WireError(f"cannot allocate {size} bytes of shared memory: {e}") from None
@@ -192,7 +206,7 @@ class _Registry:
             entries = [self.exports.pop(eid) for eid in ids if eid in self.exports]
             for _, keep in entries:
                 for obj in keep:
-                    if isinstance(obj, _Use):
+                    if isinstance(obj, Use):
                         self.pool.discard(obj.memory)
         entries.clear()
 
@@ -206,18 +220,18 @@ class _Registry:
         self.lent = collections.Counter()
         self.exports, self.by_peer = {}, collections.defaultdict(set)
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> SharedMemoryStatistics:
         with self.lock:
-            return {
-                "segments": len(self.pool),
-                "segment_bytes": sum(m.size for m in self.pool),
-                "free_bytes": sum(m.size for m in self.free),
-                "exports": len(self.exports),
-                "mapped_remote": sum(1 for r in self.remote.values() if r() is not None),
-            }
+            return SharedMemoryStatistics(
+                segments=len(self.pool),
+                segment_bytes=sum(m.size for m in self.pool),
+                free_bytes=sum(m.size for m in self.free),
+                exports=len(self.exports),
+                mapped_remote=sum(1 for r in self.remote.values() if r() is not None),
+            )
 
     # -- peers' memories ------------------------------------------------------
-    def open_remote(self, pid: int, fd: int, ino: int, size: int) -> _Memory:
+    def open_remote(self, pid: int, fd: int, ino: int, size: int) -> Memory:
         with self.lock:
             ref = self.remote.get(ino)
             m = ref() if ref is not None else None
@@ -227,7 +241,7 @@ class _Registry:
                 return m
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            if not os.readlink(path).startswith("/memfd:" + _MEMFD_NAME):
+            if not os.readlink(path).startswith("/memfd:" + MEMFD_NAME):
                 raise WireError(f"malformed message: {path} is not an rlferry segment")
             newfd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
@@ -239,7 +253,7 @@ class _Registry:
             st = os.fstat(newfd)
             if st.st_ino != ino or st.st_size < size:
                 raise WireError(f"malformed message: {path} is not the segment announced")
-            m = _Memory(newfd, size, own=False)
+            m = Memory(newfd, size, own=False)
         except BaseException:
             os.close(newfd)
             raise
@@ -252,118 +266,13 @@ class _Registry:
         return m
 
 
-exports = _Registry()
+exports = Registry()
+"""This process's registry of shared memories and exports."""
 os.register_at_fork(after_in_child=exports.forget_after_fork)
-_enc = msgspec.msgpack.Encoder()
 
 
-def pack_bulk(frames: list[Any], peer: bytes) -> tuple[bytes, list[Any]]:
-    """Move the large frames of a message (the header too, if it is large) to shared memory.
-
-    A frame that already lies in shared memory this process holds is referred
-    to where it is; the others are copied, once, into one pool segment.
-    Returns the bulk descriptor (b"" when nothing moved) and the frames with
-    the moved ones replaced by empty placeholders.
-    """
-    out = list(frames)
-    keep: list[Any] = []
-    used: dict[int, _Use] = {}
-    entries: list[list[int]] = []
-    to_copy: list[tuple[int, memoryview]] = []
-    for i in range(len(frames)):  # a large header (long strings) goes too
-        view = memoryview(getattr(frames[i], "buffer", frames[i])).cast("B")
-        if view.nbytes < BULK_MIN:
-            continue
-        out[i] = b""
-        mem = None if view.readonly else exports.find(_address(view), view.nbytes)
-        if mem is None:
-            to_copy.append((i, view))
-            continue
-        if mem.ino not in used:  # one use per memory, however many frames lie in it
-            used[mem.ino] = exports.use(mem)
-        keep.append(frames[i])  # the frame's owner stays alive while lent
-        entries.append([i, mem.fd, mem.ino, mem.size, _address(view) - mem.base, view.nbytes])
-    keep += used.values()
-    if not entries and not to_copy:
-        return b"", frames
-    if to_copy:
-        seg = exports.segment(sum(_aligned(v.nbytes) for _, v in to_copy))
-        keep.append(exports.use(seg))
-        at = 0
-        for i, view in to_copy:
-            _copy(seg, at, view)
-            entries.append([i, seg.fd, seg.ino, seg.size, at, view.nbytes])
-            at += _aligned(view.nbytes)
-    eid = exports.export(peer, keep)
-    return _enc.encode([eid, os.getpid(), entries]), out
-
-
-def _copy(seg: _Memory, at: int, view: memoryview) -> None:
-    """One copy into the segment, shared among threads when it is large."""
-    if view.readonly:
-        seg.mm[at : at + view.nbytes] = view
-    else:
-        copy_many([(seg.base + at, _address(view), view.nbytes)])
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class BulkFrame:
-    """A received frame that lies in a peer's shared memory: ``buffer`` holds its bytes,
-    at ``offset`` in ``whole`` (the view of the segment, shared by every frame of one
-    message that lies in it), so a decoder can cut many tensors from one base."""
-
-    __slots__ = ("buffer", "offset", "whole")
-
-    def __init__(self, whole: memoryview, offset: int, length: int) -> None:
-        self.whole = whole
-        self.offset = offset
-        self.buffer = whole[offset : offset + length]
-
-
-class _Lease:
-    """One received message's hold on the sender's memory; when it dies, the release is sent."""
-
-    __slots__ = ("__weakref__",)
-
-
-def unpack_bulk(
-    desc: bytes, frames: list[Any], peer_pid: int | None, on_release: Callable[[int], None]
-) -> list[Any]:
-    """Put views of the sender's shared memory (:class:`BulkFrame`) in place of the
-    placeholder frames.
-
-    ``on_release(export_id)`` is called (from whichever thread frees the last
-    view) once no view of this message's shared memory is left.
-    """
-    try:
-        eid, pid, entries = msgspec.msgpack.decode(desc)
-        if not (type(eid) is int and type(pid) is int and isinstance(entries, list)):
-            raise TypeError
-    except (msgspec.DecodeError, ValueError, TypeError):
-        raise WireError("malformed message: bad shared-memory descriptor") from None
-    lease = _Lease()
-    weakref.finalize(lease, on_release, eid)  # also when this message turns out malformed
-    if peer_pid is not None and pid != peer_pid:
-        raise WireError(f"malformed message: shared memory of pid {pid} sent by pid {peer_pid}")
-    out = list(frames)
-    whole: dict[int, memoryview] = {}  # one view per memory, sliced per frame
-    for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry)):
-            raise WireError("malformed message: bad shared-memory entry")
-        index, fd, ino, size, offset, length = entry
-        if not (0 <= index < len(out)) or offset < 0 or length < 0 or offset + length > size:
-            raise WireError("malformed message: shared-memory entry out of range")
-        view = whole.get(ino)
-        if view is None or view.nbytes != size:
-            mem = exports.open_remote(pid, fd, ino, size)
-            holder = (ctypes.c_char * size).from_address(mem.base)
-            holder._rlferry_keep = (mem, lease)
-            view = whole[ino] = memoryview(holder).cast("B")
-        out[index] = BulkFrame(view, offset, length)
-    return out
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def shared_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -405,7 +314,7 @@ def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         moves.append((i, nbytes))
     if not moves:
         return out
-    flat = shared_empty([sum(_aligned(n) for _, n in moves)], torch.uint8)
+    flat = shared_empty([sum(aligned(n) for _, n in moves)], torch.uint8)
     at = 0
     jobs = []
     for i, nbytes in moves:
@@ -416,6 +325,11 @@ def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         else:
             dst.copy_(t)
         out[i] = dst
-        at += _aligned(nbytes)
+        at += aligned(nbytes)
     copy_many(jobs)
     return out
+
+
+# the names rlferry.weights.transports imports
+_Memory = Memory
+_MEMFD_NAME = MEMFD_NAME

@@ -27,11 +27,12 @@ from zmq.utils.monitor import parse_monitor_message
 from rlferry.errors import RequestError
 
 from ._address import check_address
+from ._bulk import pack_bulk
+from ._channel import CONTROL, log, release_codec, shared_context, uses_shm
 from ._clients import CONNECT_TIMEOUT, dealer, gone_after, never_answered, reply_value
 from ._codec import encode
 from ._errors import ChannelClosed, RemoteError, RequestTimeout, WireError
-from ._shm import exports, pack_bulk
-from ._sockets import _CONTROL, _release_codec, _uses_shm, log, shared_context
+from ._shm import exports
 
 __all__ = ["Client"]
 
@@ -59,7 +60,7 @@ class Client:
         self.address = check_address(address)
         self._secret = secret
         self._connect_timeout = connect_timeout
-        self._shm = _uses_shm(self.address)
+        self._shm = uses_shm(self.address)
         self._key = f"server:{id(self)}:{self.address}".encode()  # names the server in exports
         self._lock = threading.Lock()
         self._sock: Any = None
@@ -214,9 +215,9 @@ class Client:
 
     def _file(self, frames: list[zmq.Frame]) -> None:
         rid = frames[0].bytes
-        if rid == _CONTROL:  # the server let go of memory this client lent it
+        if rid == CONTROL:  # the server let go of memory this client lent it
             try:
-                exports.release(self._key, _release_codec[1].decode(frames[1].bytes))
+                exports.release(self._key, release_codec[1].decode(frames[1].bytes))
             except msgspec.DecodeError:
                 log.warning("dropped a malformed release message")
         elif rid in self._pending:
@@ -239,7 +240,7 @@ class Client:
         while self._owed:
             ids.append(self._owed.popleft())
         if ids and self._sock is not None:
-            self._sock.send_multipart([_CONTROL, _release_codec[0].encode(ids)])
+            self._sock.send_multipart([CONTROL, release_codec[0].encode(ids)])
 
     def _wake(self) -> None:
         if self._wakes is not None:

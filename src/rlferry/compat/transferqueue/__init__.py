@@ -11,10 +11,14 @@ no cluster. With Ray up, ``tq.init()`` in the driver runs the queue's state as a
 named actor of the job, which every task and actor reaches (``tq.init()`` or
 ``get_client()`` there); a ``StreamingDataLoader`` with workers serves an embedded
 queue to them. ``use_launcher(factory)`` plugs in another backend.
+
+Its parts, bottom up: ``metadata`` (``BatchMeta``, ``KVBatchMeta``, held as arrays),
+``samplers``, ``state`` (the controller and the store that hold the queue's state),
+``backends`` (where that state lives: this process, a service process, a Ray actor), and
+``client`` (the client, the module functions, the streaming loader); ``install()`` maps
+``transfer_queue``'s module names onto them.
 """
 
-from ._client import AsyncTransferQueueClient, TransferQueueClient
-from ._dataset import StreamingDataLoader, StreamingDataset
 from ._errors import (
     ClientClosed,
     GetMetaTimeout,
@@ -23,7 +27,11 @@ from ._errors import (
     StorageKeyNotFoundError,
 )
 from ._install import install, uninstall
-from ._interface import (
+from .client import (
+    AsyncTransferQueueClient,
+    StreamingDataLoader,
+    StreamingDataset,
+    TransferQueueClient,
     async_kv_batch_get,
     async_kv_batch_get_by_meta,
     async_kv_batch_put,
@@ -44,9 +52,8 @@ from ._interface import (
     save_checkpoint,
     use_launcher,
 )
-from ._kvmeta import KVBatchMeta
-from ._meta import BatchMeta
-from ._samplers import (
+from .metadata import BatchMeta, KVBatchMeta
+from .samplers import (
     BaseSampler,
     GRPOGroupNSampler,
     RankAwareSampler,

@@ -16,28 +16,56 @@ def _names(module: Any, names: list[str]) -> dict[str, Any]:
     return {n: getattr(module, n) for n in names}
 
 
+DATALOADER = ["StreamingDataLoader", "StreamingDataset", "chunk_batch_fn", "default_fetch_batch_fn"]
+"""What ``transfer_queue.dataloader`` and its submodules hold."""
+
+INTERFACE = [
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "attach",
+    "close",
+    "current_backend",
+    "get_client",
+    "get_metrics_endpoint",
+    "init",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
+    "serve_workers",
+    "use_launcher",
+]
+"""What ``transfer_queue.interface`` holds: TransferQueue's module functions, and the shim's
+``use_launcher``, ``current_backend``, ``attach`` and ``serve_workers``."""
+
+
 def _submodules() -> dict[str, dict[str, Any]]:
     """Module name (under ``transfer_queue.``) -> the names it exposes."""
-    from . import _client, _dataset, _errors, _interface, _kvmeta, _meta, _samplers
+    from . import _errors, client, metadata, samplers
 
-    samplers = _names(_samplers, _samplers.__all__)
-    dataset = _names(_dataset, _dataset.__all__)
+    sampler = _names(samplers, samplers.__all__)
+    dataloader = _names(client, DATALOADER)
     return {
-        "metadata": {
-            **_names(_meta, ["BatchMeta", "extract_field_schema"]),
-            "KVBatchMeta": _kvmeta.KVBatchMeta,
-        },
-        "client": _names(_client, _client.__all__),
-        "interface": _names(_interface, _interface.__all__),
-        "sampler": samplers,
-        "sampler.base": samplers,
-        "sampler.sequential_sampler": samplers,
-        "sampler.grpo_group_n_sampler": samplers,
-        "sampler.rank_aware_sampler": samplers,
-        "sampler.seqlen_balanced_sampler": samplers,
-        "dataloader": dataset,
-        "dataloader.streaming_dataset": dataset,
-        "dataloader.streaming_dataloader": dataset,
+        "metadata": _names(metadata, ["BatchMeta", "extract_field_schema", "KVBatchMeta"]),
+        "client": _names(client, ["AsyncTransferQueueClient", "TransferQueueClient"]),
+        "interface": _names(client, INTERFACE),
+        "sampler": sampler,
+        "sampler.base": sampler,
+        "sampler.sequential_sampler": sampler,
+        "sampler.grpo_group_n_sampler": sampler,
+        "sampler.rank_aware_sampler": sampler,
+        "sampler.seqlen_balanced_sampler": sampler,
+        "dataloader": dataloader,
+        "dataloader.streaming_dataset": dataloader,
+        "dataloader.streaming_dataloader": dataloader,
         "storage": _names(_errors, ["StorageKeyNotFoundError"]),
     }
 
