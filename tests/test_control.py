@@ -256,10 +256,10 @@ def test_finished_groups_go_into_the_queue_with_their_versions():
                 assert batch.meta["version_start"][row] == c.version_start
                 assert batch.meta["group"][row] in ("g0", "g1")
         finally:
-            await client.close()
+            await client.aclose()
             await close_all(coord, engines, sender)
 
-    with Queue.start(storage_units=1, tasks=("train",)) as q:
+    with Queue(storage_units=1, tasks=("train",)) as q:
         run(main(q))
 
 

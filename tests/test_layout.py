@@ -35,7 +35,6 @@ PENDING: dict[str, set[str]] = {
     },
     "room": {"rlferry/weights"},
     "floors": {
-        "rlferry",
         "rlferry/compat/transferqueue/state",
         "rlferry/queue",
         "rlferry/queue/services",

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
     elif a.command == "serve":
         from rlferry.queue import QueueConfig, QueueError
-        from rlferry.queue._serve import serve_queue
+        from rlferry.queue.services import serve_queue
         from rlferry.wire import SecurityError
 
         try:

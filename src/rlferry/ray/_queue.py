@@ -20,13 +20,8 @@ import os
 from typing import Any
 
 from rlferry.errors import RequestError
-from rlferry.queue import (
-    AsyncQueueClient,
-    ControllerService,
-    QueueClient,
-    QueueConfig,
-    StorageService,
-)
+from rlferry.queue import AsyncQueueClient, QueueClient, QueueConfig
+from rlferry.queue.services import ControllerService, StorageService
 from rlferry.wire import wire_loop
 
 from ._common import (
@@ -65,7 +60,7 @@ class _Service(Watched):
 
     async def close(self) -> None:
         if self._service is not None:
-            await _on_wire_loop(self._service.close())
+            await _on_wire_loop(self._service.aclose())
         self._closed.set()
 
 
@@ -115,7 +110,7 @@ class ControllerActor(StorageActor):
 
     async def close(self) -> None:
         if self._controller is not None:
-            await _on_wire_loop(self._controller.close())
+            await _on_wire_loop(self._controller.aclose())
         await super().close()
 
 
@@ -161,7 +156,7 @@ class RayQueue(Placed):
         ``bundles``: the units' placement group bundles, one per unit (default
         ``{"CPU": cpus_per_unit}`` each, spread over the nodes); put units next to
         trainers with a node's resource, e.g. ``{"CPU": 1, "node:10.0.0.7": 0.01}``. The
-        other options are :meth:`rlferry.queue.Queue.start`'s. ``namespace``: the Ray
+        other options are :class:`rlferry.queue.Queue`'s. ``namespace``: the Ray
         namespace of the job's names (default: this job's).
 
         Raises:
@@ -232,7 +227,7 @@ class RayQueue(Placed):
         return c
 
     def async_client(self) -> AsyncQueueClient:
-        """An asyncio client; close it with ``await client.close()``."""
+        """An asyncio client; close it with ``await client.aclose()``."""
         return async_queue(self.job, namespace=self.namespace)
 
     def close(self) -> None:
@@ -279,7 +274,7 @@ def queue(job: str, *, namespace: str | None = None, timeout: float = _CALL_TIME
 def async_queue(
     job: str, *, namespace: str | None = None, timeout: float = _CALL_TIMEOUT
 ) -> AsyncQueueClient:
-    """:func:`queue`'s asyncio client; close it with ``await client.close()``."""
+    """:func:`queue`'s asyncio client; close it with ``await client.aclose()``."""
     return AsyncQueueClient(**_connection(job, namespace, timeout))
 
 

@@ -109,7 +109,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             if config.device == "cuda":
                 await asyncio.to_thread(procs.place_gpus, config.gpus()[1], config.engines)
         else:  # the processes stop before the queue closes
-            queue = stack.enter_context(Queue.start(storage_units=1, tasks=("train",)))
+            queue = stack.enter_context(Queue(storage_units=1, tasks=("train",)))
             stack.callback(procs.stop)
         engine_gpus, dp = config.gpus()
         settings = {
@@ -282,7 +282,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             if asked is not None and not asked.done():
                 asked.cancel()  # a step failed: the error told is that one
             await coord.aclose()
-            await client.close()
+            await client.aclose()
             for e in engines:
                 await e.aclose()
     record.summary["wall_seconds"] = time.monotonic() - t_start
