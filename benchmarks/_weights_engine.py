@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from rlferry.weights import ParamLoader, WeightReceiver
-from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import Plan
 from rlferry.weights.transports._cuda_shared import open_shared, share
 
 from _common import receive

@@ -26,7 +26,7 @@ import statistics
 import torch
 
 from rlferry.weights import Cluster, TensorSpec, predict
-from rlferry.weights._predict import (
+from rlferry.weights.planning._predict import (
     BUCKET_MS,
     LINK_MS,
     UPDATE_MS,

@@ -65,7 +65,7 @@ from rlferry.weights import (
     fsdp_layout,
     tp_layout,
 )
-from rlferry.weights._boxes import extents, slices
+from rlferry.weights.planning._boxes import extents, slices
 
 import _trace
 import _weights_engine as eng

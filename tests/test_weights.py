@@ -8,7 +8,8 @@ import torch
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
 from rlferry.weights._pack import bucketed
-from rlferry.weights._plan import ALIGN, Plan, TensorSpec
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import ALIGN, Plan
 
 
 def state(seed=0, n=6):
@@ -566,7 +567,7 @@ def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
 
 
 def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
-    from rlferry.weights._plan import default_bucket_bytes
+    from rlferry.weights.planning._buckets import default_bucket_bytes
 
     cpu, mib = torch.device("cpu"), 1 << 20
     assert default_bucket_bytes(cpu, 10 * mib) == 64 * mib

@@ -13,7 +13,8 @@ from conftest import requires_cuda
 from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSender
 from rlferry.weights._copy import CHUNK_BYTES, _inner, _offsets, chunk_table, triton_available
 from rlferry.weights._pack import BucketItems, Packer, Unpacker, bucketed
-from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import Plan
 
 requires_triton = pytest.mark.skipif(
     not triton_available(), reason="needs Triton (on the GPU image; optional elsewhere)"

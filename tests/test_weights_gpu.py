@@ -24,7 +24,7 @@ from rlferry.weights import (
     fsdp_layout,
     tp_layout,
 )
-from rlferry.weights._boxes import slices
+from rlferry.weights.planning._boxes import slices
 from rlferry.weights.transports._cuda_shared import open_shared, share
 from test_weights_sharded import kill_a_trainer_rank_mid_stream
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs

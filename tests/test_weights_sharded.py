@@ -25,9 +25,9 @@ from rlferry.weights import (
     specs_of,
     tp_layout,
 )
-from rlferry.weights._boxes import slices
-from rlferry.weights._budget import link_ctas
 from rlferry.weights._turns import drain
+from rlferry.weights.planning._boxes import slices
+from rlferry.weights.planning._budget import link_ctas
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")

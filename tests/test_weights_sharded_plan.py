@@ -15,7 +15,7 @@ from rlferry.weights import (
     fsdp_layout,
     tp_layout,
 )
-from rlferry.weights._boxes import cover, extents, intersect, slices, subtract, volume
+from rlferry.weights.planning._boxes import cover, extents, intersect, slices, subtract, volume
 
 F32 = torch.float32
 
@@ -288,8 +288,8 @@ def test_an_engine_ranks_offer_puts_every_region_of_its_links_pieces_in_its_plac
     across GPUs): for each piece of each trainer rank's link, regions of it and views of
     the rank's own tensors; copying the regions there makes the rank's tensors whole."""
     from rlferry.weights import ShardedReceiver
-    from rlferry.weights._plan import Plan
     from rlferry.weights._sharded_receiver import _Link
+    from rlferry.weights.planning._buckets import Plan
 
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)

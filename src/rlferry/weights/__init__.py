@@ -28,17 +28,6 @@ from ._copy import GroupedCopy, ParamLoader
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
 from ._group import SenderGroup, describe_group
-from ._layouts import (
-    EngineLayout,
-    ParamLayout,
-    Part,
-    TrainerLayout,
-    dtensor_layout,
-    fsdp_layout,
-    specs_of,
-)
-from ._plan import TensorSpec
-from ._predict import Cluster, Prediction, plan_weights, predict
 from ._receiver import WeightReceiver
 from ._report import (
     PushReport,
@@ -50,8 +39,24 @@ from ._report import (
 from ._sender import WeightSender
 from ._sharded import ShardedSender, link_group
 from ._sharded_receiver import ShardedReceiver
-from ._shardplan import Copy, Piece, ShardPlan
-from ._tp import tp_layout
+from .planning import (
+    Cluster,
+    Copy,
+    EngineLayout,
+    ParamLayout,
+    Part,
+    Piece,
+    Prediction,
+    ShardPlan,
+    TensorSpec,
+    TrainerLayout,
+    dtensor_layout,
+    fsdp_layout,
+    plan_weights,
+    predict,
+    specs_of,
+    tp_layout,
+)
 
 __all__ = [
     "Cluster",

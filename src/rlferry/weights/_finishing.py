@@ -14,9 +14,9 @@ import torch
 from ._errors import PushTimeout, WeightSyncError
 from ._hub import Member, Push
 from ._pack import bucketed
-from ._plan import Plan
 from ._preparing import PushPreparing
 from ._report import PushReport
+from .planning._buckets import Plan
 from .transports._base import checksum
 
 __all__ = ["PushFinishing", "error_class"]

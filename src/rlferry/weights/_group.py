@@ -27,9 +27,9 @@ from rlferry.wire import (
 )
 
 from ._errors import SenderGone, WeightSyncError
-from ._layouts import TrainerLayout
 from ._messages import Describe, Described, decode_reply, encode
-from ._plan import TensorSpec, dtype_from_name, dtype_name
+from .planning._layouts import TrainerLayout
+from .planning._specs import TensorSpec, dtype_from_name, dtype_name
 
 __all__ = ["SenderGroup", "describe_group", "described"]
 

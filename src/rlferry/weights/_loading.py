@@ -34,8 +34,9 @@ from ._messages import (
     encode,
 )
 from ._pack import Unpacker
-from ._plan import Plan, check_against
 from ._watch import StreamWatch
+from .planning._buckets import Plan
+from .planning._specs import check_against
 from .transports._base import CollectiveReceiver, MailboxReceiver, checksum
 
 __all__ = ["PushLoading"]

@@ -14,7 +14,8 @@ import torch
 
 from ._copy import GroupedCopy, triton_available
 from ._errors import WeightSyncError
-from ._plan import Plan, iterate_checked
+from .planning._buckets import Plan
+from .planning._specs import iterate_checked
 from .transports._base import BucketBuffers, strided_view
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]

@@ -21,7 +21,8 @@ from ._errors import WeightSyncError
 from ._hub import Hub, Member, Push
 from ._messages import Stream
 from ._pack import Packer
-from ._plan import RAMP_BYTES, Plan, TensorSpec, default_bucket_bytes, key_of, same_layout
+from .planning._buckets import RAMP_BYTES, Plan, default_bucket_bytes
+from .planning._specs import TensorSpec, key_of, same_layout
 from .transports._base import CollectiveSender, MailboxSender, SenderTransport
 
 __all__ = ["PushPreparing"]

@@ -20,7 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from ._sharded import ShardedSender
-    from ._shardplan import ShardPlan
+    from .planning._shard_plan import ShardPlan
 
 __all__ = ["Guard", "Ready", "local_tensors", "moved", "where_of"]
 

@@ -41,9 +41,10 @@ from ._messages import (
     encode,
 )
 from ._pack import Unpacker
-from ._plan import Plan, TensorSpec
 from ._report import ReceiverStatistics
 from ._watch import StreamWatch
+from .planning._buckets import Plan
+from .planning._specs import TensorSpec
 from .transports import make_receiver
 from .transports._base import (
     CollectiveReceiver,

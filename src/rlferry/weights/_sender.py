@@ -21,9 +21,9 @@ from ._hub import Hub, Member, Push
 from ._line import Commits, Starter
 from ._messages import Described
 from ._pack import Packer, bucketed
-from ._plan import Plan
 from ._report import PushReport, SenderStatistics
 from ._turns import drain
+from .planning._buckets import Plan
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender
 

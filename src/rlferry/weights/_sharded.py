@@ -28,16 +28,22 @@ import torch
 
 from rlferry.errors import RequestError
 
-from ._boxes import extents, full_box, relative, slices
-from ._budget import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES, bucket_cap, busier_ends, link_ctas
 from ._errors import WeightSyncError
 from ._group import described
-from ._layouts import EngineLayout, TrainerLayout
 from ._ready import Ready, moved, where_of
 from ._report import PushReport, ShardedSenderStatistics
 from ._sender import WeightSender
-from ._shardplan import Piece, ShardPlan
 from ._turns import drain, take_turns
+from .planning._boxes import extents, full_box, relative, slices
+from .planning._budget import (
+    LINK_BUFFER_BYTES,
+    MIN_BUCKET_BYTES,
+    bucket_cap,
+    busier_ends,
+    link_ctas,
+)
+from .planning._layouts import EngineLayout, TrainerLayout
+from .planning._shard_plan import Piece, ShardPlan
 
 __all__ = ["ShardedSender", "link_group"]
 

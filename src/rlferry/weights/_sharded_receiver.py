@@ -13,15 +13,15 @@ import torch
 
 from rlferry.errors import RequestError
 
-from ._boxes import extents, slices
 from ._copy import GroupedCopy
 from ._errors import ReceiverClosed, WeightSyncError
-from ._layouts import EngineLayout, TrainerLayout
-from ._plan import TensorSpec
 from ._receiver import WeightReceiver
 from ._report import ShardedReceiverStatistics
 from ._sharded import _check_rank, _Plans, link_group
-from ._shardplan import ShardPlan
+from .planning._boxes import extents, slices
+from .planning._layouts import EngineLayout, TrainerLayout
+from .planning._shard_plan import ShardPlan
+from .planning._specs import TensorSpec
 
 __all__ = ["ShardedReceiver"]
 

@@ -31,7 +31,7 @@ from .._errors import WeightSyncError
 
 if TYPE_CHECKING:
     from .._messages import StoreOp, StoreReply
-    from .._plan import Plan
+    from ..planning._buckets import Plan
     from ._rendezvous import KeyValue
 
 __all__ = [

@@ -35,7 +35,7 @@ from rlferry.wire import wire_loop
 from .._copy import load_kernels
 from .._errors import PushTimeout, WeightSyncError
 from .._messages import StoreOp, StoreReply
-from .._plan import Plan
+from ..planning._buckets import Plan
 from ._base import CollectiveReceiver, CollectiveSender, checksum
 from ._groups import (
     COMMITTED,

@@ -1,16 +1,13 @@
 """Predict a sharded update on a cluster we do not have: bytes per link, the busiest, the time.
 
-The model's tensors come from a ``transformers`` configuration built on the meta
-device (nothing downloaded, no memory). The trainer is FSDP2 over ``fsdp`` ranks
-(rows as ``torch.chunk``), optionally with tensor parallelism ``tp`` inside (each
-TP slice then chunked by FSDP); the engines are ``engines`` x TP ``engine_tp``
-in ``engine_dtype``. The plan is :class:`ShardPlan`'s, the same code that moves
-the bytes. GPUs fill hosts of ``gpus_per_host`` in order, trainers first; a link
-within a host runs at ``nvlink_GBps``, across hosts at ``network_GBps`` (per GPU,
-each direction). The prediction is the busiest GPU's busiest link: its bytes over
-its bandwidth (every link runs at once, full duplex, no casts or quantization
-timed), plus what an update costs besides its bytes, measured on four H200s
-(benchmarks/RESULTS.md, session 17):
+The trainer is FSDP2 over ``fsdp`` ranks (rows as ``torch.chunk``), optionally with
+tensor parallelism ``tp`` inside (each TP slice then chunked by FSDP); the engines are
+``engines`` x TP ``engine_tp`` in ``engine_dtype``. The plan is :class:`ShardPlan`'s,
+the same code that moves the bytes. GPUs fill hosts of ``gpus_per_host`` in order,
+trainers first; a link within a host runs at ``nvlink_GBps``, across hosts at
+``network_GBps`` (per GPU, each direction). The prediction is the busiest GPU's busiest
+link: its bytes over its bandwidth (every link runs at once, full duplex, no casts or
+quantization timed), plus what an update costs besides its bytes:
 
 - ``update_ms``: an update of one trainer rank to one engine rank (its messages, the
   first bucket's pack and the last one's load), with a 4 MB model, where nothing
@@ -32,11 +29,10 @@ planned once and counted as many times: a 94-layer MoE is planned as one layer.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,72 +50,47 @@ from ._budget import (
     link_nccl_bytes,
 )
 from ._layouts import TrainerLayout
-from ._plan import TensorSpec
-from ._shardplan import ShardPlan
+from ._shard_plan import ShardPlan
+from ._specs import TensorSpec
 from ._tp import tp_layout, tp_split_dim
 
 __all__ = [
+    "BUCKET_MS",
+    "LINK_MS",
+    "MAX_BUCKET_BYTES",
+    "UPDATE_MS",
     "WRITE_LINK_MS",
     "WRITE_UPDATE_MS",
     "Cluster",
     "Prediction",
-    "model_specs",
     "predict",
+    "representatives",
     "trainer_layout",
 ]
 
-# What an update costs besides its bytes, on H200 hosts (benchmarks/RESULTS.md, sessions
-# 15 and 17): a 4 MB update of one trainer rank to one engine rank took 1.5-1.7 ms; each
-# further link of a rank 0.3-0.7 ms more, at either end (1 to 4 links a side); each
-# further bucket of a rank 0.09 ms (4.1 GB one rank to one in 4 to 256 MiB buckets).
+# What an update costs besides its bytes over NCCL links, measured on four H200s by
+# ``python benchmarks/weights_sharded.py --device cuda --transport broadcast
+# --point-to-point --scale 64 --senders N --receivers M [--tp T] [--gpus 4]`` (1 to 4
+# links a side) and, for the buckets, ``--senders 1 --receivers 1 --scale 2 --bucket-mb
+# 4|16|64|256``, checked against the prediction by ``python benchmarks/plan_check.py``:
+# a 4 MB update of one trainer rank to one engine rank takes 1.5-1.7 ms; each further
+# link of a rank 0.3-0.7 ms more, at either end; each further bucket of a rank 0.09 ms.
 UPDATE_MS = 1.5
 LINK_MS = 0.55  # for each link of the trainer rank with the most, past its first; again
 # for the engine rank with the most
 BUCKET_MS = 0.09  # for each bucket of the rank with the most, past each link's first
 # The same over cuda_ipc writes within a host (a trainer rank's GPU writes its pieces into
 # the engine ranks' tensors: no pack, no load, every bucket announced at once, so no cost a
-# bucket): 2 trainer ranks to a TP=2 engine on four H200s took 0.5-1.0 ms besides the
-# bytes NCCL's own send/recv moved (4.1 and 16.4 GB; benchmarks/RESULTS.md, session 29)
+# bucket): 2 trainer ranks to a TP=2 engine take 0.5-1.0 ms besides the bytes NCCL's own
+# send/recv moves (4.1 and 16.4 GB), measured on four H200s by ``python
+# benchmarks/weights_sharded.py --device cuda --point-to-point --senders 2 --receivers 2
+# --scale 2|1 --transport cuda_ipc --gpus 4`` against ``--transport broadcast --mode
+# bound``, checked by ``python benchmarks/plan_check.py``
 WRITE_UPDATE_MS = 0.6
 WRITE_LINK_MS = 0.15
 MAX_BUCKET_BYTES = 256 << 20  # a link's default bucket on a GPU at most (WeightSender's)
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def model_specs(
-    config: str, overrides: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16
-) -> list[TensorSpec]:
-    """The state dict's names and shapes of a ``transformers`` causal LM, in ``dtype``.
-
-    ``config``: a ``config.json`` path, or a configuration class name of ``transformers``
-    (``Qwen3MoeConfig``) built with ``overrides``. Needs the ``hf`` extra.
-    """
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError(
-            "plan-weights needs transformers to build the model: pip install 'rlferry[hf]'"
-        ) from None
-    overrides = dict(overrides or {})
-    if config.endswith(".json"):
-        with open(config) as f:
-            values = json.load(f)
-        model_type = values.pop("model_type", None)
-        if not model_type:
-            raise RequestError(f"config {config!r}: expected a `model_type` key, got none")
-        cfg = transformers.AutoConfig.for_model(model_type, **{**values, **overrides})
-    else:
-        cls = getattr(transformers, config, None)
-        if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
-            raise RequestError(
-                f"config: expected a config.json path, a transformers configuration class "
-                f"name such as Qwen3MoeConfig or a preset ({', '.join(PRESETS)}), got {config!r}"
-            )
-        cfg = cls(**overrides)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    return [TensorSpec(n, tuple(t.shape), dtype) for n, t in model.state_dict().items()]
 
 
 def trainer_layout(specs: Sequence[TensorSpec], fsdp: int, tp: int = 1) -> TrainerLayout:
@@ -332,104 +303,3 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
         bucket_seconds=most * c.bucket_ms / 1e3,
         seconds=worst / bw[kind] + fixed + most * c.bucket_ms / 1e3,
     )
-
-
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` pairs; a value is read as JSON when it parses (numbers, lists,
-    true/false/null), else kept as a string."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise RequestError(f"--set: expected key=value, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    # Qwen3-235B-A22B's published config.json sizes
-    "qwen3-235b-a22b": ("Qwen3MoeConfig", {
-        "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
-        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288,
-        "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
-        "vocab_size": 151936, "tie_word_embeddings": False,
-    }),
-    # Kimi-K2 (1T, 32B active): DeepSeek-V3's architecture with Kimi-K2's published sizes
-    "kimi-k2": ("DeepseekV3Config", {
-        "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
-        "num_key_value_heads": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "vocab_size": 163840, "tie_word_embeddings": False,
-    }),
-}  # fmt: skip
-
-
-def preset_or_config(config: str, overrides: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A preset's configuration class and sizes (``overrides`` on top), or ``config`` as given."""
-    if config in PRESETS:
-        cls, sizes = PRESETS[config]
-        return cls, {**sizes, **overrides}
-    return config, dict(overrides)
-
-
-def _dtype(field: str, name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise RequestError(
-            f"{field}: expected a torch dtype name such as bfloat16 or float8_e4m3fn, got {name!r}"
-        )
-    return dtype
-
-
-def plan_weights(
-    config: str,
-    overrides: Sequence[str] = (),
-    *,
-    trainer_gpus: int,
-    trainer_tp: int = 1,
-    trainer_dtype: str = "bfloat16",
-    engines: int,
-    engine_tp: int,
-    engine_dtype: str = "float8_e4m3fn",
-    gpus_per_host: int = 8,
-    nvlink_gbytes: float = 450.0,
-    network_gbits: float = 400.0,
-    update_ms: float = UPDATE_MS,
-    link_ms: float = LINK_MS,
-    bucket_ms: float = BUCKET_MS,
-    buffer_gib: float = LINK_BUFFER_BYTES / 2**30,
-) -> str:
-    """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
-    if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
-        raise RequestError(
-            f"--trainer-tp: expected a divisor of --trainer-gpus {trainer_gpus}, got {trainer_tp!r}"
-        )
-    if not buffer_gib * 2**30 >= 2 * MIN_BUCKET_BYTES:
-        raise RequestError(
-            f"--buffer-gib: expected at least {2 * MIN_BUCKET_BYTES / 2**30:g} (two buffers of "
-            f"the smallest bucket, {MIN_BUCKET_BYTES >> 20} MiB), got {buffer_gib!r}"
-        )
-    cls, values = preset_or_config(config, parse_overrides(overrides))
-    specs = model_specs(cls, values, _dtype("--trainer-dtype", trainer_dtype))
-    cluster = Cluster(
-        fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
-        engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
-        gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
-        update_ms=update_ms, link_ms=link_ms, bucket_ms=bucket_ms,
-        buffer_bytes=int(buffer_gib * 2**30) // 256 * 256,
-    )  # fmt: skip
-    p = predict(specs, cluster)
-    head = (
-        f"{config}: {len(specs)} tensors; trainer {trainer_gpus} GPUs (FSDP "
-        f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
-        f"{engine_tp} ({engine_dtype}); {gpus_per_host} GPUs per host, NVLink "
-        f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU; {update_ms:g} ms "
-        f"an update, {link_ms:g} ms for each more link of a rank, {bucket_ms:g} ms for each "
-        f"more bucket; {buffer_gib:g} GiB of link buffers a rank"
-    )
-    return head + "\n" + p.text()

@@ -26,7 +26,7 @@ from rlferry.errors import RequestError
 
 from ._boxes import Box, chunk_bounds, full_box
 from ._layouts import EngineLayout, ParamLayout, Part
-from ._plan import TensorSpec
+from ._specs import TensorSpec
 
 __all__ = ["tp_layout"]
 

@@ -23,7 +23,7 @@ import torch
 from rlferry.errors import RequestError
 
 from ._boxes import Box, box_str, check_box, chunk_bounds, extents, full_box, volume
-from ._plan import TensorSpec, dtype_name
+from ._specs import TensorSpec, dtype_name, specs_of
 
 __all__ = [
     "EngineLayout",
@@ -32,13 +32,7 @@ __all__ = [
     "TrainerLayout",
     "dtensor_layout",
     "fsdp_layout",
-    "specs_of",
 ]
-
-
-def specs_of(named: Iterable[tuple[str, Any]]) -> list[TensorSpec]:
-    """The full specs of ``(name, tensor)`` pairs (a DTensor's global shape)."""
-    return [TensorSpec(n, tuple(int(d) for d in t.shape), t.dtype) for n, t in named]
 
 
 def _digest(parts: Iterable[str]) -> str:

@@ -33,7 +33,7 @@ from rlferry.errors import RequestError
 
 from ._boxes import Box, box_str, cover, full_box, intersect, relative, shift, volume
 from ._layouts import EngineLayout, TrainerLayout
-from ._plan import TensorSpec, dtype_name
+from ._specs import TensorSpec, dtype_name
 
 __all__ = ["Copy", "Piece", "ShardPlan", "wire_dtype"]
 

@@ -3,7 +3,7 @@ device memory (the sender sizes its links by these; ``rlferry plan-weights`` pri
 
 from __future__ import annotations
 
-from ._shardplan import ShardPlan
+from ._shard_plan import ShardPlan
 
 __all__ = [
     "LINK_BUFFER_BYTES",
