@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._pack import bucketed
+from rlferry.weights.copies._pack import bucketed
 from rlferry.weights.planning import TensorSpec
 from rlferry.weights.planning._buckets import ALIGN, Plan
 
@@ -601,7 +601,7 @@ def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its
 
 
 def test_zero_copy_strides_that_reach_past_the_senders_memory_are_refused():
-    from rlferry.weights._pack import Unpacker
+    from rlferry.weights.copies._pack import Unpacker
 
     t = torch.randn(4, 6)
     plan = Plan.build([TensorSpec("w", (6, 4), torch.float32)], 1 << 20)

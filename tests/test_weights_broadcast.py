@@ -24,7 +24,7 @@ from rlferry.weights import (
     _sender,
 )
 from rlferry.weights._hub import Hub
-from rlferry.weights._messages import DONE, Ack, Stream, decode_request, encode
+from rlferry.weights.protocol._messages import DONE, Ack, Stream, decode_request, encode
 from rlferry.weights.transports import _broadcast
 from test_weights import Engine, state
 

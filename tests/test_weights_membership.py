@@ -11,7 +11,7 @@ import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender
 from rlferry.weights._hub import Hub, Push
-from rlferry.weights._messages import (
+from rlferry.weights.protocol._messages import (
     ABORTED,
     IDLE,
     Abort,

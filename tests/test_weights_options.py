@@ -4,7 +4,8 @@ constructor options, no module switches."""
 import pytest
 import torch
 
-from rlferry.weights import WeightReceiver, WeightSender, _pack
+from rlferry.weights import WeightReceiver, WeightSender
+from rlferry.weights.copies import _pack
 from rlferry.weights.transports import _broadcast
 
 

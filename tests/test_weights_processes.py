@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._line import Starter
+from rlferry.weights.protocol._datagrams import Starter
 
 
 def _receive(address, group, name, conn, hang, hang_after=0):

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._messages import Join, StoreOp, encode
+from rlferry.weights.protocol._messages import Join, StoreOp, encode
 from rlferry.weights.transports._rendezvous import CallStore, KeyValue, loopback_store
 from rlferry.wire import Client, RemoteError
 from test_weights import Engine, state

@@ -24,7 +24,6 @@ Rank 0's ``describe_group(addresses)`` lets an engine told only its address find
 every rank (``describe_group(group, address)`` on the engine's side).
 """
 
-from ._copy import GroupedCopy, ParamLoader
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
 from ._group import SenderGroup, describe_group
@@ -39,6 +38,7 @@ from ._report import (
 from ._sender import WeightSender
 from ._sharded import ShardedSender, link_group
 from ._sharded_receiver import ShardedReceiver
+from .copies._copy import GroupedCopy, ParamLoader
 from .planning import (
     Cluster,
     Copy,

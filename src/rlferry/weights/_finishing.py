@@ -13,9 +13,9 @@ import torch
 
 from ._errors import PushTimeout, WeightSyncError
 from ._hub import Member, Push
-from ._pack import bucketed
 from ._preparing import PushPreparing
 from ._report import PushReport
+from .copies._pack import bucketed
 from .planning._buckets import Plan
 from .transports._base import checksum
 

@@ -27,9 +27,9 @@ from rlferry.wire import (
 )
 
 from ._errors import SenderGone, WeightSyncError
-from ._messages import Describe, Described, decode_reply, encode
 from .planning._layouts import TrainerLayout
 from .planning._specs import TensorSpec, dtype_from_name, dtype_name
+from .protocol._messages import Describe, Described, decode_reply, encode
 
 __all__ = ["SenderGroup", "describe_group", "described"]
 

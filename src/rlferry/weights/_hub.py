@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import PushTimeout, WeightSyncError
-from ._line import Commits, Starter
-from ._members import Member, Push
-from ._messages import (
+from .protocol._datagrams import Commits, Starter
+from .protocol._members import Member, Push
+from .protocol._messages import (
     ABORTED,
     DONE,
     IDLE,

@@ -18,7 +18,11 @@ from rlferry.wire import Client, RemoteError, SecurityError, WireError
 
 from ._config import ReceiverConfig
 from ._errors import WeightSyncError
-from ._messages import (
+from ._watch import StreamWatch
+from .copies._pack import Unpacker
+from .planning._buckets import Plan
+from .planning._specs import check_against
+from .protocol._messages import (
     ABORTED,
     DONE,
     IDLE,
@@ -33,10 +37,6 @@ from ._messages import (
     decode_reply,
     encode,
 )
-from ._pack import Unpacker
-from ._watch import StreamWatch
-from .planning._buckets import Plan
-from .planning._specs import check_against
 from .transports._base import CollectiveReceiver, MailboxReceiver, checksum
 
 __all__ = ["PushLoading"]

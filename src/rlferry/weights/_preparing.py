@@ -19,10 +19,10 @@ from rlferry.wire._loop import WireLoop
 from ._config import SenderConfig
 from ._errors import WeightSyncError
 from ._hub import Hub, Member, Push
-from ._messages import Stream
-from ._pack import Packer
+from .copies._pack import Packer
 from .planning._buckets import RAMP_BYTES, Plan, default_bucket_bytes
 from .planning._specs import TensorSpec, key_of, same_layout
+from .protocol._messages import Stream
 from .transports._base import CollectiveSender, MailboxSender, SenderTransport
 
 __all__ = ["PushPreparing"]

@@ -25,9 +25,14 @@ from rlferry.wire import (
 
 from ._config import ReceiverConfig
 from ._errors import ReceiverClosed, SenderGone, WeightSyncError
-from ._line import Line, Starter
 from ._loading import PushLoading
-from ._messages import (
+from ._report import ReceiverStatistics
+from ._watch import StreamWatch
+from .copies._pack import Unpacker
+from .planning._buckets import Plan
+from .planning._specs import TensorSpec
+from .protocol._datagrams import Line, Starter
+from .protocol._messages import (
     ABORTED,
     DONE,
     IDLE,
@@ -40,11 +45,6 @@ from ._messages import (
     decode_reply,
     encode,
 )
-from ._pack import Unpacker
-from ._report import ReceiverStatistics
-from ._watch import StreamWatch
-from .planning._buckets import Plan
-from .planning._specs import TensorSpec
 from .transports import make_receiver
 from .transports._base import (
     CollectiveReceiver,

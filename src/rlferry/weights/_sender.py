@@ -18,12 +18,12 @@ from ._config import SenderConfig
 from ._errors import SenderClosed, WeightSyncError
 from ._finishing import PushFinishing, error_class
 from ._hub import Hub, Member, Push
-from ._line import Commits, Starter
-from ._messages import Described
-from ._pack import Packer, bucketed
 from ._report import PushReport, SenderStatistics
 from ._turns import drain
+from .copies._pack import Packer, bucketed
 from .planning._buckets import Plan
+from .protocol._datagrams import Commits, Starter
+from .protocol._messages import Described
 from .transports import make_sender
 from .transports._base import CollectiveSender, MailboxSender
 

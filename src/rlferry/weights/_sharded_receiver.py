@@ -13,11 +13,11 @@ import torch
 
 from rlferry.errors import RequestError
 
-from ._copy import GroupedCopy
 from ._errors import ReceiverClosed, WeightSyncError
 from ._receiver import WeightReceiver
 from ._report import ShardedReceiverStatistics
 from ._sharded import _check_rank, _Plans, link_group
+from .copies._copy import GroupedCopy
 from .planning._boxes import extents, slices
 from .planning._layouts import EngineLayout, TrainerLayout
 from .planning._shard_plan import ShardPlan

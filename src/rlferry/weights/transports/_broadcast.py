@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from rlferry.wire import wire_loop
 
-from .._copy import load_kernels
 from .._errors import PushTimeout, WeightSyncError
-from .._messages import StoreOp, StoreReply
+from ..copies._copy import load_kernels
 from ..planning._buckets import Plan
+from ..protocol._messages import StoreOp, StoreReply
 from ._base import CollectiveReceiver, CollectiveSender, checksum
 from ._groups import (
     COMMITTED,

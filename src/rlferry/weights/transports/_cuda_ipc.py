@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .._copy import GroupedCopy
 from .._errors import WeightSyncError
+from ..copies._copy import GroupedCopy
 from ._base import MailboxReceiver, MailboxSender, direct_place, direct_views
 from ._cuda_shared import export_targets, gpu_uuid, open_shared, open_targets, share
 

@@ -1,11 +1,13 @@
-"""The start line: a sender's pushing thread starts its receivers' streams itself.
+"""The start line and the commit line: datagram sockets that skip the wire loop.
 
-A push over a collective transport whose receivers hold its plan and group needs one
-message before its stream: ``Stream``. Through the control channel it went from the
-pushing thread to the wire loop (the begin), from the loop to each receiver's parked
-request, and through ZeroMQ's I/O threads of both processes: on four H200s, 2 trainer
-ranks to a TP=2 engine at 4.1 GB, the receivers' first receives were posted 0.9-1.0 ms
-after the push was called, most of it those hops.
+**The start line.** A push over a collective transport whose receivers hold its plan
+and group needs one message before its stream: ``Stream``. Through the control channel
+it goes from the pushing thread to the wire loop (the begin), from the loop to each
+receiver's parked request, and through ZeroMQ's I/O threads of both processes: with 2
+trainer ranks to a TP=2 engine at 4.1 GB, the receivers' first receives are posted
+0.9-1.0 ms after the push is called that way, most of it those hops (``python
+benchmarks/weights_sharded.py --device cuda --transport broadcast --point-to-point
+--senders 2 --receivers 2 --scale 2 --trace DIR`` on four H200s).
 
 So a receiver also listens on a datagram socket in Linux's abstract namespace
 (nothing on disk, this host's network namespace only), named in its ``Join``; the
@@ -15,15 +17,16 @@ this socket at once. The kernel names the process that sent each datagram: one t
 is not from the sender's process (``Welcome.pid``) is dropped, as is anything that is
 not a ``Stream``. The hub probes a line when its receiver joins (an empty datagram): a
 line it cannot reach (another host or network namespace, not Linux) is not used, and
-that receiver's pushes start through the loop as before.
+that receiver's pushes start through the loop.
 
-The other way, the **commit line**: a mailbox sender (shm, cuda_ipc) listens on one
+**The commit line**, the other way: a mailbox sender (shm, cuda_ipc) listens on one
 too, named in its ``Welcome``; a receiver that committed a push says so there first
 (``Committed``), then acknowledges through the control channel. The pushing thread
-waits on this socket, not on the wire loop: on four H200s, 2 trainer ranks to a TP=2
-engine, a commit's acknowledgement reached the sender's loop 0.1-0.6 ms after it went,
-and the pushing thread 0.2 ms after that. The hub says there too when the push settled
-(a failure, a receiver gone: an empty datagram from the sender's own process).
+waits on this socket, not on the wire loop: a commit's acknowledgement reaches the
+sender's loop 0.1-0.6 ms after it goes, and the pushing thread 0.2 ms after that (2
+trainer ranks to a TP=2 engine, ``--transport cuda_ipc --gpus 4`` above). The hub says
+there too when the push settled (a failure, a receiver gone: an empty datagram from
+the sender's own process).
 """
 
 from __future__ import annotations

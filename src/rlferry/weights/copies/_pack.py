@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from .._errors import WeightSyncError
+from ..planning._buckets import Plan
+from ..planning._specs import iterate_checked
+from ..transports._base import BucketBuffers, strided_view
 from ._copy import GroupedCopy, triton_available
-from ._errors import WeightSyncError
-from .planning._buckets import Plan
-from .planning._specs import iterate_checked
-from .transports._base import BucketBuffers, strided_view
 
 __all__ = ["BucketItems", "Packer", "Unpacker", "bucketed"]
 
