@@ -25,7 +25,7 @@ from rlferry.weights import (
 )
 from rlferry.weights._hub import Hub
 from rlferry.weights.protocol._messages import DONE, Ack, Stream, decode_request, encode
-from rlferry.weights.transports import _broadcast
+from rlferry.weights.transports import _groups
 from test_weights import Engine, state
 
 
@@ -302,7 +302,7 @@ def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocki
     groups = [None, None]
 
     def make(rank):
-        groups[rank] = _broadcast._make_group("gloo", store, "t", rank, 2, 30.0, "127.0.0.1", True)
+        groups[rank] = _groups.make_group("gloo", store, "t", rank, 2, 30.0, "127.0.0.1", True)
 
     ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for t in ts:
@@ -315,7 +315,7 @@ def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocki
     before = set(threading.enumerate())
     held = [mine]  # the only reference: _release takes it
     del mine
-    _broadcast._release(held, [work] if seen else [], broken=not seen)
+    _groups.release(held, [work] if seen else [], broken=not seen)
     assert not work.is_completed()  # returned with the work still pending
     (waiter,) = [t for t in threading.enumerate()
                  if t not in before and t.name == "rlferry-gloo-release"]  # fmt: skip

@@ -6,7 +6,7 @@ import torch
 
 from rlferry.weights import WeightReceiver, WeightSender
 from rlferry.weights.copies import _pack
-from rlferry.weights.transports import _broadcast
+from rlferry.weights.transports import _distributed_sender
 
 
 def test_sender_rejects_a_grouped_pack_that_is_not_a_bool():
@@ -22,7 +22,7 @@ def test_sender_rejects_an_nccl_high_priority_that_is_not_a_bool():
 
 
 def test_no_module_switch_is_left():
-    assert not hasattr(_pack, "GROUPED_PACK") and not hasattr(_broadcast, "HIGH_PRIORITY")
+    assert not hasattr(_pack, "GROUPED_PACK") and not hasattr(_distributed_sender, "HIGH_PRIORITY")
 
 
 @pytest.mark.parametrize("grouped", [True, False])

@@ -87,7 +87,7 @@ class PushFinishing(PushPreparing):
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
         buffer 0 if the push went the fast way; else packed again)."""
         mail, coll, verify, version = self._mailbox, self._collective, push.verify, push.version
-        committed = False  # every member said so on the group (see transports._broadcast)
+        committed = False  # every member said so on the group (see transports._groups.COMMITTED)
         try:
             if direct is not None:
                 assert mail is not None
