@@ -578,7 +578,7 @@ def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
 def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its_own():
     # one thread drives a rank's NCCL links: a link blocking on its sends while another
     # link's buckets were not yet enqueued hung updates (their receivers waited on them)
-    from rlferry.weights._turns import take_turns
+    from rlferry.weights.sender._turns import take_turns
 
     order: list[str] = []
 

@@ -20,11 +20,10 @@ from rlferry.weights import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
-    _hub,
-    _sender,
 )
-from rlferry.weights._hub import Hub
 from rlferry.weights.protocol._messages import DONE, Ack, Stream, decode_request, encode
+from rlferry.weights.sender import _hub, _pusher
+from rlferry.weights.sender._hub import Hub
 from rlferry.weights.transports import _groups
 from test_weights import Engine, state
 
@@ -345,9 +344,10 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
     lost (a Ctrl-C in its submission to the loop) was left: the receiver took the next
     push's buckets as this one's, then waited for buckets never sent."""
     sd, e, r = on_lines(sender)
-    begin, loop, submit = sender._begin, sender._loop, sender._loop.submit
+    launcher, loop = sender._pusher.launcher, sender._pusher.parts.loop
+    begin, submit = launcher.begin, loop.submit
     if way == "hub":
-        sender._committed = None  # the push starts through the hub, on the loop
+        launcher.committed = None  # the push starts through the hub, on the loop
 
     def started_not_yet_told(fast, args, wait_for, deadline):
         real, lined = begin(fast, args, wait_for, deadline)
@@ -364,8 +364,8 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
         raise KeyboardInterrupt
 
     if lands == "told_late":
-        monkeypatch.setattr(sender, "_begin", started_not_yet_told)
-        monkeypatch.setattr(_sender, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
+        monkeypatch.setattr(launcher, "begin", started_not_yet_told)
+        monkeypatch.setattr(_pusher, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
     else:
         monkeypatch.setattr(loop, "submit", interrupted_submit)
     interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, 3)
@@ -395,10 +395,10 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
     and the next push works. Before, the receiver waited the group's timeout for a bucket
     never sent, and the next push found it busy."""
     sd, e, r = on_lines(sender)
-    steps = sender._steps(bumped(sd, 1).items(), version=3, timeout=60)
+    steps = sender._pusher.steps(bumped(sd, 1).items(), version=3, timeout=60)
     next(steps)  # the push started and bucket 0 went
     next(steps)  # bucket 1 too
-    held = sender._collective._pg  # the group's sockets stay open
+    held = sender._pusher.parts.collective._pg  # the group's sockets stay open
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         steps.throw(KeyboardInterrupt)
@@ -419,7 +419,7 @@ def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monke
     e = Engine(sd)
     r = join(sender, e, "r0", verify=True)
     sender.push(sd.items(), version=1, timeout=60)
-    loop = sender._loop
+    loop = sender._pusher.parts.loop
     submit = loop.submit
 
     def interrupted(coro):

@@ -257,7 +257,7 @@ def test_nccl_broadcast_with_a_secret_meets_over_the_control_channel():
         sd = weights(v)
         s.push(sd.items(), version=v, timeout=120)
         assert conn.recv()[:3] == ("commit", v, digest(sd))
-    assert s.statistics().groups_formed == 1 and s._transport.store_address is None
+    assert s.statistics().groups_formed == 1 and s._pusher.parts.transport.store_address is None
     conn.send("stop")
     proc.join(60)
     s.close()

@@ -35,7 +35,6 @@ from ._report import (
     ShardedReceiverStatistics,
     ShardedSenderStatistics,
 )
-from ._sender import WeightSender
 from ._sharded import ShardedSender, link_group
 from ._sharded_receiver import ShardedReceiver
 from .copies._copy import GroupedCopy, ParamLoader
@@ -57,6 +56,7 @@ from .planning import (
     specs_of,
     tp_layout,
 )
+from .sender import WeightSender
 
 __all__ = [
     "Cluster",

@@ -28,12 +28,11 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._config import SenderConfig
 from ._errors import WeightSyncError
 from ._group import described
 from ._ready import Ready, moved, where_of
 from ._report import PushReport, ShardedSenderStatistics
-from ._sender import WeightSender
-from ._turns import drain, take_turns
 from .planning._boxes import extents, full_box, relative, slices
 from .planning._budget import (
     LINK_BUFFER_BYTES,
@@ -44,6 +43,8 @@ from .planning._budget import (
 )
 from .planning._layouts import EngineLayout, TrainerLayout
 from .planning._shard_plan import Piece, ShardPlan
+from .sender._pusher import Pusher
+from .sender._turns import drain, take_turns
 
 __all__ = ["ShardedSender", "link_group"]
 
@@ -168,15 +169,17 @@ class ShardedSender:
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
-        self._links: dict[int, WeightSender] = {}
+        self._links: dict[int, Pusher] = {}
         try:
             if point_to_point:
                 for r in wanted:
                     g = link_group(group, rank, r)
-                    self._links[r] = WeightSender(group=g, receivers=1, **kw)
+                    self._links[r] = Pusher(SenderConfig(group=g, receivers=1, **kw))
             else:
                 n = receivers if receivers is not None else max(1, len(wanted))
-                self._links[-1] = WeightSender(group=link_group(group, rank), receivers=n, **kw)
+                self._links[-1] = Pusher(
+                    SenderConfig(group=link_group(group, rank), receivers=n, **kw)
+                )
         except BaseException:
             self.close()
             raise
@@ -224,9 +227,9 @@ class ShardedSender:
         ends = busier_ends(self._plans.get(), self.rank, self.point_to_point)
         for r, link in self._links.items():
             if r in ends:
-                link._cap_buckets(bucket_cap(self.buffer_bytes, ends[r]))
+                link.cap_buckets(bucket_cap(self.buffer_bytes, ends[r]))
                 if self.point_to_point:
-                    link._cap_ctas(link_ctas(ends[r]))
+                    link.cap_ctas(link_ctas(ends[r]))
 
     def describe_group(self, addresses: Sequence[str] | Sequence[Mapping[int, str]]) -> None:
         """Let a receiver that knows only one address of rank 0 find every rank:
@@ -253,7 +256,7 @@ class ShardedSender:
                     f"at index {self.rank}, got {given!r} (give ShardedSender.address of "
                     "every rank, by rank)"
                 )
-            self._links[-1]._describe_as(described(self.group, given, self._plans.trainer))
+            self._links[-1].describe_as(described(self.group, given, self._plans.trainer))
         self._group_addresses = given
 
     def _describe_links(self, addresses: list[Any]) -> None:
@@ -280,7 +283,7 @@ class ShardedSender:
         n = len(engine.receivers)
         for e, link in self._links.items():
             mine = [str(a.get(e, "")) for a in addresses]
-            link._describe_as(described(self.group, mine, self._plans.trainer, e, n))
+            link.describe_as(described(self.group, mine, self._plans.trainer, e, n))
 
     def push(
         self,
@@ -303,12 +306,12 @@ class ShardedSender:
         links = plan.busiest_first(self.rank) if self.point_to_point else [-1]
         if self._transport != "broadcast" and plan is self._cut_plan:
             for r in links:  # the same tensors as the last pushes' are written first, then
-                self._links[r]._write_ahead()  # checked (see WeightSender._write_ahead)
+                self._links[r].write_ahead()  # checked (see Launcher.write_ahead)
         try:
             return self._push(plan, links, named_tensors, version, timeout)
         finally:
             for r in links:
-                self._links[r]._forget_ahead()
+                self._links[r].forget_ahead()
 
     def _push(
         self, plan: ShardPlan, links: list[int], named_tensors: Any, version: int, timeout: float
@@ -362,7 +365,7 @@ class ShardedSender:
         enqueue work): this thread takes every link's steps in turn, else each link gets a
         thread (the last this one; on the CPU the copies are the work). Threads fought for
         the GIL: on four H100s the second link of a rank started 0.6 ms after the first."""
-        steps = {r: self._links[r]._steps(streams[r], version, timeout) for r in streams}
+        steps = {r: self._links[r].steps(streams[r], version, timeout) for r in streams}
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}
         if one_thread or len(steps) <= 1:

@@ -12,10 +12,10 @@ T = TypeVar("T")
 
 
 def drain(steps: Generator[bool | None, None, T]) -> T:
-    """Run a push's :meth:`WeightSender._steps` to its end; its report. Interrupted between
-    two steps (a Ctrl-C lands here as often as in a step), the push is closed: it aborts
-    and lets its sender go (left suspended, it held the sender's lock, and its receivers
-    waited for buckets that never came)."""
+    """Run a push's :meth:`Pusher.steps` to its end; its report. Interrupted between two
+    steps (a Ctrl-C lands here as often as in a step), the push is closed: it aborts and
+    lets its sender go (left suspended, it would hold the sender's lock, and its receivers
+    would wait for buckets that never come)."""
     try:
         while True:
             try:
@@ -38,11 +38,10 @@ def take_turns(
     A step that yields True says its next one blocks this thread (until the GPU sent its
     buckets, or its receivers committed): it is resumed only once every other push
     reached such a step too, the longest parked first, so every link's buckets are
-    enqueued before the thread blocks on any. Before, a link that ended first blocked the
-    thread while another link's later buckets were not enqueued; that link's receives
-    then waited on this thread, and an engine rank loading a kernel meanwhile (CUDA waits
-    for the device's running kernels) hung 2 trainer ranks to 2 engine ranks on four
-    H200s (3 runs of 36). The update's time did not change (4.1 GB: 8.3-8.5 ms).
+    enqueued before the thread blocks on any. A link that ended first must not block the
+    thread while another link's later buckets are not enqueued: that link's receives
+    would wait on this thread, and an engine rank loading a kernel meanwhile (CUDA waits
+    for the device's running kernels) would hang.
     """
     going = dict(steps)
     ready: list[int] = list(going)  # pushes to step
