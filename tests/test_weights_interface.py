@@ -36,7 +36,8 @@ def test_the_sender_and_receiver_never_probe_a_transport_by_attribute_name():
         "sender/_preparing.py",
         "sender/_launching.py",
         "sender/_finishing.py",
-        "_receiver.py",
+        "receiver/_receiver.py",
+        "receiver/_loading.py",
     ):
         text = (src / name).read_text()
         for probe in ("hasattr(", "getattr(", "type: ignore"):

@@ -27,7 +27,6 @@ every rank (``describe_group(group, address)`` on the engine's side).
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
 from ._group import SenderGroup, describe_group
-from ._receiver import WeightReceiver
 from ._report import (
     PushReport,
     ReceiverStatistics,
@@ -56,6 +55,7 @@ from .planning import (
     specs_of,
     tp_layout,
 )
+from .receiver import WeightReceiver
 from .sender import WeightSender
 
 __all__ = [

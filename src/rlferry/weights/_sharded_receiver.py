@@ -14,7 +14,6 @@ import torch
 from rlferry.errors import RequestError
 
 from ._errors import ReceiverClosed, WeightSyncError
-from ._receiver import WeightReceiver
 from ._report import ShardedReceiverStatistics
 from ._sharded import _check_rank, _Plans, link_group
 from .copies._copy import GroupedCopy
@@ -22,6 +21,7 @@ from .planning._boxes import extents, slices
 from .planning._layouts import EngineLayout, TrainerLayout
 from .planning._shard_plan import ShardPlan
 from .planning._specs import TensorSpec
+from .receiver._receiver import WeightReceiver, link_receiver
 
 __all__ = ["ShardedReceiver"]
 
@@ -225,7 +225,7 @@ class ShardedReceiver:
         link = _Link(sender, address)
         load = functools.partial(self._load, link)
         around = self._around_load
-        r = WeightReceiver(
+        r = link_receiver(
             group=link_group(self.group, sender, self.rank if self.point_to_point else None),
             address=address,
             load=load if around is None else functools.partial(around, load),
@@ -233,11 +233,11 @@ class ShardedReceiver:
             on_failure=lambda why, final: self._link_failure(link, why, final),
             expected=lambda specs: self._check_link(link, specs),
             name=f"{self.name}<-trainer{sender}",
+            # no hook to run before our tensors change: a sender may write them
+            targets=functools.partial(self._targets_for, link) if around is None else None,
+            after_ack=self._link_acked,
             **self._link_args,
         )
-        r._after_ack = self._link_acked
-        if around is None:  # no hook to run before our tensors change: a sender may write them
-            r._targets = functools.partial(self._targets_for, link)
         link.receiver = r
         with self._cond:
             link.version = self._version  # what it holds of this rank's bytes: the whole version

@@ -1,28 +1,27 @@
 """A receiver's handling of a push's messages: its plan and buffers (``Setup``), its
 buckets (a mailbox's ``Bucket``, or a collective's ``Stream``), the loads, the commit;
 each answered with the ``Ack`` the receiver sends back. :class:`WeightReceiver` keeps
-the connection, the serving loop and the waiters."""
+the connection, the serving loop and the waiters, and owns a :class:`Loader`."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlferry.wire import Client, RemoteError, SecurityError, WireError
 
-from ._config import ReceiverConfig
-from ._errors import WeightSyncError
-from ._watch import StreamWatch
-from .copies._pack import Unpacker
-from .planning._buckets import Plan
-from .planning._specs import check_against
-from .protocol._messages import (
+from .._config import ReceiverConfig
+from .._errors import WeightSyncError
+from ..copies._pack import Unpacker
+from ..planning._buckets import Plan
+from ..planning._specs import check_against
+from ..protocol._messages import (
     ABORTED,
     DONE,
     IDLE,
@@ -37,9 +36,10 @@ from .protocol._messages import (
     decode_reply,
     encode,
 )
-from .transports._base import CollectiveReceiver, MailboxReceiver, checksum
+from ..transports._base import CollectiveReceiver, MailboxReceiver, checksum
+from ._watch import StreamWatch
 
-__all__ = ["PushLoading"]
+__all__ = ["Loader", "ReceiverCounts"]
 
 log = logging.getLogger("rlferry.weights")
 
@@ -50,41 +50,74 @@ def _host_of(address: str) -> str:
     return host.strip("[]") if host and host not in ("*", "0.0.0.0") else "127.0.0.1"
 
 
-class PushLoading:
-    """The push-handling half of :class:`WeightReceiver` (its state is made there)."""
+@dataclass
+class ReceiverCounts:
+    """What a receiver did so far (see ``ReceiverStatistics``)."""
 
-    config: ReceiverConfig
-    name: str
-    pushing: int | None
-    _client: Client | None
-    _key: bytes
-    _watch: StreamWatch
-    _prefetch: bytes | None
-    _cond: threading.Condition
-    _version: int | None
-    _unwoken: bool
-    _mailbox: MailboxReceiver | None
-    _collective: CollectiveReceiver | None
-    _plan: Plan | None
-    _unpacker: Unpacker | None
-    _bufs: list[torch.Tensor]
-    _counts: dict[str, int]
-    _last_seconds: float
-    _last_error: str | None
-    _push_start: float
-    _broke: str | None
-    _seen: int
-    _targets: Callable[[Plan], Any] | None
-    _written: bool
+    commits: int = 0
+    failures: int = 0
+    bytes: int = 0  # loaded
+    written: int = 0  # written into this receiver's tensors by its sender
+    last_seconds: float = 0.0
+    last_error: str | None = None
 
-    def _tell_failure(self, reason: str, final: bool = False) -> None:
+
+class Loader:
+    """One receiver's handling of the pushes' messages, and what it holds between them:
+    the plan, the buffers and their unpacker. ``committed(version)`` is called once a
+    version is whole here; ``targets``, if set, gives where each tensor of a plan goes in
+    the receiver's own tensors (a :class:`ShardedReceiver`'s, offered to a cuda_ipc sender
+    to write into)."""
+
+    def __init__(
+        self, config: ReceiverConfig, name: str, watch: StreamWatch, counts: ReceiverCounts,
+        committed: Callable[[int], None],
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.name = name
+        self.counts = counts
+        self._watch = watch
+        self._committed = committed
+        self._client: Client | None = None
+        self._mailbox: MailboxReceiver | None = None  # the transport, if a mailbox
+        self._collective: CollectiveReceiver | None = None  # the transport, if a collective
+        self._key = b""  # the receiver's key at the sender (Welcome's)
+        self.targets: Callable[[Plan], Any] | None = None
+        self._written = False  # the sender took the targets: it writes into them
+        self.seen = 0  # the last push it got a message of (a start after it is stale)
+        self.prefetch: bytes | None = None  # the request that asked for the next bucket
+        self.pushing: int | None = None  # the version of the push in progress, or last seen
+        self._broke: str | None = None  # why the stream just handled broke, not yet told
+        self._plan: Plan | None = None
+        self._unpacker: Unpacker | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._push_start = 0.0
+
+    def connect(
+        self, client: Client, mailbox: MailboxReceiver | None,
+        collective: CollectiveReceiver | None,
+    ) -> None:  # fmt: skip
+        """The receiver's socket to its sender, and its transport (exactly one kind)."""
+        self._client, self._mailbox, self._collective = client, mailbox, collective
+
+    def joined(self, key: bytes) -> None:
+        """The receiver (re)joined its sender under ``key``: that sender's pushes count
+        from 1."""
+        self._key, self.seen = key, 0
+
+    def take_broke(self) -> str | None:
+        """Why the stream just handled broke (see :meth:`WeightReceiver._heard`), once."""
+        broke, self._broke = self._broke, None
+        return broke
+
+    def tell_failure(self, reason: str, final: bool = False) -> None:
         if self.config.on_failure is not None:
             try:
                 self.config.on_failure(reason, final)
             except Exception as e:  # the receiver goes on: its own ack carries the failure
                 log.warning("receiver %s: on_failure raised %s: %s", self.name, type(e).__name__, e)
 
-    def _send(self, ack: Ack) -> bytes:
+    def send(self, ack: Ack) -> bytes:
         assert self._client is not None
         return self._client.send(encode(ack))
 
@@ -92,13 +125,15 @@ class PushLoading:
         """Ask for the next bucket now (it comes while this one loads); if the ask cannot
         go, the serving loop's next send meets the same error."""
         try:
-            self._prefetch = self._send(ack)
+            self.prefetch = self.send(ack)
         except (WireError, RemoteError, SecurityError) as e:
             log.debug("receiver %s: the next bucket was not asked for: %s", self.name, e)
 
-    def _handle(self, msg: Any) -> Ack:
+    def handle(self, msg: Any) -> Ack:
+        """Handle one message of a push; the acknowledgement to send back."""
+        self.prefetch = None
         if isinstance(msg, (Setup, Bucket, Stream, Abort)):
-            self._seen = max(self._seen, msg.seq)  # a start on the line up to it is stale
+            self.seen = max(self.seen, msg.seq)  # a start on the line up to it is stale
             if msg.version >= 0:
                 self.pushing = msg.version
         try:
@@ -118,13 +153,13 @@ class PushLoading:
 
     def _failed(self, seq: int, step: int, reason: str, broke: bool = False) -> Ack:
         """A failure of this push here; ``broke``: its stream broke (see :meth:`_heard`)."""
-        self._counts["failures"] += 1
-        self._last_error = reason
+        self.counts.failures += 1
+        self.counts.last_error = reason
         log.warning("receiver %s: %s", self.name, reason)
         if broke:
             self._broke = reason
         else:
-            self._tell_failure(reason)
+            self.tell_failure(reason)
         return Ack(seq, step, error=reason)
 
     def _dropped(self, seq: int, why: str, broke: bool = False) -> Ack:
@@ -132,7 +167,7 @@ class PushLoading:
         if broke:
             self._broke = why
         else:
-            self._tell_failure(why)
+            self.tell_failure(why)
         return Ack(seq, ABORTED)
 
     def _setup(self, msg: Setup) -> Ack:
@@ -165,7 +200,7 @@ class PushLoading:
                 bufs = list(mail.tensors)
                 self._unpacker = Unpacker.direct(plan, bufs, mail.strides)
                 self._bufs, self._plan = bufs, plan
-                targets = self._targets(plan) if self._targets is not None else None
+                targets = self.targets(plan) if self.targets is not None else None
                 offered = mail.offer(targets) if targets is not None else None
                 self._written = offered is not None
                 return Ack(msg.seq, PLAN, handles=handles, targets=offered)
@@ -200,7 +235,7 @@ class PushLoading:
         items = u.loads[k]
         if items:
             self.config.load(items)
-        self._counts["bytes"] += u.bytes[k]
+        self.counts.bytes += u.bytes[k]
 
     def _bucket(self, msg: Bucket) -> Ack:
         plan, u = self._plan, self._unpacker
@@ -239,7 +274,7 @@ class PushLoading:
             try:
                 if self._written:  # the sender wrote this push into our tensors
                     assert self._unpacker is not None
-                    self._counts["written"] += self._unpacker.bytes[k]
+                    self.counts.written += self._unpacker.bytes[k]
                 else:
                     self._load(k)
             except Exception as e:
@@ -288,10 +323,8 @@ class PushLoading:
                 self.config.on_commit(version)
             except Exception as e:
                 return self._failed(seq, DONE - 1, f"on_commit raised {type(e).__name__}: {e}")
-        with self._cond:
-            self._version = version  # read at once; waiters are woken once the ack went
-        self._unwoken = True
-        self._counts["commits"] += 1
-        self._last_seconds = time.perf_counter() - self._push_start
+        self._committed(version)
+        self.counts.commits += 1
+        self.counts.last_seconds = time.perf_counter() - self._push_start
         self._push_start = 0.0
         return Ack(seq, DONE)

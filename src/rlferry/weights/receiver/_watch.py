@@ -27,7 +27,7 @@ from rlferry.wire import (
     wire_loop,
 )
 
-from .protocol._messages import Abort, Watch, decode_reply, encode
+from ..protocol._messages import Abort, Watch, decode_reply, encode
 
 __all__ = ["StreamWatch"]
 

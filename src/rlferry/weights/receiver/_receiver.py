@@ -23,16 +23,13 @@ from rlferry.wire import (
     WireError,
 )
 
-from ._config import ReceiverConfig
-from ._errors import ReceiverClosed, SenderGone, WeightSyncError
-from ._loading import PushLoading
-from ._report import ReceiverStatistics
-from ._watch import StreamWatch
-from .copies._pack import Unpacker
-from .planning._buckets import Plan
-from .planning._specs import TensorSpec
-from .protocol._datagrams import Line, Starter
-from .protocol._messages import (
+from .._config import ReceiverConfig
+from .._errors import ReceiverClosed, SenderGone, WeightSyncError
+from .._report import ReceiverStatistics
+from ..planning._buckets import Plan
+from ..planning._specs import TensorSpec
+from ..protocol._datagrams import Line, Starter
+from ..protocol._messages import (
     ABORTED,
     DONE,
     IDLE,
@@ -45,21 +42,19 @@ from .protocol._messages import (
     decode_reply,
     encode,
 )
-from .transports import make_receiver
-from .transports._base import (
-    CollectiveReceiver,
-    MailboxReceiver,
-    ReceiverTransport,
-)
+from ..transports import make_receiver
+from ..transports._base import CollectiveReceiver, MailboxReceiver, ReceiverTransport
+from ._loading import Loader, ReceiverCounts
+from ._watch import StreamWatch
 
-__all__ = ["WeightReceiver"]
+__all__ = ["WeightReceiver", "link_receiver"]
 
 log = logging.getLogger("rlferry.weights")
 _names = itertools.count()
 _HEARD = 10.0  # seconds a sender has to answer a receiver whose stream broke (see _heard)
 
 
-class WeightReceiver(PushLoading):
+class WeightReceiver:
     """Receives the pushes of one sender's group and hands each bucket to ``load``.
 
     ``load(items)`` gets a list of ``(name, tensor)`` and must copy them into the
@@ -114,23 +109,20 @@ class WeightReceiver(PushLoading):
         )
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
         self._transport: ReceiverTransport | None = None
-        self._mailbox: MailboxReceiver | None = None  # the transport, if a mailbox
         self._collective: CollectiveReceiver | None = None  # the transport, if a collective
         # the serving thread's own socket to the sender: its messages go without a hop to
         # the wire loop's thread and back (they are most of a small push's time)
         self._client: Client | None = None
         self._key = b""  # this receiver's key at the sender (Welcome's)
-        # where the sender's pushing thread may start its streams (see _line), and the
-        # sender's process, the only one whose starts it takes
+        # where the sender's pushing thread may start its streams (see protocol._datagrams),
+        # and the sender's process, the only one whose starts it takes
         self._line: Line | None = None
         self._sender_pid = 0
-        self._seen = 0  # the last push it got a message of (a start after it is stale)
         self._lined = 0  # the last push started on the line that it settled
         # a mailbox sender's commit line, told of each commit before its acknowledgement
         self._commits = ""
         self._teller: Starter | None = None
         self._watch = StreamWatch(address, secret, self.name)
-        self._prefetch: bytes | None = None  # the request that asked for the next bucket
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._version: int | None = None
@@ -138,22 +130,10 @@ class WeightReceiver(PushLoading):
         # runs then too (a ShardedReceiver's, whose waiters wait on the whole version)
         self._unwoken = False
         self._after_ack: Callable[[], None] | None = None
-        # zero copy over cuda_ipc: where each tensor of a plan goes in this receiver's own
-        # tensors, offered to the sender to write there (set by a ShardedReceiver; None:
-        # this receiver loads, through its ``load``), and whether the sender took them
-        self._targets: Callable[[Plan], Any] | None = None
-        self._written = False
         self._closed = False
-        self._plan: Plan | None = None
-        self._unpacker: Unpacker | None = None
-        self._bufs: list[torch.Tensor] = []
-        self._counts = {"commits": 0, "failures": 0, "bytes": 0, "written": 0}
-        self._last_seconds = 0.0
-        self._last_error: str | None = None
-        self._push_start = 0.0
-        self._broke: str | None = None  # why the stream just handled broke, not yet told
+        self._counts = ReceiverCounts()
+        self._loader = Loader(self.config, self.name, self._watch, self._counts, self._committed)
         self._stopped: tuple[type[WeightSyncError], str] | None = None  # why it serves no more
-        self.pushing: int | None = None  # the version of the push in progress, or last seen
 
     # -- life ---------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> WeightReceiver:
@@ -178,8 +158,9 @@ class WeightReceiver(PushLoading):
             self._line.close()
             raise
         tr = self._transport = make_receiver(welcome.transport)
-        self._mailbox = tr if isinstance(tr, MailboxReceiver) else None
         self._collective = tr if isinstance(tr, CollectiveReceiver) else None
+        mailbox = tr if isinstance(tr, MailboxReceiver) else None
+        self._loader.connect(self._client, mailbox, self._collective)
         self._thread = threading.Thread(
             target=self._serve, name=f"rlferry-weights-{self.name}", daemon=True
         )
@@ -219,7 +200,8 @@ class WeightReceiver(PushLoading):
         self._commits = reply.commits
         if self._commits and self._teller is None:
             self._teller = Starter()
-        self._seen = self._lined = 0  # this sender's pushes count from 1
+        self._loader.joined(reply.key)
+        self._lined = 0  # this sender's pushes count from 1
         if not reply.line and self._line is not None:  # not reached, or not a collective's
             self._line.close()
             self._line = None
@@ -229,6 +211,11 @@ class WeightReceiver(PushLoading):
     def version(self) -> int | None:
         """The last version committed, or None before the first."""
         return self._version
+
+    @property
+    def pushing(self) -> int | None:
+        """The version of the push in progress, or of the last one seen (None before)."""
+        return self._loader.pushing
 
     @property
     def collective(self) -> bool:
@@ -268,7 +255,7 @@ class WeightReceiver(PushLoading):
                 self._stopped = (cls, why + then)
             self._cond.notify_all()
         if first:
-            self._tell_failure(why, final=True)
+            self._loader.tell_failure(why, final=True)
 
     def close(self) -> None:
         """Leave the group; a push in progress sees this receiver gone."""
@@ -298,24 +285,30 @@ class WeightReceiver(PushLoading):
         self.close()
 
     def statistics(self) -> ReceiverStatistics:
-        t = self._transport
+        t, c = self._transport, self._counts
         return ReceiverStatistics(
             group=self.config.group,
             name=self.name,
             version=self._version,
-            commits=self._counts["commits"],
-            failures=self._counts["failures"],
-            bytes_loaded=self._counts["bytes"],
-            bytes_written=self._counts["written"],
-            last_push_seconds=self._last_seconds,
+            commits=c.commits,
+            failures=c.failures,
+            bytes_loaded=c.bytes,
+            bytes_written=c.written,
+            last_push_seconds=c.last_seconds,
             buffers_opened=t.opened if t is not None else 0,
             groups_joined=t.groups_joined if t is not None else 0,
-            last_error=self._last_error,
+            last_error=c.last_error,
             stopped=self._stopped[1] if self._stopped is not None else None,
             buffer_bytes=t.buffer_bytes if t is not None else 0,
         )
 
     # -- the loop -----------------------------------------------------------------
+    def _committed(self, version: int) -> None:
+        """Version ``version`` is whole here (the loader's commit, on the serving thread)."""
+        with self._cond:
+            self._version = version  # read at once; waiters are woken once the ack went
+        self._unwoken = True
+
     def _note(self, ack: Ack) -> None:
         """A bare acknowledgement: sent, its (empty) answer not waited for. If it cannot go
         (the sender went away, the receiver closed), the wait that follows says so."""
@@ -351,7 +344,7 @@ class WeightReceiver(PushLoading):
                 f"; this receiver stays at version {self._version}",
             )
         if stopped is not None:
-            self._last_error = stopped[1]
+            self._counts.last_error = stopped[1]
             self._stop(*stopped)
 
     def _serve_pushes(self) -> tuple[type[WeightSyncError], str, str] | None:
@@ -365,7 +358,7 @@ class WeightReceiver(PushLoading):
         while not self._closed:
             try:
                 if ask is not None:
-                    rid, ask = self._send(ask), None
+                    rid, ask = self._loader.send(ask), None
                     self._wake()
                 line = self._line.socket if self._line is not None else None
                 reply = self._client.wait(rid, also=line)
@@ -386,38 +379,37 @@ class WeightReceiver(PushLoading):
             if msg is None:  # its start line: the request stays parked
                 assert self._line is not None
                 msg = self._line.take(self._sender_pid)
-                if msg is None or msg.seq <= self._seen:
+                if msg is None or msg.seq <= self._loader.seen:
                     continue  # a probe, a stray, or the start of a push already aborted
             elif isinstance(msg, Abort) and msg.seq == self._lined:
                 # a push started on its line, settled here (its ack is on its way): it is
                 # dropped for the sender's sake, and not told again to on_failure
                 ask = Ack(msg.seq, ABORTED)
                 continue
-            self._prefetch = None
-            ack = self._handle(msg)
+            ack = self._loader.handle(msg)
             if ack.step == DONE and self._teller is not None:  # said first where it is awaited
                 self._teller.committed(self._commits, ack.seq, self._key)
             if lined:
                 assert isinstance(msg, Stream)
                 self._lined = msg.seq
-            if self._broke is not None:
+            broke = self._loader.take_broke()
+            if broke is not None:
                 try:
-                    self._heard(ack)
+                    self._heard(ack, broke)
                 except PeerGone as e:
-                    return self._gone(e, f" while it pushed version {self.pushing}: {self._broke}")
+                    return self._gone(e, f" while it pushed version {self.pushing}: {broke}")
                 except ChannelClosed:
                     return None
-                self._broke = None
                 if lined:  # told unparked: the request stays parked
                     continue
             elif lined:  # told unparked: the request stays parked
                 self._note(ack)
                 self._wake()
                 continue
-            if self._prefetch is not None:  # the next bucket is already asked for
+            if self._loader.prefetch is not None:  # the next bucket is already asked for
                 self._note(ack)
                 self._wake()
-                rid = self._prefetch
+                rid = self._loader.prefetch
             else:
                 ask = ack
         return None
@@ -431,16 +423,30 @@ class WeightReceiver(PushLoading):
             "new WeightReceiver)",
         )
 
-    def _heard(self, ack: Ack) -> None:
+    def _heard(self, ack: Ack, broke: str) -> None:
         """A stream that broke (its collective failed, or was aborted): whether because
         the sender went away. Its process died in the stream as likely as any other
         fault, and the collective's error says only that a connection broke: the sender
         is told now, and answers at once (unparked) if it is there; then the failure is
         told as this push's (``on_failure``, not final). Raises ``PeerGone`` if it went
         away (the receiver stops: a final failure naming the sender)."""
-        assert self._client is not None and self._broke is not None
+        assert self._client is not None
         try:
             self._client.request(encode(msgspec.structs.replace(ack, park=False)), _HEARD)
         except (RequestTimeout, RemoteError) as e:  # there, but it did not hear: the next ask says
             log.warning("receiver %s: the sender did not take the failure: %s", self.name, e)
-        self._tell_failure(self._broke)
+        self._loader.tell_failure(broke)
+
+
+def link_receiver(
+    *, after_ack: Callable[[], None], targets: Callable[[Plan], Any] | None, **kwargs: Any
+) -> WeightReceiver:
+    """A :class:`WeightReceiver` (``kwargs``) of one link of a :class:`ShardedReceiver`:
+    ``after_ack`` runs once each commit's acknowledgement went (the sharded receiver's
+    waiters wait on the whole version); ``targets``, if given, where each tensor of a
+    plan goes in the engine rank's own tensors, offered to a cuda_ipc sender to write
+    there (None: this receiver loads, through its ``load``)."""
+    r = WeightReceiver(**kwargs)
+    r._after_ack = after_ack
+    r._loader.targets = targets
+    return r
