@@ -253,7 +253,7 @@ def test_broadcast_a_push_ends_on_the_receivers_word_on_the_group_the_next_waits
         gate.set()
         s.push(sd.items(), version=1, timeout=60)
         gate.clear()
-        keys.add(rs[1]._key)
+        keys.add(rs[1]._conn.key)
         # the sender cannot have taken r1's ack of version 2 (held, or not come yet)
         assert s.push(sd.items(), version=2, timeout=60).receivers == ("r0", "r1")
         assert rs[1].version == 2 and all(e.equals(sd) for e in engines)

@@ -37,6 +37,7 @@ def test_the_sender_and_receiver_never_probe_a_transport_by_attribute_name():
         "sender/_launching.py",
         "sender/_finishing.py",
         "receiver/_receiver.py",
+        "receiver/_connection.py",
         "receiver/_loading.py",
     ):
         text = (src / name).read_text()

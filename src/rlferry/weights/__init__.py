@@ -26,7 +26,6 @@ every rank (``describe_group(group, address)`` on the engine's side).
 
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
-from ._group import SenderGroup, describe_group
 from ._report import (
     PushReport,
     ReceiverStatistics,
@@ -34,8 +33,6 @@ from ._report import (
     ShardedReceiverStatistics,
     ShardedSenderStatistics,
 )
-from ._sharded import ShardedSender, link_group
-from ._sharded_receiver import ShardedReceiver
 from .copies._copy import GroupedCopy, ParamLoader
 from .planning import (
     Cluster,
@@ -57,6 +54,7 @@ from .planning import (
 )
 from .receiver import WeightReceiver
 from .sender import WeightSender
+from .sharded import SenderGroup, ShardedReceiver, ShardedSender, describe_group, link_group
 
 __all__ = [
     "Cluster",

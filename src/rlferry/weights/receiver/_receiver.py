@@ -10,40 +10,28 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import msgspec
 import torch
 
-from rlferry.wire import (
-    ChannelClosed,
-    Client,
-    PeerGone,
-    RemoteError,
-    RequestTimeout,
-    SecurityError,
-    WireError,
-)
+from rlferry.wire import ChannelClosed, PeerGone, RemoteError
 
 from .._config import ReceiverConfig
 from .._errors import ReceiverClosed, SenderGone, WeightSyncError
 from .._report import ReceiverStatistics
 from ..planning._buckets import Plan
 from ..planning._specs import TensorSpec
-from ..protocol._datagrams import Line, Starter
 from ..protocol._messages import (
     ABORTED,
     DONE,
     IDLE,
     Abort,
     Ack,
-    Join,
-    Leave,
     Stream,
     Welcome,
     decode_reply,
-    encode,
 )
 from ..transports import make_receiver
 from ..transports._base import CollectiveReceiver, MailboxReceiver, ReceiverTransport
+from ._connection import Connection
 from ._loading import Loader, ReceiverCounts
 from ._watch import StreamWatch
 
@@ -51,7 +39,6 @@ __all__ = ["WeightReceiver", "link_receiver"]
 
 log = logging.getLogger("rlferry.weights")
 _names = itertools.count()
-_HEARD = 10.0  # seconds a sender has to answer a receiver whose stream broke (see _heard)
 
 
 class WeightReceiver:
@@ -110,18 +97,8 @@ class WeightReceiver:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
         self._transport: ReceiverTransport | None = None
         self._collective: CollectiveReceiver | None = None  # the transport, if a collective
-        # the serving thread's own socket to the sender: its messages go without a hop to
-        # the wire loop's thread and back (they are most of a small push's time)
-        self._client: Client | None = None
-        self._key = b""  # this receiver's key at the sender (Welcome's)
-        # where the sender's pushing thread may start its streams (see protocol._datagrams),
-        # and the sender's process, the only one whose starts it takes
-        self._line: Line | None = None
-        self._sender_pid = 0
-        self._lined = 0  # the last push started on the line that it settled
-        # a mailbox sender's commit line, told of each commit before its acknowledgement
-        self._commits = ""
-        self._teller: Starter | None = None
+        self._conn = Connection(self.config, self.name)
+        self._lined = 0  # the last push started on the start line that it settled
         self._watch = StreamWatch(address, secret, self.name)
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
@@ -150,62 +127,22 @@ class WeightReceiver:
             )
         if self._thread is not None:
             raise WeightSyncError(f"receiver `{self.name}` is already started")
-        self._client = Client(self.config.address, secret=self.config.secret)
-        self._line = Line()
-        try:
-            welcome = self._join(timeout)
-        except BaseException:
-            self._line.close()
-            raise
+        welcome = self._conn.open(timeout)
+        self._joined(welcome)
         tr = self._transport = make_receiver(welcome.transport)
         self._collective = tr if isinstance(tr, CollectiveReceiver) else None
         mailbox = tr if isinstance(tr, MailboxReceiver) else None
-        self._loader.connect(self._client, mailbox, self._collective)
+        assert self._conn.client is not None
+        self._loader.connect(self._conn.client, mailbox, self._collective)
         self._thread = threading.Thread(
             target=self._serve, name=f"rlferry-weights-{self.name}", daemon=True
         )
         self._thread.start()
         return self
 
-    def _join(self, timeout: float | None) -> Welcome:
-        assert self._client is not None
-        c = self.config
-        line = self._line.name if self._line is not None else ""
-        join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify, line)
-        try:
-            reply = decode_reply(self._client.request(encode(join), timeout))
-        except RemoteError as e:
-            self._client.close()
-            raise WeightSyncError(
-                f"receiver `{self.name}` cannot join group {c.group!r} at {c.address}: {e.message}"
-            ) from None
-        except PeerGone as e:
-            self._client.close()
-            raise SenderGone(
-                f"receiver `{self.name}` cannot reach the sender at {c.address}: {e}"
-            ) from None
-        except RequestTimeout:
-            self._client.close()
-            raise SenderGone(
-                f"receiver `{self.name}`: no answer from the sender at {c.address} within "
-                f"{timeout:g} s (is the sender running, and is this its address?)"
-            ) from None
-        except (WireError, SecurityError) as e:
-            self._client.close()
-            raise WeightSyncError(
-                f"receiver `{self.name}`: no answer from the sender at {c.address}: {e}"
-            ) from None
-        assert isinstance(reply, Welcome)
-        self._key, self._sender_pid = reply.key, reply.pid
-        self._commits = reply.commits
-        if self._commits and self._teller is None:
-            self._teller = Starter()
-        self._loader.joined(reply.key)
+    def _joined(self, welcome: Welcome) -> None:
+        self._loader.joined(welcome.key)
         self._lined = 0  # this sender's pushes count from 1
-        if not reply.line and self._line is not None:  # not reached, or not a collective's
-            self._line.close()
-            self._line = None
-        return reply
 
     @property
     def version(self) -> int | None:
@@ -264,19 +201,13 @@ class WeightReceiver:
         self._closed = True
         self._stop(ReceiverClosed, f"it is closed (at version {self._version})")
         self._watch.close()
-        if self._client is not None:
-            # Leave first: the sender drops us now, not when it sees the socket go (and
-            # if the sender is gone already, there is nobody to tell). A wait of the
-            # serving thread ends at once.
-            self._client.close(farewell=encode(Leave()))
+        self._conn.leave()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30)
         if self._transport is not None:
             self._transport.close()
-        if self._line is not None and (self._thread is None or not self._thread.is_alive()):
-            self._line.close()
-        if self._teller is not None and (self._thread is None or not self._thread.is_alive()):
-            self._teller.close()
+        if self._thread is None or not self._thread.is_alive():
+            self._conn.close_lines()
 
     def __enter__(self) -> WeightReceiver:
         return self.start() if self._thread is None else self
@@ -309,19 +240,10 @@ class WeightReceiver:
             self._version = version  # read at once; waiters are woken once the ack went
         self._unwoken = True
 
-    def _note(self, ack: Ack) -> None:
-        """A bare acknowledgement: sent, its (empty) answer not waited for. If it cannot go
-        (the sender went away, the receiver closed), the wait that follows says so."""
-        assert self._client is not None
-        try:
-            self._client.send(encode(msgspec.structs.replace(ack, park=False)), reply=False)
-        except (WireError, RemoteError, SecurityError) as e:
-            log.debug("receiver %s: an acknowledgement was not sent: %s", self.name, e)
-
     def _wake(self) -> None:
         """Wake the waiters of the version just committed, after its acknowledgement went:
-        a waiting thread woken before took the GIL from the one sending it (timelines on
-        four H100s and on the CPU: the acknowledgement went 0.1-0.2 ms later)."""
+        a waiting thread woken first takes the GIL from the one sending it (the
+        acknowledgement goes 0.1-0.2 ms later so, on four H100s and on the CPU)."""
         if not self._unwoken:
             return
         self._unwoken = False
@@ -352,7 +274,7 @@ class WeightReceiver:
         dev = self.config.device
         if dev is not None and dev.type == "cuda":
             torch.cuda.set_device(dev)
-        assert self._client is not None
+        conn = self._conn
         ask: Ack | None = Ack(0, IDLE)  # the next request to send (None: ``rid`` is sent)
         rid = b""
         while not self._closed:
@@ -360,8 +282,7 @@ class WeightReceiver:
                 if ask is not None:
                     rid, ask = self._loader.send(ask), None
                     self._wake()
-                line = self._line.socket if self._line is not None else None
-                reply = self._client.wait(rid, also=line)
+                reply = conn.wait(rid)
                 msg = decode_reply(reply) if reply is not None else None
             except ChannelClosed:
                 return None
@@ -370,15 +291,14 @@ class WeightReceiver:
             except RemoteError as e:  # the sender forgot us (it saw us disconnect): join again
                 log.info("receiver %s: %s; joining again", self.name, e.message)
                 try:
-                    self._join(30.0)
+                    self._joined(conn.join(30.0))
                 except WeightSyncError as e2:
                     return type(e2), f"the sender dropped it and it could not join again: {e2}", ""
                 ask = Ack(0, IDLE)
                 continue
             lined = msg is None
             if msg is None:  # its start line: the request stays parked
-                assert self._line is not None
-                msg = self._line.take(self._sender_pid)
+                msg = conn.take_start()
                 if msg is None or msg.seq <= self._loader.seen:
                     continue  # a probe, a stray, or the start of a push already aborted
             elif isinstance(msg, Abort) and msg.seq == self._lined:
@@ -387,8 +307,8 @@ class WeightReceiver:
                 ask = Ack(msg.seq, ABORTED)
                 continue
             ack = self._loader.handle(msg)
-            if ack.step == DONE and self._teller is not None:  # said first where it is awaited
-                self._teller.committed(self._commits, ack.seq, self._key)
+            if ack.step == DONE:  # said first where it is awaited
+                conn.say_committed(ack.seq)
             if lined:
                 assert isinstance(msg, Stream)
                 self._lined = msg.seq
@@ -403,11 +323,11 @@ class WeightReceiver:
                 if lined:  # told unparked: the request stays parked
                     continue
             elif lined:  # told unparked: the request stays parked
-                self._note(ack)
+                conn.note(ack)
                 self._wake()
                 continue
             if self._loader.prefetch is not None:  # the next bucket is already asked for
-                self._note(ack)
+                conn.note(ack)
                 self._wake()
                 rid = self._loader.prefetch
             else:
@@ -430,11 +350,7 @@ class WeightReceiver:
         is told now, and answers at once (unparked) if it is there; then the failure is
         told as this push's (``on_failure``, not final). Raises ``PeerGone`` if it went
         away (the receiver stops: a final failure naming the sender)."""
-        assert self._client is not None
-        try:
-            self._client.request(encode(msgspec.structs.replace(ack, park=False)), _HEARD)
-        except (RequestTimeout, RemoteError) as e:  # there, but it did not hear: the next ask says
-            log.warning("receiver %s: the sender did not take the failure: %s", self.name, e)
+        self._conn.heard(ack)
         self._loader.tell_failure(broke)
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ._sharded import ShardedSender
-    from .planning._shard_plan import ShardPlan
+from ..planning._shard_plan import ShardPlan
+from ._cuts import Cuts
 
 __all__ = ["Guard", "Ready", "local_tensors", "moved", "where_of"]
 
@@ -33,8 +32,8 @@ class Ready:
     link started, when the push can go early) or bucket by bucket (``lazy``); each link's
     pieces (the views kept from the last push while the tensors lie where they did)."""
 
-    def __init__(self, sender: ShardedSender, plan: ShardPlan, named: Any) -> None:
-        self.sender, self.plan = sender, plan
+    def __init__(self, cuts: Cuts, plan: ShardPlan, named: Any) -> None:
+        self.cuts, self.plan = cuts, plan
         self.local, self.plain = local_tensors(named)
         self.tensors = list(self.local.values())
         self.shapes = (list(self.local), list(map(_shape_of, self.tensors)) if self.plain
@@ -47,19 +46,19 @@ class Ready:
     def __call__(self) -> None:
         if self._done:
             return
-        s = self.sender
+        c = self.cuts
         self.where = where = where_of(self.tensors, self.plain)
-        if self.plan is not s._cut_plan or where != s._where or self.shapes != s._shapes:
-            s._views = {}  # other tensors (or a new plan): the views are cut again
-        s._where, s._shapes = where, self.shapes
+        if self.plan is not c.plan or where != c.where or self.shapes != c.shapes:
+            c.views = {}  # other tensors (or a new plan): the views are cut again
+        c.where, c.shapes = where, self.shapes
         first = next(iter(self.local.values()), None)
-        s._on_gpu = isinstance(first, torch.Tensor) and first.is_cuda
+        c.on_gpu = isinstance(first, torch.Tensor) and first.is_cuda
         self._done = True
 
     def keep_where(self) -> None:
         """Lazy, once the push went: where the tensors its guards found moved lie now,
         for the next push's checks."""
-        w = self.sender._where
+        w = self.cuts.where
         assert w is not None and len(w) == 3
         for p in self.changed:
             t = self.tensors[p]
@@ -68,12 +67,12 @@ class Ready:
     def pieces(self, r: int) -> tuple[list[tuple[str, torch.Tensor]], bool, Guard | None]:
         """Link ``r``'s pieces, whether they are the list it pushed last (the same
         tensors: their checks are skipped) and, lazy, the guard that checks them."""
-        kept = self.sender._views.get(r)
+        kept = self.cuts.views.get(r)
         if self.lazy and kept is not None:
             return kept, True, Guard(self, r, kept)
         self()
-        kept = self.sender._views.get(r)
-        pieces = self.sender._pieces(self.plan, r, self.local)
+        kept = self.cuts.views.get(r)
+        pieces = self.cuts.pieces(self.plan, r, self.local)
         return pieces, pieces is kept, None
 
 
@@ -87,8 +86,8 @@ class Guard:
 
     def __init__(self, ready: Ready, r: int, pieces: list[tuple[str, torch.Tensor]]) -> None:
         self.ready, self.pieces = ready, pieces
-        self.source, self.of_source, self.buckets = ready.sender._sources(r, ready.shapes[0])
-        w = ready.sender._where
+        self.source, self.of_source, self.buckets = ready.cuts.sources(r, ready.shapes[0])
+        w = ready.cuts.where
         assert w is not None and len(w) == 3
         self.where = w
         self.done: set[int] = set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,53 +12,16 @@ import torch
 
 from rlferry.errors import RequestError
 
-from ._errors import ReceiverClosed, WeightSyncError
-from ._report import ShardedReceiverStatistics
-from ._sharded import _check_rank, _Plans, link_group
-from .copies._copy import GroupedCopy
-from .planning._boxes import extents, slices
-from .planning._layouts import EngineLayout, TrainerLayout
-from .planning._shard_plan import ShardPlan
-from .planning._specs import TensorSpec
-from .receiver._receiver import WeightReceiver, link_receiver
+from .._errors import ReceiverClosed, WeightSyncError
+from .._report import ShardedReceiverStatistics
+from ..planning._layouts import EngineLayout, TrainerLayout
+from ..planning._shard_plan import ShardPlan
+from ..planning._specs import TensorSpec
+from ..receiver._receiver import link_receiver
+from ._links import Link, Op, ops_of, targets_for
+from ._plans import Plans, check_rank, link_group
 
 __all__ = ["ShardedReceiver"]
-
-
-class _Link:
-    """One trainer rank, as an engine rank sees it: its receiver and where it stands."""
-
-    def __init__(self, sender: int, address: str) -> None:
-        self.sender = sender
-        self.address = address
-        self.receiver: WeightReceiver | None = None
-        self.version: int | None = None
-        self.failure: tuple[int | None, str, bool] | None = None  # (version, reason, final)
-        # by rlferry's list of a bucket's views: its copies into this rank's tensors, one
-        # GroupedCopy (one launch on CUDA), kept while the list is handed again
-        self.copies: dict[int, _Copies] = {}
-
-
-_Op = tuple[tuple[slice, ...], torch.Tensor, bool]  # piece region, destination view, reshape
-
-
-class _Copies:
-    """A bucket's copies into this rank's tensors, one :class:`GroupedCopy` (one launch on
-    CUDA, one bulk copy on the CPU), which works on the tensors' addresses: ``moved`` says
-    whether a destination's changed since (its storage moved into shared memory by a
-    zero-copy push of it, say), and then it must be built again. The sources are views of
-    the receiver's buffers, fixed while the bucket's list is the same object (the list
-    this is kept by). ``views``: every source is a view of the bucket (else a reshape
-    copied one: good for this push only)."""
-
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], views: bool) -> None:
-        self.copy = GroupedCopy(dsts, srcs)
-        self.dsts = dsts
-        self.addresses = list(map(torch.Tensor.data_ptr, dsts))
-        self.views = views
-
-    def moved(self) -> bool:  # read at C speed: 18,867 pieces a push in MoE models
-        return list(map(torch.Tensor.data_ptr, self.dsts)) != self.addresses
 
 
 class ShardedReceiver:
@@ -105,10 +67,10 @@ class ShardedReceiver:
         around_load: Callable[[Callable[[list[tuple[str, torch.Tensor]]], None],
                                list[tuple[str, torch.Tensor]]], Any] | None = None,
     ) -> None:  # fmt: skip
-        self.rank = _check_rank("ShardedReceiver", rank, len(engine.receivers), "engine")
+        self.rank = check_rank("ShardedReceiver", rank, len(engine.receivers), "engine")
         self.group = group
         self.name = name or f"engine-rank-{rank}"
-        self._plans = _Plans(trainer, engine)
+        self._plans = Plans(trainer, engine)
         self._params = dict(params)
         self._addresses = (
             dict(enumerate(addresses)) if isinstance(addresses, Sequence) else dict(addresses)
@@ -118,38 +80,16 @@ class ShardedReceiver:
         self.point_to_point = point_to_point
         self._link_args = {"device": device, "secret": secret, "verify": verify}
         self._cond = threading.Condition()
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, Link] = {}
         self._version: int | None = None
         self._advanced = False  # the version moved, its waiters not woken yet
         self._closed = False
-        self._ops: dict[int, dict[str, list[_Op]]] = {}
+        self._ops: dict[int, dict[str, list[Op]]] = {}
         self._build_ops(self._plans.get())
 
     # -- the plan and the copies ------------------------------------------------------
     def _build_ops(self, plan: ShardPlan) -> None:
-        want = plan.engine.param_specs(self.rank)
-        for n, spec in want.items():
-            t = self._params.get(n)
-            if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                got = "no such tensor" if t is None else f"shape {list(t.shape)} {t.dtype}"
-                raise RequestError(
-                    f"ShardedReceiver.params[{n!r}]: expected {spec.describe()} (engine rank "
-                    f"{self.rank} of the engine layout), got {got} (give this rank's tensors, "
-                    "made from EngineLayout.param_specs)"
-                )
-        ops: dict[int, dict[str, list[_Op]]] = {}
-        for s in plan.senders_of(self.rank):
-            mine: dict[str, list[_Op]] = {}
-            copies = (
-                plan.link(s, self.rank)[1] if self.point_to_point else plan.copies[(s, self.rank)]
-            )
-            for c in copies:
-                dst = self._params[c.param][slices(c.at)]
-                mine.setdefault(c.piece, []).append(
-                    (slices(c.within), dst, extents(c.within) != tuple(dst.shape))
-                )
-            ops[s] = mine
-        self._ops = ops
+        self._ops = ops_of(plan, self.rank, self._params, self.point_to_point)
         for link in list(getattr(self, "_links", {}).values()):
             link.copies.clear()  # new destinations
 
@@ -222,7 +162,7 @@ class ShardedReceiver:
             address = address[self.rank]
         self._drop(sender)
         self._addresses[sender] = address
-        link = _Link(sender, address)
+        link = Link(sender, address)
         load = functools.partial(self._load, link)
         around = self._around_load
         r = link_receiver(
@@ -272,7 +212,7 @@ class ShardedReceiver:
         self.close()
 
     # -- per link, on its receiver's thread ---------------------------------------------
-    def _check_link(self, link: _Link, specs: list[TensorSpec]) -> None:
+    def _check_link(self, link: Link, specs: list[TensorSpec]) -> None:
         plan = self._plans.get()
         if self.point_to_point:
             want = [p.spec() for p in plan.link(link.sender, self.rank)[0]]
@@ -290,63 +230,20 @@ class ShardedReceiver:
             f"does not: {diff} (give every sender and receiver the same layouts)"
         )
 
-    def _load(self, link: _Link, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, link: Link, items: list[tuple[str, torch.Tensor]]) -> None:
         with self._cond:
             if link.failure is not None and not link.failure[2]:
                 link.failure = None  # a new push of this rank reached us
-        kept = link.copies.get(id(items))
-        if kept is not None and kept.moved():
-            kept = None  # a tensor's storage moved (share_memory_ does): built again
-        if kept is None:
-            kept = self._copy_of(link, items)
-            if kept.views:  # its sources are views of the bucket: kept for the next push
-                try:
-                    weakref.finalize(items, link.copies.pop, id(items), None)
-                    link.copies[id(items)] = kept
-                except TypeError:  # not rlferry's list (a plain list cannot be watched)
-                    pass
-        kept.copy()
+        link.load(self._ops.get(link.sender, {}), items)
 
     def _targets_for(
-        self, link: _Link, plan: Any
+        self, link: Link, plan: Any
     ) -> list[list[tuple[tuple[slice, ...], torch.Tensor]]] | None:
-        """Where each tensor of a link's plan goes in this rank's tensors: the regions and
-        views a cuda_ipc sender writes (see ``transports._cuda_shared``); None where a
-        region cannot be written as it is (a view that reshaping would copy)."""
-        ops = self._ops.get(link.sender, {})
-        out = []
-        for spec in plan.specs:
-            entry = []
-            for region, dst, reshape in ops.get(spec.name, ()):
-                if reshape:
-                    try:
-                        dst = dst.view([s.stop - s.start for s in region])
-                    except RuntimeError:
-                        return None
-                entry.append((region, dst))
-            out.append(entry)
-        return out
+        """Where each tensor of a link's plan goes in this rank's tensors (see
+        :func:`targets_for`)."""
+        return targets_for(self._ops.get(link.sender, {}), plan)
 
-    def _copy_of(self, link: _Link, items: list[tuple[str, torch.Tensor]]) -> _Copies:
-        """This rank's copies of a bucket's pieces (pieces for others skipped)."""
-        ops = self._ops.get(link.sender, {})
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        views = True
-        for name, t in items:
-            for region, dst, reshape in ops.get(name, ()):
-                src = t[region]
-                if reshape:
-                    views &= src.is_contiguous()
-                    src = src.reshape(dst.shape)
-                dsts.append(dst)
-                srcs.append(src)
-        # A full grid, even beside a collective (the next bucket arriving on NCCL's
-        # high-priority stream): a 4.1 GB update of one rank to one on two H200s took
-        # 12.7-13.1 ms so, 13.2-13.3 with the bounded grid the sender's packs take.
-        return _Copies(dsts, srcs, views)
-
-    def _link_commit(self, link: _Link, version: int) -> None:
+    def _link_commit(self, link: Link, version: int) -> None:
         with self._cond:
             if self._links.get(link.sender) is not link:
                 raise WeightSyncError(f"trainer rank {link.sender}: this link was replaced")
@@ -378,7 +275,7 @@ class ShardedReceiver:
             return None
         return min(v for v in versions if v is not None)
 
-    def _link_failure(self, link: _Link, why: str, final: bool) -> None:
+    def _link_failure(self, link: Link, why: str, final: bool) -> None:
         with self._cond:
             if self._links.get(link.sender) is not link:
                 return  # a replaced link's end

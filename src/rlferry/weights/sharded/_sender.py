@@ -1,105 +1,50 @@
 """Many senders to many receivers: every trainer rank sends what it owns, once.
 
-Each trainer rank runs a :class:`ShardedSender`: one :class:`WeightSender` (the
-per-link primitive, any transport) whose pushed tensors are the rank's pieces of
-the plan (views of its local shards, narrowed, cast when the engine's dtype is
-narrower). Each engine rank runs a :class:`ShardedReceiver`: one
-:class:`WeightReceiver` per trainer rank it needs bytes from, whose ``load``
-copies each of *its* pieces into the engine's parameters and skips the others
-(receivers that share a sender's bucket stream read only their own bytes). A
-version is committed when every sender's part of it arrived and loaded.
+Each trainer rank runs a :class:`ShardedSender`: a link (the pushes of one
+:class:`WeightSender`, any transport; one per engine rank point to point) whose
+pushed tensors are the rank's pieces of the plan (views of its local shards,
+narrowed, cast when the engine's dtype is narrower). Each engine rank runs a
+:class:`ShardedReceiver`: one :class:`WeightReceiver` per trainer rank it needs
+bytes from, whose ``load`` copies each of *its* pieces into the engine's parameters
+and skips the others (receivers that share a sender's bucket stream read only their
+own bytes). A version is committed when every sender's part of it arrived and loaded.
 
 Both sides compute the same :class:`ShardPlan` from the same two layouts (it is
 a pure function of them); every link's plan is checked against it before a
 byte moves, so layouts that disagree fail by name, never load wrong bytes. One
 trainer rank that owns everything and one receiver that needs everything whole
-is today's single sender: exactly one WeightSender and one WeightReceiver.
+is the single sender: exactly one link and one WeightReceiver.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
-
-import torch
+from typing import Any
 
 from rlferry.errors import RequestError
 
-from ._config import SenderConfig
-from ._errors import WeightSyncError
-from ._group import described
-from ._ready import Ready, moved, where_of
-from ._report import PushReport, ShardedSenderStatistics
-from .planning._boxes import extents, full_box, relative, slices
-from .planning._budget import (
+from .._config import SenderConfig
+from .._report import PushReport, ShardedSenderStatistics
+from ..planning._boxes import full_box
+from ..planning._budget import (
     LINK_BUFFER_BYTES,
     MIN_BUCKET_BYTES,
     bucket_cap,
     busier_ends,
     link_ctas,
 )
-from .planning._layouts import EngineLayout, TrainerLayout
-from .planning._shard_plan import Piece, ShardPlan
-from .sender._pusher import Pusher
-from .sender._turns import drain, take_turns
+from ..planning._layouts import EngineLayout, TrainerLayout
+from ..planning._shard_plan import ShardPlan
+from ..sender._pusher import Pusher
+from ..sender._turns import drain, take_turns
+from ._cuts import Cuts
+from ._group import described
+from ._plans import Plans, check_rank, link_group
+from ._ready import Ready, moved, where_of
 
-__all__ = ["ShardedSender", "link_group"]
-
-
-def link_group(group: str, rank: int, receiver: int | None = None) -> str:
-    """The group name of trainer rank ``rank``'s link (point to point: its link to engine
-    rank ``receiver``): receivers join it by this name."""
-    link = f"{group}/trainer{rank}"
-    return link if receiver is None else f"{link}/engine{receiver}"
-
-
-class _Cut(NamedTuple):
-    """A piece of a stream as cut from this rank's shard of ``source`` (of ``shape``):
-    ``at`` its slices (None: the whole shard), sent as ``dtype`` under ``name``."""
-
-    name: str
-    source: str
-    shape: tuple[int, ...]
-    at: tuple[slice, ...] | None
-    dtype: torch.dtype
-
-
-class _Plans:
-    """The plan for the current layouts, computed only when a fingerprint changes."""
-
-    def __init__(self, trainer: TrainerLayout, engine: EngineLayout) -> None:
-        self.trainer, self.engine = trainer, engine
-        self.computed = 0
-        self._plan: ShardPlan | None = None
-        self._lock = threading.Lock()  # links' threads ask for it too
-
-    def set(self, trainer: TrainerLayout | None, engine: EngineLayout | None) -> None:
-        with self._lock:
-            self.trainer = trainer or self.trainer
-            self.engine = engine or self.engine
-
-    def get(self) -> ShardPlan:
-        with self._lock:
-            p = self._plan
-            if (
-                p is None
-                or p.trainer.fingerprint != self.trainer.fingerprint
-                or p.engine.fingerprint != self.engine.fingerprint
-            ):
-                p = self._plan = ShardPlan.build(self.trainer, self.engine)
-                self.computed += 1
-            return p
-
-
-def _check_rank(owner: str, rank: Any, n: int, what: str) -> int:
-    if type(rank) is not int or not 0 <= rank < n:
-        raise RequestError(
-            f"{owner}.rank: expected an int in [0, {n}) (the {what} layout has {n}), got {rank!r}"
-        )
-    return rank
+__all__ = ["ShardedSender"]
 
 
 class ShardedSender:
@@ -141,7 +86,7 @@ class ShardedSender:
         point_to_point: bool = False,
         buffer_bytes: int = LINK_BUFFER_BYTES,
     ) -> None:
-        self.rank = _check_rank("ShardedSender", rank, trainer.ranks, "trainer")
+        self.rank = check_rank("ShardedSender", rank, trainer.ranks, "trainer")
         if type(buffer_bytes) is not int or buffer_bytes < 2 * MIN_BUCKET_BYTES:
             raise RequestError(
                 f"ShardedSender.buffer_bytes: expected an int of at least {2 * MIN_BUCKET_BYTES} "
@@ -151,21 +96,11 @@ class ShardedSender:
         self.buffer_bytes = buffer_bytes
         self.group = group
         self.point_to_point = point_to_point
-        self._plans = _Plans(trainer, engine)
-        self._cut_plan: ShardPlan | None = None  # the plan the cuts below were made for
-        self._cut_cache: dict[int, list[_Cut]] = {}
-        self._source_cache: dict[int, tuple[Any, ...]] = {}  # see _sources
-        # by stream, the views cut from the last push's tensors (views of the same memory:
-        # pushed again while the same tensors are pushed, as a state dict is), and where
-        # those tensors were (address, strides, dtype; and their names and shapes: checked
-        # once a push)
-        self._views: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self._where: tuple[list[Any], ...] | None = None
-        self._shapes: tuple[list[Any], list[Any]] | None = None
+        self._plans = Plans(trainer, engine)
+        self._cuts = Cuts(rank)  # this rank's pieces of each stream, and the last push's
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the links' pushes
         self._moves = transport == "shm" and zero_copy  # a push may move tensors' storages
         self._transport = transport
-        self._on_gpu = False  # the last push's tensors were on a GPU
         wanted = self._plans.get().receivers_of(rank)
         kw = {"transport": transport, "bucket_bytes": bucket_bytes, "bind": bind,
               "device": device, "secret": secret, "zero_copy": zero_copy}  # fmt: skip
@@ -202,7 +137,7 @@ class ShardedSender:
         """New layouts (resharded trainer, other engines): the next push plans anew.
         Point to point, the engine ranks this rank serves must stay the same."""
         if trainer is not None:
-            _check_rank("ShardedSender", self.rank, trainer.ranks, "trainer")
+            check_rank("ShardedSender", self.rank, trainer.ranks, "trainer")
             if self._group_addresses is not None and len(self._group_addresses) != trainer.ranks:
                 raise RequestError(
                     f"set_layouts.trainer: expected {len(self._group_addresses)} ranks (the "
@@ -304,7 +239,7 @@ class ShardedSender:
         """
         plan = self._plans.get()
         links = plan.busiest_first(self.rank) if self.point_to_point else [-1]
-        if self._transport != "broadcast" and plan is self._cut_plan:
+        if self._transport != "broadcast" and plan is self._cuts.plan:
             for r in links:  # the same tensors as the last pushes' are written first, then
                 self._links[r].write_ahead()  # checked (see Launcher.write_ahead)
         try:
@@ -316,21 +251,21 @@ class ShardedSender:
     def _push(
         self, plan: ShardPlan, links: list[int], named_tensors: Any, version: int, timeout: float
     ) -> PushReport:
-        ready = Ready(self, plan, named_tensors)
+        ready = Ready(self._cuts, plan, named_tensors)
         # the plan, names and shapes of the last push (nothing a push's checks could refuse):
         # every link starts before the views are checked (their receivers get the start
         # meanwhile), else the tensors are checked first
-        early = plan is self._cut_plan and ready.shapes == self._shapes
+        early = plan is self._cuts.plan and ready.shapes == self._cuts.shapes
         # the busiest link first (``links``): its start goes first, its receiver's thread
         # takes it first and its buckets are enqueued first (the update ends with it)
         # over broadcast, a push of the same tensors reads where they lie a bucket at a
         # time, as its buckets go (Guard), instead of all of them before the first
         ready.lazy = (
             early and ready.plain and self._transport == "broadcast"
-            and self._where is not None and len(self._where) == 3
-            and all(r in self._views for r in links)
+            and self._cuts.where is not None and len(self._cuts.where) == 3
+            and all(r in self._cuts.views for r in links)
         )  # fmt: skip
-        if not self.point_to_point and not self._cuts(plan, -1):
+        if not self.point_to_point and not self._cuts.cuts(plan, -1):
             return PushReport(version, 0, 0.0, (), 0, 0, False)
         try:
             if not early:
@@ -339,7 +274,7 @@ class ShardedSender:
                        for r in links}  # fmt: skip
             report = self._push_links(streams, version, timeout, self._one_thread())
         except BaseException:
-            self._views, self._where, self._shapes = {}, None, None  # cut again next time
+            self._cuts.forget()  # cut again next time
             raise
         if ready.lazy:
             ready.keep_where()
@@ -347,7 +282,7 @@ class ShardedSender:
             # the push read the tensors in place and moved their storages into shared
             # memory: where they lie now (new tensors allocated where they were must not
             # match, or the kept views would send the old bytes)
-            self._where = where_of(ready.tensors, ready.plain)
+            self._cuts.where = where_of(ready.tensors, ready.plain)
         return report
 
     def _one_thread(self) -> bool:
@@ -355,7 +290,7 @@ class ShardedSender:
         GPU work: NCCL's, or cuda_ipc's writes); on the CPU (gloo, shm) the copies are the
         work, and a thread a link ran them side by side (2 -> 2 over gloo, 64 MB: 21-27 ms
         a push, 41 in one thread)."""
-        return self._on_gpu and self._transport in ("broadcast", "cuda_ipc")
+        return self._cuts.on_gpu and self._transport in ("broadcast", "cuda_ipc")
 
     def _push_links(
         self, streams: dict[int, Any], version: int, timeout: float, one_thread: bool
@@ -395,79 +330,6 @@ class ShardedSender:
             sum(x.buckets for x in rs), any(x.plan_sent for x in rs),
         )  # fmt: skip
 
-    def _cuts(self, plan: ShardPlan, receiver: int) -> list[_Cut]:
-        """How to cut each piece of a stream (the shared one: ``receiver`` -1) from this
-        rank's shards: worked out once per plan and stream, not per push."""
-        if plan is not self._cut_plan:  # a new plan (a layout changed): the old cuts go,
-            self._cut_plan, self._cut_cache = plan, {}  # and the views cut by them
-            self._views = {}
-        cuts = self._cut_cache.get(receiver)
-        if cuts is None:
-            owned = plan.trainer.owned[self.rank]
-            pieces: Iterable[Piece] = (
-                plan.streams[self.rank] if receiver < 0 else plan.link(self.rank, receiver)[0]
-            )
-            cuts = []
-            for p in pieces:
-                box = owned[p.source]
-                at = None if p.box == box else slices(relative(p.box, box))
-                cuts.append(_Cut(p.name, p.source, extents(box), at, p.dtype))
-            self._cut_cache[receiver] = cuts
-        return cuts
-
-    def _sources(
-        self, r: int, names: list[str]
-    ) -> tuple[list[int], dict[int, list[tuple[int, Any]]], dict[int, Any]]:
-        """For link ``r``'s pieces (in order): the position among the pushed tensors
-        (``names``, in order) of each one's source, by source its pieces (index, cut
-        slices), and a dict for the guards to keep each bucket's sources in; worked out
-        once per plan, stream and order of names."""
-        got = self._source_cache.get(r)
-        if got is not None and got[0] is self._cut_plan and got[1] == names:
-            return got[2], got[3], got[4]
-        at = {n: p for p, n in enumerate(names)}
-        source: list[int] = []
-        of_source: dict[int, list[tuple[int, Any]]] = {}
-        assert self._cut_plan is not None
-        for i, c in enumerate(self._cuts(self._cut_plan, r)):
-            p = at[c.source]
-            source.append(p)
-            of_source.setdefault(p, []).append((i, c.at))
-        buckets: dict[int, Any] = {}
-        self._source_cache[r] = (self._cut_plan, names, source, of_source, buckets)
-        return source, of_source, buckets
-
-    @torch.no_grad()
-    def _pieces(
-        self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
-    ) -> list[tuple[str, torch.Tensor]]:
-        kept = self._views.get(receiver)
-        if kept is not None:
-            return kept  # the same tensors again (same memory and layout): the same views
-        cuts = self._cuts(plan, receiver)
-        out = []
-        cast = False
-        for c in cuts:
-            t = local.get(c.source)
-            if t is None:
-                raise WeightSyncError(
-                    f"push: tensor `{c.source}`: expected it (trainer rank {self.rank} owns "
-                    f"{list(c.shape)} of it and receivers need them), got no such name (push "
-                    "this rank's tensors under the trainer layout's names)"
-                )
-            if tuple(t.shape) != c.shape:
-                raise WeightSyncError(
-                    f"push: tensor `{c.source}` on trainer rank {self.rank}: expected its local "
-                    f"shard of shape {list(c.shape)}, got {list(t.shape)} (the trainer "
-                    "layout does not describe this rank's tensors)"
-                )
-            v = t.detach() if c.at is None else t[c.at]
-            cast = cast or v.dtype != c.dtype
-            out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
-        if not cast:  # views only (a cast makes a new tensor each push): kept
-            self._views[receiver] = out
-        return out
-
     def statistics(self) -> ShardedSenderStatistics:
         plan = self._plans.get()
         p2p = self.point_to_point
@@ -491,7 +353,7 @@ class ShardedSender:
         """Stop serving: receivers see this rank gone and keep their last whole version."""
         for w in self._links.values():
             w.close()
-        self._views = {}  # they hold the last pushed tensors' memory
+        self._cuts.views = {}  # they hold the last pushed tensors' memory
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

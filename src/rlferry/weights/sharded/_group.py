@@ -26,10 +26,10 @@ from rlferry.wire import (
     wire_loop,
 )
 
-from ._errors import SenderGone, WeightSyncError
-from .planning._layouts import TrainerLayout
-from .planning._specs import TensorSpec, dtype_from_name, dtype_name
-from .protocol._messages import Describe, Described, decode_reply, encode
+from .._errors import SenderGone, WeightSyncError
+from ..planning._layouts import TrainerLayout
+from ..planning._specs import TensorSpec, dtype_from_name, dtype_name
+from ..protocol._messages import Describe, Described, decode_reply, encode
 
 __all__ = ["SenderGroup", "describe_group", "described"]
 
