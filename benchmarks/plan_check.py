@@ -2,7 +2,7 @@
 
 Reads the JSON lines of ``benchmarks/weights_sharded.py --json OUT`` and, for each
 point-to-point run and each ``--mode bound`` run on GPUs, predicts the update with
-``rlferry.weights.predict`` (the same plan code that moved the bytes) on a cluster of
+``rlferry.weights.planning.predict`` (the same plan code that moved the bytes) on a cluster of
 those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's own
 send and receive reached on that machine, not the nominal one), plus ``--update-ms``
 per update, ``--link-ms`` per further link of a rank at either end and ``--bucket-ms``
@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from rlferry.weights import Cluster, TensorSpec, predict
+from rlferry.weights.planning import Cluster, TensorSpec, predict
 from rlferry.weights.planning._predict import (
     BUCKET_MS,
     LINK_MS,

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import GroupedCopy, WeightSender
+from rlferry.weights import WeightSender
+from rlferry.weights.copies import GroupedCopy
 from rlferry.weights.planning._buckets import default_bucket_bytes
 
 import _weights_engine as eng

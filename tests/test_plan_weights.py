@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from rlferry.weights import Cluster, ShardPlan, TensorSpec, fsdp_layout, predict, tp_layout
+from rlferry.weights import fsdp_layout, tp_layout
+from rlferry.weights.planning import Cluster, ShardPlan, TensorSpec, predict
 from rlferry.weights.planning._budget import (
     NCCL_CTA_BYTES,
     NCCL_LINK_BYTES,

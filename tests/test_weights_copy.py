@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSender
+from rlferry.weights import ParamLoader, WeightReceiver, WeightSender
+from rlferry.weights.copies import GroupedCopy
 from rlferry.weights.copies._copy import (
     CHUNK_BYTES,
     _inner,

@@ -17,13 +17,13 @@ from conftest import requires_cuda
 from rlferry.weights import (
     ShardedReceiver,
     ShardedSender,
-    ShardPlan,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
     fsdp_layout,
     tp_layout,
 )
+from rlferry.weights.planning import ShardPlan
 from rlferry.weights.planning._boxes import slices
 from rlferry.weights.transports._cuda_shared import open_shared, share
 from test_weights_sharded import kill_a_trainer_rank_mid_stream

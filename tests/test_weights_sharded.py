@@ -14,17 +14,14 @@ import pytest
 import torch
 
 from rlferry.weights import (
-    EngineLayout,
     ShardedReceiver,
     ShardedSender,
-    ShardPlan,
-    TrainerLayout,
     WeightSyncError,
-    dtensor_layout,
     fsdp_layout,
     specs_of,
     tp_layout,
 )
+from rlferry.weights.planning import EngineLayout, ShardPlan, TrainerLayout, dtensor_layout
 from rlferry.weights.planning._boxes import slices
 from rlferry.weights.planning._budget import link_ctas
 from rlferry.weights.sender._turns import drain

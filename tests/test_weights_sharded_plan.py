@@ -3,17 +3,14 @@
 import pytest
 import torch
 
-from rlferry.weights import (
+from rlferry.weights import ShardedReceiver, ShardedSender, fsdp_layout, tp_layout
+from rlferry.weights.planning import (
     EngineLayout,
     ParamLayout,
     Part,
-    ShardedReceiver,
-    ShardedSender,
     ShardPlan,
     TensorSpec,
     TrainerLayout,
-    fsdp_layout,
-    tp_layout,
 )
 from rlferry.weights.planning._boxes import cover, extents, intersect, slices, subtract, volume
 

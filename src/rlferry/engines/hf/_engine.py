@@ -45,13 +45,13 @@ from rlferry.control import (
     RequestError,
 )
 from rlferry.weights import (
-    EngineLayout,
     ParamLoader,
     ShardedReceiver,
     WeightReceiver,
     describe_group,
     fingerprint,
 )
+from rlferry.weights.planning import EngineLayout
 
 from ._batch import Batch, Row
 from ._bridge import Waiter
