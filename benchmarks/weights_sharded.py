@@ -75,7 +75,7 @@ from _common import receive, start_worker, table
 
 WAIT = 600.0  # a process's start, an engine rank's wait for a version
 # A push's own bound: one that hangs fails in 2 minutes naming the engine ranks it waited
-# for (a first update, groups forming and kernels compiling, took 2-7 s in session 22)
+# for (a first update, groups forming and kernels compiling, takes 2-7 s on four H200s)
 PUSH_WAIT = 120.0
 
 

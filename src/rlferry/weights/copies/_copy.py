@@ -2,15 +2,16 @@
 
 An engine's ``load`` copies every tensor of a bucket into its parameters. With
 ``torch._foreach_copy_`` over the 18,867 tensors of Qwen3-30B-A3B that copy
-alone took 2.37x a flat copy of the same bytes on an H200 (many 3 MB expert
-tensors, small grids per launch). A :class:`GroupedCopy` is built once for a
+alone takes 2.37x a flat copy of the same bytes on an H200 (many 3 MB expert
+tensors, small grids per launch; ``python benchmarks/weights.py --transport
+cuda_ipc --model qwen3-30b-a3b``). A :class:`GroupedCopy` is built once for a
 fixed set of pairs (shapes checked, a table of 16-byte aligned chunks made
 on the device) and then copies them all with one launch of a Triton kernel.
 The pairs are fixed across pushes (the plan is), so the table is too. A
 strided view (a trainer rank's columns of a row-parallel weight, say) is
 taken as its runs of contiguous bytes, a table row each: packing a sharded
-push's 616 pieces one ``copy_`` at a time kept an H200's trainer rank busy
-launching for 10-14 ms while its GPU idled.
+push's 616 pieces one ``copy_`` at a time keeps an H200's trainer rank busy
+launching for 10-14 ms while its GPU idles.
 
 Triton is optional and imported only when a CUDA copy is built. CPU pairs of
 one dtype go through rlferry's bulk host copy (chunked over threads, streaming
@@ -150,8 +151,9 @@ class GroupedCopy:
     ``programs``: None launches a program per 16 KiB tile, the fastest when
     the copy has the GPU to itself; a number bounds the grid (each program
     loops over chunks) so that a collective running beside the copy keeps
-    its SMs: on an H200 pair a full grid beside NCCL slowed a Qwen3-30B-A3B
-    broadcast from 192 to 224 ms at normal stream priority.
+    its SMs: on an H200 pair a full grid beside NCCL slows a Qwen3-30B-A3B
+    broadcast from 192 to 224 ms at normal stream priority (``python
+    benchmarks/weights.py --transport broadcast --model qwen3-30b-a3b``).
     """
 
     def __init__(

@@ -123,9 +123,9 @@ def load(device: torch.device) -> None:
     by copying 256 bytes with each. CUDA loads a kernel at its first launch, and may wait
     for the device's running kernels to do so; a receive running for one NCCL link then
     waits for its sender. A link's first grouped copy, loaded in the middle of an update,
-    hung 2 trainer ranks to 2 engine ranks on four H200s: an engine rank's thread was
-    loading the kernel while its other link's receive ran. A link loads them before its
-    group forms."""
+    can hang 2 trainer ranks to 2 engine ranks: an engine rank's thread loading the
+    kernel while its other link's receive runs. A link loads them before its group
+    forms."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _loading:
         if index in _loaded:

@@ -18,11 +18,14 @@ __all__ = [
 # buffers at each end): 4 GiB keeps up to 8 links a rank at the single sender's 256 MiB
 # buckets (every run measured); a rank with more links gets smaller buckets, in steps of
 # MIN_BUCKET_BYTES (the size shm rounds its buffers to) and never below it. Unbounded, an
-# engine rank hearing from 256 trainer ranks held two buffers of up to 256 MiB for each.
+# engine rank hearing from 256 trainer ranks would hold two buffers of up to 256 MiB for
+# each (``rlferry plan-weights kimi-k2 --trainer-gpus 256 --engines 8 --engine-tp 16``).
 LINK_BUFFER_BYTES = 4 << 30
 MIN_BUCKET_BYTES = 2 << 20
-# NCCL's device memory for point-to-point links (H100s, torch 2.11's NCCL; benchmarks/
-# nccl_links.py and the ranks' own count in weights_sharded.py): about 400 MiB once a
+# NCCL's device memory for point-to-point links (H100s, torch 2.11's NCCL), measured by
+# ``python benchmarks/nccl_links.py`` and by the ranks' own count in ``python
+# benchmarks/weights_sharded.py --device cuda --transport broadcast --point-to-point``:
+# about 400 MiB once a
 # process, 260 MiB a link's two-rank group at NCCL's own choice of thread blocks (CTAs) or
 # 9 MiB a block when capped, and 160-224 MiB for each other GPU of the host a rank
 # reaches. Up to FREE_LINKS links a rank keep NCCL's choice; more share LINK_CTAS blocks,
@@ -43,11 +46,13 @@ def bucket_cap(budget: int, links: int) -> int:
 def link_ctas(links: int) -> int:
     """NCCL thread blocks for a point-to-point link whose busier end has ``links`` links
     (0: NCCL's own choice). Up to FREE_LINKS links keep NCCL's choice: capped at 16 blocks,
-    a 16.4 GB update took 7-9% longer (one and two links a rank, four H100s). More links
-    share LINK_CTAS blocks, at least MIN_LINK_CTAS a link, which bounds NCCL's memory (an
-    engine rank hearing from 256 trainer ranks would take 70 GB for their groups at NCCL's
-    choice, 4.8 GB so); sixteen links of 2 blocks between two H100s moved 2 GiB at 355-365
-    GB/s, as two of NCCL's choice did (367-372)."""
+    a 16.4 GB update takes 7-9% longer (one and two links a rank, ``python
+    benchmarks/weights_sharded.py --device cuda --transport broadcast --point-to-point
+    --scale 1`` on four H100s). More links share LINK_CTAS blocks, at least MIN_LINK_CTAS a
+    link, which bounds NCCL's memory (an engine rank hearing from 256 trainer ranks would
+    take 70 GB for their groups at NCCL's choice, 4.8 GB so); sixteen links of 2 blocks
+    between two H100s move 2 GiB at 355-365 GB/s, as two of NCCL's choice do (367-372;
+    ``python benchmarks/nccl_links.py``)."""
     if links <= FREE_LINKS:
         return 0
     return max(MIN_LINK_CTAS, LINK_CTAS // links)

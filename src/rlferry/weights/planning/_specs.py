@@ -157,7 +157,7 @@ def same_layout(named: Iterable[Any], specs: Sequence[TensorSpec]) -> bool:
     """Whether the pairs have the names, shapes and dtypes of ``specs``, in order.
 
     Read without keeping an object per tensor: a layout kept as 18,867 tuples (and as
-    many shapes) per push made the trainer's garbage collector run a full collection
+    many shapes) per push makes the trainer's garbage collector run a full collection
     every other push (~90 ms with a trainer's heap, on the pushing thread).
     """
     i = -1

@@ -128,8 +128,8 @@ def where_of(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
     """Where each tensor lies (address, strides, dtype; names and shapes are read apart):
     one pass over the push's tensors for every stream (views cut from them stay valid
     while it and the shapes are equal). ``plain``: all are tensors, read attribute by
-    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each took
-    8.7 on the 2-core VM, and no tuple a tensor is kept for the collector to scan)."""
+    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each takes
+    8.7 on two CPU cores, and no tuple a tensor is kept for the collector to scan)."""
     if plain:
         return (list(map(torch.Tensor.data_ptr, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_dtype_of, tensors)))  # fmt: skip

@@ -288,8 +288,9 @@ class ShardedSender:
     def _one_thread(self) -> bool:
         """Whether this thread takes every link's steps in turn: on GPUs (a step enqueues
         GPU work: NCCL's, or cuda_ipc's writes); on the CPU (gloo, shm) the copies are the
-        work, and a thread a link ran them side by side (2 -> 2 over gloo, 64 MB: 21-27 ms
-        a push, 41 in one thread)."""
+        work, and a thread a link runs them side by side (2 -> 2 over gloo, 64 MB: 21-27 ms
+        a push, 41 in one thread; ``python benchmarks/weights_sharded.py --transport
+        broadcast --point-to-point --senders 2 --receivers 2``)."""
         return self._cuts.on_gpu and self._transport in ("broadcast", "cuda_ipc")
 
     def _push_links(
@@ -298,8 +299,9 @@ class ShardedSender:
         """Every link's push at once; each is bounded by ``timeout``; the first error, by
         engine rank, is raised once all ended. ``one_thread`` (NCCL: a push's steps only
         enqueue work): this thread takes every link's steps in turn, else each link gets a
-        thread (the last this one; on the CPU the copies are the work). Threads fought for
-        the GIL: on four H100s the second link of a rank started 0.6 ms after the first."""
+        thread (the last this one; on the CPU the copies are the work). Threads fight for
+        the GIL: the second link of a rank would start 0.6 ms after the first (four
+        H100s)."""
         steps = {r: self._links[r].steps(streams[r], version, timeout) for r in streams}
         reports: dict[int, PushReport] = {}
         errors: dict[int, BaseException] = {}

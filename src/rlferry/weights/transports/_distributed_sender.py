@@ -218,9 +218,9 @@ class DistributedSender(CollectiveSender):
             return
         self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         # a link's packs and sends go on a stream of its own: on the caller's stream, each
-        # pack of a rank's links queued behind the others' (a pack waits for the send of
-        # the bucket before last in its buffer), so that one link's sends waited on another
-        # link's receiver, and its end for every link's packs
+        # pack of a rank's links would queue behind the others' (a pack waits for the send
+        # of the bucket before last in its buffer), so that one link's sends would wait on
+        # another link's receiver, and its end for every link's packs
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._outcome = torch.zeros(1, dtype=torch.int32, device=device)
         self._outcome_host = self._outcome  # read once the side stream is done: not the caller's

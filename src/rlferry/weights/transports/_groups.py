@@ -93,7 +93,7 @@ def make_group(
         opts = dist.ProcessGroupNCCL.Options()
         # a backstop: a push ends at its own timeout (the sender aborts the group, its
         # receivers' watches theirs); torch's watchdog, handling a timeout while a thread
-        # enqueues on the group, stopped both for good on four H100s
+        # enqueues on the group, can stop both for good
         opts._timeout = datetime.timedelta(seconds=max(2 * timeout, timeout + 60))
         opts.is_high_priority_stream = high_priority
         if max_ctas:
@@ -138,8 +138,8 @@ def wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
     (or ``cut``): gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not
     reach a main thread that waits there for a receiver's commit, the push's timeout long.
     The future's callback is the queue's own ``put`` (C, no Python frame): a future done
-    already runs it on this thread, and a Ctrl-C that landed in a Python callback there
-    was swallowed by torch (logged; the push then waited for its timeout, in a CI run)."""
+    already runs it on this thread, and torch swallows a Ctrl-C that lands in a Python
+    callback there (it logs it; the push would then wait for its timeout)."""
     if timeout is None:
         work.wait()
         return
@@ -194,11 +194,11 @@ def release(group: list[Any], works: list[Any], broken: bool = False) -> None:
     fails at once). Gloo's destructor waits for the group's pending work, whose peer half
     may never come (a push given up mid-stream; a receiver's outcome of it, never joined)
     until the group's timeout: the caller, a sender forming its next group or a receiver
-    joining it, waited that long there (120 s, a push interrupted while a receiver loaded
-    its one bucket). So a gloo group with work pending goes on a thread of its own, once
-    that work ended; so does one given up mid-push (``broken``): a Ctrl-C that lands just
-    after a call posted work, before the work was kept, leaves it pending unseen (the
-    pushing thread waited for it, 120 s, 3 runs of 120 under load)."""
+    joining it, would wait that long there (120 s, for a push interrupted while a receiver
+    loads its one bucket). So a gloo group with work pending goes on a thread of its own,
+    once that work ended; so does one given up mid-push (``broken``): a Ctrl-C that lands
+    just after a call posted work, before the work was kept, leaves it pending unseen (the
+    pushing thread would wait for it, 120 s)."""
     pg = group[0]
     if not isinstance(pg, dist.ProcessGroupGloo):
         group.clear()
