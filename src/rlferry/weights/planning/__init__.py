@@ -1,7 +1,8 @@
 """The planner and the plan primitives of the weight plane: pure functions of layouts.
 
-Nothing here does I/O, opens a socket or starts a thread: every sender and receiver
-computes the same plan from the same inputs, apart.
+Nothing here opens a socket or starts a thread, and only :func:`plan_weights` reads a
+file (a model's ``config.json``): every sender and receiver computes the same plan from
+the same inputs, apart.
 
 - Layouts, as boxes of the full tensors: :class:`TrainerLayout` (what each trainer
   rank owns: :func:`fsdp_layout`, :func:`dtensor_layout`) and :class:`EngineLayout`
