@@ -340,9 +340,9 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
     """A Ctrl-C that lands as the push starts, wherever, leaves no receiver streaming: the
     push the hub started, or whose starts went on the receivers' lines, is aborted; a
     begin not yet run never starts. The receiver keeps its version; the next push works.
-    Before, a push started by a begin whose future was not yet told (``told_late``) or
-    lost (a Ctrl-C in its submission to the loop) was left: the receiver took the next
-    push's buckets as this one's, then waited for buckets never sent."""
+    A push started by a begin whose future is not yet told (``told_late``) or lost (a
+    Ctrl-C in its submission to the loop) is aborted too: left, the receiver would take
+    the next push's buckets as this one's, then wait for buckets never sent."""
     sd, e, r = on_lines(sender)
     launcher, loop = sender._pusher.launcher, sender._pusher.parts.loop
     begin, submit = launcher.begin, loop.submit
@@ -392,8 +392,8 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
     """A Ctrl-C mid-stream: the sender aborts the push and its receiver's stream ends at once
     (its watch cuts the gloo waits), even while something still holds the sender's group
     (a traceback, until the garbage collector takes it): the receiver keeps its version
-    and the next push works. Before, the receiver waited the group's timeout for a bucket
-    never sent, and the next push found it busy."""
+    and the next push works: it does not wait the group's timeout for a bucket never
+    sent, and the next push does not find it busy."""
     sd, e, r = on_lines(sender)
     steps = sender._pusher.steps(bumped(sd, 1).items(), version=3, timeout=60)
     next(steps)  # the push started and bucket 0 went
@@ -413,8 +413,8 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
 def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monkeypatch):
     """A Ctrl-C while the wire loop starts the push (a receiver that verifies is started
     through the hub, after its begin) aborts it: the receiver keeps its version and the
-    next push works. Before, the push was left started: the receiver streamed it still
-    and took the next push's buckets as this one's."""
+    next push works: left started, the receiver would stream it still and take the next
+    push's buckets as this one's."""
     sd = state()
     e = Engine(sd)
     r = join(sender, e, "r0", verify=True)
@@ -437,8 +437,8 @@ def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monke
 def test_broadcast_a_receiver_that_rejects_the_plan_fails_the_push_at_once_naming_it():
     """Over broadcast as over shm: a receiver that rejects the plan fails the push at once,
     named, no bucket moved. It joins the group all the same (a group forms once every
-    member joined): before, the sender waited for it to join until the push's timeout,
-    and its error named only the others' failed joins."""
+    member joined), so the sender does not wait for it to join until the push's timeout,
+    and its error names it, not only the others' failed joins."""
     s = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
     sd = state()
     good = Engine(sd)
