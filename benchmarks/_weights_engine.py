@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from rlferry.weights import ParamLoader, WeightReceiver
-from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import Plan
 from rlferry.weights.transports._cuda_shared import open_shared, share
 
 from _common import receive
@@ -175,7 +176,7 @@ def ipc_send(conn: Connection, state: dict[str, torch.Tensor], bucket: int, reop
     """Pack buckets into ``buffers`` buffers; per bucket send the buffer's IPC handle
     (``reopen``: a fresh export the receiver opens and closes, as NeMo-RL does) or its index;
     wait for the receiver's ack of the bucket that last used the buffer."""
-    from rlferry.weights._pack import Packer, bucketed
+    from rlferry.weights.copies._pack import Packer, bucketed
 
     plan = Plan.build(specs_of([(n, tuple(t.shape)) for n, t in state.items()]), bucket)
     dev = next(iter(state.values())).device

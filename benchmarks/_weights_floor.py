@@ -41,8 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlferry.weights import GroupedCopy, ShardPlan
-from rlferry.weights._boxes import extents, relative, slices
+from rlferry.weights.copies import GroupedCopy
+from rlferry.weights.planning import ShardPlan
+from rlferry.weights.planning._boxes import extents, relative, slices
 
 from _common import start_worker
 from weights_sharded import (

@@ -1,13 +1,13 @@
 """What enqueuing one small NCCL collective costs the calling thread, on a link's group.
 
 Two processes, GPU 0 and GPU 1, in a two-rank group made as a point-to-point link makes
-it (``transports._broadcast._make_group``). Rank 1 times, ``--repeat`` times each, the
+it (``transports._groups.make_group``). Rank 1 times, ``--repeat`` times each, the
 call that enqueues a 4-byte collective (rank 0, which only enqueues and waits, is
 there first, as a sender is; each rank synchronizes its device after each call):
 
 - ``broadcast``: what a link's bucket costs to enqueue (a bucket's is the same call);
 - ``allreduce``: the MAX all-reduce a receiver says its outcome with;
-- ``tell``: ``BroadcastReceiver.tell`` as a receiver calls it (its stream, the fill, the
+- ``tell``: ``DistributedReceiver.tell`` as a receiver calls it (its stream, the fill, the
   all-reduce).
 
 p50 / p90 / max microseconds of the call. The record behind the end of a push on the
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlferry.weights.transports import _broadcast as bc
+from rlferry.weights.transports import _groups
+from rlferry.weights.transports._distributed_receiver import DistributedReceiver
 
 from _common import receive, start_worker
 
@@ -41,14 +42,14 @@ def _worker(rank: int, port: int, repeat: int, conn: Connection) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, use_libuv=True)
-    pg = bc._make_group("nccl" if cuda else "gloo", store, "cost", rank, 2, 60.0, None, True)
-    rx = bc.BroadcastReceiver()
+    pg = _groups.make_group("nccl" if cuda else "gloo", store, "cost", rank, 2, 60.0, None, True)
+    rx = DistributedReceiver()
     rx._pg, rx._stream = pg, torch.cuda.Stream(dev) if cuda else None
     rx._outcome = torch.zeros(1, dtype=torch.int32, device=dev)
     t = torch.zeros(1, dtype=torch.int32, device=dev)
     ops = {
-        "broadcast": lambda: pg.broadcast([t], bc._options()),
-        "allreduce": lambda: pg.allreduce([t], bc._most()),
+        "broadcast": lambda: pg.broadcast([t], _groups.broadcast_options()),
+        "allreduce": lambda: pg.allreduce([t], _groups.max_options()),
         "tell": lambda: rx.tell(True),
     }
     out: dict[str, list[float]] = {}
@@ -66,10 +67,10 @@ def _worker(rank: int, port: int, repeat: int, conn: Connection) -> None:
             if cuda:
                 torch.cuda.synchronize(dev)  # the collective ends once both ranks called it
             else:
-                pg.broadcast([torch.zeros(1)], bc._options()).wait()  # gloo: in step
+                pg.broadcast([torch.zeros(1)], _groups.broadcast_options()).wait()  # gloo: in step
         out[name] = times
     conn.send(out if rank == 1 else None)
-    bc._abort(pg)
+    _groups.abort(pg)
 
 
 def main() -> None:

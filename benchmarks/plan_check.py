@@ -2,16 +2,16 @@
 
 Reads the JSON lines of ``benchmarks/weights_sharded.py --json OUT`` and, for each
 point-to-point run and each ``--mode bound`` run on GPUs, predicts the update with
-``rlferry.weights.predict`` (the same plan code that moved the bytes) on a cluster of
-those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth NCCL's own
-send and receive reached on that machine, not the nominal one), plus ``--update-ms``
-per update, ``--link-ms`` per further link of a rank at either end and ``--bucket-ms``
-per further bucket (the library's, or what the machine's one-rank-to-one 4 MB update
-took: ``--update-ms``; a cuda_ipc run, whose trainer GPUs write, with the library's
-costs of writes). A run with ``--bucket-mb`` is predicted with its buckets. A
-bound run moves bytes only: it is predicted without the update's cost. A run whose
-ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's bytes. Prints
-measured p50 (updates 2 on), predicted, and their ratio.
+``rlferry.weights.planning.predict`` (the same plan code that moved the bytes) on a
+cluster of those ranks on one host, every link at ``--nvlink-gbytes`` (the bandwidth
+NCCL's own send and receive reached on that machine, not the nominal one), plus
+``--update-ms`` per update, ``--link-ms`` per further link of a rank at either end and
+``--bucket-ms`` per further bucket (the library's, or what the machine's
+one-rank-to-one 4 MB update took: ``--update-ms``; a cuda_ipc run, whose trainer GPUs
+write, with the library's costs of writes). A run with ``--bucket-mb`` is predicted
+with its buckets. A bound run moves bytes only: it is predicted without the update's
+cost. A run whose ranks shared GPUs (``--gpus``) is predicted with its busiest GPU's
+bytes. Prints measured p50 (updates 2 on), predicted, and their ratio.
 
     python benchmarks/plan_check.py RUNS.jsonl --nvlink-gbytes 356
 """
@@ -25,8 +25,8 @@ import statistics
 
 import torch
 
-from rlferry.weights import Cluster, TensorSpec, predict
-from rlferry.weights._predict import (
+from rlferry.weights.planning import Cluster, TensorSpec, predict
+from rlferry.weights.planning._predict import (
     BUCKET_MS,
     LINK_MS,
     UPDATE_MS,

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import GroupedCopy, WeightSender
-from rlferry.weights._plan import default_bucket_bytes
+from rlferry.weights import WeightSender
+from rlferry.weights.copies import GroupedCopy
+from rlferry.weights.planning._buckets import default_bucket_bytes
 
 import _weights_engine as eng
 from _common import gbps, memcpy_seconds, receive, start_worker, table

@@ -52,20 +52,22 @@ from typing import Any
 import torch
 
 from rlferry.weights import (
-    EngineLayout,
-    ParamLayout,
-    Part,
     ShardedReceiver,
     ShardedSender,
-    ShardPlan,
-    TensorSpec,
-    TrainerLayout,
     WeightReceiver,
     WeightSender,
     fsdp_layout,
     tp_layout,
 )
-from rlferry.weights._boxes import extents, slices
+from rlferry.weights.planning import (
+    EngineLayout,
+    ParamLayout,
+    Part,
+    ShardPlan,
+    TensorSpec,
+    TrainerLayout,
+)
+from rlferry.weights.planning._boxes import extents, slices
 
 import _trace
 import _weights_engine as eng

@@ -13,7 +13,6 @@ import torch
 
 from rlferry.control import EngineError
 from rlferry.weights import (
-    EngineLayout,
     SenderGone,
     ShardedSender,
     WeightSender,
@@ -24,6 +23,7 @@ from rlferry.weights import (
     specs_of,
     tp_layout,
 )
+from rlferry.weights.planning import EngineLayout
 
 pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 from rlferry.engines.hf import HFEngine

@@ -7,18 +7,19 @@ import sys
 import pytest
 import torch
 
-from rlferry.weights import Cluster, ShardPlan, TensorSpec, fsdp_layout, predict, tp_layout
-from rlferry.weights._budget import (
+from rlferry.weights import fsdp_layout, tp_layout
+from rlferry.weights.planning import Cluster, ShardPlan, TensorSpec, predict
+from rlferry.weights.planning._budget import (
     NCCL_CTA_BYTES,
     NCCL_LINK_BYTES,
     NCCL_PEER_BYTES,
     NCCL_PROCESS_BYTES,
 )
-from rlferry.weights._predict import (
+from rlferry.weights.planning._plan_weights import model_specs
+from rlferry.weights.planning._predict import (
     BUCKET_MS,
     LINK_MS,
     UPDATE_MS,
-    model_specs,
     representatives,
     trainer_layout,
 )

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._pack import bucketed
-from rlferry.weights._plan import ALIGN, Plan, TensorSpec
+from rlferry.weights.copies._pack import bucketed
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import ALIGN, Plan
 
 
 def state(seed=0, n=6):
@@ -566,7 +567,7 @@ def test_shm_zero_copy_off_packs_and_leaves_the_tensors_alone():
 
 
 def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
-    from rlferry.weights._plan import default_bucket_bytes
+    from rlferry.weights.planning._buckets import default_bucket_bytes
 
     cpu, mib = torch.device("cpu"), 1 << 20
     assert default_bucket_bytes(cpu, 10 * mib) == 64 * mib
@@ -577,7 +578,7 @@ def test_cpu_buckets_grow_to_the_largest_tensor_so_none_is_split():
 def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its_own():
     # one thread drives a rank's NCCL links: a link blocking on its sends while another
     # link's buckets were not yet enqueued hung updates (their receivers waited on them)
-    from rlferry.weights._turns import take_turns
+    from rlferry.weights.sender._turns import take_turns
 
     order: list[str] = []
 
@@ -600,7 +601,7 @@ def test_a_push_whose_next_step_blocks_waits_until_every_other_push_enqueued_its
 
 
 def test_zero_copy_strides_that_reach_past_the_senders_memory_are_refused():
-    from rlferry.weights._pack import Unpacker
+    from rlferry.weights.copies._pack import Unpacker
 
     t = torch.randn(4, 6)
     plan = Plan.build([TensorSpec("w", (6, 4), torch.float32)], 1 << 20)

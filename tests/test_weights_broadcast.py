@@ -20,12 +20,11 @@ from rlferry.weights import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
-    _hub,
-    _sender,
 )
-from rlferry.weights._hub import Hub
-from rlferry.weights._messages import DONE, Ack, Stream, decode_request, encode
-from rlferry.weights.transports import _broadcast
+from rlferry.weights.protocol._messages import DONE, Ack, Stream, decode_request, encode
+from rlferry.weights.sender import _hub, _pusher
+from rlferry.weights.sender._hub import Hub
+from rlferry.weights.transports import _groups
 from test_weights import Engine, state
 
 
@@ -255,7 +254,7 @@ def test_broadcast_a_push_ends_on_the_receivers_word_on_the_group_the_next_waits
         gate.set()
         s.push(sd.items(), version=1, timeout=60)
         gate.clear()
-        keys.add(rs[1]._key)
+        keys.add(rs[1]._conn.key)
         # the sender cannot have taken r1's ack of version 2 (held, or not come yet)
         assert s.push(sd.items(), version=2, timeout=60).receivers == ("r0", "r1")
         assert rs[1].version == 2 and all(e.equals(sd) for e in engines)
@@ -303,7 +302,7 @@ def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocki
     groups = [None, None]
 
     def make(rank):
-        groups[rank] = _broadcast._make_group("gloo", store, "t", rank, 2, 30.0, "127.0.0.1", True)
+        groups[rank] = _groups.make_group("gloo", store, "t", rank, 2, 30.0, "127.0.0.1", True)
 
     ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for t in ts:
@@ -316,7 +315,7 @@ def test_a_gloo_group_dropped_with_work_its_peer_never_joins_goes_without_blocki
     before = set(threading.enumerate())
     held = [mine]  # the only reference: _release takes it
     del mine
-    _broadcast._release(held, [work] if seen else [], broken=not seen)
+    _groups.release(held, [work] if seen else [], broken=not seen)
     assert not work.is_completed()  # returned with the work still pending
     (waiter,) = [t for t in threading.enumerate()
                  if t not in before and t.name == "rlferry-gloo-release"]  # fmt: skip
@@ -342,13 +341,14 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
     """A Ctrl-C that lands as the push starts, wherever, leaves no receiver streaming: the
     push the hub started, or whose starts went on the receivers' lines, is aborted; a
     begin not yet run never starts. The receiver keeps its version; the next push works.
-    Before, a push started by a begin whose future was not yet told (``told_late``) or
-    lost (a Ctrl-C in its submission to the loop) was left: the receiver took the next
-    push's buckets as this one's, then waited for buckets never sent."""
+    A push started by a begin whose future is not yet told (``told_late``) or lost (a
+    Ctrl-C in its submission to the loop) is aborted too: left, the receiver would take
+    the next push's buckets as this one's, then wait for buckets never sent."""
     sd, e, r = on_lines(sender)
-    begin, loop, submit = sender._begin, sender._loop, sender._loop.submit
+    launcher, loop = sender._pusher.launcher, sender._pusher.parts.loop
+    begin, submit = launcher.begin, loop.submit
     if way == "hub":
-        sender._committed = None  # the push starts through the hub, on the loop
+        launcher.committed = None  # the push starts through the hub, on the loop
 
     def started_not_yet_told(fast, args, wait_for, deadline):
         real, lined = begin(fast, args, wait_for, deadline)
@@ -365,8 +365,8 @@ def test_broadcast_an_interrupt_as_the_push_starts_aborts_whatever_started(
         raise KeyboardInterrupt
 
     if lands == "told_late":
-        monkeypatch.setattr(sender, "_begin", started_not_yet_told)
-        monkeypatch.setattr(_sender, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
+        monkeypatch.setattr(launcher, "begin", started_not_yet_told)
+        monkeypatch.setattr(_pusher, "_sent", lambda begun, deadline: _raise(KeyboardInterrupt))
     else:
         monkeypatch.setattr(loop, "submit", interrupted_submit)
     interrupted_then_the_next_works(sender, monkeypatch, r, e, sd, 3)
@@ -393,13 +393,13 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
     """A Ctrl-C mid-stream: the sender aborts the push and its receiver's stream ends at once
     (its watch cuts the gloo waits), even while something still holds the sender's group
     (a traceback, until the garbage collector takes it): the receiver keeps its version
-    and the next push works. Before, the receiver waited the group's timeout for a bucket
-    never sent, and the next push found it busy."""
+    and the next push works: it does not wait the group's timeout for a bucket never
+    sent, and the next push does not find it busy."""
     sd, e, r = on_lines(sender)
-    steps = sender._steps(bumped(sd, 1).items(), version=3, timeout=60)
+    steps = sender._pusher.steps(bumped(sd, 1).items(), version=3, timeout=60)
     next(steps)  # the push started and bucket 0 went
     next(steps)  # bucket 1 too
-    held = sender._collective._pg  # the group's sockets stay open
+    held = sender._pusher.parts.collective._pg  # the group's sockets stay open
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         steps.throw(KeyboardInterrupt)
@@ -414,13 +414,13 @@ def test_broadcast_a_push_interrupted_mid_stream_ends_its_receivers_stream_at_on
 def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monkeypatch):
     """A Ctrl-C while the wire loop starts the push (a receiver that verifies is started
     through the hub, after its begin) aborts it: the receiver keeps its version and the
-    next push works. Before, the push was left started: the receiver streamed it still
-    and took the next push's buckets as this one's."""
+    next push works: left started, the receiver would stream it still and take the next
+    push's buckets as this one's."""
     sd = state()
     e = Engine(sd)
     r = join(sender, e, "r0", verify=True)
     sender.push(sd.items(), version=1, timeout=60)
-    loop = sender._loop
+    loop = sender._pusher.parts.loop
     submit = loop.submit
 
     def interrupted(coro):
@@ -438,8 +438,8 @@ def test_broadcast_an_interrupt_as_the_hub_starts_a_push_aborts_it(sender, monke
 def test_broadcast_a_receiver_that_rejects_the_plan_fails_the_push_at_once_naming_it():
     """Over broadcast as over shm: a receiver that rejects the plan fails the push at once,
     named, no bucket moved. It joins the group all the same (a group forms once every
-    member joined): before, the sender waited for it to join until the push's timeout,
-    and its error named only the others' failed joins."""
+    member joined), so the sender does not wait for it to join until the push's timeout,
+    and its error names it, not only the others' failed joins."""
     s = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
     sd = state()
     good = Engine(sd)

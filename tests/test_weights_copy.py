@@ -10,10 +10,18 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from rlferry.weights import GroupedCopy, ParamLoader, WeightReceiver, WeightSender
-from rlferry.weights._copy import CHUNK_BYTES, _inner, _offsets, chunk_table, triton_available
-from rlferry.weights._pack import BucketItems, Packer, Unpacker, bucketed
-from rlferry.weights._plan import Plan, TensorSpec
+from rlferry.weights import ParamLoader, WeightReceiver, WeightSender
+from rlferry.weights.copies import GroupedCopy
+from rlferry.weights.copies._copy import (
+    CHUNK_BYTES,
+    _inner,
+    _offsets,
+    chunk_table,
+    triton_available,
+)
+from rlferry.weights.copies._pack import BucketItems, Packer, Unpacker, bucketed
+from rlferry.weights.planning import TensorSpec
+from rlferry.weights.planning._buckets import Plan
 
 requires_triton = pytest.mark.skipif(
     not triton_available(), reason="needs Triton (on the GPU image; optional elsewhere)"
@@ -318,8 +326,8 @@ def test_the_packer_uses_one_grouped_copy_once_the_same_tensors_come_again():
 def test_the_copy_kernels_are_loaded_once_and_any_row_count_reuses_them():
     # a kernel loaded while an NCCL receive runs can wait for it (and hang the update):
     # a link loads them before its group forms, and no later table needs another
-    from rlferry.weights._copy import load_kernels
-    from rlferry.weights._copy_kernel import _copy_rows, _copy_tiles
+    from rlferry.weights.copies._copy import load_kernels
+    from rlferry.weights.copies._copy_kernel import _copy_rows, _copy_tiles
 
     dev = torch.cuda.current_device()
     load_kernels(torch.device("cuda"))

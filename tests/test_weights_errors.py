@@ -16,7 +16,7 @@ from rlferry.weights import (
     WeightSender,
     WeightSyncError,
 )
-from rlferry.weights._messages import Join, Welcome, decode_request, encode
+from rlferry.weights.protocol._messages import Join, Welcome, decode_request, encode
 from rlferry.wire import Server, default_address, wire_loop
 
 

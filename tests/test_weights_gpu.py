@@ -17,14 +17,14 @@ from conftest import requires_cuda
 from rlferry.weights import (
     ShardedReceiver,
     ShardedSender,
-    ShardPlan,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
     fsdp_layout,
     tp_layout,
 )
-from rlferry.weights._boxes import slices
+from rlferry.weights.planning import ShardPlan
+from rlferry.weights.planning._boxes import slices
 from rlferry.weights.transports._cuda_shared import open_shared, share
 from test_weights_sharded import kill_a_trainer_rank_mid_stream
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
@@ -257,7 +257,7 @@ def test_nccl_broadcast_with_a_secret_meets_over_the_control_channel():
         sd = weights(v)
         s.push(sd.items(), version=v, timeout=120)
         assert conn.recv()[:3] == ("commit", v, digest(sd))
-    assert s.statistics().groups_formed == 1 and s._transport.store_address is None
+    assert s.statistics().groups_formed == 1 and s._pusher.parts.transport.store_address is None
     conn.send("stop")
     proc.join(60)
     s.close()

@@ -30,7 +30,16 @@ def test_each_transport_is_a_mailbox_or_a_collective_with_its_whole_interface(na
 
 def test_the_sender_and_receiver_never_probe_a_transport_by_attribute_name():
     src = pathlib.Path(__file__).parents[1] / "src" / "rlferry" / "weights"
-    for name in ("_sender.py", "_preparing.py", "_finishing.py", "_receiver.py"):
+    for name in (
+        "sender/_sender.py",
+        "sender/_pusher.py",
+        "sender/_preparing.py",
+        "sender/_launching.py",
+        "sender/_finishing.py",
+        "receiver/_receiver.py",
+        "receiver/_connection.py",
+        "receiver/_loading.py",
+    ):
         text = (src / name).read_text()
         for probe in ("hasattr(", "getattr(", "type: ignore"):
             assert probe not in text, f"{name} uses {probe}"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender
-from rlferry.weights._hub import Hub, Push
-from rlferry.weights._messages import (
+from rlferry.weights.protocol._members import Push
+from rlferry.weights.protocol._messages import (
     ABORTED,
     IDLE,
     Abort,
@@ -24,6 +24,8 @@ from rlferry.weights._messages import (
     decode_reply,
     encode,
 )
+from rlferry.weights.sender._course import Course
+from rlferry.weights.sender._hub import Hub
 from rlferry.wire import Client
 
 HOST = socket.gethostname()
@@ -157,10 +159,11 @@ def test_the_first_push_with_too_few_receivers_says_how_many_joined():
 def test_a_watch_is_answered_once_when_its_receivers_push_is_aborted_and_when_it_leaves():
     """A receiver of an NCCL group waits on the device, deaf to its socket: the Watch it
     keeps parked at the sender's hub is what ends that wait when its push is aborted
-    (``weights/_watch``; on GPUs, tests/test_weights_gpu.py kills processes mid-push)."""
+    (``weights/receiver/_watch``; on GPUs, tests/test_weights_gpu.py kills processes mid-push)."""
 
     async def run():
         hub = Hub("g", "broadcast")
+        course = Course(hub)
         welcome = decode_reply(await hub.handle(encode(Join("g", "", "r", HOST, 1)), b"r"))
         assert welcome.key == b"r"
         unknown = decode_reply(await hub.handle(encode(Watch(b"nobody")), b"w"))
@@ -168,16 +171,16 @@ def test_a_watch_is_answered_once_when_its_receivers_push_is_aborted_and_when_it
         ask = asyncio.ensure_future(hub.handle(encode(Ack(0, IDLE)), b"r"))
         deadline = time.monotonic() + 5
         args = {"seq": 1, "version": 7, "timeout": 5}
-        members, _ = await hub.begin(args, 1, deadline)
-        await hub.start(Push(1, 7, None, "fp", members, {}, True, False), streaming=True)
+        members, _ = await course.begin(args, 1, deadline)
+        await course.start(Push(1, 7, None, "fp", members, {}, True, False), streaming=True)
         assert decode_reply(await ask) == Stream(1, 7)
         watch = asyncio.ensure_future(hub.handle(encode(Watch(b"r")), b"w"))
-        aborting = asyncio.ensure_future(hub.abort("the trainer failed", deadline))
+        aborting = asyncio.ensure_future(course.abort("the trainer failed", deadline))
         assert decode_reply(await asyncio.wait_for(watch, 5)) == Abort(1, "the trainer failed", 7)
         again = asyncio.ensure_future(hub.handle(encode(Watch(b"r", seen=1)), b"w"))
         await hub.handle(encode(Ack(1, ABORTED, park=False)), b"r")
         await asyncio.wait_for(aborting, 5)
-        hub.done()
+        course.done()
         assert not again.done()  # told of push 1 once: it waits for a later one
         await hub.handle(encode(Leave()), b"r")
         assert decode_reply(await asyncio.wait_for(again, 5)) == Noted()

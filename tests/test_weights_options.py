@@ -4,8 +4,9 @@ constructor options, no module switches."""
 import pytest
 import torch
 
-from rlferry.weights import WeightReceiver, WeightSender, _pack
-from rlferry.weights.transports import _broadcast
+from rlferry.weights import WeightReceiver, WeightSender
+from rlferry.weights.copies import _pack
+from rlferry.weights.transports import _distributed_sender
 
 
 def test_sender_rejects_a_grouped_pack_that_is_not_a_bool():
@@ -21,7 +22,7 @@ def test_sender_rejects_an_nccl_high_priority_that_is_not_a_bool():
 
 
 def test_no_module_switch_is_left():
-    assert not hasattr(_pack, "GROUPED_PACK") and not hasattr(_broadcast, "HIGH_PRIORITY")
+    assert not hasattr(_pack, "GROUPED_PACK") and not hasattr(_distributed_sender, "HIGH_PRIORITY")
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -41,7 +42,7 @@ def test_grouped_pack_off_packs_per_tensor_and_delivers_the_same_values(grouped)
             t.add_(1)
         s.push(sd.items(), version=v, timeout=30)
         assert all(torch.equal(params[n], t) for n, t in sd.items())
-    built = [c is not None for c in s._packer._copies]
+    built = [c is not None for c in s._pusher.preparer.packer._copies]
     assert built == [grouped] * len(built)  # grouped: built on the second push, then reused
     r.close()
     s.close()
@@ -50,10 +51,10 @@ def test_grouped_pack_off_packs_per_tensor_and_delivers_the_same_values(grouped)
 @pytest.mark.parametrize("high", [True, False])
 def test_the_group_descriptor_carries_the_senders_nccl_priority(high):
     s = WeightSender(group="g", transport="broadcast", nccl_high_priority=high)
-    desc = s._transport.group_for([b"a"], 10.0, torch.device("cuda", 0))
+    desc = s._pusher.parts.transport.group_for([b"a"], 10.0, torch.device("cuda", 0))
     assert desc[b"a"]["backend"] == "nccl" and desc[b"a"]["high_priority"] is high
     assert desc[b"a"]["max_ctas"] == 0  # NCCL's own choice unless a ShardedSender caps it
-    s._cap_ctas(6)
-    desc = s._transport.group_for([b"b"], 10.0, torch.device("cuda", 0))
+    s._pusher.cap_ctas(6)
+    desc = s._pusher.parts.transport.group_for([b"b"], 10.0, torch.device("cuda", 0))
     assert desc[b"b"]["max_ctas"] == 6
     s.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._line import Starter
+from rlferry.weights.protocol._datagrams import Starter
 
 pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
 
@@ -163,8 +163,8 @@ def test_a_push_ends_on_its_receivers_word_on_the_commit_line_and_no_other_proce
         assert s.statistics().commits_on_line == 1  # it ended there, not on the acknowledgement
         # the receiver hangs in push 2's load: a word in its name from another process (this
         # one: the test knows its key and the line) is not taken as its commit
-        (key,) = s._hub.members
-        line = s._hub.commits.name
+        (key,) = s._pusher.parts.hub.members
+        line = s._pusher.parts.hub.commits.name
         result = {}
 
         def push():

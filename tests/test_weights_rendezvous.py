@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from rlferry.weights import WeightReceiver, WeightSender, WeightSyncError
-from rlferry.weights._messages import Join, StoreOp, encode
+from rlferry.weights.protocol._messages import Join, StoreOp, encode
 from rlferry.weights.transports._rendezvous import CallStore, KeyValue, loopback_store
 from rlferry.wire import Client, RemoteError
 from test_weights import Engine, state
@@ -66,7 +66,7 @@ def push_to(sender, sd, n=2, **kw):
 def test_the_default_rendezvous_store_listens_on_loopback_only():
     s = WeightSender(group="g", transport="broadcast", receivers=2, bucket_bytes=256 << 10)
     rs, _ = push_to(s, state())
-    host, port = s._transport.store_address
+    host, port = s._pusher.parts.transport.store_address
     assert host == "127.0.0.1"
     assert [a for a, p in listening_addresses() if p == port] == ["127.0.0.1"]
     for r in rs:
@@ -91,7 +91,7 @@ def test_with_a_secret_the_group_meets_over_the_control_channel():
                      bind="tcp://127.0.0.1:*", secret=SECRET)  # fmt: skip
     sd = state()
     rs, engines = push_to(s, sd, secret=SECRET)
-    assert s._transport.store_address is None  # no store socket at all
+    assert s._pusher.parts.transport.store_address is None  # no store socket at all
     new = set(listening_addresses()) - before
     control_port = int(s.address.rpartition(":")[2])
     assert {a for a, _ in new} <= {"127.0.0.1"} and control_port in {p for _, p in new}

@@ -14,20 +14,17 @@ import pytest
 import torch
 
 from rlferry.weights import (
-    EngineLayout,
     ShardedReceiver,
     ShardedSender,
-    ShardPlan,
-    TrainerLayout,
     WeightSyncError,
-    dtensor_layout,
     fsdp_layout,
     specs_of,
     tp_layout,
 )
-from rlferry.weights._boxes import slices
-from rlferry.weights._budget import link_ctas
-from rlferry.weights._turns import drain
+from rlferry.weights.planning import EngineLayout, ShardPlan, TrainerLayout, dtensor_layout
+from rlferry.weights.planning._boxes import slices
+from rlferry.weights.planning._budget import link_ctas
+from rlferry.weights.sender._turns import drain
 from test_weights_sharded_plan import expected_params, full_weights, llama_specs
 
 CTX = mp.get_context("spawn")
@@ -704,9 +701,9 @@ def test_connect_refuses_addresses_without_this_engine_rank_and_keeps_its_link()
 def _held_at_bucket(k, links, conn):
     """Make this process's pushes stop before bucket ``k`` once armed: each link's push
     waits there, and when all ``links`` do the test is told (and kills the process)."""
-    from rlferry.weights import _finishing, _sender
+    from rlferry.weights.sender import _finishing, _pusher
 
-    bucketed, armed, held, lock = _sender.bucketed, threading.Event(), [0], threading.Lock()
+    bucketed, armed, held, lock = _pusher.bucketed, threading.Event(), [0], threading.Lock()
 
     def held_bucketed(*args):
         for i, bucket in enumerate(bucketed(*args)):
@@ -718,7 +715,7 @@ def _held_at_bucket(k, links, conn):
                 threading.Event().wait()  # killed here, mid-stream
             yield bucket
 
-    _sender.bucketed = _finishing.bucketed = held_bucketed  # a push's buckets, both ways
+    _pusher.bucketed = _finishing.bucketed = held_bucketed  # a push's buckets, both ways
     return armed
 
 
@@ -1130,7 +1127,7 @@ def test_a_ranks_many_point_to_point_links_share_nccls_thread_blocks():
             transport="broadcast", point_to_point=p2p,
         ) as sender:  # fmt: skip
             # one trainer rank: 2 links (one an engine rank); sixteen: 16 an engine rank
-            assert {r: link._transport.max_ctas for r, link in sender._links.items()} == {
+            assert {r: link.parts.transport.max_ctas for r, link in sender._links.items()} == {
                 r: want for r in sender._links
             }
 

@@ -3,19 +3,16 @@
 import pytest
 import torch
 
-from rlferry.weights import (
+from rlferry.weights import ShardedReceiver, ShardedSender, fsdp_layout, tp_layout
+from rlferry.weights.planning import (
     EngineLayout,
     ParamLayout,
     Part,
-    ShardedReceiver,
-    ShardedSender,
     ShardPlan,
     TensorSpec,
     TrainerLayout,
-    fsdp_layout,
-    tp_layout,
 )
-from rlferry.weights._boxes import cover, extents, intersect, slices, subtract, volume
+from rlferry.weights.planning._boxes import cover, extents, intersect, slices, subtract, volume
 
 F32 = torch.float32
 
@@ -288,8 +285,8 @@ def test_an_engine_ranks_offer_puts_every_region_of_its_links_pieces_in_its_plac
     across GPUs): for each piece of each trainer rank's link, regions of it and views of
     the rank's own tensors; copying the regions there makes the rank's tensors whole."""
     from rlferry.weights import ShardedReceiver
-    from rlferry.weights._plan import Plan
-    from rlferry.weights._sharded_receiver import _Link
+    from rlferry.weights.planning._buckets import Plan
+    from rlferry.weights.sharded._links import Link
 
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainer, engine = fsdp_layout(specs, 2), tp_layout(specs, 2)
@@ -303,7 +300,7 @@ def test_an_engine_ranks_offer_puts_every_region_of_its_links_pieces_in_its_plac
     for s in plan.senders_of(rank):
         pieces = plan.link(s, rank)[0]
         link_plan = Plan.build([p.spec() for p in pieces], 1 << 20)  # what the link pushes
-        targets = r._targets_for(_Link(s, ""), link_plan)
+        targets = r._targets_for(Link(s, ""), link_plan)
         assert targets is not None and len(targets) == len(pieces)
         for piece, entry in zip(pieces, targets, strict=True):
             value = full[piece.source][slices(piece.box)].to(piece.dtype)

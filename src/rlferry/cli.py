@@ -173,7 +173,7 @@ def _plan_weights_parser(sub: Any) -> None:
 
 
 def _plan_weights(a: Any) -> None:
-    from rlferry.weights import plan_weights
+    from rlferry.weights.planning import plan_weights
 
     try:
         text = plan_weights(

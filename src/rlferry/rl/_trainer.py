@@ -179,7 +179,8 @@ def _sharded_sender(
     group as bytes (JSON, no pickle). Point to point (``s["p2p"]``: engines sharing GPU 0
     cannot be in one NCCL group) each rank has a link per engine: a group of two over
     NCCL, or cuda_ipc from rank 0 beside them."""
-    from rlferry.weights import EngineLayout, ShardedSender, dtensor_layout
+    from rlferry.weights import ShardedSender
+    from rlferry.weights.planning import EngineLayout, dtensor_layout
 
     named = list(model.state_dict().items())
     trainer = dtensor_layout(named, s["dp"])

@@ -8,12 +8,13 @@ One sender per group of receivers; the bytes move over a transport (``shm``,
     report = sender.push(model.state_dict().items(), version=7, timeout=60)
 
 ``ParamLoader(params)`` is a ready ``load``: each bucket copied into the engine's
-tensors by one grouped copy (``GroupedCopy``: one Triton launch on CUDA).
+tensors by one grouped copy (``rlferry.weights.copies.GroupedCopy``: one Triton
+launch on CUDA).
 
 At scale every trainer rank sends what it owns straight to the engine ranks that
 need it: a ``ShardedSender`` per trainer rank, a ``ShardedReceiver`` per engine
-rank, one ``ShardPlan`` computed from both layouts (``fsdp_layout`` /
-``dtensor_layout`` for the trainer, ``tp_layout`` for a tensor-parallel engine)::
+rank, one plan computed from both layouts (``fsdp_layout`` for the trainer,
+``tp_layout`` for a tensor-parallel engine, from the tensors' ``specs_of``)::
 
     trainer, engine = fsdp_layout(specs, 4), tp_layout(specs, 2, dtype=torch.bfloat16)
     s = ShardedSender(group="g", rank=dist.get_rank(), trainer=trainer, engine=engine)
@@ -22,24 +23,17 @@ rank, one ``ShardPlan`` computed from both layouts (``fsdp_layout`` /
 
 Rank 0's ``describe_group(addresses)`` lets an engine told only its address find
 every rank (``describe_group(group, address)`` on the engine's side).
+
+The planner and the plan primitives (``dtensor_layout``, ``TrainerLayout``,
+``EngineLayout``, ``ShardPlan``, ``predict``...) are :mod:`rlferry.weights.planning`'s.
 """
 
-from ._copy import GroupedCopy, ParamLoader
+import importlib
+import warnings
+from typing import Any
+
 from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
 from ._fingerprint import fingerprint
-from ._group import SenderGroup, describe_group
-from ._layouts import (
-    EngineLayout,
-    ParamLayout,
-    Part,
-    TrainerLayout,
-    dtensor_layout,
-    fsdp_layout,
-    specs_of,
-)
-from ._plan import TensorSpec
-from ._predict import Cluster, Prediction, plan_weights, predict
-from ._receiver import WeightReceiver
 from ._report import (
     PushReport,
     ReceiverStatistics,
@@ -47,47 +41,70 @@ from ._report import (
     ShardedReceiverStatistics,
     ShardedSenderStatistics,
 )
-from ._sender import WeightSender
-from ._sharded import ShardedSender, link_group
-from ._sharded_receiver import ShardedReceiver
-from ._shardplan import Copy, Piece, ShardPlan
-from ._tp import tp_layout
+from .copies import ParamLoader
+from .planning import fsdp_layout, specs_of, tp_layout
+from .receiver import WeightReceiver
+from .sender import WeightSender
+from .sharded import ShardedReceiver, ShardedSender, describe_group
 
 __all__ = [
-    "Cluster",
-    "Copy",
-    "EngineLayout",
-    "GroupedCopy",
-    "ParamLayout",
     "ParamLoader",
-    "Part",
-    "Piece",
-    "Prediction",
     "PushReport",
     "PushTimeout",
     "ReceiverClosed",
     "ReceiverStatistics",
     "SenderClosed",
     "SenderGone",
-    "SenderGroup",
     "SenderStatistics",
-    "ShardPlan",
     "ShardedReceiver",
     "ShardedReceiverStatistics",
     "ShardedSender",
     "ShardedSenderStatistics",
-    "TensorSpec",
-    "TrainerLayout",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
     "describe_group",
-    "dtensor_layout",
     "fingerprint",
     "fsdp_layout",
-    "link_group",
-    "plan_weights",
-    "predict",
     "specs_of",
     "tp_layout",
 ]
+
+# names that moved out of rlferry.weights, by their new home: importable from here, with a
+# DeprecationWarning, for one release
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "Cluster",
+            "Copy",
+            "EngineLayout",
+            "ParamLayout",
+            "Part",
+            "Piece",
+            "Prediction",
+            "ShardPlan",
+            "TensorSpec",
+            "TrainerLayout",
+            "dtensor_layout",
+            "plan_weights",
+            "predict",
+        ),
+        "rlferry.weights.planning",
+    ),
+    "GroupedCopy": "rlferry.weights.copies",
+    "SenderGroup": "rlferry.weights.sharded",
+    "link_group": "rlferry.weights.sharded",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'rlferry.weights' has no attribute {name!r}")
+    warnings.warn(
+        f"rlferry.weights.{name} moved to {home}.{name}: import it from there (the old name "
+        "goes in the next release)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)

@@ -10,7 +10,7 @@ import torch
 
 from rlferry.errors import RequestError
 
-from ._plan import ALIGN
+from .planning._buckets import ALIGN
 
 __all__ = ["TRANSPORTS", "ReceiverConfig", "SenderConfig"]
 

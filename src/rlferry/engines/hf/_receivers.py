@@ -11,13 +11,8 @@ from typing import Any
 
 import torch
 
-from rlferry.weights import (
-    EngineLayout,
-    ParamLoader,
-    ShardedReceiver,
-    WeightReceiver,
-    describe_group,
-)
+from rlferry.weights import ParamLoader, ShardedReceiver, WeightReceiver, describe_group
+from rlferry.weights.planning import EngineLayout
 
 __all__ = ["join_senders"]
 

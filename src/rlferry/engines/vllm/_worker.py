@@ -25,7 +25,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlferry.errors import RequestError
-from rlferry.weights import TensorSpec, WeightReceiver
+from rlferry.weights import WeightReceiver
+from rlferry.weights.planning import TensorSpec
 
 from .._errors import NotStarted
 from ._gate import Gate, GateError

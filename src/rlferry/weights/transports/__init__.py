@@ -37,9 +37,9 @@ def make_sender(
         from ._cuda_ipc import CudaIpcSender
 
         return CudaIpcSender()
-    from ._broadcast import BroadcastSender
+    from ._distributed_sender import DistributedSender
 
-    return BroadcastSender(bind, secret, high_priority=nccl_high_priority)
+    return DistributedSender(bind, secret, high_priority=nccl_high_priority)
 
 
 def make_receiver(name: str) -> MailboxReceiver | CollectiveReceiver:
@@ -52,6 +52,6 @@ def make_receiver(name: str) -> MailboxReceiver | CollectiveReceiver:
         from ._cuda_ipc import CudaIpcReceiver
 
         return CudaIpcReceiver()
-    from ._broadcast import BroadcastReceiver
+    from ._distributed_receiver import DistributedReceiver
 
-    return BroadcastReceiver()
+    return DistributedReceiver()

@@ -30,8 +30,8 @@ from rlferry.errors import RequestError
 from .._errors import WeightSyncError
 
 if TYPE_CHECKING:
-    from .._messages import StoreOp, StoreReply
-    from .._plan import Plan
+    from ..planning._buckets import Plan
+    from ..protocol._messages import StoreOp, StoreReply
     from ._rendezvous import KeyValue
 
 __all__ = [

@@ -16,6 +16,20 @@ import torch.distributed as dist
 
 from ._rendezvous import gloo_device
 
+__all__ = [
+    "COMMITTED",
+    "FAILED",
+    "Cut",
+    "abort",
+    "broadcast_options",
+    "first_line",
+    "make_group",
+    "max_options",
+    "release",
+    "settled",
+    "wait",
+]
+
 log = logging.getLogger("rlferry.weights")
 
 _ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -41,14 +55,14 @@ def _errors_contained() -> Iterator[None]:
                 os.environ[_ERRORS] = before
 
 
-def _options() -> Any:
+def broadcast_options() -> Any:
     o = dist.BroadcastOptions()
     o.rootRank = 0
     o.rootTensor = 0
     return o
 
 
-def _most() -> Any:
+def max_options() -> Any:
     o = dist.AllreduceOptions()
     o.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
     return o
@@ -57,14 +71,14 @@ def _most() -> Any:
 # A push's last exchange, after its buckets: every receiver adds its outcome (0 committed,
 # 1 failed) to a MAX all-reduce with the sender's 0, once it committed or failed. The
 # sender's push ends on the result, 0, without waiting for the receivers' acks to cross
-# the control channel: on four H100s those took 0.8-1.0 ms from an engine's commit to its
-# trainer's thread (a send, the wire loop's wake, the pushing thread's), the all-reduce
-# comes through the device. Its acks still come (the hub waits for them before the next
+# the control channel (0.8-1.0 ms from an engine's commit to its trainer's thread on four
+# H100s: a send, the wire loop's wake, the pushing thread's); the all-reduce comes
+# through the device. Its acks still come (the hub waits for them before the next
 # push); a 1 sends the sender to them for the reason.
 COMMITTED, FAILED = 0, 1
 
 
-def _make_group(
+def make_group(
     backend: str, store: Any, prefix: str, rank: int, world: int, timeout: float,
     host: str | None, high_priority: bool, max_ctas: int = 0,
 ) -> Any:  # fmt: skip
@@ -79,7 +93,7 @@ def _make_group(
         opts = dist.ProcessGroupNCCL.Options()
         # a backstop: a push ends at its own timeout (the sender aborts the group, its
         # receivers' watches theirs); torch's watchdog, handling a timeout while a thread
-        # enqueues on the group, stopped both for good on four H100s
+        # enqueues on the group, can stop both for good
         opts._timeout = datetime.timedelta(seconds=max(2 * timeout, timeout + 60))
         opts.is_high_priority_stream = high_priority
         if max_ctas:
@@ -97,8 +111,8 @@ class Cut:
     sender aborted the push. Gloo waits on the CPU and its peers' sockets closing end
     those waits; but a sender that gave a push up mid-stream (a Ctrl-C, an error) keeps
     its group's sockets open while anything holds the group (a traceback, until the
-    garbage collector takes it), and its receiver waited the group's timeout (120 s) for
-    a bucket never sent. One per stream (:meth:`BroadcastReceiver.aborter`)."""
+    garbage collector takes it), and its receiver would wait the group's timeout (120 s)
+    for a bucket never sent. One per stream (:meth:`DistributedReceiver.aborter`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -118,14 +132,14 @@ class Cut:
                 done.put(None)
 
 
-def _wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
+def wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
     """Wait for ``work``: for NCCL the current stream waits (``timeout=None``), the CPU does
     not; for gloo the CPU waits, at most ``timeout``, on a queue the work's future puts to
     (or ``cut``): gloo's own wait holds the thread in C++, where a signal (Ctrl-C) does not
     reach a main thread that waits there for a receiver's commit, the push's timeout long.
     The future's callback is the queue's own ``put`` (C, no Python frame): a future done
-    already runs it on this thread, and a Ctrl-C that landed in a Python callback there
-    was swallowed by torch (logged; the push then waited for its timeout, in a CI run)."""
+    already runs it on this thread, and torch swallows a Ctrl-C that lands in a Python
+    callback there (it logs it; the push would then wait for its timeout)."""
     if timeout is None:
         work.wait()
         return
@@ -142,7 +156,7 @@ def _wait(work: Any, timeout: float | None, cut: Cut | None = None) -> None:
     work.wait()  # done: raises its error, if it failed
 
 
-def _settled(pg: Any, works: list[Any], stream: Any) -> None:
+def settled(pg: Any, works: list[Any], stream: Any) -> None:
     """NCCL reports a failed collective asynchronously: once ``stream`` (which waited for
     every work) is done, ask each work and the group for an error, so that a push that
     met one raises instead of committing. A work asked with a timeout raises its error;
@@ -156,7 +170,7 @@ def _settled(pg: Any, works: list[Any], stream: Any) -> None:
         raise RuntimeError(f"NCCL reported {error.name} on the group")
 
 
-def _abort(pg: Any) -> None:
+def abort(pg: Any) -> None:
     """Tear a group down so that its peers' pending operations fail at once.
 
     NCCL needs an abort (in-flight kernels exit); a gloo group closes its
@@ -174,21 +188,21 @@ def _abort(pg: Any) -> None:
             return
 
 
-def _release(group: list[Any], works: list[Any], broken: bool = False) -> None:
+def release(group: list[Any], works: list[Any], broken: bool = False) -> None:
     """Let the group in ``group`` go (a list holding the caller's only reference: this
     takes it); ``works``: the last push's work on it. NCCL's is aborted (its pending work
     fails at once). Gloo's destructor waits for the group's pending work, whose peer half
     may never come (a push given up mid-stream; a receiver's outcome of it, never joined)
     until the group's timeout: the caller, a sender forming its next group or a receiver
-    joining it, waited that long there (120 s, a push interrupted while a receiver loaded
-    its one bucket). So a gloo group with work pending goes on a thread of its own, once
-    that work ended; so does one given up mid-push (``broken``): a Ctrl-C that lands just
-    after a call posted work, before the work was kept, leaves it pending unseen (the
-    pushing thread waited for it, 120 s, 3 runs of 120 under load)."""
+    joining it, would wait that long there (120 s, for a push interrupted while a receiver
+    loads its one bucket). So a gloo group with work pending goes on a thread of its own,
+    once that work ended; so does one given up mid-push (``broken``): a Ctrl-C that lands
+    just after a call posted work, before the work was kept, leaves it pending unseen (the
+    pushing thread would wait for it, 120 s)."""
     pg = group[0]
     if not isinstance(pg, dist.ProcessGroupGloo):
         group.clear()
-        _abort(pg)
+        abort(pg)
         return
     del pg
     pending = [w for w in works if w is not None and not w.is_completed()]
@@ -207,9 +221,9 @@ def _drop_after(group: list[Any], works: list[Any]) -> None:
         try:
             w.wait()
         except RuntimeError as e:  # its peer went, or the group's timeout passed: it ended
-            log.debug("a dropped group's work ended: %s", _first_line(e))
+            log.debug("a dropped group's work ended: %s", first_line(e))
     group.clear()
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

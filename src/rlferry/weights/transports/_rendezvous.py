@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._errors import WeightSyncError
-from .._messages import StoreOp, StoreReply
+from ..protocol._messages import StoreOp, StoreReply
 
 __all__ = ["CallStore", "KeyValue", "gloo_device", "local_host_towards", "loopback_store"]
 

@@ -1,0 +1,126 @@
+"""The sender: streams named tensors to the receivers of one group, bucket by bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .._config import SenderConfig
+from .._report import PushReport, SenderStatistics
+from ._pusher import Pusher
+from ._turns import drain
+
+__all__ = ["WeightSender"]
+
+
+class WeightSender:
+    """Streams named tensors to the receivers of one group, bucket by bucket.
+
+    ``transport``: ``"shm"`` (CPU tensors, receivers on this host), ``"cuda_ipc"``
+    (CUDA tensors, receivers on the same GPU) or ``"broadcast"`` (a
+    ``torch.distributed`` group of the sender and its receivers: NCCL for CUDA
+    tensors, gloo for CPU ones). ``receivers``: how many receivers the first
+    push waits for; later pushes go to the receivers present (one that failed or
+    left is dropped, one that joins is added). ``bucket_bytes``: the size of each
+    of the two buffers (default: from free device memory). ``bind``: the control
+    address (default: a fresh ipc:// path, or tcp://127.0.0.1 for broadcast);
+    off-host binds need ``secret``. ``device``: where the buffers live (default:
+    the first pushed tensor's device). ``zero_copy`` (cuda_ipc, shm): when the
+    pushed tensors are contiguous and on the sender's device and the input is
+    re-iterable (a ``state_dict().items()``), receivers read them where they are,
+    through IPC handles (cuda_ipc) or mappings (shm) opened once while the same
+    tensors are pushed again: no pack, no buffers. For shm the first such push
+    moves the tensors' storages into shared memory, as ``share_memory_()`` does
+    (same tensors, same values); later tensors that are not shared yet are
+    packed. A generator, ``verify`` or other tensors fall back to packing.
+
+    Two options exist for comparisons (the benchmark's rows), not for tuning:
+    ``grouped_pack=False`` packs every bucket with one ``_foreach_copy_`` (per
+    tensor) instead of one grouped copy for tensors pushed again at the same
+    addresses (the default: one Triton launch on CUDA, one bulk host copy on
+    CPU). ``nccl_high_priority=False`` (broadcast over NCCL) creates the group's
+    NCCL streams, on the sender and on every receiver, at normal priority
+    instead of high (the default: NCCL's kernels take SMs before the pack and
+    load copies queued beside them, and the collective is what bounds a push).
+
+    A process may run one sender per group, each with its own transport.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        transport: str = "shm",
+        receivers: int = 1,
+        bucket_bytes: int | None = None,
+        bind: str | None = None,
+        device: Any = None,
+        secret: str | bytes | None = None,
+        zero_copy: bool = True,
+        grouped_pack: bool = True,
+        nccl_high_priority: bool = True,
+    ) -> None:
+        self.config = SenderConfig(
+            group=group,
+            transport=transport,
+            receivers=receivers,
+            bucket_bytes=bucket_bytes,
+            bind=bind,
+            device=device,
+            secret=secret,
+            zero_copy=zero_copy,
+            grouped_pack=grouped_pack,
+            nccl_high_priority=nccl_high_priority,
+        )
+        self._pusher = Pusher(self.config)
+        self.address: str = self._pusher.address
+
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        timeout: float = 60.0,
+        layout: Iterable[tuple[str, Any]] | None = None,
+    ) -> PushReport:
+        """Send every ``(name, tensor)`` to the group's receivers; returns when they committed.
+
+        ``named_tensors``: a ``state_dict().items()``, a list, or a generator (one
+        that gathers FSDP shards per bucket, say): tensors are packed in order
+        as they come. A re-iterable input is read once for its layout first; a
+        generator streams against the previous push's layout (its first push, or
+        a layout change, needs ``layout=``: the names with anything that has
+        ``.shape`` and ``.dtype``, else the generator is read whole first).
+
+        A push goes to the receivers ready when it starts: the first waits for
+        ``receivers`` of them, later ones for one (and for a receiver that just
+        joined to ask for work, a moment at most); a receiver still busy with an
+        earlier push, or one that joined and never asked for work, is left out.
+
+        Raises:
+            PushTimeout: (a ``TimeoutError``) too few receivers were ready within
+                ``timeout`` (the message names each one that joined and what it was
+                doing), or some did not acknowledge in time (``failures`` names them,
+                ``report`` says who committed).
+            WeightSyncError: a receiver rejected the plan (nothing moved) or failed
+                (``failures`` names each with its reason; the others committed,
+                ``report`` says who).
+            SenderClosed: the sender was closed.
+            ValueError: ``version`` is not an int.
+        """
+        return drain(self._pusher.steps(named_tensors, version, timeout, layout))
+
+    def statistics(self) -> SenderStatistics:
+        return self._pusher.statistics()
+
+    def close(self) -> None:
+        """Stop serving; receivers see the sender gone and keep their last version."""
+        self._pusher.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
