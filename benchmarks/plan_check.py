@@ -1,4 +1,4 @@
-"""The planner's prediction against measured sharded updates (issue 23's check).
+"""The planner's prediction against measured sharded updates.
 
 Reads the JSON lines of ``benchmarks/weights_sharded.py --json OUT`` and, for each
 point-to-point run and each ``--mode bound`` run on GPUs, predicts the update with

@@ -14,7 +14,7 @@ it wants them (``identical``).
 ``--mode bound``, ``batched`` and ``control`` are the floors (``_weights_floor``): the links'
 bytes in one communicator of every rank, bare or with rlferry's pack and load.
 
-``--mode gather`` is today's way, in the same harness: the other trainer ranks first
+``--mode gather`` is the common way, in the same harness: the other trainer ranks first
 send their rows to rank 0 (through the same transport, rank 0 the one receiver of
 them; its own rows it copies), then rank 0 pushes the whole model through one
 ``WeightSender`` to engine ranks that cut their slices out of it as they load (as
@@ -73,7 +73,7 @@ from _common import receive, start_worker, table
 
 WAIT = 600.0  # a process's start, an engine rank's wait for a version
 # A push's own bound: one that hangs fails in 2 minutes naming the engine ranks it waited
-# for (a first update, groups forming and kernels compiling, took 2-7 s in session 22)
+# for (a first update, groups forming and kernels compiling, takes 2-7 s on four GPUs)
 PUSH_WAIT = 120.0
 
 

@@ -8,8 +8,8 @@ The baseline, in the same run: one memcpy of the same bytes.
 
 ``--ragged``: a rollout put's columns instead (``--samples`` rows x 4 lists of 1-d
 tensors of 5-16 tokens, the demo's shape), encoded and decoded in this process: one
-packed copy and one split (rlferry) against a copy and a view a row (the baseline,
-as the codec did before); p50/p90/max.
+packed copy and one split (rlferry) against a copy and a view a row (the baseline);
+p50/p90/max.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ def test_version_flag_prints_the_package_version():
     assert out.stdout.strip() == f"rlferry {rlferry.__version__}"
 
 
+@pytest.mark.slow
 def test_the_wire_benchmark_prints_a_table_with_ratios():
     out = subprocess.run(
         [

@@ -278,6 +278,7 @@ def test_streaming_dataset_ends_once_the_task_consumed_the_partition(polling):
     assert got == [[0.0, 1.0], [2.0, 3.0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ray", ["absent", "installed, not started"])
 def test_works_with_ray_absent_or_never_started(ray):
     if ray != "absent":

@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("tensordict", reason="the [tq] extra (tensordict) is missing")
 pytest.importorskip("omegaconf", reason="the [tq] extra (omegaconf) is missing")
 
+pytestmark = pytest.mark.slow  # processes of their own, some killed on purpose
+
 LOADER = """
 import sys, torch
 import rlferry.compat.transferqueue as tq

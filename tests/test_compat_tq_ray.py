@@ -23,6 +23,8 @@ from rlferry.compat.transferqueue._ray import JOB
 from rlferry.ray import LaunchError
 from rlferry.ray._common import actor_name
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import it
 SERVICE = actor_name(JOB, "service")
 DEATH_BOUND = 5.0  # s: a bound on the wait for the error, not a measure of its speed

@@ -30,7 +30,8 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (t
 from rlferry.engines.hf import HFEngine  # noqa: E402
 from test_control import perturbed, tiny_model  # noqa: E402
 
-KINDS = ["local", "remote"]
+# engines in this process, or `rlferry serve engine` processes (slow: a process each)
+KINDS = ["local", pytest.param("remote", marks=pytest.mark.slow)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
@@ -423,6 +424,7 @@ def test_an_engine_that_dies_mid_generation_is_loud_once_and_its_samples_go_on(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_is_re_added_and_brought_to_the_fleets_version_before_it_serves(
     model_dir,
 ):
@@ -453,6 +455,7 @@ def test_a_restarted_engine_is_re_added_and_brought_to_the_fleets_version_before
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_wait_with_no_engine_serving_says_so_and_why_each_left(model_dir):
     async def main():
         async with fleet("remote", model_dir, n=1) as f:

@@ -116,6 +116,7 @@ def test_a_control_call_answers_while_more_generates_wait_than_a_connection_pool
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(model_dir):
     proc, url = serve(model_dir, "--name", "doomed")
 
@@ -162,6 +163,7 @@ def test_an_engine_process_killed_mid_update_is_named_and_the_others_move_on(mod
             stop(proc)
 
 
+@pytest.mark.slow
 def test_a_generate_in_flight_on_an_engine_that_dies_fails_at_once(model_dir):
     proc, url = serve(model_dir)
 
@@ -208,7 +210,7 @@ def test_serve_engine_nice_lowers_its_priority_and_a_bad_one_is_refused(model_di
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr == (
-        "rlferry serve engine: ValueError: --nice: expected an int in [0, 19], got 25\n"
+        "rlferry serve engine: RequestError: --nice: expected an int in [0, 19], got 25\n"
     )
     proc, _ = serve(model_dir, "--nice", "5")
     try:  # every thread of the engine, made after the nice, has it

@@ -19,6 +19,8 @@ pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
 from rlferry.rl.demo import DemoConfig, run_demo
 from rlferry.rl.report import summarize, write_report
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def test_a_short_demo_trains_within_its_staleness_and_ends_with_the_trainers_weights(tmp_path):
     config = DemoConfig(

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"

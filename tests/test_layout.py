@@ -40,6 +40,13 @@ PENDING: dict[str, set[str]] = {
         "rlferry/wire",
     },
     "room": {"rlferry/compat/transferqueue", "rlferry/weights"},
+    "floors": {
+        "rlferry",
+        "rlferry/compat/transferqueue",
+        "rlferry/queue",
+        "rlferry/weights",
+        "rlferry/weights/transports",
+    },
     "private": {
         "rlferry/compat/transferqueue",
         "rlferry/engines/hf",
@@ -152,6 +159,38 @@ def test_no_module_reads_another_modules_private_names(room):
     reads = {_rel(p): r for p in MODULES if _room(p) == room and (r := _foreign_reads(p))}
     text = "\n".join(f"{m}: {r}" for m, rs in reads.items() for r in rs)
     assert not reads, f"private names read across modules (make them public, or move them):\n{text}"
+
+
+LOWER = ("rlferry.wire", "rlferry.queue", "rlferry.weights", "rlferry.control")
+
+
+def _private_reach(p: pathlib.Path) -> list[str]:
+    """Imports of a lower floor's private modules (``rlferry.queue._client``) from another
+    package: the floors above use what the floor below exports."""
+    own = _rel(p).split("/")[1]
+    found = []
+    for node in ast.walk(TREES[p]):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if (
+                name.startswith(LOWER)
+                and parts[1] != own
+                and any(x.startswith("_") and not x.startswith("__") for x in parts[2:])
+            ):
+                found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize("room", _rooms("floors"))
+def test_upper_floors_import_the_lower_floors_public_names_only(room):
+    reach = {_rel(p): r for p in MODULES if _room(p) == room and (r := _private_reach(p))}
+    text = "\n".join(f"{m}: {r}" for m, rs in reach.items() for r in rs)
+    assert not reach, f"private modules of another floor imported:\n{text}"
 
 
 BUILTIN_ERRORS = {

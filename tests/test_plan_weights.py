@@ -86,6 +86,7 @@ def test_trainer_tensor_parallelism_inside_fsdp_still_owns_every_byte_once():
     assert trainer.owned[2][o] == ((0, 32), (32, 64))
 
 
+@pytest.mark.slow
 def test_the_command_prints_links_the_busiest_and_the_time(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "qwen3", **TINY}))

@@ -87,6 +87,7 @@ def test_a_client_with_the_wrong_secret_gets_a_security_error_naming_the_secret(
 
 
 # -- item 2: `rlferry serve queue` checks its config first and sees a unit die at once ---------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "error"),
     [

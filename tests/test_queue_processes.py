@@ -13,6 +13,8 @@ import torch
 
 from rlferry.queue import GetTimeout, Queue, ServiceGone
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def _consume_and_hang(address, conn):
     c = Queue.connect(address).client()

@@ -12,6 +12,8 @@ pytest.importorskip("transformers", reason="needs transformers (the [demo] extra
 
 from rlferry.rl.demo import DemoConfig, run_demo  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def test_a_short_demo_on_ray_ends_with_the_trainers_weights_and_leaves_no_actor(ray_cluster):
     config = DemoConfig(steps=3, engines=2, max_staleness=1, groups_per_step=2, group_size=4,

@@ -12,6 +12,8 @@ from rlferry.control import Coordinator, EngineError, GenerateRequest, SamplingP
 from rlferry.ray import LaunchError, RayEngines  # noqa: E402
 from test_control import tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 KILLED = "The actor is dead because it was killed by `ray.kill`."
 
 

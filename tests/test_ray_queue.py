@@ -18,6 +18,8 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the [ray] extra")
 from rlferry.queue import ServiceGone  # noqa: E402
 from rlferry.ray import LaunchError, RayQueue, queue  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 KILLED = "The actor is dead because it was killed by `ray.kill`."
 
 

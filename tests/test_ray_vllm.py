@@ -15,6 +15,8 @@ from rlferry.control import Coordinator, EngineError  # noqa: E402
 from rlferry.ray import RayEngines, weight_sender  # noqa: E402
 from test_vllm import ENGINE_ARGS, PROMPTS, hf_greedy, req, tiny  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 KILLED = "The actor is dead because it was killed by `ray.kill`."
 
 

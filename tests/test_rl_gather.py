@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [demo] extra)")
 
 

@@ -255,6 +255,7 @@ def test_warm_start_loss_falls_and_leaves_the_mode_as_it_was(one_thread):
     assert not model.training
 
 
+@pytest.mark.slow
 def test_warm_start_then_grpo_raises_the_sampled_reward(one_thread):
     """ANCHORS' recipe, shortened: tiny model, warm start (60 SFT steps), then 60 GRPO
     steps of 16 prompts x 8 samples, Adam lr 3e-4, clip 0.2. The reward of one sample on

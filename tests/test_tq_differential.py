@@ -18,6 +18,8 @@ import pytest
 from tq_diff import differences
 from tq_diff.compare import mismatches
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 GOLDEN_PATH = Path(__file__).parent / "tq_diff" / "golden.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())["scenarios"]
 

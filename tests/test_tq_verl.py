@@ -54,6 +54,8 @@ import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 # How long a test waits for work it started in another thread.
 WAIT_S = 60
 

@@ -14,6 +14,8 @@ sys.path.insert(0, str(BENCHMARKS))
 from _common import receive, start_worker  # noqa: E402
 from _weights_engine import model_shapes, specs_of  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def test_the_model_shapes_are_exact():
     eight = model_shapes("qwen3-8b")

@@ -186,6 +186,7 @@ def test_broadcast_cpu_tensors_use_gloo_and_the_buffers_stay_on_cpu(sender):
     r.close()
 
 
+@pytest.mark.slow
 def test_broadcast_a_push_past_its_timeout_raises_push_timeout_and_the_next_forms_a_new_group():
     s = WeightSender(group="g", transport="broadcast", bucket_bytes=4096)
     gate = threading.Event()

@@ -98,6 +98,7 @@ def test_a_peer_that_joined_and_went_quiet_does_not_hold_up_later_pushes():
     s.close()
 
 
+@pytest.mark.slow
 def test_a_later_push_with_only_a_quiet_peer_names_it_at_the_timeout():
     s = WeightSender(group="g", transport="shm", receivers=1)
     r0 = receiver(s, "r0")

@@ -12,6 +12,8 @@ import torch
 from rlferry.weights import PushTimeout, WeightReceiver, WeightSender, WeightSyncError
 from rlferry.weights._line import Starter
 
+pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or a long run
+
 
 def _receive(address, group, name, conn, hang, hang_after=0):
     params = {}

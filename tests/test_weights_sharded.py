@@ -186,6 +186,7 @@ def stop(*pairs):
         proc.join(30)
 
 
+@pytest.mark.slow
 def test_four_fsdp2_ranks_to_two_engines_each_sends_only_its_shards_and_the_plan_once(tmp_path):
     port, tmp = _free_port(), str(tmp_path)
     trainers = [start(_fsdp_trainer, r, 4, port, "replicas", tmp) for r in range(4)]
@@ -269,6 +270,7 @@ def at(engines, v):
     return [recv(c) for _, c in engines]
 
 
+@pytest.mark.slow
 def test_two_ranks_to_a_tp2_engine_late_joiner_dead_rank_and_layout_change():
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
     trainers = [start(_explicit_trainer, r, 2, "tp2", 1) for r in range(2)]
@@ -441,6 +443,7 @@ def _p2p_engine(rank, addresses, conn, device="cpu"):
     r.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "mixed"])
 def test_point_to_point_links_carry_exactly_each_engine_ranks_bytes(transport):
     specs = llama_specs(layers=2, hidden=64, inter=128, vocab=96, kv=32)
@@ -608,6 +611,7 @@ def interrupt_the_third_push(group, transport, push, after_two=lambda sender: No
         close_all(sender, receivers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_thread", [False, True])
 def test_an_interrupt_during_a_point_to_point_push_aborts_its_links_and_the_next_push_works(
     one_thread, monkeypatch
@@ -718,6 +722,7 @@ def _held_at_bucket(k, links, conn):
     return armed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm-packed", "broadcast"])
 def test_a_trainer_rank_killed_mid_stream_of_a_point_to_point_push_fails_by_name(transport):
     """Trainer rank 1 dies while it streams version 3 (each link's first bucket packed and
@@ -791,6 +796,7 @@ def kill_a_trainer_rank_mid_stream(transport, trainer_device="cpu", engine_devic
         stop(*engines, *trainers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm-packed", "broadcast"])
 def test_an_engine_rank_killed_mid_stream_fails_its_links_by_name_and_the_others_commit(
     transport,
@@ -838,6 +844,7 @@ def _placements(port, conn):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
     proc, conn = start(_placements, _free_port())
     cols, rep, error = recv(conn)

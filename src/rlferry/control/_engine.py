@@ -16,6 +16,7 @@ pickled, and are checked on construction.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -55,7 +56,26 @@ class EngineError(RlferryError):
     gone = False
     """True for an :class:`EngineGone`: the engine serves nothing until it is added again."""
 
-    def __init__(self, engine: str, message: str, failures: dict[str, str] | None = None) -> None:
+    def __new__(cls, *args: object, gone: bool | None = None, **kwargs: object) -> EngineError:
+        if gone is not None:  # the 0.1 spelling of EngineGone, kept for one release
+            warnings.warn(
+                "EngineError(..., gone=...) is deprecated: raise EngineGone(...) for an engine "
+                "that is gone",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if gone and cls is EngineError:
+                cls = EngineGone
+        return super().__new__(cls, *args)
+
+    def __init__(
+        self,
+        engine: str,
+        message: str,
+        failures: dict[str, str] | None = None,
+        *,
+        gone: bool | None = None,
+    ) -> None:
         super().__init__(f"engine `{engine}`: {message}")
         self.engine = engine
         self.reason = message

@@ -5,15 +5,14 @@ raises ``StorageKeyNotFoundError`` (a ``KeyError``); its module functions assert
 that ``init()`` ran. Each class here is a subclass of that type, so ``except``
 clauses written for TransferQueue catch them, with a message naming what was
 expected, what came and the fix. Each is also the error rlferry's queue raises for the
-same end (``GetMetaTimeout`` is a :class:`rlferry.queue.GetTimeout`, ``ClientClosed`` a
+same end where that keeps TransferQueue's type first (``ClientClosed`` is a
 ``QueueClosed``, ``ServiceGone`` the queue's ``ServiceGone``), so ``rlferry.errors``'
-families catch them too.
+families catch those too.
 """
 
 from __future__ import annotations
 
-from rlferry.errors import RequestError
-from rlferry.queue import GetTimeout, QueueClosed, QueueError
+from rlferry.queue import QueueClosed, QueueError
 from rlferry.queue import ServiceGone as QueueServiceGone
 
 __all__ = [
@@ -25,15 +24,17 @@ __all__ = [
 ]
 
 
-class StorageKeyNotFoundError(QueueError, RequestError, KeyError):
+class StorageKeyNotFoundError(QueueError, KeyError):
     """A requested sample has no value for a field (cleared, or never put)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; this one is a sentence
         return str(self.args[0]) if self.args else ""
 
 
-class GetMetaTimeout(GetTimeout, RuntimeError):
-    """``get_meta`` waited its whole timeout and too few samples were ready."""
+class GetMetaTimeout(QueueError, RuntimeError):
+    """``get_meta`` waited its whole timeout and too few samples were ready (a
+    ``RuntimeError``, as TransferQueue raises, not a ``TimeoutError``: code written for
+    TransferQueue that catches ``OSError`` must not catch it)."""
 
 
 class ClientClosed(QueueClosed, RuntimeError):
