@@ -5,7 +5,8 @@ whose first line is ``# needs: WHAT`` runs only where WHAT is at hand: ``vllm`` 
 imports; CI runs these in its vLLM venv with ``-k vllm``) or ``cuda`` (a GPU); any other
 need (running servers, a cluster) is compiled here, not run. A block that imports from
 vllm needs vllm too. A block shown twice (the README repeats the guides' first examples)
-runs once. docs/contributing-docs.md describes the convention.
+runs once; a block that starts Ray is marked slow. docs/contributing-docs.md describes the
+convention.
 """
 
 import pathlib
@@ -43,6 +44,11 @@ def _needs(block: str) -> str:
 
 
 IDS = [f"{EXAMPLES[b]}-vllm" if _needs(b) == "vllm" else EXAMPLES[b] for b in BLOCKS]
+# a block that starts Ray is slow (as the Ray tests are): `python -m pytest -m slow` runs it
+RAY = re.compile(r"^\s*(import ray|import rlferry\.ray|from rlferry\.ray )", re.M)
+PARAMS = [
+    pytest.param(i, marks=[pytest.mark.slow] if RAY.search(b) else []) for i, b in enumerate(BLOCKS)
+]
 
 
 def test_readme_has_an_example_per_plane():
@@ -68,7 +74,7 @@ def test_no_example_hides_in_an_indented_fence():
     assert hidden == []
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=IDS)
+@pytest.mark.parametrize("index", PARAMS, ids=IDS)
 def test_example_runs(index):
     block, where = BLOCKS[index], IDS[index]
     code = compile(block, f"{where} (a Python example)", "exec")
