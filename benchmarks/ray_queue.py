@@ -3,7 +3,7 @@
 One client in this process puts a batch (``--rows`` samples of ``--fields`` float32
 fields of ``--seq-len``), gets it whole and acks it, ``--iterations`` times per queue;
 the two queues take turns (embedded, Ray, embedded, Ray, ...) so that drift on a shared
-machine hits both alike. Embedded: ``Queue.start(storage_units=2)`` in this process. On
+machine hits both alike. Embedded: ``Queue(storage_units=2)`` in this process. On
 Ray: ``RayQueue.start(storage_units=2)`` on a local Ray, the client from
 ``rlferry.ray.queue(job)`` (same node: ipc://, shared memory, as embedded). For
 reference, the same services as plain processes (``rlferry serve queue``), no Ray.
@@ -85,7 +85,7 @@ def run(iterations: int, rows: int, fields: int, seq_len: int) -> str:
     kinds = ("embedded", "processes", "ray")
     times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in kinds}
     try:
-        with Queue.start(storage_units=2, tasks=("train",)) as emb, _served() as served, \
+        with Queue(storage_units=2, tasks=("train",)) as emb, _served() as served, \
                 RayQueue.start("bench", storage_units=2, cpus_per_unit=1) as rq:  # fmt: skip
             clients = {"embedded": emb.client(), "processes": served.client(),
                        "ray": rq.client()}  # fmt: skip
@@ -159,7 +159,7 @@ def run_actors(iterations: int, rows: int, fields: int, seq_len: int, pairs: int
     wall: dict[str, list[float]] = {"embedded": [], "ray": []}
     ops: dict[tuple[str, str], list[float]] = {}
     try:
-        with Queue.start(storage_units=units, tasks=("train",)) as emb, \
+        with Queue(storage_units=units, tasks=("train",)) as emb, \
                 RayQueue.start("bench", storage_units=units, cpus_per_unit=1):  # fmt: skip
             roles = ["producer", "consumer"] * pairs
             clients = [actor.remote(r, rows, fields, seq_len) for r in roles]

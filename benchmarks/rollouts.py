@@ -105,7 +105,7 @@ def rlferry_put_get(
     """
     names = list((complex_case() if case == "complex" else simple_case(fields, 1)).keys())
     ctx = mp.get_context("spawn")
-    with Queue.start(storage_units=2, tasks=("train",)) as q:
+    with Queue(storage_units=2, tasks=("train",)) as q:
         prod, pp = start_worker(ctx, _producer, q.address, case, fields, seq_len, iters, shm)
         cons, cp = start_worker(ctx, _consumer, q.address, names, iters)
         puts, gets = [], []
@@ -149,7 +149,7 @@ def field_scan(widths: list[int], iters: int) -> dict[int, float]:
     """Median GET seconds of a batch of ``k`` fields (same total bytes) for each ``k``, the
     widths taken in turn within one run so that all of them see the same machine."""
     ctx = mp.get_context("spawn")
-    with Queue.start(storage_units=2, tasks=("train",)) as q:
+    with Queue(storage_units=2, tasks=("train",)) as q:
         (prod, pp), (cons, cp) = (
             start_worker(ctx, _scan_producer, q.address, widths, iters),
             start_worker(ctx, _scan_consumer, q.address, widths, iters),
@@ -169,7 +169,7 @@ def field_scan(widths: list[int], iters: int) -> dict[int, float]:
 
 def idle_and_wakeup(block_s: float = 10.0, wakeups: int = 30) -> tuple[float, float]:
     """CPU share of a get blocked ``block_s`` seconds; median ms from put-return to get-return."""
-    with Queue.start(storage_units=1, tasks=("train",)) as q:
+    with Queue(storage_units=1, tasks=("train",)) as q:
         c = q.client()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         with contextlib.suppress(GetTimeout):  # expected: nothing was put; we timed the wait
@@ -187,7 +187,7 @@ def idle_and_wakeup(block_s: float = 10.0, wakeups: int = 30) -> tuple[float, fl
             out: list[float] = []
             t = threading.Thread(target=wait, args=(f"w{i}", out, done))
             t.start()
-            while c.statistics()["waiting_gets"] == 0:
+            while c.statistics().waiting_gets == 0:
                 done.wait(0.001)  # allowed: the benchmark waits for the get to park first
             c.put(f"w{i}", {"x": torch.zeros(1)})
             put_done = time.perf_counter()

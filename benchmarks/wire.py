@@ -50,7 +50,7 @@ def _serve(transport: str, conn: Connection) -> None:
         server = Server(handler, default_address(transport))
         conn.send(await server.start())
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
-        await server.close()
+        await server.aclose()
 
     asyncio.run(main())
 

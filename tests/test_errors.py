@@ -60,9 +60,14 @@ def test_the_families_are_also_the_builtin_errors_code_already_catches():
 
 
 def test_one_class_for_each_shared_idea():
-    assert wire.RemoteError is errors.RemoteError is queue.RemoteError
+    assert wire.RemoteError is errors.RemoteError
     assert wire.SecurityError is errors.SecurityError
     assert control.RequestError is errors.RequestError
+
+
+def test_the_queues_remote_error_is_the_one_class_for_one_release():
+    with pytest.warns(DeprecationWarning, match="import it from rlferry.errors"):
+        assert queue.RemoteError is errors.RemoteError
 
 
 def test_a_remote_error_names_the_remote_class_and_survives_pickling():

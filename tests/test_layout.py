@@ -26,31 +26,6 @@ MAX_LINES = 400
 MAX_ROOM = 15
 
 
-# Rooms that do not follow a rule yet: each is expected to fail it (strict, so that a room
-# that comes to follow the rule must leave this list).
-PENDING: dict[str, set[str]] = {
-    "lines": set(),
-    "room": set(),
-    "floors": {
-        "rlferry/compat/transferqueue/state",
-        "rlferry/queue",
-        "rlferry/queue/services",
-        "rlferry/weights/copies",
-        "rlferry/weights/transports",
-    },
-    "private": {
-        "rlferry/weights/transports",
-    },
-}
-
-
-def _rooms(rule: str) -> list:
-    rooms = sorted({_room(p) for p in MODULES})
-    pending = PENDING[rule]
-    mark = pytest.mark.xfail(strict=True, reason="this room does not follow the rule yet")
-    return [pytest.param(r, marks=mark) if r in pending else r for r in rooms]
-
-
 def _rel(p: pathlib.Path) -> str:
     return str(p.relative_to(SRC.parent))
 
@@ -59,7 +34,10 @@ def _room(p: pathlib.Path) -> str:
     return _rel(p.parent)
 
 
-@pytest.mark.parametrize("room", _rooms("lines"))
+ROOMS = sorted({_room(p) for p in MODULES})
+
+
+@pytest.mark.parametrize("room", ROOMS)
 def test_every_module_of_the_room_is_at_most_400_lines(room):
     long = {
         _rel(p): n
@@ -69,7 +47,7 @@ def test_every_module_of_the_room_is_at_most_400_lines(room):
     assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
 
 
-@pytest.mark.parametrize("room", _rooms("room"))
+@pytest.mark.parametrize("room", ROOMS)
 def test_a_room_holds_at_most_15_modules(room):
     here = [p.name for p in MODULES if _room(p) == room and p.name != "__init__.py"]
     assert len(here) <= MAX_ROOM, f"{room}: {len(here)} modules (give it subpackages)"
@@ -139,7 +117,7 @@ def _is_module(p: pathlib.Path, node: ast.ImportFrom, name: str) -> bool:
     return (where / f"{name}.py").exists() or (where / name).is_dir()
 
 
-@pytest.mark.parametrize("room", _rooms("private"))
+@pytest.mark.parametrize("room", ROOMS)
 def test_no_module_reads_another_modules_private_names(room):
     reads = {_rel(p): r for p in MODULES if _room(p) == room and (r := _foreign_reads(p))}
     text = "\n".join(f"{m}: {r}" for m, rs in reads.items() for r in rs)
@@ -171,7 +149,7 @@ def _private_reach(p: pathlib.Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("room", _rooms("floors"))
+@pytest.mark.parametrize("room", ROOMS)
 def test_upper_floors_import_the_lower_floors_public_names_only(room):
     reach = {_rel(p): r for p in MODULES if _room(p) == room and (r := _private_reach(p))}
     text = "\n".join(f"{m}: {r}" for m, rs in reach.items() for r in rs)

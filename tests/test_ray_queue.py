@@ -46,7 +46,7 @@ def test_storage_units_spread_one_per_node(ray_cluster):
         # unit 0 in the controller's actor, unit 1 an actor of its own
         assert q.names == ["rlferry/spread/controller", "rlferry/spread/storage1"]
         assert len(_nodes_of(q.placement_group)) == 2  # two units, one on each node
-        assert len(q.client().statistics()["storage_units"]) == 2
+        assert len(q.client().statistics().storage_units) == 2
 
 
 @ray.remote(num_cpus=0)
@@ -111,13 +111,13 @@ def test_storage_unit_killed_names_it_and_puts_go_to_the_other(ray_cluster):
         client.put("a", {"x": torch.arange(4.0)})  # a put goes whole to the emptiest unit: 0
         client.put("b", {"x": torch.arange(4.0)})  # then 1
         client.get("b", task="train", batch_size=4, fields=["x"], timeout=30)
-        units = client.statistics()["storage_units"]
-        assert [u["samples"] for u in units] == [4, 4]
+        units = client.statistics().storage_units
+        assert [u.samples for u in units] == [4, 4]
         holder, name = 1, "rlferry/unit-kill/storage1"  # unit 0 is the controller's actor
         kill(q.actors[name])
         with pytest.raises(ServiceGone) as e:  # its rows went with it
             client.get("b", task="critic", batch_size=4, fields=["x"], timeout=30)
-        alive = [u["alive"] for u in client.statistics()["storage_units"]]
+        alive = [u.alive for u in client.statistics().storage_units]
         client.put("c", {"x": torch.arange(4.0)})  # the controller avoids the dead unit
         got = client.get("c", task="train", batch_size=4, fields=["x"], timeout=30)
         sockets = [s["ipc"].removeprefix("ipc://") for s in q.services.values()]

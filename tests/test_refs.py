@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlferry.wire import Client, Server, TensorRef, decode, default_address, encode, wire_loop
-from rlferry.wire._bulk import BulkFrame
-from rlferry.wire._shm import AVAILABLE
+from rlferry.wire.memory._bulk import BulkFrame
+from rlferry.wire.memory._segments import AVAILABLE
 
 
 def forwarded(value: Any) -> Any:

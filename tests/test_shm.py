@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from rlferry.wire import shared_copies
-from rlferry.wire._copy import copy_many, side_by_side
-from rlferry.wire._shm import AVAILABLE, exports
+from rlferry.wire.memory._copies import copy_many, side_by_side
+from rlferry.wire.memory._segments import AVAILABLE, exports
 
 
 def test_shared_copies_equal_their_sources_across_chunks_and_layouts() -> None:

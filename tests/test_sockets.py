@@ -23,8 +23,8 @@ from rlferry.wire import (
     default_address,
     wire_loop,
 )
-from rlferry.wire._shm import AVAILABLE as SHM
-from rlferry.wire._shm import exports
+from rlferry.wire.memory._segments import AVAILABLE as SHM
+from rlferry.wire.memory._segments import exports
 
 SECRET = "0123456789abcdef0123456789abcdef"
 

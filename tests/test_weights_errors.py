@@ -124,7 +124,7 @@ def test_a_receiver_whose_thread_fails_says_so_in_wait_for_and_statistics():
     assert str(e.value) == f"receiver `r0` cannot reach version 1: {reason}"
     assert r.statistics().stopped == reason
     r.close()
-    wire_loop().run(server.close())
+    wire_loop().run(server.aclose())
 
 
 def test_a_sender_that_never_answers_the_join_is_named_at_the_timeout():
@@ -139,7 +139,7 @@ def test_a_sender_that_never_answers_the_join_is_named_at_the_timeout():
         f"receiver `r0`: no answer from the sender at {address} within 1 s (is the sender "
         "running, and is this its address?)"
     )
-    wire_loop().run(quiet.close())
+    wire_loop().run(quiet.aclose())
 
 
 def test_a_receiver_of_an_ipc_path_that_does_not_exist_fails_at_once():

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import WireError, encode
-from rlferry.wire._address import check_address
-from rlferry.wire._codec import tensor_refusal
-from rlferry.wire._errors import brief
+from rlferry.wire.lowlevel import brief, check_address, tensor_refusal
 
 from ._columns import (
     kind_of,

@@ -18,10 +18,7 @@ from typing import Any
 
 import msgspec
 
-from rlferry.wire._clients import CONNECT_TIMEOUT
-from rlferry.wire._errors import brief
-from rlferry.wire._lifecycle import AsyncResource
-from rlferry.wire._shm import AVAILABLE as SHARED_MEMORY
+from rlferry.wire.lowlevel import CONNECT_TIMEOUT, SHARED_MEMORY, AsyncResource, brief
 
 from ._checks import check_partition, check_timeout, checked_address, checked_put, positive, staged
 from ._columns import assemble, split_rows

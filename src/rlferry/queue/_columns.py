@@ -19,9 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
-from rlferry.wire._codec import tensor_refusal
-from rlferry.wire._copy import bytes_copy, copy_many
-from rlferry.wire._refs import materialized
+from rlferry.wire.lowlevel import bytes_copy, copy_many, materialized, tensor_refusal
 
 from ._errors import SchemaError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlferry.wire._address import check_address, check_bind, curve_keys
+from rlferry.wire.lowlevel import check_address, check_bind, curve_keys
 
 from ._errors import SchemaError
 

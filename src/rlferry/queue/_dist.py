@@ -8,7 +8,7 @@ import torch
 
 from rlferry.errors import RequestError
 from rlferry.wire import decode, encode
-from rlferry.wire._codec import tensor_buffer
+from rlferry.wire.lowlevel import tensor_buffer
 
 from ._client import Batch
 from ._sync_client import QueueClient

@@ -15,8 +15,7 @@ from rlferry.wire import (
     SecurityError,
     WireError,
 )
-from rlferry.wire._clients import CONNECT_TIMEOUT
-from rlferry.wire._lifecycle import AsyncResource
+from rlferry.wire.lowlevel import CONNECT_TIMEOUT, AsyncResource
 
 from ._checks import checked_address
 from ._errors import ERRORS, QueueClosed, SchemaError, ServiceGone

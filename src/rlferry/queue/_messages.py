@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from rlferry.errors import RequestError
-from rlferry.wire._errors import brief
+from rlferry.wire.lowlevel import brief
 
 from ._errors import SchemaError
 from ._samplers import Sampler, Sequential

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from rlferry.wire import wire_loop
-from rlferry.wire._clients import CONNECT_TIMEOUT
+from rlferry.wire.lowlevel import CONNECT_TIMEOUT
 
 from ._client import AsyncQueueClient, Batch
 from ._samplers import GrpoGroups, SeqlenBalanced, Sequential

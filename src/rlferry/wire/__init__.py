@@ -18,9 +18,9 @@ from ._errors import (
 from ._loop import wire_loop
 from ._refs import TensorRef
 from ._server import Server
-from ._shm import shared_copies, shared_empty
 from ._strings import PackedStrings, pack_strings
 from ._sync_client import Client
+from .memory._segments import shared_copies, shared_empty
 
 __all__ = [
     "AsyncClient",

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth.thread
 
-from ._shm import AVAILABLE as SHM_AVAILABLE
+from .memory._segments import AVAILABLE as SHM_AVAILABLE
 
 __all__ = [
     "CONTROL",

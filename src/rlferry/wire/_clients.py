@@ -25,7 +25,6 @@ from ._address import (
     curve_keys,
     ipc_path,
 )
-from ._bulk import pack_bulk, unpack_bulk
 from ._channel import (
     CONTROL,
     ERR,
@@ -49,7 +48,8 @@ from ._errors import (
     WireError,
 )
 from ._lifecycle import AsyncResource
-from ._shm import exports
+from .memory._bulk import pack_bulk, unpack_bulk
+from .memory._segments import exports
 
 __all__ = ["CONNECT_TIMEOUT", "AsyncClient"]
 

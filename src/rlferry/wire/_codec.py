@@ -31,11 +31,11 @@ import torch
 
 from rlferry.errors import RlferryError
 
-from ._copy import in_order
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, TensorRef
-from ._shm import BULK_MIN, exports, shared_empty
 from ._strings import PackedStrings, pack_strings
+from .memory._copies import in_order
+from .memory._segments import BULK_MIN, exports, shared_empty
 
 __all__ = [
     "EXT_JAGGED",

@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 import torch
 
-from ._bulk import BulkFrame
 from ._codec import (
     EXT_JAGGED,
     EXT_NDARRAY,
@@ -31,6 +30,7 @@ from ._codec import (
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
 from ._strings import KINDS, PackedStrings, check_offsets
+from .memory._bulk import BulkFrame
 
 __all__ = ["decode"]
 

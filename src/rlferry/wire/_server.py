@@ -24,7 +24,6 @@ from ._address import (
     ipc_path,
     remove_socket_file,
 )
-from ._bulk import pack_bulk, unpack_bulk
 from ._channel import (
     CONTROL,
     ERR,
@@ -43,7 +42,8 @@ from ._codec import encode
 from ._decode import decode
 from ._errors import ChannelClosed, WireError
 from ._lifecycle import AsyncResource
-from ._shm import exports
+from .memory._bulk import pack_bulk, unpack_bulk
+from .memory._segments import exports
 
 __all__ = ["Handler", "Server"]
 

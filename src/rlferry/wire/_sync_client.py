@@ -27,12 +27,12 @@ from zmq.utils.monitor import parse_monitor_message
 from rlferry.errors import RequestError
 
 from ._address import check_address
-from ._bulk import pack_bulk
 from ._channel import CONTROL, log, release_codec, shared_context, uses_shm
 from ._clients import CONNECT_TIMEOUT, dealer, gone_after, never_answered, reply_value
 from ._codec import encode
 from ._errors import ChannelClosed, RemoteError, RequestTimeout, WireError
-from ._shm import exports
+from .memory._bulk import pack_bulk
+from .memory._segments import exports
 
 __all__ = ["Client"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rlferry.wire._lifecycle import AsyncResource
+from rlferry.wire.lowlevel import AsyncResource
 
 from .._config import QueueConfig
 from .._errors import (

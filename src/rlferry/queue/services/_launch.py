@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rlferry.wire import AsyncClient, Server, default_address
-from rlferry.wire._lifecycle import AsyncResource
+from rlferry.wire.lowlevel import AsyncResource
 
 from .._config import QueueConfig
 from .._errors import QueueClosed, ServiceGone

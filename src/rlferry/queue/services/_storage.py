@@ -18,8 +18,7 @@ from typing import Any
 
 import msgspec
 
-from rlferry.wire._errors import brief
-from rlferry.wire._lifecycle import AsyncResource
+from rlferry.wire.lowlevel import AsyncResource, brief
 
 from .._columns import nbytes, rows_of, take
 from .._errors import QueueClosed, SchemaError

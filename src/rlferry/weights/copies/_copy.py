@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rlferry.errors import RequestError
-from rlferry.wire._copy import BulkCopy, bytes_copy
+from rlferry.wire.lowlevel import BulkCopy, bytes_copy
 
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 

@@ -102,7 +102,7 @@ class StreamWatch:
                 elif key == self._key:  # it left: a new join arms the watch again
                     return
         finally:
-            await client.close()
+            await client.aclose()
 
     def _end(self, seq: int | None, why: str) -> None:
         with self._lock:
@@ -122,4 +122,4 @@ class StreamWatch:
             self._closed = True
             client = self._client
         if client is not None:  # its parked Watch ends (ChannelClosed), and the task
-            wire_loop().submit(client.close())
+            wire_loop().submit(client.aclose())

@@ -66,7 +66,7 @@ class SenderParts:
 
     def close(self) -> None:
         """Stop serving; let the transport and the lines go."""
-        self.loop.run(self.server.close())
+        self.loop.run(self.server.aclose())
         self.transport.close()
         if self.hub.starter is not None:
             self.hub.starter.close()

@@ -116,7 +116,7 @@ def describe_group(
         try:
             return await client.request(encode(Describe(group)), timeout)
         finally:
-            await client.close()
+            await client.aclose()
 
     try:
         reply = decode_reply(loop.run(ask()))

@@ -19,7 +19,7 @@ import os
 import torch
 
 from rlferry.wire import WireError
-from rlferry.wire._shm import _MEMFD_NAME, _Memory, exports
+from rlferry.wire.lowlevel import MEMFD_NAME, Memory, exports
 
 from .._errors import WeightSyncError
 from ._base import MailboxReceiver, MailboxSender, direct_views
@@ -30,7 +30,7 @@ __all__ = ["ShmReceiver", "ShmSender"]
 _ROUND = 2 << 20
 
 
-def _tensor(mem: _Memory) -> torch.Tensor:
+def _tensor(mem: Memory) -> torch.Tensor:
     return torch.frombuffer(mem.mm, dtype=torch.uint8)
 
 
@@ -38,7 +38,7 @@ class ShmSender(MailboxSender):
     name = "shm"
 
     def __init__(self) -> None:
-        self._mems: list[_Memory] = []
+        self._mems: list[Memory] = []
         self._views: list[torch.Tensor] = []
         self.direct = False
         self._held: list[torch.Tensor] = []  # the last direct push's tensors, kept alive
@@ -99,10 +99,10 @@ class ShmSender(MailboxSender):
         size = -(-nbytes // _ROUND) * _ROUND
         mems = []
         for _ in range(2):
-            fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
-                mems.append(_Memory(fd, size, own=True))
+                mems.append(Memory(fd, size, own=True))
             except OSError as e:
                 os.close(fd)
                 raise WeightSyncError(
@@ -138,7 +138,7 @@ class ShmSender(MailboxSender):
 class ShmReceiver(MailboxReceiver):
     def __init__(self) -> None:
         self._key: tuple[object, ...] = ()
-        self._mems: list[_Memory] = []
+        self._mems: list[Memory] = []
         self._views: list[torch.Tensor] = []
         self._storages: list[torch.Tensor] = []  # direct: the sender's storages, mapped
         self.direct = False

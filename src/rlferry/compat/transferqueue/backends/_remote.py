@@ -101,7 +101,7 @@ class Link:
         self._closed = True
         client, self._client = self._client, None
         if client is not None:
-            wire_loop().run(client.close())
+            wire_loop().run(client.aclose())
 
 
 class _Unsendable(SchemaError, TypeError):

@@ -141,7 +141,7 @@ class Service:
 
     async def close(self) -> None:
         for server in self.servers:
-            await server.close()
+            await server.aclose()
         self.servers.clear()
 
 

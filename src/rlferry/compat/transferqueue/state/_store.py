@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rlferry.wire import shared_empty
-from rlferry.wire._copy import bytes_copy, copy_many
+from rlferry.wire.lowlevel import bytes_copy, copy_many
 
 from .._errors import StorageKeyNotFoundError
 from ._memory import Pool

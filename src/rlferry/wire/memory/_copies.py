@@ -28,7 +28,7 @@ _COPY_THREADS_MAX = 8  # memory bandwidth stops growing long before this many co
 
 
 try:  # streaming stores and string fills (built at install when a C compiler was there)
-    from . import _fastcopy as fastcopy
+    from .. import _fastcopy as fastcopy
 except ImportError:  # pragma: no cover - depends on the install
     fastcopy = None  # type: ignore[assignment]
 _stream_copy = ctypes.memmove if fastcopy is None else fastcopy.copy

@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 import torch
 
-from ._copy import copy_many, in_order
-from ._errors import WireError
+from .._errors import WireError
+from ._copies import copy_many, in_order
 
 __all__ = [
     "ALIGN",
@@ -328,8 +328,3 @@ def shared_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         at += aligned(nbytes)
     copy_many(jobs)
     return out
-
-
-# the names rlferry.weights.transports imports
-_Memory = Memory
-_MEMFD_NAME = MEMFD_NAME

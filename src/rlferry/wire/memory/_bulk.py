@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from ._copy import copy_many
-from ._errors import WireError
-from ._refs import address_of
-from ._shm import BULK_MIN, Memory, Use, aligned, exports
+from .._errors import WireError
+from .._refs import address_of
+from ._copies import copy_many
+from ._segments import BULK_MIN, Memory, Use, aligned, exports
 
 __all__ = ["BulkFrame", "pack_bulk", "unpack_bulk"]
 
