@@ -311,7 +311,10 @@ def test_a_call_waiting_on_the_coordinator_when_it_closes_raises_closed():
 def test_coordinator_close_is_a_deprecated_alias_of_aclose():
     async def main():
         coord = Coordinator([NOWHERE], batch_size=4)
-        with pytest.warns(DeprecationWarning, match=r"coordinator\.aclose\(\)"):
+        with pytest.warns(
+            DeprecationWarning,
+            match=r"Coordinator.close\(\) is deprecated",
+        ):
             await coord.close()
         with pytest.raises(EngineClosed):
             await coord.batch(1)

@@ -338,7 +338,10 @@ def test_a_remote_engine_after_aclose_raises_closed_and_close_is_deprecated():
                 "engine `far`: /generate_many: this RemoteEngine was closed (aclose())"
             )
             old = RemoteEngine(server.url)
-            with pytest.warns(DeprecationWarning, match=r"engine\.aclose\(\)"):
+            with pytest.warns(
+                DeprecationWarning,
+                match=r"RemoteEngine.close\(\) is deprecated",
+            ):
                 await old.close()
         with pytest.raises(EngineClosed, match=r"EngineServer\.start after aclose"):
             await server.start()
@@ -353,7 +356,10 @@ def test_engine_server_close_is_a_deprecated_alias_of_aclose():
         async with HFEngine(tiny_model(0), name="e") as engine:
             server = EngineServer(engine)
             await server.start()
-            with pytest.warns(DeprecationWarning, match=r"server\.aclose\(\)"):
+            with pytest.warns(
+                DeprecationWarning,
+                match=r"EngineServer.close\(\) is deprecated",
+            ):
                 await server.close()
             async with aiohttp.ClientSession() as session:
                 with pytest.raises(aiohttp.ClientConnectorError):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
+from rlferry.wire.lowlevel import AsyncResource
 
 from ._changes import Changes
 from ._engine import Engine, GenerateRequest, PauseMode, SamplingParams
@@ -40,7 +40,7 @@ ENGINE_TIMEOUT = 600.0
 """Seconds a sample waits for an engine that serves before its group fails."""
 
 
-class Coordinator:
+class Coordinator(AsyncResource):
     """Drives :class:`Engine` s (objects, or URLs of engines served by ``rlferry serve
     engine``) for a trainer.
 
@@ -358,22 +358,6 @@ class Coordinator:
         for m in self._fleet:
             if m.owned:
                 await _aclose(m.engine)
-
-    async def close(self) -> None:
-        """Deprecated: ``await coordinator.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "Coordinator.close() is deprecated: use `await coordinator.aclose()` (or "
-            "`async with Coordinator(...)`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
-    async def __aenter__(self) -> Coordinator:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 async def _aclose(engine: Engine) -> None:

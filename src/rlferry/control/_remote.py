@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -14,6 +13,7 @@ import msgspec
 
 from rlferry.errors import RequestError
 from rlferry.wire import SecurityError
+from rlferry.wire.lowlevel import AsyncResource
 
 from ._engine import Completion, EngineStatistics, GenerateRequest, PauseMode
 from ._errors import EngineClosed, EngineError, EngineGone
@@ -26,7 +26,7 @@ CONTROL_TIMEOUT = 60.0  # a control call (pause, finish_weight_update, ...) answ
 CONNECT_TIMEOUT = 10.0
 
 
-class RemoteEngine:
+class RemoteEngine(AsyncResource):
     """An :class:`Engine` served elsewhere by :class:`EngineServer` (``rlferry serve engine``).
 
     ``name``: how the coordinator and the trainer's ``WeightSender`` know it (default: the
@@ -225,19 +225,3 @@ class RemoteEngine:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
-
-    async def close(self) -> None:
-        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "RemoteEngine.close() is deprecated: use `await engine.aclose()` (or `async with "
-            "RemoteEngine(...)`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
-    async def __aenter__(self) -> RemoteEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

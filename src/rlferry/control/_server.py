@@ -8,7 +8,6 @@ import contextlib
 import hmac
 import json
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from rlferry.errors import RequestError
+from rlferry.wire.lowlevel import AsyncResource
 
 from ._engine import Engine, GenerateRequest
 from ._errors import EngineClosed, EngineError
@@ -24,7 +24,7 @@ from ._http import LENGTH, Abort, Frame, Pause, Transfer, Version, check_token
 __all__ = ["EngineServer"]
 
 
-class EngineServer:
+class EngineServer(AsyncResource):
     """Serve ``engine`` over HTTP on ``host:port`` (port 0: a free one); ``url`` once started.
 
     Every JSON answer carries ``X-Rlferry-Done-Ns``, the server's ``time.monotonic_ns()``
@@ -184,23 +184,10 @@ class EngineServer:
             runner, self._runner = self._runner, None
             await runner.cleanup()
 
-    async def close(self) -> None:
-        """Deprecated: ``await server.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "EngineServer.close() is deprecated: use `await server.aclose()` (or `async with "
-            "EngineServer(...)`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
     async def __aenter__(self) -> EngineServer:
         if self._runner is None:
             await self.start()
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 def _ok(value: Any) -> web.Response:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from rlferry.control import (
     PauseMode,
     RequestError,
 )
+from rlferry.wire.lowlevel import AsyncResource
 
 from ._http import JsonClient
 
@@ -149,7 +149,7 @@ _PREFIX = "generate-tokens-"  # vLLM's id of a /inference/v1/generate request: p
 _names = itertools.count()
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(AsyncResource):
     """A vLLM server started with the RL routes and the rlferry backend::
 
         VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --enable-scale-out --skip-tokenizer-init \\
@@ -382,19 +382,3 @@ class VLLMServerEngine:
         if update is not None:  # an update in flight: nobody will finish it
             update.cancel()
         await self._http.aclose()
-
-    async def close(self) -> None:
-        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "VLLMServerEngine.close() is deprecated: use `await engine.aclose()` (or `async "
-            "with VLLMServerEngine(...)`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
-    async def __aenter__(self) -> VLLMServerEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

@@ -11,7 +11,6 @@ which GPUs serve which engine does not depend on the order Ray happened to place
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +24,7 @@ from rlferry.control import (
     RemoteEngine,
 )
 from rlferry.errors import RequestError
+from rlferry.wire.lowlevel import AsyncResource
 
 from ._actor import EngineActor
 from ._actor import probe as probe_where
@@ -49,7 +49,7 @@ ENGINE_START_TIMEOUT = 300.0
 """Seconds an engine actor may take to load its model and answer."""
 
 
-class RayEngine:
+class RayEngine(AsyncResource):
     """An :class:`~rlferry.control.Engine` served by an engine actor: every call goes over
     HTTP to the actor's server and fails with :class:`~rlferry.control.EngineError` naming
     the actor and Ray's reason as soon as Ray reports the actor dead (a call whose
@@ -153,21 +153,6 @@ class RayEngine:
             RemoteEngine(self.url, token=self._token, name=self.name),
         )
         await closing.aclose()
-
-    async def close(self) -> None:
-        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "RayEngine.close() is deprecated: use `await engine.aclose()` (or `async with`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
-    async def __aenter__(self) -> RayEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class RayEngines(Placed):

@@ -40,6 +40,7 @@ from rlferry.control import (
     PauseMode,
 )
 from rlferry.errors import RequestError
+from rlferry.wire.lowlevel import AsyncResource
 
 from .._errors import NotStarted
 from .._http import JsonClient
@@ -51,7 +52,7 @@ _MODES = {"keep": "in_place", "abort": "abort"}
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class SGLangEngine:
+class SGLangEngine(AsyncResource):
     """An SGLang server as an rlferry engine. ``version``: the version of the weights the
     server starts with (its label ``"default"`` reads as it). :meth:`aclose` (or ``async
     with``) closes its HTTP client (the server keeps running); later calls raise
@@ -213,22 +214,6 @@ class SGLangEngine:
     async def aclose(self) -> None:
         """Close the HTTP client (the server keeps running); a second call does nothing."""
         await self._http.aclose()
-
-    async def close(self) -> None:
-        """Deprecated: ``await engine.aclose()`` (or ``async with``)."""
-        warnings.warn(
-            "SGLangEngine.close() is deprecated: use `await engine.aclose()` (or `async with "
-            "SGLangEngine(...)`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        await self.aclose()
-
-    async def __aenter__(self) -> SGLangEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class SGLangWeights:
