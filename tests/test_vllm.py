@@ -259,7 +259,7 @@ def test_a_layout_mismatch_fails_on_the_trainer_naming_the_engine(llm, trainer, 
     with pytest.raises(WeightSyncError) as e:
         trainer.send_weights(version=2, source=state.items())
     assert e.value.failures == {
-        "vllm-test": "rejected the plan: the receiver's check raised ValueError: 1 of 21 "
+        "vllm-test": "rejected the plan: the receiver's check raised RequestError: 1 of 21 "
         f"tensors differ from the checkpoint at {checkpoint}: "
         "`model.layers.1.mlp.down_proj.weight`: expected shape [64, 128], got shape [64, 96]"
     }
@@ -479,7 +479,7 @@ def test_a_layout_the_engine_refuses_fails_the_push_and_the_engine_serves_on(eng
     assert list(error.failures) == ["push"]
     assert error.failures["push"].startswith(
         "push: every engine refused it: rejected the plan: the receiver's check raised "
-        "ValueError: 1 of 21 tensors differ"
+        "RequestError: 1 of 21 tensors differ"
     )
     assert not paused and version == before
     assert got.token_ids == want.token_ids and got.versions == [before] * 4
