@@ -32,7 +32,14 @@ import importlib
 import warnings
 from typing import Any
 
-from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
+from ._errors import (
+    BlockFP8Error,
+    PushTimeout,
+    ReceiverClosed,
+    SenderClosed,
+    SenderGone,
+    WeightSyncError,
+)
 from ._fingerprint import fingerprint
 from ._report import (
     PushReport,
@@ -48,6 +55,7 @@ from .sender import WeightSender
 from .sharded import ShardedReceiver, ShardedSender, describe_group
 
 __all__ = [
+    "BlockFP8Error",
     "ParamLoader",
     "PushReport",
     "PushTimeout",

@@ -10,6 +10,9 @@ sender or a receiver ended, as the wire's ``ChannelClosed``, ``PeerGone`` and
 - :class:`ReceiverClosed`: you closed the receiver, then waited on it or started it.
 - :class:`SenderGone`: the receiver's sender closed, died, or never answered.
 - :class:`PushTimeout` (also a ``TimeoutError``): a push did not finish in its timeout.
+
+:class:`BlockFP8Error` (also a ``RequestError``) is a layout or a push that block FP8
+cannot serve, named before any byte moves.
 """
 
 from __future__ import annotations
@@ -17,12 +20,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rlferry.errors import Closed, Gone, RlferryError, Timeout
+from rlferry.errors import Closed, Gone, RequestError, RlferryError, Timeout
 
 if TYPE_CHECKING:
     from ._report import PushReport
 
-__all__ = ["PushTimeout", "ReceiverClosed", "SenderClosed", "SenderGone", "WeightSyncError"]
+__all__ = [
+    "BlockFP8Error",
+    "PushTimeout",
+    "ReceiverClosed",
+    "SenderClosed",
+    "SenderGone",
+    "WeightSyncError",
+]
 
 
 class WeightSyncError(RlferryError):
@@ -64,3 +74,10 @@ class PushTimeout(WeightSyncError, Timeout):
     """A push did not finish within its ``timeout``: too few receivers were ready
     (the message names each that joined and what it was doing), or some did not
     acknowledge in time (``failures`` names them; ``report`` says who committed)."""
+
+
+class BlockFP8Error(WeightSyncError, RequestError):
+    """Block FP8 that cannot be served, named before any byte moves: a block-FP8 parameter
+    whose parts are not whole 128 x 128 blocks, a block that straddles two trainer ranks'
+    shards (one rank cannot scale it alone), or a push of a tensor in block FP8 to an
+    engine that does not keep it so (the engine keeps serving its version)."""

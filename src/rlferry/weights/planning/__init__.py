@@ -8,7 +8,9 @@ the same inputs, apart.
   rank owns: :func:`fsdp_layout`, :func:`dtensor_layout`) and :class:`EngineLayout`
   (what each engine rank needs, :class:`ParamLayout` of :class:`Part`:
   :func:`tp_layout`, ``EngineLayout.whole``), from the tensors' :class:`TensorSpec`
-  (:func:`specs_of`).
+  (:func:`specs_of`); the engine dtype :data:`BLOCK_FP8` (``"fp8_block128"``) keeps the
+  weights of linear layers in block FP8 (``float8_e4m3fn`` values and float32
+  ``<name>_scale_inv``, one per 128 x 128 block).
 - :class:`ShardPlan`: which bytes each trainer rank sends (its :class:`Piece`) and where
   each engine rank copies them (:class:`Copy`).
 - :func:`predict` (a :class:`Cluster` in, a :class:`Prediction` out) and
@@ -16,6 +18,7 @@ the same inputs, apart.
   cluster one does not have.
 """
 
+from ._blocks import BLOCK_FP8
 from ._layouts import EngineLayout, ParamLayout, Part, TrainerLayout, dtensor_layout, fsdp_layout
 from ._plan_weights import plan_weights
 from ._predict import Cluster, Prediction, predict
@@ -24,6 +27,7 @@ from ._specs import TensorSpec, specs_of
 from ._tp import tp_layout
 
 __all__ = [
+    "BLOCK_FP8",
     "Cluster",
     "Copy",
     "EngineLayout",

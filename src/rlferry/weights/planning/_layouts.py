@@ -22,10 +22,23 @@ import torch
 
 from rlferry.errors import RequestError
 
+from .._errors import BlockFP8Error
+from ._blocks import (
+    BLOCK_FP8,
+    FP8,
+    QUANTIZE,
+    block_box,
+    check_aligned,
+    check_engine_dtype,
+    quantized_by_default,
+    scale_name,
+    scale_shape,
+)
 from ._boxes import Box, box_str, check_box, chunk_bounds, extents, full_box, volume
 from ._specs import TensorSpec, dtype_name, specs_of
 
 __all__ = [
+    "EngineDtype",
     "EngineLayout",
     "ParamLayout",
     "Part",
@@ -33,6 +46,9 @@ __all__ = [
     "dtensor_layout",
     "fsdp_layout",
 ]
+
+
+EngineDtype = torch.dtype | str  # a torch dtype, or "fp8_block128" (block FP8)
 
 
 def _digest(parts: Iterable[str]) -> str:
@@ -201,12 +217,19 @@ class Part:
 @dataclass(frozen=True)
 class ParamLayout:
     """One engine parameter: its name, shape, dtype and the parts it is made of (disjoint;
-    rows they leave out, vocabulary padding say, are never written)."""
+    rows they leave out, vocabulary padding say, are never written).
+
+    ``quantize="block128"``: the engine keeps it in block FP8 (``dtype``
+    ``float8_e4m3fn``, at least 2-D), with its float32 scales in a parameter of its own,
+    ``<name>_scale_inv`` (one per 128 x 128 block of the last two dims; see
+    :data:`~rlferry.weights.planning.BLOCK_FP8`); each part must be whole blocks of its
+    source and of the parameter."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     parts: tuple[Part, ...]
+    quantize: str | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +255,15 @@ class EngineLayout:
                 names.add(p.name)
                 lines.append(f"{r}:{p.name}{list(p.shape)}{dtype_name(p.dtype)}")
                 _check_parts(p, by_name, where)
+                if p.quantize is not None:
+                    _check_block_fp8(p, by_name, where)
+                    if scale_name(p.name) in names:
+                        raise RequestError(
+                            f"{where}: its scales' name `{scale_name(p.name)}` is another "
+                            "parameter's (expected unique parameter names)"
+                        )
+                    names.add(scale_name(p.name))
+                    lines.append(f"{r}:{p.name}:{p.quantize}")
                 lines += [f"{q.source}{box_str(q.box)}>{box_str(q.at)}" for q in p.parts]
         object.__setattr__(self, "fingerprint", _digest(lines))
 
@@ -240,30 +272,46 @@ class EngineLayout:
         cls,
         specs: Iterable[TensorSpec],
         receivers: int = 1,
-        dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
+        dtype: EngineDtype | Mapping[str, EngineDtype] | None = None,
     ) -> EngineLayout:
         """Each receiver needs every tensor whole, under its own name (today's receivers;
-        ``dtype``: the engine's, one for every tensor or by name, default the trainer's)."""
+        ``dtype``: the engine's, one for every tensor or by name, default the trainer's;
+        ``"fp8_block128"`` keeps a tensor in block FP8: given for every tensor, the weights
+        of linear layers, the others in the trainer's dtype; given by name, that tensor)."""
         specs = tuple(specs)
-        by_name = dtype if isinstance(dtype, Mapping) else {}
-        params = tuple(
-            ParamLayout(
-                s.name,
-                s.shape,
-                by_name.get(s.name, s.dtype) if isinstance(dtype, Mapping) else dtype or s.dtype,
-                (Part(s.name, full_box(s.shape), full_box(s.shape)),),
+        params = []
+        for s in specs:
+            d = dtype.get(s.name) if isinstance(dtype, Mapping) else dtype
+            check_engine_dtype(d, "EngineLayout.whole.dtype")
+            block = d == BLOCK_FP8 and (
+                isinstance(dtype, Mapping) or quantized_by_default(s.name, s.shape)
             )
-            for s in specs
-        )
-        return cls(specs, (params,) * receivers)
+            whole = (Part(s.name, full_box(s.shape), full_box(s.shape)),)
+            if block:
+                params.append(ParamLayout(s.name, s.shape, FP8, whole, QUANTIZE))
+            else:
+                kept = d if isinstance(d, torch.dtype) else s.dtype
+                params.append(ParamLayout(s.name, s.shape, kept, whole))
+        return cls(specs, (tuple(params),) * receivers)
 
     def param_specs(self, receiver: int) -> dict[str, TensorSpec]:
-        """What receiver ``receiver`` must hold: each parameter's name, shape and dtype."""
-        return {p.name: TensorSpec(p.name, p.shape, p.dtype) for p in self.receivers[receiver]}
+        """What receiver ``receiver`` must hold: each parameter's name, shape and dtype (a
+        block-FP8 one's scales too, as ``<name>_scale_inv``)."""
+        out = {}
+        for p in self.receivers[receiver]:
+            out[p.name] = TensorSpec(p.name, p.shape, p.dtype)
+            if p.quantize is not None:
+                n = scale_name(p.name)
+                out[n] = TensorSpec(n, scale_shape(p.shape), torch.float32)
+        return out
 
     def needed_bytes(self, receiver: int) -> int:
+        """Bytes receiver ``receiver`` takes per update (a block-FP8 part's scales too)."""
         return sum(
-            volume(q.box) * p.dtype.itemsize for p in self.receivers[receiver] for q in p.parts
+            volume(q.box) * p.dtype.itemsize
+            + (volume(block_box(q.box)) * 4 if p.quantize is not None else 0)
+            for p in self.receivers[receiver]
+            for q in p.parts
         )
 
 
@@ -294,6 +342,20 @@ def _check_parts(p: ParamLayout, specs: Mapping[str, TensorSpec], where: str) ->
         seen.append(at)
     if not math.prod(p.shape) and p.parts:
         raise RequestError(f"{where}: an empty parameter has no parts")
+
+
+def _check_block_fp8(p: ParamLayout, specs: Mapping[str, TensorSpec], where: str) -> None:
+    if p.quantize != QUANTIZE or p.dtype != FP8 or len(p.shape) < 2:
+        raise BlockFP8Error(
+            f"{where}: expected block FP8 as quantize={QUANTIZE!r} of a float8_e4m3fn "
+            f"parameter of 2 dims or more, got quantize={p.quantize!r} of "
+            f"{dtype_name(p.dtype)} {list(p.shape)} (norms, biases and embeddings stay "
+            "unquantized)"
+        )
+    for i, q in enumerate(p.parts):
+        fix = "an engine whose slices are whole blocks: fewer TP ranks, or this tensor unquantized"
+        check_aligned(q.box, specs[q.source].shape, f"{where}.parts[{i}].box", fix)
+        check_aligned(q.at, p.shape, f"{where}.parts[{i}].at", fix)
 
 
 def _overlap(a: Box, b: Box) -> bool:

@@ -18,24 +18,34 @@ boxes intersect into boxes. Layouts that are not boxes (a ``Partial`` placement,
 strided shard) are refused when the layout is built. The plan is a pure function of
 the two layouts' fingerprints, so senders and receivers compute the same one apart.
 A tensor is sent in the engine's dtype when that is no wider than the trainer's
-(bf16 -> fp8 narrows the bytes on the wire), else in the trainer's.
+(bf16 -> fp8 narrows the bytes on the wire), else in the trainer's. A tensor the engine
+keeps in block FP8 goes as two pieces a box: its values (``float8_e4m3fn``) and their
+scales (float32, one per 128 x 128 block), quantized by the rank that owns the box; so
+each box a rank sends must be whole blocks, or a ``BlockFP8Error`` names the rank whose
+shard cuts a block (one rank cannot scale a block it holds part of).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlferry.errors import RequestError
 
-from ._boxes import Box, box_str, cover, full_box, intersect, relative, shift, volume
+from .._errors import BlockFP8Error
+from ._blocks import BLOCK, BLOCK_FP8, aligned, block_box, scale_name
+from ._boxes import Box, box_str, cover, extents, full_box, intersect, relative, shift, volume
 from ._layouts import EngineLayout, TrainerLayout
 from ._specs import TensorSpec, dtype_name
 
-__all__ = ["Copy", "Piece", "ShardPlan", "wire_dtype"]
+__all__ = ["SCALES", "Copy", "Piece", "ShardPlan", "wire_dtype"]
+
+Wire = tuple[Box, torch.dtype, str | None]  # a needed box, its wire dtype, its quantize
 
 
 def wire_dtype(source: torch.dtype, param: torch.dtype) -> torch.dtype:
@@ -43,21 +53,35 @@ def wire_dtype(source: torch.dtype, param: torch.dtype) -> torch.dtype:
     return param if param.itemsize <= source.itemsize else source
 
 
+SCALES = "scales"  # Piece.quantize of a block-FP8 piece's scales
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One tensor of a sender's stream: box ``box`` of ``source``, in ``dtype``."""
+    """One tensor of a sender's stream: box ``box`` of ``source``, in ``dtype``.
+    ``quantize``: ``"block128"``, the box quantized to block FP8 (its values); ``"scales"``,
+    their scales (float32, the box's blocks: ``shape`` is in blocks); None, a copy or cast."""
 
     name: str
     source: str
     box: Box
     dtype: torch.dtype
+    quantize: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return extents(block_box(self.box) if self.quantize == SCALES else self.box)
 
     @property
     def nbytes(self) -> int:
-        return volume(self.box) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, tuple(b - a for a, b in self.box), self.dtype)
+        return TensorSpec(self.name, self.shape, self.dtype)
+
+    def scales(self) -> Piece:
+        """A block-FP8 piece's scales, the piece that follows it in a stream."""
+        return Piece(f"{self.name}:scale_inv", self.source, self.box, torch.float32, SCALES)
 
 
 @dataclass(frozen=True)
@@ -112,8 +136,8 @@ class ShardPlan:
                     f"tensor `{e.name}`: the trainer layout has {t.describe()}, the engine "
                     f"layout {e.describe()} (build both from the same model's specs)"
                 )
-        # source -> (needed box, wire dtype) -> [(receiver, param, at)]
-        needs: dict[str, dict[tuple[Box, torch.dtype], list[tuple[int, str, Box]]]] = {}
+        # source -> (needed box, wire dtype, quantize) -> [(receiver, param, at)]
+        needs: dict[str, dict[Wire, list[tuple[int, str, Box]]]] = {}
         for r, params in enumerate(engine.receivers):
             for p in params:
                 for q in p.parts:
@@ -124,7 +148,7 @@ class ShardPlan:
                             "expected a tensor of the trainer layout, got an unknown name "
                             "(the engine layout names the trainer's tensors)"
                         )
-                    key = (q.box, wire_dtype(src.dtype, p.dtype))
+                    key = (q.box, wire_dtype(src.dtype, p.dtype), p.quantize)
                     needs.setdefault(q.source, {}).setdefault(key, []).append((r, p.name, q.at))
         owners: dict[str, list[tuple[int, Box]]] = defaultdict(list)
         for s, boxes in enumerate(trainer.owned):
@@ -137,7 +161,7 @@ class ShardPlan:
             if not wanted:
                 continue
             held = owners.get(t.name, [])
-            for (box, _), users in wanted.items():
+            for (box, _, _), users in wanted.items():
                 _check_owned(t, box, held, users[0])
             for s, owned in held:
                 _plan_owner(t, owned, wanted, streams[s], copies, s)
@@ -195,17 +219,23 @@ class ShardPlan:
 
     def _link(self, sender: int, receiver: int) -> tuple[list[Piece], list[Copy]]:
         specs = {t.name: t for t in self.trainer.specs}
-        pieces: dict[tuple[str, Box, torch.dtype], Piece] = {}
+        pieces: dict[tuple[str, Box, torch.dtype, str | None], Piece] = {}
         copies = []
         for c in self.copies.get((sender, receiver), ()):
             p = self._pieces[sender][c.piece]
+            if p.quantize == SCALES:
+                continue  # with its values' copy, below
             box = shift(c.within, [a for a, _ in p.box])
-            key = (p.source, box, p.dtype)
+            key = (p.source, box, p.dtype, p.quantize)
             q = pieces.get(key)
             if q is None:
-                name = _piece_name(specs[p.source], box, p.dtype)
-                q = pieces[key] = Piece(name, p.source, box, p.dtype)
+                name = _piece_name(specs[p.source], box, p.dtype, p.quantize)
+                q = pieces[key] = Piece(name, p.source, box, p.dtype, p.quantize)
+                if q.quantize is not None:
+                    pieces[(*key[:3], SCALES)] = q.scales()
             copies.append(Copy(q.name, relative(box, box), c.param, c.at))
+            if q.quantize is not None:
+                copies.append(_scale_copy(copies[-1], q.scales().name))
         return list(pieces.values()), copies
 
     def describe(self) -> str:
@@ -221,9 +251,16 @@ def plan_fingerprint(trainer: TrainerLayout, engine: EngineLayout) -> str:
     return hashlib.sha256(f"{trainer.fingerprint}/{engine.fingerprint}".encode()).hexdigest()[:16]
 
 
-def _piece_name(t: TensorSpec, box: Box, dtype: torch.dtype) -> str:
+def _piece_name(t: TensorSpec, box: Box, dtype: torch.dtype, quantize: str | None) -> str:
     name = t.name if box == full_box(t.shape) else f"{t.name}{box_str(box)}"
+    if quantize is not None:
+        return f"{name}:{BLOCK_FP8}"
     return name if dtype == t.dtype else f"{name}:{dtype_name(dtype)}"
+
+
+def _scale_copy(c: Copy, piece: str) -> Copy:
+    """The copy of the scales of what block-FP8 copy ``c`` copies (both are whole blocks)."""
+    return Copy(piece, block_box(c.within), scale_name(c.param), block_box(c.at))
 
 
 def _check_owned(
@@ -251,23 +288,28 @@ def _check_owned(
 def _plan_owner(
     t: TensorSpec,
     owned: Box,
-    wanted: dict[tuple[Box, torch.dtype], list[tuple[int, str, Box]]],
+    wanted: dict[Wire, list[tuple[int, str, Box]]],
     stream: list[Piece],
     copies: dict[tuple[int, int], list[Copy]],
     sender: int,
 ) -> None:
     """Sender ``sender``'s pieces of tensor ``t`` and the copies that read them."""
-    mine: dict[torch.dtype, list[tuple[Box, Box, list[tuple[int, str, Box]]]]] = {}
-    for (box, dtype), users in wanted.items():
+    mine: dict[tuple[torch.dtype, str | None], list[tuple[Box, Box, list[Any]]]] = {}
+    for (box, dtype, quantize), users in wanted.items():
         inter = intersect(owned, box) if box else owned
         if inter is not None:
-            mine.setdefault(dtype, []).append((inter, box, users))
-    for dtype, regions in mine.items():
+            mine.setdefault((dtype, quantize), []).append((inter, box, users))
+    for (dtype, quantize), regions in mine.items():
         boxes = cover(r[0] for r in regions)
         if len(boxes) > 1 and sum(volume(b) for b in boxes) == volume(owned):
             boxes = [owned]  # they tile the shard: send it whole (one contiguous piece)
-        pieces = [Piece(_piece_name(t, b, dtype), t.name, b, dtype) for b in boxes]
-        stream.extend(pieces)
+        pieces = [Piece(_piece_name(t, b, dtype, quantize), t.name, b, dtype, quantize)
+                  for b in boxes]  # fmt: skip
+        if quantize is None:
+            stream.extend(pieces)
+        else:  # each piece's values, then their scales
+            _check_blocks(t, owned, pieces, regions, sender)
+            stream.extend(x for p in pieces for x in (p, p.scales()))
         for inter, box, users in regions:
             for p in pieces:
                 x = intersect(p.box, inter) if inter else p.box
@@ -281,3 +323,27 @@ def _plan_owner(
                         (a0 + lo, a0 + hi) for (a0, _), (lo, hi) in zip(at[lead:], off, strict=True)
                     )
                     copies[(sender, r)].append(Copy(p.name, within, param, dest))
+                    if quantize is not None:
+                        copies[(sender, r)].append(
+                            _scale_copy(copies[(sender, r)][-1], p.scales().name)
+                        )
+
+
+def _check_blocks(
+    t: TensorSpec, owned: Box, pieces: list[Piece], regions: list[Any], sender: int
+) -> None:
+    """Every block-FP8 piece of ``sender`` is whole blocks, or a BlockFP8Error naming the
+    rank whose shard cuts a block, and who keeps it in block FP8."""
+    for p in pieces:
+        if aligned(p.box, t.shape):
+            continue
+        r, param, _ = next(u for inter, _, users in regions for u in users
+                           if intersect(inter, p.box) is not None)  # fmt: skip
+        raise BlockFP8Error(
+            f"tensor `{t.name}`: trainer rank {sender} owns {box_str(owned)} of it, which "
+            f"cuts {BLOCK} x {BLOCK} blocks that receiver {r} keeps in block FP8 for "
+            f"`{param}` (a block's scale is the amax of all its elements, and one rank holds "
+            f"only part of it): shard the trainer so each rank's rows are whole blocks "
+            f"(FSDP over ranks whose torch.chunk of dim 0 is a multiple of {BLOCK} rows), or "
+            "keep this tensor unquantized"
+        )

@@ -12,6 +12,11 @@ From the trainer's (Hugging Face) names and full shapes, each of ``tp`` ranks ge
   rows, then its up rows) and ``experts.w2_weight`` [E, H, I/tp];
 - everything else (norms, routers, biases of row-parallel layers) whole on every rank.
 
+In block FP8 (``dtype="fp8_block128"``) the weights of linear layers are kept as
+``float8_e4m3fn`` with their ``<name>_scale_inv`` (vLLM's block-FP8 linear layers): each
+rank's slice, and each member of a fused parameter, must be whole 128 x 128 blocks, as
+vLLM requires too.
+
 Replicas (data-parallel engines) repeat the same ranks. Vocabulary padding and kv
 heads fewer than ``tp`` (replicated by vLLM) are not modelled: the slices are exact.
 """
@@ -24,8 +29,9 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._blocks import BLOCK_FP8, FP8, QUANTIZE, check_engine_dtype, quantized_by_default
 from ._boxes import Box, chunk_bounds, full_box
-from ._layouts import EngineLayout, ParamLayout, Part
+from ._layouts import EngineDtype, EngineLayout, ParamLayout, Part
 from ._specs import TensorSpec
 
 __all__ = ["tp_layout"]
@@ -49,10 +55,14 @@ def tp_layout(
     tp: int,
     *,
     replicas: int = 1,
-    dtype: torch.dtype | None = None,
+    dtype: EngineDtype | None = None,
 ) -> EngineLayout:
     """The layout of ``replicas`` engines of ``tp`` ranks each (receiver ``i * tp + r`` is
-    rank ``r`` of engine ``i``); ``dtype``: the engine's (default: each tensor's own)."""
+    rank ``r`` of engine ``i``); ``dtype``: the engine's (default: each tensor's own;
+    ``"fp8_block128"``: the weights of linear layers in block FP8, with their scales, the
+    others in their own dtype; a slice that is not whole 128 x 128 blocks is a
+    ``BlockFP8Error``)."""
+    check_engine_dtype(dtype, "tp_layout.dtype")
     if type(tp) is not int or tp < 1:
         raise RequestError(f"tp_layout.tp: expected an int >= 1, got {tp!r}")
     if type(replicas) is not int or replicas < 1:
@@ -63,11 +73,12 @@ def tp_layout(
 
 
 def _rank(
-    specs: tuple[TensorSpec, ...], tp: int, r: int, dtype: torch.dtype | None
+    specs: tuple[TensorSpec, ...], tp: int, r: int, dtype: EngineDtype | None
 ) -> tuple[ParamLayout, ...]:
     params: dict[str, list[Part]] = {}
     shapes: dict[str, list[int]] = {}
     dtypes: dict[str, torch.dtype] = {}
+    block: set[str] = set()  # the parameters kept in block FP8
 
     def add(name: str, source: TensorSpec, box: Box, at_dim: int) -> None:
         """Append ``box`` of ``source`` to ``name`` along ``at_dim`` (after what it holds)."""
@@ -80,7 +91,12 @@ def _rank(
         at[at_dim] = (start, start + ext[at_dim])
         shape[at_dim] += ext[at_dim]
         params.setdefault(name, []).append(Part(source.name, box, tuple(at)))
-        dtypes[name] = dtype or source.dtype
+        if dtype == BLOCK_FP8:
+            if quantized_by_default(source.name, source.shape):
+                block.add(name)
+            dtypes[name] = FP8 if name in block else source.dtype
+        else:
+            dtypes[name] = dtype if isinstance(dtype, torch.dtype) else source.dtype
 
     fused: dict[str, list[tuple[int, TensorSpec]]] = {}
     for s in specs:
@@ -119,7 +135,10 @@ def _rank(
     for name, members in fused.items():
         for _, s in sorted(members, key=lambda m: m[0]):
             add(name, s, _split(full_box(s.shape), 0, tp, r), 0)
-    return tuple(ParamLayout(n, tuple(shapes[n]), dtypes[n], tuple(ps)) for n, ps in params.items())
+    return tuple(
+        ParamLayout(n, tuple(shapes[n]), dtypes[n], tuple(ps), QUANTIZE if n in block else None)
+        for n, ps in params.items()
+    )
 
 
 def _scalar(
@@ -127,11 +146,11 @@ def _scalar(
     shapes: dict[str, list[int]],
     dtypes: dict[str, torch.dtype],
     s: TensorSpec,
-    dtype: torch.dtype | None,
+    dtype: EngineDtype | None,
 ) -> None:
     params[s.name] = [Part(s.name, (), ())]
     shapes[s.name] = []
-    dtypes[s.name] = dtype or s.dtype
+    dtypes[s.name] = dtype if isinstance(dtype, torch.dtype) else s.dtype
 
 
 def tp_split_dim(spec: TensorSpec) -> int | None:

@@ -10,21 +10,24 @@ from typing import Any, NamedTuple
 import torch
 
 from .._errors import WeightSyncError
+from ..copies import quantize_block_fp8
 from ..planning._boxes import extents, relative, slices
-from ..planning._shard_plan import Piece, ShardPlan
+from ..planning._shard_plan import SCALES, Piece, ShardPlan
 
 __all__ = ["Cut", "Cuts"]
 
 
 class Cut(NamedTuple):
     """A piece of a stream as cut from this rank's shard of ``source`` (of ``shape``):
-    ``at`` its slices (None: the whole shard), sent as ``dtype`` under ``name``."""
+    ``at`` its slices (None: the whole shard), sent as ``dtype`` under ``name``;
+    ``quantize``: the piece's (block FP8: its values, or the scales that follow them)."""
 
     name: str
     source: str
     shape: tuple[int, ...]
     at: tuple[slice, ...] | None
     dtype: torch.dtype
+    quantize: str | None = None
 
 
 class Cuts:
@@ -64,7 +67,7 @@ class Cuts:
             for p in pieces:
                 box = owned[p.source]
                 at = None if p.box == box else slices(relative(p.box, box))
-                cuts.append(Cut(p.name, p.source, extents(box), at, p.dtype))
+                cuts.append(Cut(p.name, p.source, extents(box), at, p.dtype, p.quantize))
             self._cut_cache[receiver] = cuts
         return cuts
 
@@ -102,7 +105,12 @@ class Cuts:
         cuts = self.cuts(plan, receiver)
         out = []
         cast = False
+        scales: torch.Tensor | None = None  # of the block-FP8 values just quantized
         for c in cuts:
+            if c.quantize == SCALES:
+                assert scales is not None
+                out.append((c.name, scales))
+                continue
             t = local.get(c.source)
             if t is None:
                 raise WeightSyncError(
@@ -117,7 +125,9 @@ class Cuts:
                     "layout does not describe this rank's tensors)"
                 )
             v = t.detach() if c.at is None else t[c.at]
-            cast = cast or v.dtype != c.dtype
+            if c.quantize is not None:  # block FP8: quantized where the shard lies
+                v, scales = quantize_block_fp8(v)
+            cast = cast or v.dtype != c.dtype or c.quantize is not None
             out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
         if not cast:  # views only (a cast makes a new tensor each push): kept
             self.views[receiver] = out

@@ -11,7 +11,9 @@ import torch
 
 from rlferry.errors import RequestError
 
+from .._errors import BlockFP8Error
 from ..copies._copy import GroupedCopy
+from ..planning._blocks import scale_name
 from ..planning._boxes import extents, slices
 from ..planning._shard_plan import ShardPlan
 
@@ -78,10 +80,19 @@ def ops_of(
     """By trainer rank, the copies of its pieces into engine rank ``rank``'s tensors
     (``params``, checked against the rank's specs in the engine layout)."""
     want = plan.engine.param_specs(rank)
+    block = {n: p.name for p in plan.engine.receivers[rank] if p.quantize is not None
+             for n in (p.name, scale_name(p.name))}  # fmt: skip
     for n, spec in want.items():
         t = params.get(n)
         if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             got = "no such tensor" if t is None else f"shape {list(t.shape)} {t.dtype}"
+            if n in block:
+                raise BlockFP8Error(
+                    f"ShardedReceiver.params[{n!r}]: expected {spec.describe()}, got {got}: "
+                    f"the engine layout keeps `{block[n]}` in block FP8 (float8_e4m3fn values "
+                    f"and `{scale_name(block[n])}`, float32 scales), engine rank {rank} does "
+                    "not (give it both tensors, or an engine layout without block FP8)"
+                )
             raise RequestError(
                 f"ShardedReceiver.params[{n!r}]: expected {spec.describe()} (engine rank "
                 f"{rank} of the engine layout), got {got} (give this rank's tensors, "

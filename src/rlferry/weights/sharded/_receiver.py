@@ -12,8 +12,9 @@ import torch
 
 from rlferry.errors import RequestError
 
-from .._errors import ReceiverClosed, WeightSyncError
+from .._errors import BlockFP8Error, ReceiverClosed, WeightSyncError
 from .._report import ShardedReceiverStatistics
+from ..planning._blocks import BLOCK_FP8
 from ..planning._layouts import EngineLayout, TrainerLayout
 from ..planning._shard_plan import ShardPlan
 from ..planning._specs import TensorSpec
@@ -225,6 +226,16 @@ class ShardedReceiver:
              for i, (w, g) in enumerate(zip(want, specs, strict=False)) if w != g),
             f"expected {len(want)} pieces, got {len(specs)}",
         )  # fmt: skip
+        mine = {w.name for w in want}
+        block = next((g.name for g in specs if g.name.endswith(f":{BLOCK_FP8}")
+                      and g.name not in mine), None)  # fmt: skip
+        if block is not None:
+            raise BlockFP8Error(
+                f"trainer rank {link.sender} sends `{block}` in block FP8, which this "
+                f"receiver's plan {plan.fingerprint} does not keep so ({diff}); no byte "
+                "moved and this rank keeps its version (give every sender and receiver the "
+                "same engine layout)"
+            )
         raise RequestError(
             f"trainer rank {link.sender} sends pieces this receiver's plan {plan.fingerprint} "
             f"does not: {diff} (give every sender and receiver the same layouts)"
