@@ -358,3 +358,27 @@ def test_an_fp8_engine_loaded_by_a_push_gives_logits_within_a_tenth_of_bf16s():
     # measured: 0.079 here (7 block-FP8 matrices a layer, 2 layers of random weights); bf16
     # itself is 0.008 from float32
     assert max_relative_error(got, want) < 0.1
+
+
+def test_a_region_two_replicas_take_point_to_point_is_quantized_once_a_push(monkeypatch):
+    import rlferry.weights.sharded._cuts as cuts
+
+    calls = []
+    monkeypatch.setattr(cuts, "quantize_block_fp8", lambda v: calls.append(v.shape) or (
+        quantize_block_fp8(v)))  # fmt: skip
+    specs = layer_specs()
+    trainer, engine = TrainerLayout.single(specs), EngineLayout.whole(specs, 2, BLOCK_FP8)
+    sender = ShardedSender(group="fp8-replicas", rank=0, trainer=trainer, engine=engine,
+                           transport="broadcast", point_to_point=True)  # fmt: skip
+    receivers = []
+    try:
+        receivers, params = start_engine("fp8-replicas", trainer, engine, [sender], True)
+        full = full_tensors(specs, 1)
+        sender.push(full, version=1, timeout=WAIT)
+        for r, recv in enumerate(receivers):
+            assert recv.wait_for(1, WAIT)
+            assert all(same_bits(params[r][n], t) for n, t in expected(engine, r, full).items())
+        assert len(calls) == len([s for s in specs if "_proj" in s.name])  # once, not twice
+    finally:
+        for x in [*receivers, sender]:
+            x.close()

@@ -95,10 +95,16 @@ class Cuts:
 
     @torch.no_grad()
     def pieces(
-        self, plan: ShardPlan, receiver: int, local: dict[str, torch.Tensor]
+        self,
+        plan: ShardPlan,
+        receiver: int,
+        local: dict[str, torch.Tensor],
+        quantized: dict[Any, Any] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Stream ``receiver``'s pieces of this rank's tensors (``local``, by name): the
-        views cut from the last push's, while they are kept."""
+        views cut from the last push's, while they are kept. A block-FP8 piece is quantized
+        where its tensor lies, once a push for every link that takes the same region
+        (``quantized``: the push's, by source and region)."""
         kept = self.views.get(receiver)
         if kept is not None:
             return kept  # the same tensors again (same memory and layout): the same views
@@ -126,7 +132,11 @@ class Cuts:
                 )
             v = t.detach() if c.at is None else t[c.at]
             if c.quantize is not None:  # block FP8: quantized where the shard lies
-                v, scales = quantize_block_fp8(v)
+                key = (c.source, c.at and tuple((a.start, a.stop) for a in c.at))
+                done = None if quantized is None else quantized.get(key)
+                v, scales = done if done is not None else quantize_block_fp8(v)
+                if quantized is not None:
+                    quantized[key] = (v, scales)
             cast = cast or v.dtype != c.dtype or c.quantize is not None
             out.append((c.name, v.to(c.dtype) if v.dtype != c.dtype else v))
         if not cast:  # views only (a cast makes a new tensor each push): kept

@@ -41,6 +41,7 @@ class Ready:
         self.where: tuple[list[Any], ...] = ()
         self.lazy = False  # set by the sender: addresses read by each link's Guard
         self.changed: set[int] = set()  # lazy: the tensors found elsewhere (by position)
+        self.quantized: dict[Any, Any] = {}  # block FP8, by source and region: once a push
         self._done = False
 
     def __call__(self) -> None:
@@ -72,7 +73,7 @@ class Ready:
             return kept, True, Guard(self, r, kept)
         self()
         kept = self.cuts.views.get(r)
-        pieces = self.cuts.pieces(self.plan, r, self.local)
+        pieces = self.cuts.pieces(self.plan, r, self.local, self.quantized)
         return pieces, pieces is kept, None
 
 
