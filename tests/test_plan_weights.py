@@ -179,3 +179,42 @@ def test_many_links_a_rank_share_its_buffers_in_more_smaller_buckets_which_cost_
         "Cluster.buffer_bytes: expected an int of at least 4194304 (two buffers of the "
         "smallest bucket), got 2097152"
     )
+
+
+BLOCKS = {**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
+          "num_key_value_heads": 4}  # fmt: skip  # every linear weight whole blocks, 2 ranks too
+
+
+def test_block_fp8_sends_a_byte_an_element_and_four_a_block_and_times_the_quantize_pass():
+    specs = model_specs("Qwen3Config", BLOCKS)
+    c = Cluster(fsdp=2, engines=2, engine_tp=1, engine_dtype="fp8_block128", quantize_GBps=1.0)
+    p = predict(specs, c)
+    plan = ShardPlan.build(fsdp_layout(specs, 2), tp_layout(specs, 1, replicas=2,
+                                                                 dtype="fp8_block128"))  # fmt: skip
+    assert p.sent_bytes == sum(plan.link_bytes(*k) for k in plan.copies)
+    linear = [s for s in specs if s.name.endswith("_proj.weight")]
+    fp8 = sum(s.nbytes // 2 + 4 * (s.nbytes // 2 // 128**2) for s in linear)  # whole blocks
+    rest = sum(s.nbytes for s in specs if s not in linear)
+    assert p.sent_bytes == 2 * (fp8 + rest)  # each engine's copy
+    assert p.quantize_bytes == sum(s.nbytes for s in linear) // 2  # each rank: half the rows
+    assert p.quantize_seconds == pytest.approx(p.quantize_bytes / 1e9)
+    bare = predict(specs, Cluster(fsdp=2, engines=2, engine_tp=1, quantize_GBps=1.0))
+    assert bare.quantize_bytes == 0 and bare.quantize_seconds == 0.0
+    assert p.seconds == pytest.approx(
+        p.link_seconds + p.fixed_seconds + p.bucket_seconds + p.quantize_seconds
+    )
+    assert f"to block FP8 in {p.quantize_seconds * 1e3:.1f} ms" in p.text()
+
+
+def test_plan_weights_names_a_trainer_layout_that_cuts_blocks():
+    from rlferry.weights import BlockFP8Error
+    from rlferry.weights.planning import plan_weights
+
+    sizes = [f"{k}={v}" for k, v in BLOCKS.items()]
+    text = plan_weights("Qwen3Config", sizes, trainer_gpus=1, engines=1, engine_tp=1,
+                        engine_dtype="fp8_block128", quantize_gbytes=500.0)  # fmt: skip
+    assert text.splitlines()[0].endswith("; block FP8 quantized at 500 GB/s a trainer rank")
+    with pytest.raises(BlockFP8Error, match=r"trainer rank 0 owns \[0:32, 0:256\] of it, which "
+                       r"cuts 128 x 128 blocks"):  # fmt: skip
+        plan_weights("Qwen3Config", sizes, trainer_gpus=8, engines=1, engine_tp=1,
+                     engine_dtype="fp8_block128")  # fmt: skip

@@ -150,7 +150,10 @@ def _plan_weights_parser(sub: Any) -> None:
     pw.add_argument("--trainer-dtype", default="bfloat16")
     pw.add_argument("--engines", type=int, required=True, help="engine replicas")
     pw.add_argument("--engine-tp", type=int, required=True, help="GPUs per engine (TP)")
-    pw.add_argument("--engine-dtype", default="float8_e4m3fn")
+    pw.add_argument("--engine-dtype", default="float8_e4m3fn",
+                    help="a torch dtype name (float8_e4m3fn: a cast without scales), or "
+                    "fp8_block128: linear layers' weights in block FP8, a float32 scale per "
+                    "128 x 128 block, quantized on each trainer rank's GPU")  # fmt: skip
     pw.add_argument("--gpus-per-host", type=int, default=8)
     pw.add_argument("--nvlink-gbytes", type=float, default=450.0,
                     help="GB/s per GPU and direction within a host (H100 NVLink: 450)")  # fmt: skip
@@ -170,6 +173,10 @@ def _plan_weights_parser(sub: Any) -> None:
     pw.add_argument("--buffer-gib", type=float, default=None,
                     help="what a rank's link buffers may take together (ShardedSender's "
                     "buffer_bytes; default 4): more makes fewer, larger buckets")  # fmt: skip
+    pw.add_argument("--quantize-gbytes", type=float, default=None,
+                    help="with --engine-dtype fp8_block128: GB/s of the trainer's dtype a "
+                    "trainer rank's GPU quantizes (default 2000, an H200's estimate; "
+                    "benchmarks/weights_fp8.py measures it)")  # fmt: skip
 
 
 def _plan_weights(a: Any) -> None:
@@ -182,7 +189,8 @@ def _plan_weights(a: Any) -> None:
             engine_dtype=a.engine_dtype, gpus_per_host=a.gpus_per_host,
             nvlink_gbytes=a.nvlink_gbytes, network_gbits=a.network_gbits,
             **{k: v for k, v in (("update_ms", a.update_ms), ("link_ms", a.link_ms),
-                                 ("bucket_ms", a.bucket_ms), ("buffer_gib", a.buffer_gib))
+                                 ("bucket_ms", a.bucket_ms), ("buffer_gib", a.buffer_gib),
+                                 ("quantize_gbytes", a.quantize_gbytes))
                if v is not None},
         )  # fmt: skip
     except (ValueError, ImportError, OSError) as e:

@@ -16,8 +16,9 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._blocks import BLOCK_FP8
 from ._budget import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES
-from ._predict import BUCKET_MS, LINK_MS, UPDATE_MS, Cluster, predict
+from ._predict import BUCKET_MS, LINK_MS, QUANTIZE_GBPS, UPDATE_MS, Cluster, predict
 from ._specs import TensorSpec
 
 __all__ = ["PRESETS", "model_specs", "parse_overrides", "plan_weights", "preset_or_config"]
@@ -110,6 +111,19 @@ def _dtype(field: str, name: str) -> torch.dtype:
     return dtype
 
 
+def _engine_dtype(name: str) -> torch.dtype | str:
+    """``--engine-dtype``: a torch dtype's name, or ``fp8_block128`` (block FP8)."""
+    if name == BLOCK_FP8:
+        return name
+    try:
+        return _dtype("--engine-dtype", name)
+    except RequestError:
+        raise RequestError(
+            f"--engine-dtype: expected a torch dtype name such as bfloat16 or float8_e4m3fn, "
+            f"or {BLOCK_FP8} (block FP8), got {name!r}"
+        ) from None
+
+
 def plan_weights(
     config: str,
     overrides: Sequence[str] = (),
@@ -127,6 +141,7 @@ def plan_weights(
     link_ms: float = LINK_MS,
     bucket_ms: float = BUCKET_MS,
     buffer_gib: float = LINK_BUFFER_BYTES / 2**30,
+    quantize_gbytes: float = QUANTIZE_GBPS,
 ) -> str:
     """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
@@ -142,10 +157,10 @@ def plan_weights(
     specs = model_specs(cls, values, _dtype("--trainer-dtype", trainer_dtype))
     cluster = Cluster(
         fsdp=trainer_gpus // trainer_tp, trainer_tp=trainer_tp, engines=engines,
-        engine_tp=engine_tp, engine_dtype=_dtype("--engine-dtype", engine_dtype),
+        engine_tp=engine_tp, engine_dtype=_engine_dtype(engine_dtype),
         gpus_per_host=gpus_per_host, nvlink_GBps=nvlink_gbytes, network_GBps=network_gbits / 8,
         update_ms=update_ms, link_ms=link_ms, bucket_ms=bucket_ms,
-        buffer_bytes=int(buffer_gib * 2**30) // 256 * 256,
+        buffer_bytes=int(buffer_gib * 2**30) // 256 * 256, quantize_GBps=quantize_gbytes,
     )  # fmt: skip
     p = predict(specs, cluster)
     head = (
@@ -155,5 +170,7 @@ def plan_weights(
         f"{nvlink_gbytes:g} GB/s, network {network_gbits:g} Gb/s per GPU; {update_ms:g} ms "
         f"an update, {link_ms:g} ms for each more link of a rank, {bucket_ms:g} ms for each "
         f"more bucket; {buffer_gib:g} GiB of link buffers a rank"
-    )
+        + (f"; block FP8 quantized at {quantize_gbytes:g} GB/s a trainer rank"
+           if engine_dtype == BLOCK_FP8 else "")
+    )  # fmt: skip
     return head + "\n" + p.text()

@@ -6,8 +6,8 @@ tensor parallelism ``tp`` inside (each TP slice then chunked by FSDP); the engin
 the same code that moves the bytes. GPUs fill hosts of ``gpus_per_host`` in order,
 trainers first; a link within a host runs at ``nvlink_GBps``, across hosts at
 ``network_GBps`` (per GPU, each direction). The prediction is the busiest GPU's busiest
-link: its bytes over its bandwidth (every link runs at once, full duplex, no casts or
-quantization timed), plus what an update costs besides its bytes:
+link: its bytes over its bandwidth (every link runs at once, full duplex, no casts
+timed), plus what an update costs besides its bytes:
 
 - ``update_ms``: an update of one trainer rank to one engine rank (its messages, the
   first bucket's pack and the last one's load), with a 4 MB model, where nothing
@@ -21,7 +21,10 @@ quantization timed), plus what an update costs besides its bytes:
   link's bucket after its first; its host work is done one bucket at a time). A
   rank's links share ``buffer_bytes`` of buffers (two of a bucket each, at both
   ends: :func:`busier_ends`), so many links a rank mean small buckets, many of
-  them: the memory against time trade the prediction shows.
+  them: the memory against time trade the prediction shows;
+- in block FP8 (``engine_dtype="fp8_block128"``: 1 byte an element and 4 a 128 x 128
+  block on the wire), the quantize pass of the trainer rank with the most to quantize
+  (each region once, in the trainer's dtype) at ``quantize_GBps``, before its sends.
 
 Layers with the same tensors (names without their layer number, shapes) are
 planned once and counted as many times: a 94-layer MoE is planned as one layer.
@@ -40,6 +43,7 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._blocks import QUANTIZE, check_engine_dtype
 from ._boxes import Box, chunk_bounds, full_box, volume
 from ._budget import (
     LINK_BUFFER_BYTES,
@@ -58,6 +62,7 @@ __all__ = [
     "BUCKET_MS",
     "LINK_MS",
     "MAX_BUCKET_BYTES",
+    "QUANTIZE_GBPS",
     "UPDATE_MS",
     "WRITE_LINK_MS",
     "WRITE_UPDATE_MS",
@@ -89,6 +94,12 @@ BUCKET_MS = 0.09  # for each bucket of the rank with the most, past each link's 
 WRITE_UPDATE_MS = 0.6
 WRITE_LINK_MS = 0.15
 MAX_BUCKET_BYTES = 256 << 20  # a link's default bucket on a GPU at most (WeightSender's)
+# Bytes of bf16 weights a trainer rank's GPU quantizes to block FP8 a second (the Triton
+# kernel: each weight read once, its values and scales written once). An estimate, 70% of
+# an H200's floor (its 4.3 TB/s device copy moves 2 bytes read and 1 written an element
+# in 2/3 of the time of a copy: 2,870 GB/s), until ``python benchmarks/weights_fp8.py
+# --device cuda`` measures the kernel's row on one
+QUANTIZE_GBPS = 2000.0
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -148,7 +159,7 @@ class Cluster:
     trainer_tp: int = 1
     engines: int
     engine_tp: int
-    engine_dtype: torch.dtype = torch.float8_e4m3fn
+    engine_dtype: torch.dtype | str = torch.float8_e4m3fn  # or "fp8_block128"
     gpus_per_host: int = 8
     nvlink_GBps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
     network_GBps: float = 50.0  # 400 Gb/s per GPU
@@ -157,13 +168,15 @@ class Cluster:
     link_ms: float = LINK_MS
     bucket_ms: float = BUCKET_MS
     buffer_bytes: int = LINK_BUFFER_BYTES  # a rank's link buffers together (ShardedSender's)
+    quantize_GBps: float = QUANTIZE_GBPS  # block FP8: bytes a trainer rank quantizes a second
 
     def __post_init__(self) -> None:
+        check_engine_dtype(self.engine_dtype, "Cluster.engine_dtype")
         for f in ("fsdp", "trainer_tp", "engines", "engine_tp", "gpus_per_host"):
             v = getattr(self, f)
             if type(v) is not int or v < 1:
                 raise RequestError(f"Cluster.{f}: expected an int >= 1, got {v!r}")
-        for f in ("nvlink_GBps", "network_GBps"):
+        for f in ("nvlink_GBps", "network_GBps", "quantize_GBps"):
             if not getattr(self, f) > 0:
                 raise RequestError(
                     f"Cluster.{f}: expected a bandwidth > 0, got {getattr(self, f)!r}"
@@ -198,7 +211,9 @@ class Prediction:
     link_seconds: float  # the busiest link's bytes over its bandwidth
     fixed_seconds: float  # the update's cost for its links, besides the buckets
     bucket_seconds: float  # the further buckets of the rank with the most
-    seconds: float  # all three
+    seconds: float  # all four
+    quantize_bytes: int = 0  # block FP8: the most a trainer rank quantizes (trainer's dtype)
+    quantize_seconds: float = 0.0  # its quantize pass
 
     def text(self) -> str:
         s, r = self.sender_bytes, self.receiver_bytes
@@ -216,10 +231,14 @@ class Prediction:
             f"buffers: at most {_size(self.buffer_bytes)} a rank; NCCL's own for its links: "
             f"about {_size(self.nccl_bytes)} a rank; buckets: at most {self.buckets} a rank "
             "an update",
+            *([f"quantize: at most {_size(self.quantize_bytes)} a trainer rank to block FP8 "
+               f"in {self.quantize_seconds * 1e3:.1f} ms"] if self.quantize_bytes else []),
             f"predicted update time: {self.seconds * 1e3:.1f} ms (the busiest link, "
             f"{self.fixed_seconds * 1e3:.1f} ms for up to {self.trainer_links} links a "
             f"trainer rank and {self.engine_links} an engine rank, "
-            f"{self.bucket_seconds * 1e3:.1f} ms for the buckets)",
+            f"{self.bucket_seconds * 1e3:.1f} ms for the buckets"
+            + (f", {self.quantize_seconds * 1e3:.1f} ms to quantize)" if self.quantize_bytes
+               else ")"),
         ])  # fmt: skip
 
 
@@ -284,6 +303,13 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
     # the rank with the most buckets past each link's first (those are in update_ms)
     ends = (t_n, e_n)
     most = max(n - ends[side][k] for (side, k), n in buckets.items())
+    specs_by = {t.name: t for t in reps}
+    quantize = max(
+        sum(volume(p.box) * specs_by[p.source].dtype.itemsize * count[p.source]
+            for p in stream if p.quantize == QUANTIZE)
+        for stream in plan.streams
+    )  # fmt: skip
+    q_seconds = quantize / (c.quantize_GBps * 1e9)
     return Prediction(
         model_bytes=sum(s.nbytes for s in specs),
         sent_bytes=sum(links),
@@ -301,5 +327,7 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
         link_seconds=worst / bw[kind],
         fixed_seconds=fixed,
         bucket_seconds=most * c.bucket_ms / 1e3,
-        seconds=worst / bw[kind] + fixed + most * c.bucket_ms / 1e3,
+        seconds=worst / bw[kind] + fixed + most * c.bucket_ms / 1e3 + q_seconds,
+        quantize_bytes=quantize,
+        quantize_seconds=q_seconds,
     )

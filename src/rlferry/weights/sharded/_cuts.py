@@ -132,7 +132,8 @@ class Cuts:
                 )
             v = t.detach() if c.at is None else t[c.at]
             if c.quantize is not None:  # block FP8: quantized where the shard lies
-                key = (c.source, c.at and tuple((a.start, a.stop) for a in c.at))
+                region = None if c.at is None else tuple((a.start, a.stop) for a in c.at)
+                key = (c.source, region)
                 done = None if quantized is None else quantized.get(key)
                 v, scales = done if done is not None else quantize_block_fp8(v)
                 if quantized is not None:
