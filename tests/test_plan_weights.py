@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.weights import fsdp_layout, tp_layout
-from rlferry.weights.planning import Cluster, ShardPlan, TensorSpec, predict
+from rlferry.weights.planning import Cluster, ShardPlan, TensorSpec, plan_weights, predict
 from rlferry.weights.planning._budget import (
     NCCL_CTA_BYTES,
     NCCL_LINK_BYTES,
@@ -23,6 +24,7 @@ from rlferry.weights.planning._predict import (
     representatives,
     trainer_layout,
 )
+from rlferry.weights.planning._savings import delta_bytes, lora_specs, predict_delta
 
 pytest.importorskip("transformers")
 
@@ -207,8 +209,7 @@ def test_block_fp8_sends_a_byte_an_element_and_four_a_block_and_times_the_quanti
 
 
 def test_plan_weights_names_a_trainer_layout_that_cuts_blocks():
-    from rlferry.weights import BlockFP8Error
-    from rlferry.weights.planning import plan_weights
+    from rlferry.weights.planning import BlockFP8Error, plan_weights
 
     sizes = [f"{k}={v}" for k, v in BLOCKS.items()]
     text = plan_weights("Qwen3Config", sizes, trainer_gpus=1, engines=1, engine_tp=1,
@@ -218,3 +219,49 @@ def test_plan_weights_names_a_trainer_layout_that_cuts_blocks():
                        r"cuts 128 x 128 blocks"):  # fmt: skip
         plan_weights("Qwen3Config", sizes, trainer_gpus=8, engines=1, engine_tp=1,
                      engine_dtype="fp8_block128")  # fmt: skip
+
+
+def test_a_delta_sends_offsets_and_values_of_what_changed_or_the_tensor_whole():
+    bf16 = torch.bfloat16
+    assert delta_bytes(1 << 20, bf16, 0.0) == 0  # nothing changed: nothing sent
+    # 1% of 2^20 elements: 10,486 changes of 2 + 2 bytes, 16 blocks of 4 bytes of count
+    assert delta_bytes(1 << 20, bf16, 0.01) == 10486 * 4 + 16 * 4
+    # half changed: sparse would be as large as the tensor, so it goes whole
+    assert delta_bytes(1 << 20, bf16, 0.5) == (1 << 20) * 2
+    # fp8 engines: 3 bytes a change against 1 a element
+    assert delta_bytes(1 << 20, torch.float8_e4m3fn, 0.3) == 1 << 20
+
+
+def test_a_delta_push_is_planned_on_the_same_links_with_fewer_bytes_and_a_diff():
+    specs, c = tiny_specs(), Cluster(fsdp=4, engines=2, engine_tp=2, engine_dtype=torch.bfloat16)
+    full = predict(specs, c)
+    everything = predict_delta(specs, c, 1.0)
+    assert everything.delta.sent_bytes == full.sent_bytes  # all changed: the dense fallback
+    nothing = predict_delta(specs, c, 0.0, diff_GBps=100.0)
+    assert nothing.delta.sent_bytes == 0
+    assert nothing.diff_seconds == pytest.approx(max(full.sender_bytes) / 100e9)
+    some = predict_delta(specs, c, 0.01)
+    assert 0 < some.delta.sent_bytes < 0.05 * full.sent_bytes
+    assert some.seconds == pytest.approx(some.diff_seconds + some.delta.seconds)
+    assert some.delta.links == full.links
+
+
+def test_a_lora_adapter_has_a_and_b_for_every_linear_of_attention_and_mlp():
+    specs = tiny_specs()
+    adapter = {s.name: s.shape for s in lora_specs(specs, 4, torch.bfloat16)}
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert adapter[f"{q}.lora_A.weight"] == (4, 64)  # rank x in
+    assert adapter[f"{q}.lora_B.weight"] == (64, 4)  # out x rank
+    assert len(adapter) == 2 * 7 * 4  # q k v o gate up down, 4 layers; no head, no norm
+    with pytest.raises(RequestError, match=r"^lora rank: expected an int >= 1, got 0$"):
+        lora_specs(specs, 0, torch.bfloat16)
+
+
+def test_the_command_predicts_a_delta_push_and_a_lora_adapter_beside_the_full_push(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3", **TINY}))
+    out = plan_weights(
+        str(cfg), trainer_gpus=4, engines=2, engine_tp=2, changed=0.02, lora_rank=4
+    ).splitlines()
+    assert out[-2].startswith("delta push, 2.00% of the elements changed: sent ")
+    assert out[-1].startswith("LoRA rank 4 (every linear of the attention and the MLP, 28 ")

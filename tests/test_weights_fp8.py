@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rlferry.weights import (
-    BlockFP8Error,
     ShardedReceiver,
     ShardedSender,
     WeightSyncError,
@@ -19,6 +18,7 @@ from rlferry.weights import (
 from rlferry.weights.copies import dequantize_block_fp8, quantize_block_fp8
 from rlferry.weights.planning import (
     BLOCK_FP8,
+    BlockFP8Error,
     EngineLayout,
     ParamLayout,
     Part,

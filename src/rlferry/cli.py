@@ -177,6 +177,15 @@ def _plan_weights_parser(sub: Any) -> None:
                     help="with --engine-dtype fp8_block128: GB/s of the trainer's dtype a "
                     "trainer rank's GPU quantizes (default 2000, an H200's estimate; "
                     "benchmarks/weights_fp8.py measures it)")  # fmt: skip
+    pw.add_argument("--changed", type=float, default=None, metavar="FRACTION",
+                    help="also predict a delta push where this fraction of the elements "
+                    "changed since the engines' version (0.02: 2%%)")  # fmt: skip
+    pw.add_argument("--diff-gbytes", type=float, default=None,
+                    help="with --changed: GB of pushed tensors a trainer GPU diffs against "
+                    "its base a second (default 2000: an H200)")  # fmt: skip
+    pw.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                    help="also predict pushing a rank-R LoRA adapter of every linear of the "
+                    "attention and the MLP instead of the model")  # fmt: skip
 
 
 def _plan_weights(a: Any) -> None:
@@ -188,9 +197,11 @@ def _plan_weights(a: Any) -> None:
             trainer_dtype=a.trainer_dtype, engines=a.engines, engine_tp=a.engine_tp,
             engine_dtype=a.engine_dtype, gpus_per_host=a.gpus_per_host,
             nvlink_gbytes=a.nvlink_gbytes, network_gbits=a.network_gbits,
+            changed=a.changed, lora_rank=a.lora_rank,
             **{k: v for k, v in (("update_ms", a.update_ms), ("link_ms", a.link_ms),
                                  ("bucket_ms", a.bucket_ms), ("buffer_gib", a.buffer_gib),
-                                 ("quantize_gbytes", a.quantize_gbytes))
+                                 ("quantize_gbytes", a.quantize_gbytes),
+                                 ("diff_gbytes", a.diff_gbytes))
                if v is not None},
         )  # fmt: skip
     except (ValueError, ImportError, OSError) as e:

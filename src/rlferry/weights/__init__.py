@@ -33,7 +33,6 @@ import warnings
 from typing import Any
 
 from ._errors import (
-    BlockFP8Error,
     PushTimeout,
     ReceiverClosed,
     SenderClosed,
@@ -55,7 +54,6 @@ from .sender import WeightSender
 from .sharded import ShardedReceiver, ShardedSender, describe_group
 
 __all__ = [
-    "BlockFP8Error",
     "ParamLoader",
     "PushReport",
     "PushTimeout",

@@ -18,6 +18,7 @@ the same inputs, apart.
   cluster one does not have.
 """
 
+from .._errors import BlockFP8Error
 from ._blocks import BLOCK_FP8
 from ._layouts import EngineLayout, ParamLayout, Part, TrainerLayout, dtensor_layout, fsdp_layout
 from ._plan_weights import plan_weights
@@ -28,6 +29,7 @@ from ._tp import tp_layout
 
 __all__ = [
     "BLOCK_FP8",
+    "BlockFP8Error",
     "Cluster",
     "Copy",
     "EngineLayout",

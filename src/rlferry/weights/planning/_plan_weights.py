@@ -8,6 +8,7 @@ with sizes given as ``key=value``, or a preset of published sizes. The predictio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from rlferry.errors import RequestError
 from ._blocks import BLOCK_FP8
 from ._budget import LINK_BUFFER_BYTES, MIN_BUCKET_BYTES
 from ._predict import BUCKET_MS, LINK_MS, QUANTIZE_GBPS, UPDATE_MS, Cluster, predict
+from ._savings import DIFF_GBPS, lora_specs, predict_delta
 from ._specs import TensorSpec
 
 __all__ = ["PRESETS", "model_specs", "parse_overrides", "plan_weights", "preset_or_config"]
@@ -142,8 +144,13 @@ def plan_weights(
     bucket_ms: float = BUCKET_MS,
     buffer_gib: float = LINK_BUFFER_BYTES / 2**30,
     quantize_gbytes: float = QUANTIZE_GBPS,
+    changed: float | None = None,
+    diff_gbytes: float = DIFF_GBPS,
+    lora_rank: int | None = None,
 ) -> str:
-    """``rlferry plan-weights``: the prediction for a model and a cluster, as text."""
+    """``rlferry plan-weights``: the prediction for a model and a cluster, as text; with
+    ``changed`` (a fraction of the elements) a delta push's beside it, with ``lora_rank``
+    a LoRA adapter's (in the trainer's dtype)."""
     if type(trainer_tp) is not int or trainer_tp < 1 or trainer_gpus % trainer_tp:
         raise RequestError(
             f"--trainer-tp: expected a divisor of --trainer-gpus {trainer_gpus}, got {trainer_tp!r}"
@@ -162,7 +169,20 @@ def plan_weights(
         update_ms=update_ms, link_ms=link_ms, bucket_ms=bucket_ms,
         buffer_bytes=int(buffer_gib * 2**30) // 256 * 256, quantize_GBps=quantize_gbytes,
     )  # fmt: skip
-    p = predict(specs, cluster)
+    lines = [predict(specs, cluster).text()]
+    if changed is not None:
+        lines.append(predict_delta(specs, cluster, changed, diff_gbytes).text())
+    if lora_rank is not None:
+        trainer = _dtype("--trainer-dtype", trainer_dtype)
+        adapter = lora_specs(specs, lora_rank, trainer)
+        p = predict(adapter, dataclasses.replace(cluster, engine_dtype=trainer))
+        model = sum(s.nbytes for s in specs)
+        lines.append(
+            f"LoRA rank {lora_rank} (every linear of the attention and the MLP, "
+            f"{len(adapter) // 2} modules): the adapter {p.model_bytes / 1e6:.1f} MB "
+            f"({p.model_bytes / model:.2%} of the model), sent {p.sent_bytes / 1e6:.1f} MB over "
+            f"{p.links} links; predicted {p.seconds * 1e3:.1f} ms"
+        )
     head = (
         f"{config}: {len(specs)} tensors; trainer {trainer_gpus} GPUs (FSDP "
         f"{cluster.fsdp} x TP {trainer_tp}, {trainer_dtype}) -> {engines} engines x TP "
@@ -173,4 +193,4 @@ def plan_weights(
         + (f"; block FP8 quantized at {quantize_gbytes:g} GB/s a trainer rank"
            if engine_dtype == BLOCK_FP8 else "")
     )  # fmt: skip
-    return head + "\n" + p.text()
+    return "\n".join([head, *lines])

@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,8 +249,15 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
-    """Plan the update of ``specs`` (full tensors, the trainer's dtype) on ``cluster``."""
+def predict(
+    specs: Sequence[TensorSpec],
+    cluster: Cluster,
+    *,
+    encoded: Callable[[int, torch.dtype], int] | None = None,
+) -> Prediction:
+    """Plan the update of ``specs`` (full tensors, the trainer's dtype) on ``cluster``.
+    ``encoded(elements, dtype)``: the bytes a piece of that many elements takes on the
+    wire (default: its elements at the dtype's size; a delta push sends fewer)."""
     c = cluster
     reps, count = representatives(specs)
     trainer = trainer_layout(reps, c.fsdp, c.trainer_tp)
@@ -262,7 +269,12 @@ def predict(specs: Sequence[TensorSpec], cluster: Cluster) -> Prediction:
         total = 0
         for cp in copies:
             piece = plan.piece(s, cp.piece)
-            total += cp.elements * piece.dtype.itemsize * count[piece.source]
+            size = (
+                cp.elements * piece.dtype.itemsize
+                if encoded is None
+                else encoded(cp.elements, piece.dtype)
+            )
+            total += size * count[piece.source]
         per_link[(s, r)] = total
     host_s = [s // c.gpus_per_host for s in range(n_send)]
     host_r = [(n_send + r) // c.gpus_per_host for r in range(n_recv)]

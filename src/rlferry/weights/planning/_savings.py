@@ -1,0 +1,121 @@
+"""What sending fewer bytes saves on a cluster: a delta push and a LoRA adapter, predicted.
+
+A **delta push** sends, for each tensor an engine already holds at the base version, only
+the elements that changed: their places (2-byte offsets within blocks of
+:data:`DELTA_BLOCK` elements, 4 bytes of count a block) and their new values; a tensor
+where that would not be at least 10% smaller than the tensor goes whole. Before it, each
+trainer rank reads what it pushes and the bytes it kept of the base to find what changed
+(at ``diff_GBps`` of pushed bytes a second). The links, buckets and fixed costs are
+:func:`predict`'s, on the encoded bytes.
+
+A **LoRA push** sends an adapter instead of the model: for every linear weight of the
+attention and the MLP (``out x in``), ``A`` (``rank x in``) and ``B`` (``out x rank``),
+laid out and sent as any tensors are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlferry.errors import RequestError
+
+from ._predict import Cluster, Prediction, predict
+from ._specs import TensorSpec
+
+__all__ = [
+    "DELTA_BLOCK",
+    "DENSE_ABOVE",
+    "DIFF_GBPS",
+    "DeltaPrediction",
+    "delta_bytes",
+    "lora_specs",
+    "predict_delta",
+]
+
+DELTA_BLOCK = 1 << 16  # elements a block of a sparse delta; a change's offset fits 2 bytes
+DENSE_ABOVE = 0.9  # a sparse delta of more than this share of the tensor's bytes goes dense
+# The rate a trainer GPU finds what changed, in bytes pushed a second (it reads them and the
+# base, and writes the changed elements back into the base): half of an H200's
+# device-to-device copy rate (4.3 TB/s counting the bytes read and written).
+DIFF_GBPS = 2000.0
+# The linear layers a LoRA adapter covers: every one of the attention and of the MLP
+# (experts included), as PEFT's "all-linear" does, the output head excluded.
+_LINEAR = re.compile(r"(self_attn|mlp|attention|block_sparse_moe)\..*\.weight$")
+
+
+def delta_bytes(elements: int, dtype: torch.dtype, changed: float) -> int:
+    """The bytes a delta of ``elements`` elements of ``dtype`` takes when ``changed`` of
+    them (a fraction) changed: sparse, or the tensor whole where sparse saves less than
+    ``1 - DENSE_ABOVE`` of it."""
+    dense = elements * dtype.itemsize
+    n = math.ceil(changed * elements)
+    if n == 0:
+        return 0
+    sparse = n * (2 + dtype.itemsize) + 4 * -(-elements // DELTA_BLOCK)
+    return dense if sparse > DENSE_ABOVE * dense else sparse
+
+
+@dataclass(frozen=True)
+class DeltaPrediction:
+    """A delta push beside the full push of the same update."""
+
+    changed: float
+    full: Prediction
+    delta: Prediction
+    diff_seconds: float  # the busiest trainer rank's diff
+
+    @property
+    def seconds(self) -> float:
+        return self.diff_seconds + self.delta.seconds
+
+    def text(self) -> str:
+        f, d = self.full, self.delta
+        return (
+            f"delta push, {self.changed:.2%} of the elements changed: sent "
+            f"{d.sent_bytes / 1e9:.3f} GB ({d.sent_bytes / f.sent_bytes:.1%} of the full "
+            f"push's {f.sent_bytes / 1e9:.2f} GB); predicted {self.seconds * 1e3:.1f} ms: the "
+            f"diff {self.diff_seconds * 1e3:.1f} ms on the busiest trainer rank, the busiest "
+            f"link {d.link_seconds * 1e3:.1f} ms, {d.fixed_seconds * 1e3:.1f} ms for the "
+            f"links, {d.bucket_seconds * 1e3:.1f} ms for the buckets; the full push "
+            f"{f.seconds * 1e3:.1f} ms, {f.seconds / self.seconds:.1f}x"
+        )
+
+
+def predict_delta(
+    specs: Sequence[TensorSpec], cluster: Cluster, changed: float, diff_GBps: float = DIFF_GBPS
+) -> DeltaPrediction:
+    """A delta push of ``specs`` on ``cluster`` where ``changed`` of the elements changed
+    since the base, beside the full push."""
+    if not 0 <= changed <= 1:
+        raise RequestError(f"changed: expected a fraction in [0, 1], got {changed!r}")
+    if not diff_GBps > 0:
+        raise RequestError(f"diff_GBps: expected a rate > 0, got {diff_GBps!r}")
+    full = predict(specs, cluster)
+    delta = predict(specs, cluster, encoded=lambda n, dtype: delta_bytes(n, dtype, changed))
+    diff = max(full.sender_bytes) / (diff_GBps * 1e9)
+    return DeltaPrediction(changed, full, delta, diff)
+
+
+def lora_specs(specs: Sequence[TensorSpec], rank: int, dtype: torch.dtype) -> list[TensorSpec]:
+    """A rank-``rank`` adapter's tensors for the linear weights of ``specs``, named as PEFT
+    saves them (``base_model.model.<module>.lora_A.weight``)."""
+    if type(rank) is not int or rank < 1:
+        raise RequestError(f"lora rank: expected an int >= 1, got {rank!r}")
+    out = []
+    for s in specs:
+        if len(s.shape) != 2 or not _LINEAR.search(s.name):
+            continue
+        module = f"base_model.model.{s.name.removesuffix('.weight')}"
+        rows, cols = s.shape
+        out.append(TensorSpec(f"{module}.lora_A.weight", (rank, cols), dtype))
+        out.append(TensorSpec(f"{module}.lora_B.weight", (rows, rank), dtype))
+    if not out:
+        raise RequestError(
+            "lora rank: the model has no linear weight of its attention or MLP to adapt"
+        )
+    return out
