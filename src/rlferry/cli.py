@@ -175,8 +175,8 @@ def _plan_weights_parser(sub: Any) -> None:
                     "buffer_bytes; default 4): more makes fewer, larger buckets")  # fmt: skip
     pw.add_argument("--quantize-gbytes", type=float, default=None,
                     help="with --engine-dtype fp8_block128: GB/s of the trainer's dtype a "
-                    "trainer rank's GPU quantizes (default 2000, an H200's estimate; "
-                    "benchmarks/weights_fp8.py measures it)")  # fmt: skip
+                    "trainer rank's GPU quantizes (default 1500: one H200, measured by "
+                    "benchmarks/weights_fp8.py)")  # fmt: skip
     pw.add_argument("--changed", type=float, default=None, metavar="FRACTION",
                     help="also predict a delta push where this fraction of the elements "
                     "changed since the engines' version (0.02: 2%%)")  # fmt: skip
