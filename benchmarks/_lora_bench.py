@@ -6,10 +6,10 @@ the MLP (q, k, v, o, gate, up, down of the 36 layers; the rank divided by ``--sc
 at least 1, so the ratio of bytes holds at any scale), named as PEFT saves it, with its
 configuration (``rlferry.lora_config``). The engine is another process holding the model's
 and the adapter's tensors; a ``WeightSender`` pushes the whole model to it, then the
-adapter alone (a new adapter each push), over ``--transport``: ``gloo`` (between two
-processes on the CPU: the broadcast transport over gloo), ``shm``, ``cuda_ipc`` (one GPU)
-or ``broadcast`` (NCCL, two GPUs). Every adapter push is checked: the engine's adapter must
-equal the trainer's, bit for bit.
+adapter alone (new values each push, in the trainer's tensors), over ``--transport``:
+``gloo`` (between two processes on the CPU: the broadcast transport over gloo), ``shm``,
+``cuda_ipc`` (one GPU) or ``broadcast`` (NCCL, two GPUs). Every adapter push is checked:
+the engine's adapter must equal the trainer's, bit for bit.
 
 Run by ``benchmarks/weights_delta.py --lora`` (:func:`lora_rows`), or on its own::
 
@@ -104,6 +104,10 @@ def _pushes(
         engine("join", sender.address, group)
         times, nbytes, identical = [], 0, True
         for version, named in enumerate(updates, 1):
+            if group.endswith("lora"):  # a training step: new values, the same tensors
+                g = torch.Generator(device=named[0][1].device).manual_seed(version)
+                for _, t in named[:-1]:
+                    t.normal_(generator=g)
             t0 = time.perf_counter()
             nbytes = sender.push(named, version=version, timeout=600).bytes
             times.append(time.perf_counter() - t0)
@@ -143,9 +147,9 @@ def lora_rows(args: Any) -> list[dict[str, Any]]:
         model = _make(base, device, 0)
         full = _pushes(engine, transport, "bench-full", [model] * (warmup + repeat), warmup)
         del model
-        config = [(CONFIG_NAME, config_tensor(rank, ALPHA).to(device))]
-        adapters = [_make(lora, device, s) + config for s in range(warmup + repeat)]
-        sent = _pushes(engine, transport, "bench-lora", adapters, warmup)
+        # the trainer's adapter, where it trains: each push a new one, written in place
+        adapter = [*_make(lora, device, 0), (CONFIG_NAME, config_tensor(rank, ALPHA).to(device))]
+        sent = _pushes(engine, transport, "bench-lora", [adapter] * (warmup + repeat), warmup)
     finally:
         conn.send(("stop",))
         proc.join(60)
