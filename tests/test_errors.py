@@ -13,6 +13,7 @@ import rlferry.queue as queue
 import rlferry.weights as weights
 import rlferry.wire as wire
 from rlferry import errors
+from rlferry.engines.lora import LoraMismatch
 from rlferry.ray import LaunchError
 
 FAMILIES = {
@@ -32,6 +33,7 @@ FAMILIES = {
     weights.SenderGone: (weights.WeightSyncError, errors.Gone),
     weights.PushTimeout: (weights.WeightSyncError, errors.Timeout),
     control.EngineGone: (control.EngineError, errors.Gone),
+    LoraMismatch: (weights.WeightSyncError, errors.RequestError),
     tq.ClientClosed: (queue.QueueError, errors.Closed),
     tq.ServiceGone: (queue.QueueError, errors.Gone),
 }

@@ -58,17 +58,24 @@ def serve_engine(
     max_batch: int = 64,
     max_model_len: int | None = None,
     nice: int = 0,
+    lora: Any = None,
 ) -> None:
     """Load ``model`` (a local directory) in ``engine`` (``"hf"``: ``HFEngine``,
     ``"vllm"``: ``VLLMEngine``, the ``[vllm]`` extra), serve it until SIGINT/SIGTERM, print
     ``engine URL NAME`` once it answers. The token is checked before the model loads.
-    ``nice``: how much lower this process's CPU priority is (every thread's)."""
+    ``nice``: how much lower this process's CPU priority is (every thread's). ``lora``: a
+    :class:`~rlferry.engines.lora.LoraConfig`: ``HFEngine`` serves base + that adapter."""
     from rlferry.control import EngineServer
 
     if engine not in ENGINES:
         raise RequestError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     if type(nice) is not int or not 0 <= nice <= 19:
         raise RequestError(f"--nice: expected an int in [0, 19], got {nice!r}")
+    if lora is not None and engine != "hf":
+        raise RequestError(
+            "--lora: expected --engine hf (VLLMEngine serves adapters through vLLM's LoRA "
+            "support: see the engines guide)"
+        )
     if nice:
         _lower_priority(nice)
 
@@ -79,8 +86,9 @@ def serve_engine(
             from .hf import HFEngine
 
             e = HFEngine(
-                model, name=name, device=device, max_batch=max_batch, max_model_len=max_model_len
-            )
+                model, name=name, device=device, max_batch=max_batch, max_model_len=max_model_len,
+                lora=lora,
+            )  # fmt: skip
         try:
             server = EngineServer(e, host, port, token=token)
             url = await server.start()

@@ -10,7 +10,7 @@ import torch
 
 from rlferry.errors import RequestError
 
-__all__ = ["RL_LR", "WARM", "DemoConfig"]
+__all__ = ["LORA_LR", "RL_LR", "WARM", "DemoConfig"]
 
 # The warm start per preset: (steps, AdamW lr). qwen3-0.6b on an H200: 60 steps at 3e-4
 # left sampled accuracy at 0, 120 steps at 3e-4 gave 38%; 1e-3 and above diverge.
@@ -18,6 +18,8 @@ WARM = {"tiny": (60, 2e-3), "small": (60, 2e-3), "qwen3-0.6b": (120, 3e-4)}
 # GRPO's AdamW lr per preset: qwen3-0.6b at 3e-4 took the sampled reward from 0.3 to 0 in
 # 30 steps on 2x H200
 RL_LR = {"tiny": 3e-4, "small": 3e-4, "qwen3-0.6b": 3e-5}
+# GRPO's AdamW lr per preset with --lora (the adapter alone trains: a higher lr)
+LORA_LR = {"tiny": 3e-3, "small": 3e-3, "qwen3-0.6b": 3e-4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,7 @@ class DemoConfig:
     warm_steps: int | None = None  # None: the preset's (WARM)
     launcher: str = "local"  # "local": child processes; "ray": Ray actors
     ray_address: str | None = None  # None: the Ray this process is connected to, or a local one
+    lora: int | None = None  # a rank: train and push a LoRA adapter of it (the base frozen)
 
     def __post_init__(self) -> None:
         lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
@@ -50,6 +53,13 @@ class DemoConfig:
                 continue
             if type(value) is not int or value < low:
                 raise RequestError(f"{name}: expected an int >= {low}, got {value!r}")
+        if self.lora is not None and (type(self.lora) is not int or self.lora < 1):
+            raise RequestError(f"lora: expected None or an int >= 1 (a rank), got {self.lora!r}")
+        if self.lora is not None and self.engine == "vllm":
+            raise RequestError(
+                "lora: the demo serves adapters with --engine hf (VLLMEngine serves one through "
+                "vLLM's LoRA support: see the engines guide)"
+            )
         if self.groups_per_step % 2:
             raise RequestError(
                 f"groups_per_step: expected an even number (two DP ranks), got "
@@ -116,6 +126,7 @@ class DemoConfig:
     @property
     def name(self) -> str:
         where = ", split" if self.layout == "split" else ""
+        where += f", LoRA rank {self.lora}" if self.lora else ""
         if not self.sync:
             return f"no weight sync (control{where})"
         if self.max_staleness == 0:
@@ -134,8 +145,9 @@ class DemoConfig:
         broadcast group holds the engines, a GPU each), colocated beside one engine (rank 0
         by cuda_ipc, the others by NCCL), colocated beside several (point to point: see
         :meth:`point_to_point`). On one GPU rank 0 is the only rank. vLLM engines join one
-        sender with vLLM's own receiver: rank 0 gathers and pushes for them."""
-        if self.engine == "vllm":
+        sender with vLLM's own receiver: rank 0 gathers and pushes for them. With
+        ``lora``, rank 0 pushes the adapter alone through its ``WeightSender``."""
+        if self.engine == "vllm" or self.lora:
             return False
         return self.device == "cpu" or self.gpus()[1] > 1
 

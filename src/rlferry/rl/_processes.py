@@ -18,6 +18,7 @@ from typing import Any
 
 from rlferry.errors import RequestError
 
+from ._lora import lora_config
 from ._trainer import trainer_main
 
 __all__ = ["START_TIMEOUT", "Processes", "RayProcesses", "answer", "call", "free_port",
@@ -122,14 +123,19 @@ engine's timeslice (on the 2-core VM a default step took 125 ms instead of 135).
 
 def start_engine(
     procs: Processes, model_dir: str, i: int, device: str, engine: str, max_batch: int,
-    max_model_len: int,
+    max_model_len: int, lora: int | None = None,
 ) -> str:  # fmt: skip
     """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
     logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
-    chatty engine never blocks on a full pipe."""
+    chatty engine never blocks on a full pipe. ``lora``: it serves an adapter of that rank
+    (``_lora.lora_config``)."""
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
            "--engine", engine, "--name", f"engine{i}", "--device", device,
            "--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]  # fmt: skip
+    if lora:
+        cfg = lora_config(lora)
+        cmd += ["--lora", str(cfg.rank), "--lora-alpha", str(cfg.alpha),
+                "--lora-targets", ",".join(cfg.target_modules)]  # fmt: skip
     env = dict(os.environ)
     if device == "cpu":  # the processes of a run share the cores: one thread each
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -286,10 +292,13 @@ class RayProcesses:
                          what=f"job `{self.job}`: GPUs", ready_timeout=60.0)  # fmt: skip
 
     def start_engines(self, model_dir: str, n: int, device: str, engine: str,
-                      max_batch: int, max_model_len: int) -> list[Any]:  # fmt: skip
+                      max_batch: int, max_model_len: int, lora: int | None = None,
+                      ) -> list[Any]:  # fmt: skip
         from rlferry.ray import RayEngines
 
         options: dict[str, Any] = {"max_batch": max_batch, "max_model_len": max_model_len}
+        if lora:
+            options["lora"] = lora_config(lora)
         if engine == "hf":
             options["device"] = "cuda:0" if device == "cuda" else device  # its own GPU
         else:  # VLLMEngine as serve engine makes it: token ids in and out, eager

@@ -21,7 +21,11 @@ a pipe:
   a bucket at a time (``_gather.gathered``: one collective per bucket; the full state
   dict never exists at once) and rank 0 pushes them through its ``WeightSender``, the
   others taking part in the gathers. Each answers the bytes it sent;
-- ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it);
+  With ``settings["lora"]`` (a rank) each rank trains a LoRA adapter of that rank on the
+  frozen base, whole on every rank (``_lora.TrainedAdapter``: the ranks average its
+  gradients), and rank 0 pushes the adapter alone through its ``WeightSender``;
+- ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it;
+  with an adapter: the base, then the adapter, as the engines hold them);
 - ``("stop",)``.
 """
 
@@ -87,9 +91,17 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     )
     low = serve != torch.float32
     autocast = torch.autocast(device.type, dtype=serve) if low else contextlib.nullcontext()
-    model = _sharded(model.to(device)) if dp > 1 else model.to(device)
+    adapter: Any = None
+    if s.get("lora"):  # an adapter on the frozen base, whole on every rank
+        from ._lora import TrainedAdapter
+
+        adapter = TrainedAdapter(model.to(device), s["lora"], s["seed"])
+        model, params = adapter.model, adapter.params
+    else:
+        model = _sharded(model.to(device)) if dp > 1 else model.to(device)
+        params = list(model.parameters())
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s["lr"], weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.0)
     sender: Any = None
     if s["sync"] and s["sharded"]:
         sender = _sharded_sender(model, rank, s, serve, device)
@@ -117,16 +129,22 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             # every rank gathers, rank 0 answers; tensor by tensor with DTensor's own
             # gather, apart from the pushes' bucketed one: a check of it too
             digest = fingerprint(
-                (n, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(serve))
-                for n, t in model.state_dict().items()
-            )
+                adapter.served(serve) if adapter is not None else (
+                    (n, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(serve))
+                    for n, t in model.state_dict().items()
+                )
+            )  # fmt: skip
             conn.send(("ok", {"fingerprint": digest}))
             continue
         if cmd[0] == "push":
             _, version, seconds = cmd
             t0 = time.perf_counter()
             sent = 0
-            if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
+            if adapter is not None:  # the adapter alone, from rank 0
+                if sender is not None:
+                    named = adapter.named(serve)
+                    sent = sender.push(named, version=version, timeout=seconds).bytes
+            elif s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
                 sent = sender.push(model.state_dict(), version=version, timeout=seconds).bytes
             elif sender is not None:
                 layout = [  # global shapes, the engines' dtype
@@ -156,7 +174,9 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         with autocast:
             loss, stats = grpo_loss(model, rows, clip=s["clip"])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if adapter is not None:  # FSDP averages the model's gradients; the adapter's here
+            adapter.average_gradients()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         client.ack(batch)
         conn.send(("ok", {

@@ -45,7 +45,7 @@ import torch
 from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
 from rlferry.queue import Queue
 
-from ._config import RL_LR, WARM, DemoConfig
+from ._config import LORA_LR, RL_LR, WARM, DemoConfig
 from ._gpu import GpuBusy
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
@@ -114,7 +114,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": free_port(),
-            "model_dir": tmp, "lr": RL_LR[config.model] if config.lr is None else config.lr,
+            "model_dir": tmp, "lr": _lr(config), "lora": config.lora,
             "clip": config.clip, "sync": config.sync,
             "engines": config.engines, "queue": None if on_ray else queue.address,
             "ray_job": procs.job if on_ray else None,
@@ -136,12 +136,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if on_ray:  # the engines as actors, driven over HTTP with the job's token
             starting = asyncio.ensure_future(asyncio.to_thread(
                 procs.start_engines, tmp, config.engines, config.device, config.engine,
-                max(64, per_engine), ENGINE_LEN,
+                max(64, per_engine), ENGINE_LEN, config.lora,
             ))  # fmt: skip
         else:
             starting = asyncio.gather(*(
                 asyncio.to_thread(start_engine, procs, tmp, i, config.engine_device(i),
-                                  config.engine, max(64, per_engine), ENGINE_LEN)
+                                  config.engine, max(64, per_engine), ENGINE_LEN, config.lora)
                 for i in range(config.engines)
             ))  # fmt: skip
         try:
@@ -254,6 +254,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             record.summary.update(await final_check(engines, coord, ranks, config))
             if sent:  # what each rank sends per update: its own shards, or rank 0 all
                 record.summary["weights_bytes_per_rank"] = sent[-1]
+                if config.lora:
+                    record.summary["LoRA: bytes pushed per update"] = sum(sent[-1])
             ends = [await e.statistics() for e in engines]
             forwards = sum(e.steps for e in ends)
             if forwards:  # engines that count their forward passes (HFEngine)
@@ -287,6 +289,13 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 await e.aclose()
     record.summary["wall_seconds"] = time.monotonic() - t_start
     return record
+
+
+def _lr(config: DemoConfig) -> float:
+    """GRPO's lr: the run's, else its preset's (with an adapter: ``LORA_LR``'s)."""
+    if config.lr is not None:
+        return config.lr
+    return (LORA_LR if config.lora else RL_LR)[config.model]
 
 
 def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[float]:
@@ -354,7 +363,7 @@ def main(args: Any) -> Path:
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
         device=args.device, engine=args.engine, layout=args.layout, model=args.model,
         seed=args.seed, sync=not args.no_sync, launcher=args.launcher,
-        ray_address=args.ray_address,
+        ray_address=args.ray_address, lora=getattr(args, "lora", None),
     )  # fmt: skip
     configs = [base]
     if args.compare:

@@ -43,10 +43,12 @@ from rlferry.control import (
 from rlferry.errors import RequestError
 from rlferry.weights import ShardedReceiver, WeightReceiver, fingerprint
 
+from ..lora import LoraConfig
 from ._batch import Row
 from ._bridge import Waiter
 from ._cache import choose_batch
-from ._model import NonFinite, check_finite, check_request, load_model
+from ._lora import ServedAdapter
+from ._model import NonFinite, check_finite, check_options, check_request, load_model
 from ._receivers import join_senders
 from ._thread import STEP_BOUND, DecodeThread
 
@@ -68,7 +70,12 @@ class HFEngine(DecodeThread):
     ``max_model_len`` bounds prompt + ``max_tokens`` (default: the model's
     ``max_position_embeddings``). ``version``: the version served before any push.
     ``check_finite``: refuse a pushed bucket that holds NaN or Inf (it costs a read of
-    every pushed float tensor).
+    every pushed float tensor). ``lora``: a :class:`rlferry.engines.lora.LoraConfig`: the
+    engine serves base + a LoRA adapter of that rank on those modules, applied in its
+    forward (exact: the base weights stay as they are); pushes of the adapter's tensors
+    (PEFT's names) load into its slots, and a push that does not fit them is refused
+    (``LoraMismatch``) before any byte moves. No adapter is served before the first;
+    ``adapter.tensors()`` holds the one served.
 
     Requests made in one event-loop iteration (an ``asyncio.gather`` of a group) are
     prefilled together. Greedy rows equal ``model.generate`` for the same prompt (up
@@ -113,33 +120,24 @@ class HFEngine(DecodeThread):
         check_finite: bool = False,
         kv_cache: str | None = None,
         cuda_graphs: bool = True,
+        lora: LoraConfig | None = None,
     ) -> None:
-        for field, value, low in (
-            ("max_batch", max_batch, 1), ("max_prefill_tokens", max_prefill_tokens, 1),
-            ("version", version, 0),
-        ):  # fmt: skip
-            if type(value) is not int or value < low:
-                raise RequestError(f"HFEngine.{field}: expected an int >= {low}, got {value!r}")
-        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 2):
-            raise RequestError(
-                f"HFEngine.max_model_len: expected None or an int >= 2, got {max_model_len!r}"
-            )
-        if name is not None and (not isinstance(name, str) or not name):
-            raise RequestError(f"HFEngine.name: expected a non-empty str, got {name!r}")
-        if not isinstance(check_finite, bool):
-            raise RequestError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
-        if kv_cache not in (None, "dynamic", "slots"):
-            raise RequestError(
-                f"HFEngine.kv_cache: expected None, 'dynamic' or 'slots', got {kv_cache!r}"
-            )
+        check_options(
+            max_batch=max_batch, max_prefill_tokens=max_prefill_tokens, version=version,
+            max_model_len=max_model_len, name=name, check_finite=check_finite, kv_cache=kv_cache,
+        )  # fmt: skip
         loaded = load_model(model, device, dtype)
         self.model = loaded.model
         self.device: torch.device = loaded.device
         self.vocab_size = loaded.vocab_size
         self._check_finite = check_finite
         # The engine's tensors by their state_dict names (views of the parameters and
-        # persistent buffers): what a push must match and where it is loaded.
+        # persistent buffers), and its adapter's by PEFT's: what a push must match and
+        # where it is loaded. The adapter's hooks are on before the steps are captured.
         self._tensors: dict[str, torch.Tensor] = dict(self.model.state_dict())
+        self.adapter = None if lora is None else ServedAdapter(self.model, lora, self.device)
+        if self.adapter is not None:
+            self._tensors.update(self.adapter.tensors())
         chosen = choose_batch(
             loaded, kv_cache, max_batch=max_batch, max_model_len=max_model_len,
             max_prefill=max_prefill_tokens, cuda_graphs=cuda_graphs,
@@ -264,7 +262,7 @@ class HFEngine(DecodeThread):
         recv = await join_senders(
             group, address, tensors=self._tensors, name=self.name, secret=secret,
             device=self.device if self.device.type == "cuda" else None, timeout=timeout,
-            load=self._load, on_commit=self._on_commit,
+            load=self._load, on_commit=self._commit, adapter=self.adapter,
         )  # fmt: skip
         with self._cond:
             old, self._receiver = self._receiver, recv
@@ -313,6 +311,11 @@ class HFEngine(DecodeThread):
     async def get_weight_version(self) -> int | None:
         return self._version
 
+    def _commit(self, version: int) -> None:
+        if self.adapter is not None:
+            self.adapter.committed()
+        self._on_commit(version)
+
     def _load(
         self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any],
         items: list[tuple[str, torch.Tensor]],
@@ -332,9 +335,13 @@ class HFEngine(DecodeThread):
 
     # -- state --------------------------------------------------------------------------
     async def fingerprint(self) -> str:
-        """:func:`rlferry.weights.fingerprint` of the weights served (the model's state
-        dict): equal to the trainer's when the engine holds its weights bit for bit."""
-        return await asyncio.to_thread(fingerprint, self.model.state_dict().items())
+        """:func:`rlferry.weights.fingerprint` of the weights served: the model's state dict
+        (then, with ``lora``, the adapter's tensors as ``LoraLayers.tensors`` orders them),
+        equal to the trainer's when the engine holds its weights bit for bit."""
+        named = list(self.model.state_dict().items())
+        if self.adapter is not None:
+            named += self.adapter.tensors().items()
+        return await asyncio.to_thread(fingerprint, named)
 
     async def statistics(self) -> EngineStatistics:
         with self._cond:

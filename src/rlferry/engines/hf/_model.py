@@ -20,6 +20,7 @@ __all__ = [
     "NonFinite",
     "cache_kw",
     "check_finite",
+    "check_options",
     "check_request",
     "load_model",
     "transformers",
@@ -111,6 +112,31 @@ def check_finite(items: list[tuple[str, torch.Tensor]]) -> None:
         raise NonFinite(
             f"tensor `{bad}`: expected finite values, got NaN or Inf (check_finite; did "
             "the trainer diverge?)"
+        )
+
+
+def check_options(
+    *, max_batch: Any, max_prefill_tokens: Any, version: Any, max_model_len: Any, name: Any,
+    check_finite: Any, kv_cache: Any,
+) -> None:  # fmt: skip
+    """Refuse an ``HFEngine`` option of the wrong type or range, naming it."""
+    for field, value, low in (
+        ("max_batch", max_batch, 1), ("max_prefill_tokens", max_prefill_tokens, 1),
+        ("version", version, 0),
+    ):  # fmt: skip
+        if type(value) is not int or value < low:
+            raise RequestError(f"HFEngine.{field}: expected an int >= {low}, got {value!r}")
+    if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 2):
+        raise RequestError(
+            f"HFEngine.max_model_len: expected None or an int >= 2, got {max_model_len!r}"
+        )
+    if name is not None and (not isinstance(name, str) or not name):
+        raise RequestError(f"HFEngine.name: expected a non-empty str, got {name!r}")
+    if not isinstance(check_finite, bool):
+        raise RequestError(f"HFEngine.check_finite: expected a bool, got {check_finite!r}")
+    if kv_cache not in (None, "dynamic", "slots"):
+        raise RequestError(
+            f"HFEngine.kv_cache: expected None, 'dynamic' or 'slots', got {kv_cache!r}"
         )
 
 

@@ -14,6 +14,8 @@ import torch
 from rlferry.weights import ParamLoader, ShardedReceiver, WeightReceiver, describe_group
 from rlferry.weights.planning import EngineLayout
 
+from ._lora import ServedAdapter
+
 __all__ = ["join_senders"]
 
 Load = Callable[
@@ -33,6 +35,7 @@ async def join_senders(
     timeout: float,
     load: Load,
     on_commit: Callable[[int], None],
+    adapter: ServedAdapter | None = None,
 ) -> WeightReceiver | ShardedReceiver:
     """A started receiver of ``group`` at ``address`` that loads into ``tensors`` (the
     engine's, by their state_dict names) through ``load`` and calls ``on_commit(version)``
@@ -43,15 +46,20 @@ async def join_senders(
     ``ShardedSender`` ranks describes every rank and the trainer layout, and a
     ``ShardedReceiver`` joins every rank, ``tensors`` whole (``EngineLayout.whole`` in
     their dtypes). Point to point, ``address`` is rank 0's link to this engine's rank: it
-    learns its rank and joins every rank's link to it."""
+    learns its rank and joins every rank's link to it. ``adapter``: the engine's LoRA
+    adapter slots, whose check replaces ``tensors``' (adapters come from a
+    ``WeightSender``: ranks whose layout holds one are refused here)."""
     found = await asyncio.to_thread(describe_group, group, address, secret=secret, timeout=timeout)
     recv: WeightReceiver | ShardedReceiver
     if found.trainer is None or found.addresses is None:
         recv = WeightReceiver(
             group=group, address=address, load=functools.partial(load, ParamLoader(tensors)),
-            on_commit=on_commit, expected=tensors, name=name, secret=secret, device=device,
+            on_commit=on_commit, expected=adapter.check(tensors) if adapter else tensors,
+            name=name, secret=secret, device=device,
         )  # fmt: skip
     else:
+        if adapter is not None:
+            adapter.refuse_sharded(found.trainer.specs)
         dtypes = {n: t.dtype for n, t in tensors.items()}
         p2p = found.engine_rank is not None  # a link of its own from every rank
         rank = found.engine_rank if found.engine_rank is not None else 0

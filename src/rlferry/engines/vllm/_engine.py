@@ -20,6 +20,7 @@ from rlferry.control import (
 )
 
 from ..vllm_server import Requests
+from ._lora import ADAPTER_ID, ADAPTER_NAME, ADAPTER_PATH, max_lora_rank
 
 __all__ = ["VLLMEngine"]
 
@@ -36,6 +37,12 @@ class VLLMEngine:
     ``worker_extension_cls="rlferry.engines.vllm.WorkerExtension"``,
     ``logprobs_mode="processed_logprobs"`` and ``enable_prefix_caching=False`` unless
     given), or an ``AsyncLLM`` made with that backend and extension.
+
+    ``lora`` (a :class:`rlferry.engines.lora.LoraConfig`): vLLM runs with its LoRA support
+    (``enable_lora``, ``max_lora_rank`` the smallest of vLLM's at least the rank, one
+    adapter); a push of an adapter's tensors (PEFT's names) goes to vLLM's LoRA manager
+    from memory, and every request after its commit is served with it (the base alone
+    before the first).
 
     Versions: rlferry's int versions are vLLM's weight-version labels ``str(v)``;
     vLLM's initial label ``"default"`` is ``version``. A completion's per-token versions
@@ -65,6 +72,7 @@ class VLLMEngine:
         name: str | None = None,
         version: int = 0,
         update_timeout: float = 60.0,
+        lora: Any = None,
         **engine_args: Any,
     ) -> None:
         if name is not None and (not isinstance(name, str) or not name):
@@ -98,6 +106,8 @@ class VLLMEngine:
                 "logprobs_mode": "processed_logprobs",
                 "enable_prefix_caching": False,
             }
+            if lora is not None:  # vLLM's LoRA, one adapter: the one pushed
+                args.update(enable_lora=True, max_lora_rank=max_lora_rank(lora.rank), max_loras=1)
             args.update(engine_args)
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=os.fspath(model), **args))
         self.name = name or f"vllm-{os.getpid()}-{next(_names)}"
@@ -112,6 +122,8 @@ class VLLMEngine:
         self._seconds = {"paused": 0.0, "update": 0.0}
         self._paused_since: float | None = None
         self._update_since: float | None = None
+        self._lora: Any = None  # the LoRARequest of the adapter pushed, once one came
+        self._lora_on = lora is not None
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -137,7 +149,7 @@ class VLLMEngine:
         with self._requests.running(request):
             try:
                 prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-                async for out in self.llm.generate(prompt, params, rid):
+                async for out in self.llm.generate(prompt, params, rid, lora_request=self._lora):
                     final = out
             except (ValueError, TypeError) as e:  # vLLM's input checks: the request's fault
                 raise RequestError(f"request `{rid}`: vLLM refused it: {e}", self.name) from e
@@ -242,9 +254,7 @@ class VLLMEngine:
         except Exception as e:
             if version == self._requests.version_of() and not (await self._state()).get("mixed"):
                 # no push committed and the model is whole: end the update on what it serves
-                await self._call(
-                    "finish_weight_update", self.llm.finish_weight_update(self._requests.label)
-                )
+                await self._finish(self._requests.label)
                 self._error = f"the update ended on version {version}: {_reason(e)}"
                 self._updated()
                 return
@@ -253,21 +263,33 @@ class VLLMEngine:
                 f"whole, got {_reason(e)}"
             )
             raise EngineError(self.name, why) from None
-        got = (await self._state()).get("version")
+        state = await self._state()
+        got = state.get("version")
+        if state.get("adapter") and self._lora is None:  # its tokens from here on
+            from vllm.lora.request import LoRARequest
+
+            self._lora = LoRARequest(ADAPTER_NAME, ADAPTER_ID, ADAPTER_PATH)
         if got != version:
             why = (
                 f"finish_weight_update({version}): expected version {version} committed, got "
                 f"version {got} (the trainer pushed another version)"
             )
-            await self._call("finish_weight_update", self.llm.finish_weight_update(str(got)))
+            await self._finish(str(got))
             self._requests.label, self._error = str(got), why
             self._updated()
             raise EngineError(self.name, why)
-        await self._call("finish_weight_update", self.llm.finish_weight_update(str(version)))
+        await self._finish(str(version))
         self._requests.label, self._refusing = str(version), None
         self._updated()
         if not self._paused:  # a refusing engine that the coordinator resumed already
             await self._call("resume", self.llm.resume_generation())
+
+    async def _finish(self, label: str) -> None:
+        """vLLM's ``finish_weight_update(label)``; vLLM then drops every LoRA adapter (its
+        base weights changed): the worker adds the pushed one back, from its memory."""
+        await self._call("finish_weight_update", self.llm.finish_weight_update(label))
+        if self._lora_on:
+            await self._call("rlferry_adapter", self.llm.collective_rpc("rlferry_adapter"))
 
     async def _settle(self) -> None:
         """Take an update that ended without ``finish_weight_update`` (the coordinator

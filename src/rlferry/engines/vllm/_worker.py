@@ -9,11 +9,9 @@ in the worker and holds an rlferry ``WeightReceiver`` joined to the trainer's
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +27,9 @@ from rlferry.weights import WeightReceiver
 from rlferry.weights.planning import TensorSpec
 
 from .._errors import NotStarted
+from ._checkpoint import checkpoint_check
 from ._gate import Gate, GateError
+from ._lora import PushedAdapter
 
 __all__ = ["RlferryInitInfo", "RlferryUpdateInfo", "RlferryWeightTransferEngine", "WorkerExtension"]
 
@@ -87,38 +87,6 @@ class RlferryUpdateInfo(WeightTransferUpdateInfo):
                 f"update_info.version: expected None or an int >= 0, got {self.version!r}"
             )
         _positive("update_info", "timeout", self.timeout)
-
-
-def checkpoint_check(path: str) -> Callable[[list[TensorSpec]], None] | None:
-    """A plan check against the shapes of the safetensors checkpoint in ``path`` (None if
-    ``path`` holds none). Dtypes may differ (vLLM's loaders cast); names the checkpoint
-    lacks go to the model's ``load_weights`` (which skips or refuses them)."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, "pt") as h:
-            for k in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                shapes[k] = tuple(int(d) for d in h.get_slice(k).get_shape())
-
-    def check(specs: list[TensorSpec]) -> None:
-        bad = [
-            f"`{s.name}`: expected shape {list(want)}, got shape {list(s.shape)}"
-            for s in specs
-            if (want := shapes.get(s.name)) is not None and want != tuple(s.shape)
-        ]
-        if bad:
-            more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise RequestError(
-                f"{len(bad)} of {len(specs)} tensors differ from the checkpoint at {path}: "
-                + "; ".join(bad[:3])
-                + more
-            )
-
-    return check
 
 
 def _copy_held(items: list[tuple[str, torch.Tensor]]) -> None:
@@ -180,6 +148,7 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
         self.version: int | None = None  # the version last committed
         self.mixed = False  # the last update failed after loading part of its push
         self.last_error: str | None = None
+        self.adapter = PushedAdapter(model)  # a LoRA adapter pushed (vLLM's enable_lora)
 
     # -- vLLM's calls -----------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlferryInitInfo) -> None:
@@ -189,10 +158,16 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
             name = f"{name}:rank{rank}"
         gate = Gate(name, init_info.timeout)
         model_path = str(getattr(self.model_config, "model", "") or "")
+        checkpoint = checkpoint_check(model_path)
+
+        def expected(specs: list[TensorSpec]) -> None:
+            self.adapter.check(specs)
+            if checkpoint is not None:
+                checkpoint(specs)
+
         recv = WeightReceiver(
             group=init_info.group, address=init_info.address, load=gate.load,
-            on_commit=gate.committed, on_failure=gate.failed,
-            expected=checkpoint_check(model_path),
+            on_commit=gate.committed, on_failure=gate.failed, expected=expected,
             verify=init_info.verify, name=name, secret=init_info.secret,
             device=self.device if torch.device(self.device).type == "cuda" else None,
         )  # fmt: skip
@@ -225,7 +200,9 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
             )
         try:
             self.version = gate.run(update_info.version, update_info.timeout, self._load)
+            self.adapter.commit()
         except BaseException as e:
+            self.adapter.drop()
             loaded, self.mixed = self._loaded, self._loaded > 0
             self._abandon()
             why = str(e) if isinstance(e, GateError) else f"{type(e).__name__}: {e}"
@@ -275,8 +252,10 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
             )
         except ImportError:  # pragma: no cover - an older vLLM
             unchecked = contextlib.nullcontext
+        items = self.adapter.take(items)  # an adapter's tensors go to vLLM's LoRA manager
         with unchecked():
-            self.model.load_weights(items)
+            if items:
+                self.model.load_weights(items)
         if self._reloading:
             _copy_held(items)
         if torch.device(self.device).type == "cuda":
@@ -366,15 +345,31 @@ class WorkerExtension:
         assert engine.version is not None
         return engine.version
 
-    def rlferry_state(self) -> dict[str, Any]:
-        """This worker's weights as the backend's receiver holds them (the extension's
-        when no backend is configured): ``version`` (last committed, None before the first),
-        ``mixed`` (the last update failed after loading part of its push) and
-        ``error`` (why the last update failed, None after a success)."""
+    def rlferry_adapter(self) -> bool:
+        """Serve the LoRA adapter pushed last again (vLLM drops adapters at the end of a
+        weight update; ``VLLMEngine`` calls this after it); whether there is one."""
+        engine = self._rlferry_backend()
+        if engine is None:
+            return False
+        engine.adapter.install()
+        return engine.adapter.served
+
+    def _rlferry_backend(self) -> RlferryWeightTransferEngine | None:
+        """The backend's engine (the extension's own when no backend is configured)."""
         w: Any = self
         engine = getattr(w, "weight_transfer_engine", None)
         if not isinstance(engine, RlferryWeightTransferEngine):
             engine = getattr(w, "_rlferry_own_engine", None)
+        return engine
+
+    def rlferry_state(self) -> dict[str, Any]:
+        """This worker's weights as the backend's receiver holds them (the extension's
+        when no backend is configured): ``version`` (last committed, None before the first),
+        ``mixed`` (the last update failed after loading part of its push),
+        ``error`` (why the last update failed, None after a success) and ``adapter``
+        (a pushed LoRA adapter is served)."""
+        engine = self._rlferry_backend()
         if engine is None:
-            return {"version": None, "mixed": False, "error": None}
-        return {"version": engine.version, "mixed": engine.mixed, "error": engine.last_error}
+            return {"version": None, "mixed": False, "error": None, "adapter": False}
+        return {"version": engine.version, "mixed": engine.mixed, "error": engine.last_error,
+                "adapter": engine.adapter.served}  # fmt: skip
