@@ -32,7 +32,14 @@ import importlib
 import warnings
 from typing import Any
 
-from ._errors import PushTimeout, ReceiverClosed, SenderClosed, SenderGone, WeightSyncError
+from ._errors import (
+    DeltaBaseMissing,
+    PushTimeout,
+    ReceiverClosed,
+    SenderClosed,
+    SenderGone,
+    WeightSyncError,
+)
 from ._fingerprint import fingerprint
 from ._report import (
     PushReport,
@@ -42,12 +49,15 @@ from ._report import (
     ShardedSenderStatistics,
 )
 from .copies import ParamLoader
+from .delta import Delta
 from .planning import fsdp_layout, specs_of, tp_layout
 from .receiver import WeightReceiver
 from .sender import WeightSender
 from .sharded import ShardedReceiver, ShardedSender, describe_group
 
 __all__ = [
+    "Delta",
+    "DeltaBaseMissing",
     "ParamLoader",
     "PushReport",
     "PushTimeout",

@@ -10,6 +10,9 @@ sender or a receiver ended, as the wire's ``ChannelClosed``, ``PeerGone`` and
 - :class:`ReceiverClosed`: you closed the receiver, then waited on it or started it.
 - :class:`SenderGone`: the receiver's sender closed, died, or never answered.
 - :class:`PushTimeout` (also a ``TimeoutError``): a push did not finish in its timeout.
+
+:class:`DeltaBaseMissing` (also a ``RequestError``) is a delta push that a receiver refused
+before any byte moved: it does not hold the version the delta was made against.
 """
 
 from __future__ import annotations
@@ -17,12 +20,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rlferry.errors import Closed, Gone, RlferryError, Timeout
+from rlferry.errors import Closed, Gone, RequestError, RlferryError, Timeout
 
 if TYPE_CHECKING:
     from ._report import PushReport
 
-__all__ = ["PushTimeout", "ReceiverClosed", "SenderClosed", "SenderGone", "WeightSyncError"]
+__all__ = [
+    "DeltaBaseMissing",
+    "PushTimeout",
+    "ReceiverClosed",
+    "SenderClosed",
+    "SenderGone",
+    "WeightSyncError",
+]
 
 
 class WeightSyncError(RlferryError):
@@ -64,3 +74,11 @@ class PushTimeout(WeightSyncError, Timeout):
     """A push did not finish within its ``timeout``: too few receivers were ready
     (the message names each that joined and what it was doing), or some did not
     acknowledge in time (``failures`` names them; ``report`` says who committed)."""
+
+
+class DeltaBaseMissing(WeightSyncError, RequestError):
+    """A delta push reached a receiver that does not hold its base version (its version
+    was changed behind the sender's back, or it loaded part of a push since): the
+    receiver refused it at its Setup, before any byte moved, and keeps serving its
+    version. ``failures`` names it with the base asked and the version it holds; its next
+    push is full."""

@@ -1,0 +1,69 @@
+"""Whether a push that may be a delta is one: from the times the sender measured.
+
+A delta push costs the diff (reading the new tensors and the base) plus the changed
+bytes on the link; a full push, every byte on the link. Which is faster depends on the
+link (a GPU's own copy outruns the diff; a host's TCP link is outrun by it) and on how
+much changed (after a large step most bytes go dense anyway, and the diff is lost time).
+So the sender times its pushes, each kind end to end (a delta push with its diff; a full
+push without the copy that keeps the base), keeps the mean of the last few of each
+(weights halving), and pushes the faster kind. The slower one is tried again after
+:data:`FIRST_WAIT` pushes, then after twice as many each time it stays slower, up to
+:data:`MOST_WAIT`: a change of speed is found, and what trying costs stays small.
+
+While full pushes win, the base is not kept up (its copy would cost a memory pass per
+push, 16% of a full push over gloo on a 2-core host: ``python benchmarks/weights_delta.py
+--transport gloo --scale 4``); the push before a try of a delta refreshes it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DELTA", "FIRST_WAIT", "FULL", "MOST_WAIT", "Policy"]
+
+DELTA, FULL = "delta", "full"
+FIRST_WAIT = 4
+MOST_WAIT = 64
+_WEIGHT = 0.5  # of the newest time in the running mean
+
+
+class Policy:
+    """The kind of each push that may be a delta, from measured push times."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}  # running mean of each kind's push
+        self._since = 0  # pushes of the faster kind since the slower was last tried
+        self._wait = FIRST_WAIT
+
+    def best(self) -> str | None:
+        """The kind measured faster (None until both were measured)."""
+        if len(self.seconds) < 2:
+            return None
+        return DELTA if self.seconds[DELTA] < self.seconds[FULL] else FULL
+
+    def choose(self) -> str:
+        """The kind of the next push that may be a delta: each kind is measured once
+        (a delta first), then the faster, the slower tried when its wait is over."""
+        best = self.best()
+        if best is None:
+            return FULL if DELTA in self.seconds else DELTA
+        if self._since >= self._wait:
+            return FULL if best == DELTA else DELTA
+        return best
+
+    def keep_base(self) -> bool:
+        """Whether a full push keeps the base up: the push after it may be a delta."""
+        best = self.best()
+        return best != FULL or self._since + 1 >= self._wait
+
+    def timed(self, kind: str, seconds: float) -> None:
+        """A push of ``kind`` took ``seconds``."""
+        before = self.best()
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + _WEIGHT * (seconds - old)
+        after = self.best()
+        if before is None or after is None:
+            return
+        if kind == before:
+            self._since += 1
+        else:  # the slower kind was tried: it won, or it waits twice as long
+            self._since = 0
+            self._wait = FIRST_WAIT if after == kind else min(2 * self._wait, MOST_WAIT)
