@@ -117,9 +117,10 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         _check_group("WeightReceiver", self.group)
-        if self.deltas not in (None, "in_place", "base"):
+        if self.deltas not in (None, "in_place", "base", "whole"):
             raise RequestError(
-                f"WeightReceiver.deltas: expected None, 'in_place' or 'base', got {self.deltas!r}"
+                f"WeightReceiver.deltas: expected None, 'in_place', 'base' or 'whole', got "
+                f"{self.deltas!r}"
             )
         if self.delta_base not in ("device", "host"):
             raise RequestError(

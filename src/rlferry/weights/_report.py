@@ -66,8 +66,8 @@ class SenderStatistics:
     started_here: int = 0
     # mailbox pushes that ended on their receivers' word on the commit line (see _line)
     commits_on_line: int = 0
-    # delta pushes: the bytes kept of the base version (within delta_budget; plus a CPU
-    # sender's mask of the largest kept tensor's elements), and the pushes that were deltas
+    # delta pushes: the bytes kept of the base version (within delta_budget), and the
+    # pushes that were deltas
     delta_bytes: int = 0
     delta_pushes: int = 0
 

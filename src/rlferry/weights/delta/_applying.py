@@ -5,6 +5,10 @@ engine's own tensor, :class:`~rlferry.weights.ParamLoader` does), each dense one
 usual. ``base``: the receiver keeps a copy of its last committed version (a
 :class:`Kept`), applies each delta to it and hands the load the whole tensor rebuilt, for
 the tensors the push carries only (an engine whose loader takes checkpoint tensors).
+``whole``: as ``base``, but a delta push hands the load every tensor of the version once
+its last bucket came (from the copy, in push order): for a loader that must see every
+tensor of a layer to reload it (vLLM's layerwise reload materializes a layer anew from
+the tensors loaded into it, and one loaded in part would hold garbage where none came).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ._record import SUFFIX, Delta
 
 __all__ = ["MODES", "Kept", "Receiving", "decode"]
 
-MODES = ("in_place", "base")
+MODES = ("in_place", "base", "whole")
 
 
 class Kept:
@@ -59,10 +63,14 @@ class Kept:
         return delta.apply_(kept)
 
 
-def decode(items: list[tuple[str, Any]], header: DeltaHeader | None, kept: Kept | None) -> Any:
+def decode(
+    items: list[tuple[str, Any]], header: DeltaHeader | None, kept: Kept | None,
+    whole: bool = False,
+) -> Any:  # fmt: skip
     """The items a receiver's ``load`` gets for ``items`` of a push (``header``: its delta
-    header, None for a full push; ``kept``: the copy a ``base`` receiver keeps, else None).
-    A full push to an ``in_place`` receiver: ``items`` as they are."""
+    header, None for a full push; ``kept``: the copy a ``base`` or ``whole`` receiver
+    keeps, else None; ``whole``: a delta push loads nothing until its last bucket). A
+    full push to an ``in_place`` receiver: ``items`` as they are."""
     if header is None:
         if kept is not None:
             for name, t in items:
@@ -82,7 +90,7 @@ def decode(items: list[tuple[str, Any]], header: DeltaHeader | None, kept: Kept 
         real, shape, dtype, changed = entry
         delta = Delta.from_bytes(t, shape, dtype, changed)
         out.append((real, kept.apply(real, delta) if kept is not None else delta))
-    return out
+    return [] if whole else out
 
 
 class Receiving:
@@ -94,7 +102,7 @@ class Receiving:
     def __init__(self, mode: str | None, where: str) -> None:
         self.mode = mode
         self.holds: int | None = None
-        self.kept = Kept(where) if mode == "base" else None
+        self.kept = Kept(where) if mode in ("base", "whole") else None
         self._seq = 0  # the push in progress
         self._header: DeltaHeader | None = None  # its header (None: a full push)
 
@@ -133,7 +141,14 @@ class Receiving:
         self.holds = None
         if self.mode is None:
             return items
-        return decode(items, self._header, self.kept)
+        return decode(items, self._header, self.kept, self.mode == "whole")
+
+    def last(self) -> list[tuple[str, torch.Tensor]]:
+        """What ``load`` gets once the last bucket of the push in progress was loaded: every
+        kept tensor after a delta push to a ``whole`` receiver, else nothing."""
+        if self.mode != "whole" or self._header is None or self.kept is None:
+            return []
+        return list(self.kept.tensors.items())
 
     def written(self) -> None:
         """The sender wrote into the receiver's tensors (or offered to): no whole version."""

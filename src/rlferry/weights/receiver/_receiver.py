@@ -72,8 +72,11 @@ class WeightReceiver:
     name, which holds the last committed version (``Delta.apply_``; ``ParamLoader`` does
     it); ``deltas="base"`` keeps a copy of the last committed version (in host memory,
     pinned for CUDA tensors, or ``delta_base="device"``: on the pushed tensors' device)
-    and hands ``load`` the whole tensors a delta changed, rebuilt from it. None (the
-    default): the sender never sends this receiver a delta. A delta whose base version
+    and hands ``load`` the whole tensors a delta changed, rebuilt from it;
+    ``deltas="whole"`` keeps the same copy and hands ``load`` every tensor of a delta
+    push's version once its last bucket came (a loader that reloads a layer only from
+    all of its tensors, as vLLM's layerwise reload). None (the default): the sender
+    never sends this receiver a delta. A delta whose base version
     this receiver does not hold is refused before any byte moves (the sender raises
     ``DeltaBaseMissing``); after a push that failed here it holds no whole version, and
     its next push is full.

@@ -56,7 +56,8 @@ class DeltaPushes:
         if not (full or first):
             kind = self.policy.choose()
             base = self.base
-            if kind == DELTA and not (base.matches(pairs) and self._members_hold(base.version)):
+            holds = base.matches(pairs) and self._members_hold(base.version, timeout)
+            if kind == DELTA and not holds:
                 kind = FULL  # it cannot be: the base is kept now, for the next push
             elif kind == FULL:
                 keep = self.policy.keep_base()
@@ -74,10 +75,14 @@ class DeltaPushes:
             self.policy.timed(FULL, time.perf_counter() - t0)
         return report
 
-    def _members_hold(self, version: int | None) -> bool:
+    def _members_hold(self, version: int | None, timeout: float) -> bool:
+        """Whether every receiver holds ``version``, once those whose word on the last push
+        is on its way said it (as the push itself waits for them, ``JOIN_GRACE`` at most)."""
         hub = self.pusher.parts.hub
+        deadline = time.monotonic() + timeout
 
         async def check() -> bool:
+            await hub.until(lambda: not any(m.returning for m in hub.members.values()), deadline)
             return _hold([m for m in hub.members.values() if not m.gone], version)
 
         return self.pusher.parts.loop.run(check())
@@ -105,8 +110,7 @@ class DeltaPushes:
 
     def statistics(self) -> dict[str, Any]:
         """The delta fields of the sender's statistics."""
-        return {"delta_bytes": self.base.nbytes + self.base.scratch_bytes,
-                "delta_pushes": self.pushes}  # fmt: skip
+        return {"delta_bytes": self.base.nbytes, "delta_pushes": self.pushes}
 
 
 def _delta_report(report: PushReport, enc: Encoded, pairs: Pairs) -> PushReport:
