@@ -40,7 +40,6 @@ class Course:
         wait_for: int,
         deadline: float,
         fast: Callable[[list[Member]], Push | None] | None = None,
-        accept: Callable[[list[Member]], bool] | None = None,
     ) -> tuple[list[Member], Push | None]:
         """The members that take part: every idle one, once ``wait_for`` are (and every one
         that just joined asked for work, or its grace ran out); raises ``PushTimeout``
@@ -49,8 +48,8 @@ class Course:
         ``fast(members)``: the push, if these members need nothing before the stream (they
         hold the plan and the group): it starts streaming here, in the same hop, and is
         returned; else None, and the sender sets the members up and calls :meth:`start`.
-        ``accept(members)``: False if the push was made for others (raises
-        ``MembersChanged``, nothing started)."""
+        ``push_args["accept"]`` (if given) ``(members)``: False if the push was made for
+        others (raises ``MembersChanged``, nothing started)."""
 
         def enough() -> bool:
             ms = self.hub.members.values()
@@ -65,6 +64,7 @@ class Course:
         members = [m for m in self.hub.members.values() if m.idle]
         if len(members) < wait_for:
             raise PushTimeout(self._too_few(push_args, wait_for))
+        accept = push_args.get("accept")
         if accept is not None and not accept(members):
             raise MembersChanged("the push's members are not those it was made for")
         self._arm_deadline(deadline)

@@ -71,11 +71,10 @@ class Launcher:
     # -- through the hub, or on the members' lines --------------------------------------
     def begin(
         self, fast: Callable[[list[Member]], Push | None] | None, args: dict[str, Any],
-        wait_for: int, deadline: float, accept: Callable[[list[Member]], bool] | None = None,
+        wait_for: int, deadline: float,
     ) -> tuple[concurrent.futures.Future[tuple[list[Member], Push | None]], bool]:  # fmt: skip
         """Start the push: on its members' lines if the last push ended on their word on
-        the group and they are this one's too (True), else through the hub (False;
-        ``accept``: see ``Course.begin``)."""
+        the group and they are this one's too (True), else through the hub (False)."""
         parts = self.parts
         last, self.committed = self.committed, None
         self.lining = None
@@ -101,8 +100,7 @@ class Launcher:
                     sent = {m.name: starter.start(m.line, msg) for m in now[1:]}
                     push.unstarted = {n: why for n, why in sent.items() if why is not None}
                     return parts.loop.submit(parts.course.begin_direct(push, deadline)), True
-        begin = parts.course.begin(args, wait_for, deadline, fast, accept)
-        return parts.loop.submit(begin), False
+        return parts.loop.submit(parts.course.begin(args, wait_for, deadline, fast)), False
 
     def lines_started(self, push: Push) -> None:
         """The push started on its members' lines: raises if one left before it was

@@ -168,7 +168,7 @@ class Pusher:
                     ))  # fmt: skip
                 named = lambda: given  # noqa: E731  (the usual way, with what it gave)
         run = parts.loop.run
-        args = {"seq": seq, "version": version, "timeout": timeout}
+        args = {"seq": seq, "version": version, "timeout": timeout, "accept": accept}
         begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
         fast = early = None
         lined = False  # started on the members' lines (see Launcher.begin)
@@ -193,7 +193,7 @@ class Pusher:
                 buckets = self._guarded(bucketed(plan, named, checked), guard, plan)
             if begun is None:
                 fast = prep.fast(plan, seq, version) if not self._first and not delta else None
-                begun, lined = launcher.begin(fast, args, wait_for, deadline, accept)
+                begun, lined = launcher.begin(fast, args, wait_for, deadline)
                 if fast is not None and not lined:
                     _sent(begun, deadline)  # the receivers get the start while bucket 0 packs
             elif plan is not early:
