@@ -32,12 +32,6 @@ BF16 = torch.bfloat16
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-@pytest.fixture
-def always_delta(monkeypatch):
-    """Every push that may be a delta is one (the measured choice has tests of its own)."""
-    monkeypatch.setattr(_policy.Policy, "choose", lambda self: _policy.DELTA)
-
-
 class Trainer:
     """A tiny Llama with fp32 master weights, stepped by AdamW on random tokens."""
 
@@ -95,7 +89,10 @@ def push(sender, trainer, version, **kw):
 
 
 def delta_sender(transport="shm", **kw):
+    """A sender of deltas whenever a push may be one (the measured choice has tests of its
+    own)."""
     kw.setdefault("delta_budget", 1 << 30)
+    kw.setdefault("delta_policy", "always")
     return WeightSender(group="d", transport=transport, bucket_bytes=64 << 10, **kw)
 
 
@@ -107,9 +104,7 @@ def delta_sender(transport="shm", **kw):
     [("shm", True), ("shm", False), ("broadcast", True)],
     ids=["shm-zero_copy", "shm-packed", "gloo"],
 )
-def test_delta_pushes_after_adamw_steps_are_bit_identical_to_full_pushes(
-    always_delta, transport, zero_copy
-):
+def test_delta_pushes_after_adamw_steps_are_bit_identical_to_full_pushes(transport, zero_copy):
     trainer = Trainer()
     engine = Engine(trainer)
     with delta_sender(transport, zero_copy=zero_copy) as s:
@@ -133,7 +128,7 @@ def test_delta_pushes_after_adamw_steps_are_bit_identical_to_full_pushes(
         assert stats.groups_formed == 1  # a new plan each push, the group kept
 
 
-def test_a_push_in_which_nothing_changed_sends_one_empty_delta(always_delta):
+def test_a_push_in_which_nothing_changed_sends_one_empty_delta():
     trainer = Trainer()
     engine = Engine(trainer)
     with delta_sender() as s:
@@ -149,7 +144,7 @@ def test_a_push_in_which_nothing_changed_sends_one_empty_delta(always_delta):
 # -- who gets a full push --------------------------------------------------------------------
 
 
-def test_a_late_joiner_gets_a_full_push_and_deltas_after(always_delta):
+def test_a_late_joiner_gets_a_full_push_and_deltas_after():
     trainer = Trainer()
     first, late = Engine(trainer), Engine(trainer)
     with delta_sender() as s:
@@ -169,7 +164,7 @@ def test_a_late_joiner_gets_a_full_push_and_deltas_after(always_delta):
     assert kinds == ["full", "delta", "full", "delta"]
 
 
-def test_a_receiver_that_failed_a_push_gets_a_full_push_next(always_delta):
+def test_a_receiver_that_failed_a_push_gets_a_full_push_next():
     trainer = Trainer()
     engine = Engine(trainer)
     with delta_sender() as s:
@@ -189,7 +184,7 @@ def test_a_receiver_that_failed_a_push_gets_a_full_push_next(always_delta):
     assert report.kind == "full"
 
 
-def test_a_receiver_made_without_deltas_makes_every_push_full(always_delta):
+def test_a_receiver_made_without_deltas_makes_every_push_full():
     trainer = Trainer()
     takes, plain = Engine(trainer), Engine(trainer)
     with delta_sender() as s:
@@ -217,9 +212,7 @@ def parked(sender, names):
     assert parts.loop.run(parts.hub.until(ready, time.monotonic() + 10))
 
 
-def test_a_delta_against_a_base_the_receiver_lacks_is_refused_before_any_byte_moves(
-    always_delta,
-):
+def test_a_delta_against_a_base_the_receiver_lacks_is_refused_before_any_byte_moves():
     trainer = Trainer()
     engine = Engine(trainer)
     with delta_sender() as s:
@@ -321,7 +314,7 @@ def test_delta_apply_refuses_another_shape_dtype_or_a_strided_tensor():
 # -- the budget, the receiver's modes, the options ---------------------------------------------
 
 
-def test_tensors_past_the_budget_are_sent_dense_and_the_base_stays_within_it(always_delta):
+def test_tensors_past_the_budget_are_sent_dense_and_the_base_stays_within_it():
     trainer = Trainer()
     engine = Engine(trainer)
     sizes = [(n, t.numel() * 2) for n, t in trainer.state().items()]
@@ -347,7 +340,7 @@ def test_tensors_past_the_budget_are_sent_dense_and_the_base_stays_within_it(alw
 
 
 @pytest.mark.parametrize("mode", ["base", "whole"])
-def test_a_base_receiver_loads_whole_tensors_rebuilt_from_its_copy(always_delta, mode):
+def test_a_base_receiver_loads_whole_tensors_rebuilt_from_its_copy(mode):
     trainer = Trainer()
     engine = Engine(trainer)
     with delta_sender() as s:
@@ -390,6 +383,9 @@ def test_the_options_are_checked_naming_the_field():
     with pytest.raises(RequestError, match=r"WeightSender.delta_base: expected 'device' or "
                        r"'host', got 'gpu'"):  # fmt: skip
         WeightSender(group="d", delta_budget=1, delta_base="gpu")
+    with pytest.raises(RequestError, match=r"WeightSender.delta_policy: expected 'measured' or "
+                       r"'always', got 'often'"):  # fmt: skip
+        WeightSender(group="d", delta_budget=1, delta_policy="often")
     with pytest.raises(RequestError, match=r"WeightReceiver.deltas: expected None, 'in_place', "
                        r"'base' or 'whole', got 'yes'"):  # fmt: skip
         WeightReceiver(group="d", address="ipc:///x", load=print, deltas="yes")
@@ -408,9 +404,7 @@ def test_a_sharded_sender_refuses_a_delta_budget_naming_why():
 # -- zero copy and new plans: nothing leaks ---------------------------------------------------
 
 
-def test_shm_zero_copy_alternating_with_delta_pushes_leaks_no_buffers_or_descriptors(
-    always_delta,
-):
+def test_shm_zero_copy_alternating_with_delta_pushes_leaks_no_buffers_or_descriptors():
     trainer = Trainer()
     engine = Engine(trainer)
     serving = trainer.serving()  # the same tensors every push: zero copy for full pushes
@@ -454,6 +448,13 @@ def test_the_policy_measures_each_kind_then_pushes_the_faster_trying_the_other_e
     assert "".join(seen) == "ddddf" + "d" * 8 + "f" + "d" * 16 + "f" + "d" * 9
 
 
+def test_an_always_policy_chooses_deltas_and_keeps_the_base_up_whatever_the_times():
+    p = _policy.Policy(always=True)
+    for kind, seconds in (("delta", 9.0), ("full", 1.0), ("delta", 9.0)):
+        assert (p.choose(), p.keep_base()) == ("delta", True)
+        p.timed(kind, seconds)
+
+
 def test_the_policy_keeps_the_base_up_only_when_the_next_push_may_be_a_delta():
     p = _policy.Policy()
     p.timed("delta", 5.0)
@@ -469,9 +470,7 @@ def test_the_policy_keeps_the_base_up_only_when_the_next_push_may_be_a_delta():
 # -- HFEngine --------------------------------------------------------------------------------
 
 
-def test_hf_engine_takes_deltas_in_place_and_generates_as_a_fresh_engine_with_the_weights(
-    always_delta,
-):
+def test_hf_engine_takes_deltas_in_place_and_generates_as_a_fresh_engine_with_the_weights():
     from rlferry.control import GenerateRequest, SamplingParams
     from rlferry.engines.hf import HFEngine
 

@@ -50,6 +50,7 @@ class SenderConfig:
     nccl_high_priority: bool = True
     delta_budget: int = 0
     delta_base: str = "device"
+    delta_policy: str = "measured"
 
     def __post_init__(self) -> None:
         _check_group("WeightSender", self.group)
@@ -61,6 +62,11 @@ class SenderConfig:
         if self.delta_base not in ("device", "host"):
             raise RequestError(
                 f"WeightSender.delta_base: expected 'device' or 'host', got {self.delta_base!r}"
+            )
+        if self.delta_policy not in ("measured", "always"):
+            raise RequestError(
+                f"WeightSender.delta_policy: expected 'measured' or 'always', got "
+                f"{self.delta_policy!r}"
             )
         for flag in ("zero_copy", "grouped_pack", "nccl_high_priority"):
             if not isinstance(getattr(self, flag), bool):

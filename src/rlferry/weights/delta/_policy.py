@@ -26,9 +26,11 @@ _WEIGHT = 0.5  # of the newest time in the running mean
 
 
 class Policy:
-    """The kind of each push that may be a delta, from measured push times."""
+    """The kind of each push that may be a delta, from measured push times (``always``:
+    a delta every time, the base always kept up; for a link known to favour deltas)."""
 
-    def __init__(self) -> None:
+    def __init__(self, always: bool = False) -> None:
+        self.always = always
         self.seconds: dict[str, float] = {}  # running mean of each kind's push
         self._since = 0  # pushes of the faster kind since the slower was last tried
         self._wait = FIRST_WAIT
@@ -43,6 +45,8 @@ class Policy:
         """The kind of the next push that may be a delta: each kind is measured once
         (a delta first), then the faster, the slower tried when its wait is over."""
         best = self.best()
+        if self.always:
+            return DELTA
         if best is None:
             return FULL if DELTA in self.seconds else DELTA
         if self._since >= self._wait:
@@ -52,7 +56,7 @@ class Policy:
     def keep_base(self) -> bool:
         """Whether a full push keeps the base up: the push after it may be a delta."""
         best = self.best()
-        return best != FULL or self._since + 1 >= self._wait
+        return self.always or best != FULL or self._since + 1 >= self._wait
 
     def timed(self, kind: str, seconds: float) -> None:
         """A push of ``kind`` took ``seconds``."""

@@ -41,12 +41,13 @@ def _hold(members: list[Member], version: int | None) -> bool:
 
 class DeltaPushes:
     """The pushes of a sender that keeps ``budget`` bytes of its last version (``where``:
-    ``"device"`` or ``"host"``), over ``pusher``."""
+    ``"device"`` or ``"host"``), over ``pusher``; ``always``: a delta whenever a push may
+    be one (else as the measured policy finds faster)."""
 
-    def __init__(self, pusher: Pusher, budget: int, where: str) -> None:
+    def __init__(self, pusher: Pusher, budget: int, where: str, always: bool = False) -> None:
         self.pusher = pusher
         self.base = KeptBase(budget, where)
-        self.policy = Policy()
+        self.policy = Policy(always)
         self.pushes = 0  # delta pushes
         self._first = True
 

@@ -62,8 +62,10 @@ class WeightSender:
     not sent, one that changed a lot goes dense, one not kept always goes dense. One
     receiver that lacks the base (new, rejoined, or one that failed a push since) makes
     the whole push full; so do ``push(..., full=True)``, the first push and a new
-    layout. Whether deltas are faster on this link is measured: the sender times both
-    kinds and pushes the faster (see ``PushReport.kind``).
+    layout. ``delta_policy="measured"`` (the default): whether deltas are faster on this
+    link is measured, the sender timing both kinds and pushing the faster (a GPU's own
+    copy outruns the diff; a host's TCP link is outrun by it); ``"always"``: every push
+    that may be a delta is one. ``PushReport.kind`` says which each push was.
 
     A process may run one sender per group, each with its own transport.
     """
@@ -83,6 +85,7 @@ class WeightSender:
         nccl_high_priority: bool = True,
         delta_budget: int = 0,
         delta_base: str = "device",
+        delta_policy: str = "measured",
     ) -> None:
         self.config = SenderConfig(
             group=group,
@@ -97,9 +100,14 @@ class WeightSender:
             nccl_high_priority=nccl_high_priority,
             delta_budget=delta_budget,
             delta_base=delta_base,
+            delta_policy=delta_policy,
         )
         self._pusher = Pusher(self.config)
-        self._deltas = DeltaPushes(self._pusher, delta_budget, delta_base) if delta_budget else None
+        self._deltas = (
+            DeltaPushes(self._pusher, delta_budget, delta_base, delta_policy == "always")
+            if delta_budget
+            else None
+        )
         self.address: str = self._pusher.address
 
     def push(
