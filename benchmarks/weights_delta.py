@@ -5,15 +5,15 @@ divides every width, as the other weights benchmarks do), initialized as Hugging
 does (normal, std 0.02; norms 1), and a bf16 copy it serves, refreshed from the masters
 after each optimizer step (a mixed-precision trainer's model weights). Between updates,
 one ``torch.optim.AdamW`` step with a random gradient at each ``--lr``. The engine is
-another process holding bf16 parameters, joined by two receivers loading into them
-with ``ParamLoader``: one of a sender with ``delta_budget`` (deltas in place), one of a
-plain sender (full pushes). Each update is pushed by both, the delta sender first; the
-engine's parameters are checked bit for bit (SHA-256) against the trainer's bf16 copy
-after each delta push (``identical``).
-
-The delta sender's pushes are whatever its measured policy chose (``kinds``: d for a
-delta, f for full; the first push of a run is full). ``changed``: the fraction of bf16
-elements that changed, as the delta pushes found it.
+another process holding bf16 parameters, joined by three receivers loading into them
+with ``ParamLoader`` (deltas in place), one of each of three senders: a plain one (full
+pushes: the baseline), one with ``delta_budget`` and ``delta_policy="always"`` (a delta
+every update after the first: what a delta push costs) and one with the default measured
+policy (what a user gets: it times both kinds and pushes the faster; ``measured kinds``:
+d for a delta, f for full). Each update is pushed by the three in turn; after each
+delta push the engine's parameters are checked bit for bit (SHA-256) against the
+trainer's bf16 copy (``identical``). ``changed``: the fraction of bf16 elements that
+changed, as the delta pushes found it.
 
 ``--transport gloo`` (broadcast between two processes on the CPU: the link-bound case
 here), ``shm``, ``cuda_ipc`` (engine on the same GPU), ``broadcast`` (NCCL, engine on
@@ -92,9 +92,12 @@ class Trainer:
 # -- the engine process --------------------------------------------------------------------
 
 
+GROUPS = ("full", "delta", "measured")
+
+
 def engine_main(shapes: eng.Shapes, device: str, conn: Connection) -> None:
-    """Preallocated bf16 parameters; ``join`` starts two receivers loading into them (the
-    full sender's, the delta sender's); ``fingerprint`` digests them."""
+    """Preallocated bf16 parameters; ``join`` starts a receiver loading into them for each
+    sender of :data:`GROUPS`; ``fingerprint`` digests them."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     params = {n: torch.zeros(s, dtype=BF16, device=device) for n, s in shapes}
@@ -108,19 +111,16 @@ def engine_main(shapes: eng.Shapes, device: str, conn: Connection) -> None:
                 r.close()
             return
         if cmd == "join":
-            full, delta = args
-            receivers.append(
-                WeightReceiver(
-                    group="full",
-                    address=full,
-                    name="engine-full",
+            for group, address in zip(GROUPS, args, strict=True):
+                r = WeightReceiver(
+                    group=group,
+                    address=address,
+                    name=f"engine-{group}",
                     load=ParamLoader(params),
                     device=dev,
-                ).start()
-            )
-            receivers.append(WeightReceiver(group="delta", address=delta, name="engine-delta",
-                                            load=ParamLoader(params), device=dev,
-                                            deltas="in_place").start())  # fmt: skip
+                    deltas="in_place",
+                )
+                receivers.append(r.start())
             conn.send(("ok", "joined"))
         elif cmd == "fingerprint":
             conn.send(("ok", fingerprint(params.items())))
@@ -168,49 +168,25 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     full_bytes = sum(t.numel() * t.element_size() for t in trainer.serving.values())
     _progress("engine")
     engine = Engine(shapes, engine_device)
-    plain = WeightSender(group="full", transport=transport)
-    deltas = WeightSender(group="delta", transport=transport, delta_budget=full_bytes,
-                          delta_base=args.delta_base)  # fmt: skip
+    senders = {
+        "full": WeightSender(group="full", transport=transport),
+        "delta": WeightSender(group="delta", transport=transport, delta_budget=full_bytes,
+                              delta_base=args.delta_base, delta_policy="always"),
+        "measured": WeightSender(group="measured", transport=transport,
+                                 delta_budget=full_bytes, delta_base=args.delta_base),
+    }  # fmt: skip
     rows = []
     try:
-        engine.call("join", plain.address, deltas.address)
+        engine.call("join", *(senders[g].address for g in GROUPS))
         version = 0
         for lr in lrs:
             _progress(f"lr {lr:g}")
-            d_ms, f_ms, sent, changed, kinds, identical = [], [], [], [], [], True
-            for k in range(args.warmup + args.repeat):
-                trainer.step(lr)
-                version += 1
-                t0 = time.perf_counter()
-                report = deltas.push(trainer.serving.items(), version=version, timeout=600)
-                d = time.perf_counter() - t0
-                engine.conn.send(("fingerprint",))
-                ok = fingerprint(trainer.serving.items()) == engine.wait("fingerprint")
-                t0 = time.perf_counter()
-                plain.push(trainer.serving.items(), version=version, timeout=600)
-                f = time.perf_counter() - t0
-                identical = identical and ok
-                if k < args.warmup:
-                    continue
-                d_ms.append(d * 1e3)
-                f_ms.append(f * 1e3)
-                sent.append(report.sent_bytes)
-                kinds.append(report.kind[0])
-                if report.changed is not None:
-                    changed.append(report.changed)
-            rows.append({
-                "transport": args.transport, "lr": lr, "kind": "delta", "identical": identical,
-                "changed_fraction": statistics.median(changed) if changed else None,
-                "full_bytes": full_bytes, "sent_bytes": int(statistics.median(sent)),
-                "full_ms_p50": _pct(f_ms, 0.5), "sent_ms_p50": _pct(d_ms, 0.5),
-                "full_ms_p90": _pct(f_ms, 0.9), "sent_ms_p90": _pct(d_ms, 0.9),
-                "full_ms_max": max(f_ms), "sent_ms_max": max(d_ms), "kinds": "".join(kinds),
-                "scale": args.scale, "model": args.model,
-            })  # fmt: skip
+            rows.append(_updates(args, lr, trainer, engine, senders, version))
+            version += args.warmup + args.repeat
     finally:
         engine.stop()
-        plain.close()
-        deltas.close()
+        for sender in senders.values():
+            sender.close()
     if args.lora:
         if importlib.util.find_spec("_lora_bench") is None:
             _progress("--lora: benchmarks/_lora_bench.py is not here; no LoRA rows")
@@ -219,6 +195,47 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
             rows += _lora_bench.lora_rows(args)
     return rows
+
+
+def _updates(
+    args: argparse.Namespace, lr: float, trainer: Trainer, engine: Engine,
+    senders: dict[str, WeightSender], version: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The row of ``lr``: each update pushed by every sender in turn, each delta checked."""
+    ms: dict[str, list[float]] = {g: [] for g in GROUPS}
+    sent, changed, kinds, identical = [], [], [], True
+    for k in range(args.warmup + args.repeat):
+        trainer.step(lr)
+        version += 1
+        for g in GROUPS:
+            t0 = time.perf_counter()
+            report = senders[g].push(trainer.serving.items(), version=version, timeout=600)
+            seconds = time.perf_counter() - t0
+            if report.kind == "delta":
+                engine.conn.send(("fingerprint",))
+                mine = fingerprint(trainer.serving.items())
+                identical = identical and mine == engine.wait("fingerprint")
+            if k < args.warmup:
+                continue
+            ms[g].append(seconds * 1e3)
+            if g == "delta":
+                sent.append(report.sent_bytes)
+                if report.changed is not None:
+                    changed.append(report.changed)
+            if g == "measured":
+                kinds.append(report.kind[0])
+    f_ms, d_ms, m_ms = ms["full"], ms["delta"], ms["measured"]
+    return {
+        "transport": args.transport, "lr": lr, "kind": "delta", "identical": identical,
+        "changed_fraction": statistics.median(changed) if changed else None,
+        "full_bytes": report.full_bytes, "sent_bytes": int(statistics.median(sent)),
+        "full_ms_p50": _pct(f_ms, 0.5), "sent_ms_p50": _pct(d_ms, 0.5),
+        "full_ms_p90": _pct(f_ms, 0.9), "sent_ms_p90": _pct(d_ms, 0.9),
+        "full_ms_max": max(f_ms), "sent_ms_max": max(d_ms),
+        "measured_ms_p50": _pct(m_ms, 0.5), "measured_ms_p90": _pct(m_ms, 0.9),
+        "measured_ms_max": max(m_ms), "measured_kinds": "".join(kinds),
+        "scale": args.scale, "model": args.model,
+    }  # fmt: skip
 
 
 # -- XOR and compression -------------------------------------------------------------------
@@ -273,7 +290,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             "yes" if r["sent_bytes"] <= goal else "no",
             *(f"{r[k]:.0f}" for k in ("full_ms_p50", "full_ms_p90", "full_ms_max")),
             *(f"{r[k]:.0f}" for k in ("sent_ms_p50", "sent_ms_p90", "sent_ms_max")),
-            f"{r['full_ms_p50'] / r['sent_ms_p50']:.2f}", r["kinds"],
+            f"{r['full_ms_p50'] / r['sent_ms_p50']:.2f}",
+            *(f"{r[k]:.0f}" for k in ("measured_ms_p50", "measured_ms_max")),
+            f"{r['full_ms_p50'] / r['measured_ms_p50']:.2f}", r["measured_kinds"],
         ])  # fmt: skip
     where = torch.cuda.get_device_name(0) if args.transport in ("cuda_ipc", "broadcast") else (
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")  # fmt: skip
@@ -284,8 +303,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
     cols = ("lr", "identical", "changed", "sent / full", "bytes goal", "full p50 ms",
-            "full p90", "full max", "delta p50 ms", "delta p90", "delta max", "x faster",
-            "kinds")  # fmt: skip
+            "full p90", "full max", "delta p50 ms", "delta p90", "delta max", "x full",
+            "measured p50 ms", "measured max", "x full", "measured kinds")  # fmt: skip
     return head + "\n\n" + table(out, cols)
 
 
