@@ -141,9 +141,9 @@ def _encode_on_host(
     if not scratch or scratch[0].numel() < numel:
         scratch[:] = [torch.empty(numel, dtype=torch.bool)]
     mask = torch.ne(a, b, out=scratch[0][:numel])
-    idx = mask.nonzero().squeeze(1)
-    n = idx.numel()
+    n = int(torch.count_nonzero(mask))  # places are compacted only for a tensor sent sparse
     if _choose(name, new, base, n, out):
+        idx = mask.nonzero().squeeze(1)
         counts = torch.bincount(idx >> 8, minlength=-(-numel // BLOCK))
         _sparse(name, new, a, b, idx, counts, out)
 

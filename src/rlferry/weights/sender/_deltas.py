@@ -57,8 +57,9 @@ class DeltaPushes:
         if not (full or first):
             kind = self.policy.choose()
             base = self.base
-            holds = base.matches(pairs) and self._members_hold(base.version, timeout)
-            if kind == DELTA and not holds:
+            if kind == DELTA and not (
+                base.matches(pairs) and self._members_hold(base.version, timeout)
+            ):
                 kind = FULL  # it cannot be: the base is kept now, for the next push
             elif kind == FULL:
                 keep = self.policy.keep_base()
