@@ -5,6 +5,7 @@ serving); who gets a full push; the refusal of a delta against a base a receiver
 
 import asyncio
 import gc
+import multiprocessing as mp
 import os
 import time
 
@@ -126,6 +127,39 @@ def test_delta_pushes_after_adamw_steps_are_bit_identical_to_full_pushes(transpo
     assert stats.delta_pushes == 4 and stats.delta_bytes == full
     if transport == "broadcast":
         assert stats.groups_formed == 1  # a new plan each push, the group kept
+
+
+def _engine_process(address, transport, conn):
+    """An engine in a process of its own: bf16 parameters, deltas in place; its
+    fingerprint after each commit."""
+    params = {k: torch.zeros(v.shape, dtype=BF16) for k, v in Trainer().state().items()}
+    r = WeightReceiver(
+        group="d", address=address, load=ParamLoader(params), deltas="in_place",
+        on_commit=lambda v: conn.send((v, fingerprint(params.items()))), name="engine",
+    ).start(timeout=60)  # fmt: skip
+    conn.send("ready")
+    conn.recv()
+    r.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "broadcast"], ids=["shm", "gloo"])
+def test_delta_pushes_to_an_engine_in_another_process_are_bit_identical(transport):
+    trainer = Trainer()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with delta_sender(transport) as s:
+        proc = ctx.Process(target=_engine_process, args=(s.address, transport, child))
+        proc.start()
+        assert parent.poll(120) and parent.recv() == "ready"
+        kinds = []
+        for v in range(1, 5):
+            trainer.step()
+            kinds.append(push(s, trainer, v).kind)
+            assert parent.recv() == (v, fingerprint(trainer.serving().items()))
+        parent.send("stop")
+        proc.join(60)
+    assert kinds == ["full", "delta", "delta", "delta"]
 
 
 def test_a_push_in_which_nothing_changed_sends_one_empty_delta():
