@@ -313,6 +313,37 @@ def test_the_worker_extension_joins_a_sender_and_receives_one_push(llm):
     assert vllm_greedy(llm, PROMPTS[0], 12)[0] == hf_greedy(model, PROMPTS[0], 12)[0]
 
 
+def test_the_worker_takes_delta_pushes_rebuilt_whole_from_its_host_copy(llm):
+    """Deltas after real AdamW steps: the worker applies them to its host copy and hands
+    load_weights every tensor (vLLM's layerwise reload rebuilds a layer from all of its
+    tensors), and vLLM then generates what transformers does with the same weights."""
+    from rlferry.weights import WeightSender
+
+    model = tiny(5).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kinds, got = [], []
+    with WeightSender(group="deltas", transport="shm", delta_budget=1 << 30,
+                      delta_policy="always") as sender:  # fmt: skip
+        llm.collective_rpc("rlferry_join", args=("deltas", sender.address),
+                           kwargs={"name": "ext-deltas"})  # fmt: skip
+        for v in (1, 2, 3):
+            if v > 1:
+                ids = torch.randint(0, 64, (2, 16))
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            rpc = threading.Thread(target=lambda v=v: got.append(
+                llm.collective_rpc("rlferry_receive", args=(v, 60.0))))  # fmt: skip
+            rpc.start()
+            kinds.append(sender.push(model.state_dict().items(), version=v, timeout=60).kind)
+            rpc.join(60)
+    assert got == [[1], [2], [3]]
+    assert kinds == ["full", "delta", "delta"]
+    model.eval()
+    for prompt in PROMPTS:
+        assert vllm_greedy(llm, prompt, 12)[0] == hf_greedy(model, prompt, 12)[0]
+
+
 # -- VLLMEngine: an AsyncLLM driven as an rlferry engine ---------------------------------------
 @pytest.fixture(scope="module")
 def loop():
