@@ -26,6 +26,7 @@ from rlferry.weights import (
 from rlferry.weights.delta import _policy
 from rlferry.weights.delta._base import KeptBase
 from rlferry.weights.delta._record import BLOCK, layout, parts_name
+from rlferry.weights.sender._deltas import DeltaPushes
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 
@@ -196,6 +197,27 @@ def test_a_late_joiner_gets_a_full_push_and_deltas_after():
         for r in rs:
             r.close()
     assert kinds == ["full", "delta", "full", "delta"]
+
+
+def test_a_receiver_that_joins_as_a_delta_push_starts_makes_it_start_again_full(monkeypatch):
+    trainer = Trainer()
+    first, late = Engine(trainer), Engine(trainer)
+    with delta_sender() as s:
+        rs = [join(s, first, "first")]
+        for v in (1, 2):
+            trainer.step()
+            push(s, trainer, v)
+        # the sender's look before the diff misses the late joiner: the push's own check,
+        # once it picked its members, finds it
+        monkeypatch.setattr(DeltaPushes, "_members_hold", lambda self, version, timeout: True)
+        rs.append(join(s, late, "late"))
+        trainer.step()
+        report = push(s, trainer, 3)
+        assert report.kind == "full" and report.receivers == ("first", "late")
+        assert first.holds(trainer.serving()) and late.holds(trainer.serving())
+        assert s.statistics().failed_pushes == 0
+        for r in rs:
+            r.close()
 
 
 def test_a_receiver_that_failed_a_push_gets_a_full_push_next():

@@ -41,6 +41,10 @@ class Kept:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def retain(self, names: set[str]) -> None:
+        """Keep only the tensors of ``names``."""
+        self.tensors = {n: t for n, t in self.tensors.items() if n in names}
+
     def put(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Keep ``t`` (a copy) as ``name``; the copy."""
         kept = self.tensors.get(name)
@@ -117,6 +121,8 @@ class Receiving:
         plan's). Raises ``WeightSyncError`` with the reason it refuses the push."""
         self._header = None
         if wire is None:
+            if self.kept is not None:  # a full push's layout: what it lacks is kept no more
+                self.kept.retain({spec.name for spec in plan.specs})
             return None
         if self.mode is None:
             raise WeightSyncError(
