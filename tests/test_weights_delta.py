@@ -209,7 +209,7 @@ def test_a_receiver_that_joins_as_a_delta_push_starts_makes_it_start_again_full(
             push(s, trainer, v)
         # the sender's look before the diff misses the late joiner: the push's own check,
         # once it picked its members, finds it
-        monkeypatch.setattr(DeltaPushes, "_members_hold", lambda self, version, timeout: True)
+        monkeypatch.setattr(DeltaPushes, "_members", lambda self, version, timeout: (True, True))
         rs.append(join(s, late, "late"))
         trainer.step()
         report = push(s, trainer, 3)
@@ -254,6 +254,7 @@ def test_a_receiver_made_without_deltas_makes_every_push_full():
             r.close()
     assert kinds == ["full"] * 3
     assert not any(d for load in takes.loads for _, d in load)
+    assert s.statistics().delta_pushes == 0
 
 
 def parked(sender, names):

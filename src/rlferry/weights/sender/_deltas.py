@@ -57,11 +57,13 @@ class DeltaPushes:
         if not (full or first):
             kind = self.policy.choose()
             base = self.base
-            if kind == DELTA and not (
-                base.matches(pairs) and self._members_hold(base.version, timeout)
-            ):
-                kind = FULL  # it cannot be: the base is kept now, for the next push
-            elif kind == FULL:
+            if kind == DELTA:
+                takes, holds = self._members(base.version, timeout)
+                if not (holds and base.matches(pairs)):
+                    # it cannot be one: the base is kept now for the next push, unless a
+                    # receiver that never takes deltas makes every push full
+                    kind, keep = FULL, takes
+            else:
                 keep = self.policy.keep_base()
         if kind == DELTA:
             report = self._delta(pairs, version, timeout)
@@ -77,15 +79,17 @@ class DeltaPushes:
             self.policy.timed(FULL, time.perf_counter() - t0)
         return report
 
-    def _members_hold(self, version: int | None, timeout: float) -> bool:
-        """Whether every receiver holds ``version``, once those whose word on the last push
-        is on its way said it (as the push itself waits for them, ``JOIN_GRACE`` at most)."""
+    def _members(self, version: int | None, timeout: float) -> tuple[bool, bool]:
+        """Whether every receiver takes deltas, and whether every one holds ``version``, once
+        those whose word on the last push is on its way said it (as the push itself waits
+        for them, ``JOIN_GRACE`` at most)."""
         hub = self.pusher.parts.hub
         deadline = time.monotonic() + timeout
 
-        async def check() -> bool:
+        async def check() -> tuple[bool, bool]:
             await hub.until(lambda: not any(m.returning for m in hub.members.values()), deadline)
-            return _hold([m for m in hub.members.values() if not m.gone], version)
+            ms = [m for m in hub.members.values() if not m.gone]
+            return bool(ms) and all(m.deltas for m in ms), _hold(ms, version)
 
         return self.pusher.parts.loop.run(check())
 
