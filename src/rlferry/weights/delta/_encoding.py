@@ -54,8 +54,9 @@ Entry = tuple[str, torch.Tensor, torch.Tensor | None]
 
 def encode(entries: list[Entry], scratch: list[torch.Tensor]) -> Encoded:
     """Encode ``(name, new, base)`` in push order (``base`` None: not kept, sent dense;
-    ``new`` contiguous, of the base's shape and dtype) and write the changes into each
-    base. ``scratch``: a reused CPU mask (``[tensor]`` or ``[]``, grown as needed)."""
+    ``new`` of the base's shape and dtype, a strided one compared through a contiguous
+    copy) and write the changes into each base. ``scratch``: a reused CPU mask
+    (``[tensor]`` or ``[]``, grown as needed)."""
     out = Encoded()
     for group in _groups(entries):
         if group[0][1].device.type == "cuda":
