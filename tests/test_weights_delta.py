@@ -176,6 +176,26 @@ def test_a_push_in_which_nothing_changed_sends_one_empty_delta():
     assert engine.holds(trainer.serving())
 
 
+def test_a_delta_push_of_mixed_dtypes_strided_and_empty_tensors_is_exact():
+    from test_weights import Engine as Plain
+    from test_weights import state
+
+    sd = state()  # fp32, bf16, bool, int64, empty, a transposed view, split over buckets
+    engine = Plain(sd)
+    with delta_sender() as s:
+        r = WeightReceiver(group="d", address=s.address, load=engine.load, deltas="base").start()
+        kinds = []
+        for v in (1, 2, 3):
+            sd["embed"][v, :7] += 1
+            sd["t"][1, v] = -sd["t"][1, v]
+            sd["mask"][0, v % 3] = ~sd["mask"][0, v % 3]
+            sd["step"] += 1
+            kinds.append(s.push(sd.items(), version=v, timeout=30).kind)
+            assert engine.equals(sd)
+        r.close()
+    assert kinds == ["full", "delta", "delta"]
+
+
 # -- who gets a full push --------------------------------------------------------------------
 
 
