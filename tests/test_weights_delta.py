@@ -510,19 +510,35 @@ def test_shm_zero_copy_alternating_with_delta_pushes_leaks_no_buffers_or_descrip
 # -- the measured choice -----------------------------------------------------------------------
 
 
-def test_the_policy_measures_each_kind_then_pushes_the_faster_trying_the_other_ever_later():
-    p = _policy.Policy()
-    assert p.choose() == "delta"
-    p.timed("delta", 1.0)
-    assert p.choose() == "full"
-    p.timed("full", 3.0)
+def run_policy(p, times, n):
+    """``n`` pushes chosen by ``p``, each kind taking ``times[kind]``: their kinds' initials."""
     seen = []
-    for _ in range(40):
+    for _ in range(n):
         kind = p.choose()
         seen.append(kind[0])
-        p.timed(kind, 1.0 if kind == "delta" else 3.0)
-    # the slower kind is tried after 4 pushes, then 8, 16: it stays slower
-    assert "".join(seen) == "ddddf" + "d" * 8 + "f" + "d" * 16 + "f" + "d" * 9
+        p.timed(kind, times[kind])
+    return "".join(seen)
+
+
+def test_the_policy_measures_each_kind_then_pushes_the_faster_trying_the_other_later():
+    p = _policy.Policy()
+    # a little slower: tried again after 8 pushes (the least wait)
+    assert run_policy(p, {"delta": 1.0, "full": 1.05}, 20) == "df" + "d" * 8 + "f" + "d" * 8 + "f"
+
+
+def test_the_policy_tries_a_much_slower_kind_as_seldom_as_it_costs():
+    p = _policy.Policy()
+    p.refreshed(0.5)
+    # a delta's try costs 9 s more and a copy of 0.5 s: 2% of 1 s pushes, 475 pushes apart
+    seen = run_policy(p, {"delta": 10.0, "full": 1.0}, 480)
+    assert seen == "df" + "f" * 475 + "dff"
+
+
+def test_the_policy_swaps_kinds_when_the_faster_slows_past_the_other():
+    p = _policy.Policy()
+    assert run_policy(p, {"delta": 1.0, "full": 2.0}, 5) == "dfddd"
+    # one slower delta (the mean: 2.5 s) and full pushes win
+    assert run_policy(p, {"delta": 4.0, "full": 2.0}, 4) == "dfff"
 
 
 def test_an_always_policy_chooses_deltas_and_keeps_the_base_up_whatever_the_times():
@@ -534,14 +550,14 @@ def test_an_always_policy_chooses_deltas_and_keeps_the_base_up_whatever_the_time
 
 def test_the_policy_keeps_the_base_up_only_when_the_next_push_may_be_a_delta():
     p = _policy.Policy()
-    p.timed("delta", 5.0)
-    p.timed("full", 1.0)  # full pushes are faster here (a GPU's own copy)
+    p.timed("delta", 1.1)
+    p.timed("full", 1.0)  # full pushes faster, a delta's try 8 pushes apart
     keeps = []
-    for _ in range(6):
+    for _ in range(11):
         kind = p.choose()
         keeps.append((kind[0], p.keep_base() if kind == "full" else None))
-        p.timed(kind, 5.0 if kind == "delta" else 1.0)
-    assert keeps == [("f", False)] * 3 + [("f", True), ("d", None), ("f", False)]
+        p.timed(kind, 1.1 if kind == "delta" else 1.0)
+    assert keeps == [("f", False)] * 7 + [("f", True), ("d", None)] + [("f", False)] * 2
 
 
 # -- HFEngine --------------------------------------------------------------------------------

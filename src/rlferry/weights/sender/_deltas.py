@@ -70,7 +70,9 @@ class DeltaPushes:
             if report is not None:
                 return report
         if keep:
+            t0 = time.perf_counter()
             self.base.refresh(pairs, version)
+            self.policy.refreshed(time.perf_counter() - t0)
         else:
             self.base.drop()
         t0 = time.perf_counter()
