@@ -313,6 +313,37 @@ def test_the_worker_extension_joins_a_sender_and_receives_one_push(llm):
     assert vllm_greedy(llm, PROMPTS[0], 12)[0] == hf_greedy(model, PROMPTS[0], 12)[0]
 
 
+def test_the_worker_takes_delta_pushes_rebuilt_whole_from_its_host_copy(llm):
+    """Deltas that change one tensor of a fused layer (q_proj, not k_proj or v_proj): the
+    worker applies them to its host copy and hands load_weights every tensor (vLLM's
+    layerwise reload rebuilds a layer from the tensors loaded into it), and vLLM then
+    generates what transformers does with the same weights."""
+    from rlferry.weights import WeightSender
+
+    model = tiny(5)
+    params = dict(model.named_parameters())
+    changes = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    kinds, got = [], []
+    with WeightSender(group="deltas", transport="shm", delta_budget=1 << 30,
+                      delta_policy="always") as sender:  # fmt: skip
+        llm.collective_rpc("rlferry_join", args=("deltas", sender.address),
+                           kwargs={"name": "ext-deltas"})  # fmt: skip
+        for v in (1, 2, 3):
+            if v > 1:  # a few elements of one tensor
+                with torch.no_grad():
+                    params[changes[v - 2]].view(-1)[::97] += 0.5
+            rpc = threading.Thread(target=lambda v=v: got.append(
+                llm.collective_rpc("rlferry_receive", args=(v, 60.0))))  # fmt: skip
+            rpc.start()
+            report = sender.push(model.state_dict().items(), version=v, timeout=60)
+            kinds.append((report.kind, report.tensors))
+            rpc.join(60)
+    assert got == [[1], [2], [3]]
+    assert kinds == [("full", 21), ("delta", 1), ("delta", 1)]  # one sparse tensor each
+    for prompt in PROMPTS:
+        assert vllm_greedy(llm, prompt, 12)[0] == hf_greedy(model, prompt, 12)[0]
+
+
 # -- VLLMEngine: an AsyncLLM driven as an rlferry engine ---------------------------------------
 @pytest.fixture(scope="module")
 def loop():

@@ -56,6 +56,29 @@ def test_bench_weights_sharded_prints_one_json_line_with_its_fields(tmp_path):
     assert "| senders | receivers | mode |" in run.stdout
 
 
+def test_bench_weights_delta_writes_a_row_per_lr_with_the_issues_fields(tmp_path):
+    out = tmp_path / "rows.json"
+    args = ["--scale", "64", "--repeat", "2", "--lr", "1e-6,1e-4", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "weights_delta.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    rows = json.loads(out.read_text())
+    assert [(r["transport"], r["lr"], r["kind"], r["identical"]) for r in rows] == [
+        ("gloo", 1e-6, "delta", True),
+        ("gloo", 1e-4, "delta", True),
+    ]
+    keys = {"changed_fraction", "full_bytes", "sent_bytes", "full_ms_p50", "sent_ms_p50"}
+    assert all(keys <= set(r) for r in rows)
+    low, high = rows
+    assert 0 < low["changed_fraction"] < high["changed_fraction"] <= 1
+    assert low["sent_bytes"] < low["full_bytes"] / 4
+    assert "| XOR + zlib level 1 |" in run.stdout
+
+
 def test_bench_weights_sharded_on_fewer_gpus_puts_every_link_across_two():
     import argparse
 

@@ -11,6 +11,14 @@ One sender per group of receivers; the bytes move over a transport (``shm``,
 tensors by one grouped copy (``rlferry.weights.copies.GroupedCopy``: one Triton
 launch on CUDA).
 
+A sender with ``delta_budget`` keeps its last version and pushes only what changed
+to receivers that hold it (``WeightReceiver(..., deltas="in_place")``: ``load`` gets
+``(name, Delta)`` items, which ``ParamLoader`` applies in place)::
+
+    sender = WeightSender(group="rollout", transport="broadcast", delta_budget=32 << 30)
+    report = sender.push(model.state_dict().items(), version=8, dtype=torch.bfloat16)
+    report.kind, report.sent_bytes / report.full_bytes  # ("delta", 0.068)
+
 At scale every trainer rank sends what it owns straight to the engine ranks that
 need it: a ``ShardedSender`` per trainer rank, a ``ShardedReceiver`` per engine
 rank, one plan computed from both layouts (``fsdp_layout`` for the trainer,

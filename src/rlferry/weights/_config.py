@@ -48,9 +48,26 @@ class SenderConfig:
     zero_copy: bool = True
     grouped_pack: bool = True
     nccl_high_priority: bool = True
+    delta_budget: int = 0
+    delta_base: str = "device"
+    delta_policy: str = "measured"
 
     def __post_init__(self) -> None:
         _check_group("WeightSender", self.group)
+        if type(self.delta_budget) is not int or self.delta_budget < 0:
+            raise RequestError(
+                f"WeightSender.delta_budget: expected an int >= 0 (bytes of the last version "
+                f"kept for delta pushes; 0: off), got {self.delta_budget!r}"
+            )
+        if self.delta_base not in ("device", "host"):
+            raise RequestError(
+                f"WeightSender.delta_base: expected 'device' or 'host', got {self.delta_base!r}"
+            )
+        if self.delta_policy not in ("measured", "always"):
+            raise RequestError(
+                f"WeightSender.delta_policy: expected 'measured' or 'always', got "
+                f"{self.delta_policy!r}"
+            )
         for flag in ("zero_copy", "grouped_pack", "nccl_high_priority"):
             if not isinstance(getattr(self, flag), bool):
                 raise RequestError(
@@ -101,9 +118,20 @@ class ReceiverConfig:
     verify: bool = False
     name: str | None = None
     secret: str | bytes | None = None
+    deltas: str | None = None
+    delta_base: str = "host"
 
     def __post_init__(self) -> None:
         _check_group("WeightReceiver", self.group)
+        if self.deltas not in (None, "in_place", "base", "whole"):
+            raise RequestError(
+                f"WeightReceiver.deltas: expected None, 'in_place', 'base' or 'whole', got "
+                f"{self.deltas!r}"
+            )
+        if self.delta_base not in ("device", "host"):
+            raise RequestError(
+                f"WeightReceiver.delta_base: expected 'device' or 'host', got {self.delta_base!r}"
+            )
         if not isinstance(self.address, str) or "://" not in self.address:
             raise RequestError(
                 f"WeightReceiver.address: expected the sender's address "

@@ -13,6 +13,8 @@ sender or a receiver ended, as the wire's ``ChannelClosed``, ``PeerGone`` and
 
 :class:`BlockFP8Error` (also a ``RequestError``) is a layout or a push that block FP8
 cannot serve, named before any byte moves.
+:class:`DeltaBaseMissing` (also a ``RequestError``) is a delta push that a receiver refused
+before any byte moved: it does not hold the version the delta was made against.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BlockFP8Error",
+    "DeltaBaseMissing",
     "PushTimeout",
     "ReceiverClosed",
     "SenderClosed",
@@ -81,3 +84,11 @@ class BlockFP8Error(WeightSyncError, RequestError):
     whose parts are not whole 128 x 128 blocks, a block that straddles two trainer ranks'
     shards (one rank cannot scale it alone), or a push of a tensor in block FP8 to an
     engine that does not keep it so (the engine keeps serving its version)."""
+
+
+class DeltaBaseMissing(WeightSyncError, RequestError):
+    """A delta push reached a receiver that does not hold its base version (its version
+    was changed behind the sender's back, or it loaded part of a push since): the
+    receiver refused it at its Setup, before any byte moved, and keeps serving its
+    version. ``failures`` names it with the base asked and the version it holds; its next
+    push is full."""

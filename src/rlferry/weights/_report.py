@@ -19,6 +19,11 @@ class PushReport:
 
     ``receivers`` names the receivers that committed ``version``; ``plan_sent``
     says whether the layout travelled (first push, a new layout or a new receiver).
+    ``kind``: ``"full"``, or ``"delta"`` (a sender with ``delta_budget``: only what
+    changed since the base version was sent); ``sent_bytes``: what moved (``bytes``);
+    ``full_bytes``: what a full push of the same tensors moves; ``changed``: the
+    fraction of the compared elements that changed (None: a full push compares none).
+    ``tensors`` and ``buckets`` count what moved (a delta push's encoded tensors).
     """
 
     version: int
@@ -28,6 +33,15 @@ class PushReport:
     tensors: int
     buckets: int
     plan_sent: bool
+    kind: str = "full"
+    sent_bytes: int = -1  # -1: ``bytes``
+    full_bytes: int = -1  # -1: ``bytes``
+    changed: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sent_bytes", "full_bytes"):
+            if getattr(self, name) < 0:
+                object.__setattr__(self, name, self.bytes)
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,10 @@ class SenderStatistics:
     started_here: int = 0
     # mailbox pushes that ended on their receivers' word on the commit line (see _line)
     commits_on_line: int = 0
+    # delta pushes: the bytes kept of the base version (within delta_budget), and the
+    # pushes that were deltas
+    delta_bytes: int = 0
+    delta_pushes: int = 0
 
 
 @dataclass(frozen=True)

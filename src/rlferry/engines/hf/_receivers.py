@@ -42,7 +42,8 @@ async def join_senders(
     once a version committed whole.
 
     ``address`` is asked who sends ``group`` first: a ``WeightSender`` on its own is joined
-    by one ``WeightReceiver`` (checking every plan against ``tensors``); the rank 0 of
+    by one ``WeightReceiver`` (checking every plan against ``tensors``; a delta push is
+    applied to ``tensors`` in place); the rank 0 of
     ``ShardedSender`` ranks describes every rank and the trainer layout, and a
     ``ShardedReceiver`` joins every rank, ``tensors`` whole (``EngineLayout.whole`` in
     their dtypes). Point to point, ``address`` is rank 0's link to this engine's rank: it
@@ -55,7 +56,7 @@ async def join_senders(
         recv = WeightReceiver(
             group=group, address=address, load=functools.partial(load, ParamLoader(tensors)),
             on_commit=on_commit, expected=adapter.check(tensors) if adapter else tensors,
-            name=name, secret=secret, device=device,
+            name=name, secret=secret, device=device, deltas="in_place",
         )  # fmt: skip
     else:
         if adapter is not None:

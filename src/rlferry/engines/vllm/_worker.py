@@ -170,6 +170,9 @@ class RlferryWeightTransferEngine(WeightTransferEngine):
             on_commit=gate.committed, on_failure=gate.failed, expected=expected,
             verify=init_info.verify, name=name, secret=init_info.secret,
             device=self.device if torch.device(self.device).type == "cuda" else None,
+            # a delta push is applied to a host copy, and load_weights gets every tensor:
+            # vLLM's layerwise reload rebuilds a layer from the tensors loaded into it
+            deltas="whole",
         )  # fmt: skip
         recv.start(init_info.timeout)
         old, self.receiver, self._gate = self.receiver, recv, gate

@@ -31,6 +31,8 @@ import torch
 from rlferry.errors import RequestError
 from rlferry.wire.lowlevel import BulkCopy, bytes_copy
 
+from ..delta import Delta
+
 __all__ = ["GroupedCopy", "ParamLoader", "chunk_table"]
 
 CHUNK_BYTES = 512 << 10  # one table row: 32 programs of 16 KiB
@@ -293,6 +295,10 @@ class ParamLoader:
     that call. ``programs``: see :class:`GroupedCopy` (set it, e.g. to 64, for
     a broadcast receiver: its loads run beside NCCL).
 
+    A delta push's ``(name, Delta)`` items (a receiver with ``deltas="in_place"``) are
+    applied to ``params[name]`` in place (``Delta.apply_``: the parameter must be
+    contiguous), the bucket's other tensors copied as above.
+
     Raises ``ValueError`` for a name that is not in ``params`` or a shape that
     differs, naming the tensor (the receiver reports it to the sender).
     """
@@ -303,7 +309,10 @@ class ParamLoader:
         self.built = 0
         self._copies: dict[int, GroupedCopy] = {}
 
-    def __call__(self, items: list[tuple[str, torch.Tensor]]) -> None:
+    def __call__(self, items: list[tuple[str, Any]]) -> None:
+        if any(isinstance(t, Delta) for _, t in items):
+            self._apply(items)
+            return
         copy = self._copies.get(id(items))
         if copy is None:
             copy = self._build(items)
@@ -315,8 +324,19 @@ class ParamLoader:
             self._copies[id(items)] = copy
         copy()
 
-    def _build(self, items: list[tuple[str, torch.Tensor]]) -> GroupedCopy:
-        names = [n for n, _ in items]
+    def _apply(self, items: list[tuple[str, Any]]) -> None:
+        """A delta push's bucket: its deltas applied, its dense tensors copied."""
+        self._check([n for n, _ in items])
+        dense = []
+        for name, t in items:
+            if isinstance(t, Delta):
+                t.apply_(self.params[name])
+            else:
+                dense.append((name, t))
+        if dense:
+            self._build(dense)()
+
+    def _check(self, names: list[str]) -> None:
         missing = [n for n in names if n not in self.params]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -324,6 +344,10 @@ class ParamLoader:
                 f"ParamLoader: tensor `{missing[0]}`{more}: not a parameter of this engine "
                 f"(expected one of its {len(self.params)} names)"
             )
+
+    def _build(self, items: list[tuple[str, torch.Tensor]]) -> GroupedCopy:
+        names = [n for n, _ in items]
+        self._check(names)
         self.built += 1
         return GroupedCopy(
             [self.params[n] for n in names], [t for _, t in items], names=names,

@@ -22,6 +22,8 @@ class Member:
         self.where = f"pid {join.pid} on {join.host}"
         self.pid = join.pid
         self.verify = join.verify
+        self.deltas = join.deltas  # how it takes delta pushes ("": it takes none)
+        self.holds: int | None = None  # the version it holds whole, by its last word
         self.line = ""  # its start line, if this sender reached it (see _line)
         self.parked: asyncio.Future[Any] | None = None
         self.watch: asyncio.Future[Any] | None = None  # its Watch, parked (see _messages)
@@ -66,6 +68,7 @@ class Push:
     collective: bool
     verify: bool
     direct: bool = False  # its members were started on their lines, not through the hub
+    delta: dict[str, Any] | None = None  # a delta push's header, for every member's Setup
     unstarted: dict[str, str] = field(default_factory=dict)  # members whose start did not go
     ready: int = 0  # buckets announced
     streaming: bool = False

@@ -86,6 +86,7 @@ class Join(msgspec.Struct, frozen=True, tag="join"):
     pid: int
     verify: bool = False  # wants a checksum of every bucket
     line: str = ""  # where its streams may be started from the pushing thread (see _line)
+    deltas: str = ""  # how it takes delta pushes ("in_place", "base"; "": it takes none)
 
 
 class Leave(msgspec.Struct, frozen=True, tag="leave"):
@@ -102,6 +103,8 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     checksums: list[int] = []
     want: int | None = None  # the bucket to answer with (default: the one after ``step``)
     park: bool = True  # False: a bare acknowledgement, answered at once with Noted
+    holds: int = -1  # the version it holds whole (-1: none: it never committed, or loaded
+    # part of a push since)
 
 
 class StoreOp(msgspec.Struct, frozen=True, tag="store"):
@@ -166,6 +169,7 @@ class Setup(msgspec.Struct, frozen=True, tag="setup"):
     plan: dict[str, Any]
     transport: dict[str, Any]  # the buffers to map, or the group to join
     version: int = -1  # of the push it belongs to (-1: a sender that does not say)
+    delta: dict[str, Any] | None = None  # a delta push's header (see delta._header)
 
 
 class Bucket(msgspec.Struct, frozen=True, tag="bucket"):

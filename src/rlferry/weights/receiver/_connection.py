@@ -57,7 +57,10 @@ class Connection:
         assert self.client is not None
         c = self.config
         line = self._line.name if self._line is not None else ""
-        join = Join(c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify, line)
+        join = Join(
+            c.group, "", self.name, socket.gethostname(), os.getpid(), c.verify, line,
+            c.deltas or "",
+        )  # fmt: skip
         try:
             reply = decode_reply(self.client.request(encode(join), timeout))
         except RemoteError as e:

@@ -5,6 +5,7 @@ the connection, the serving loop and the waiters, and owns a :class:`Loader`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from rlferry.wire import Client, RemoteError, SecurityError, WireError
@@ -19,6 +21,7 @@ from rlferry.wire import Client, RemoteError, SecurityError, WireError
 from .._config import ReceiverConfig
 from .._errors import WeightSyncError
 from ..copies._pack import Unpacker
+from ..delta._applying import Receiving
 from ..planning._buckets import Plan
 from ..planning._specs import check_against
 from ..protocol._messages import (
@@ -92,6 +95,7 @@ class Loader:
         self._unpacker: Unpacker | None = None
         self._bufs: list[torch.Tensor] = []
         self._push_start = 0.0
+        self.deltas = Receiving(config.deltas, config.delta_base)
 
     def connect(
         self, client: Client, mailbox: MailboxReceiver | None,
@@ -119,7 +123,12 @@ class Loader:
 
     def send(self, ack: Ack) -> bytes:
         assert self._client is not None
-        return self._client.send(encode(ack))
+        return self._client.send(encode(self._stamped(ack)))
+
+    def _stamped(self, ack: Ack) -> Ack:
+        """``ack`` telling the version this receiver holds whole (see ``Ack.holds``)."""
+        holds = self.deltas.holds
+        return msgspec.structs.replace(ack, holds=-1 if holds is None else holds)
 
     def _ask_ahead(self, ack: Ack) -> None:
         """Ask for the next bucket now (it comes while this one loads); if the ask cannot
@@ -131,11 +140,15 @@ class Loader:
 
     def handle(self, msg: Any) -> Ack:
         """Handle one message of a push; the acknowledgement to send back."""
+        return self._stamped(self._handle(msg))
+
+    def _handle(self, msg: Any) -> Ack:
         self.prefetch = None
         if isinstance(msg, (Setup, Bucket, Stream, Abort)):
             self.seen = max(self.seen, msg.seq)  # a start on the line up to it is stale
             if msg.version >= 0:
                 self.pushing = msg.version
+            self.deltas.message(msg.seq)
         try:
             if isinstance(msg, Setup):
                 return self._setup(msg)
@@ -178,7 +191,14 @@ class Loader:
             plan = self._plan
         else:
             plan = Plan.from_wire(msg.plan)
-        why = check_against(plan, self.config.expected)
+        why: str | None
+        try:
+            specs = self.deltas.setup(msg.delta, plan)
+        except WeightSyncError as e:
+            why, what = str(e), "refused the delta push"
+        else:  # a delta is checked as the tensors it updates
+            seen = plan if specs is None else dataclasses.replace(plan, specs=tuple(specs))
+            why, what = check_against(seen, self.config.expected), "rejected the plan"
         handles: list[bytes] = []
         coll, mail = self._collective, self._mailbox
         if why is not None:
@@ -188,7 +208,7 @@ class Loader:
             if coll is not None:
                 coll.join(msg.transport, _host_of(self.config.address), self.config.device,
                           self._store_call)  # fmt: skip
-            return self._failed(msg.seq, PLAN, f"rejected the plan: {why}")
+            return self._failed(msg.seq, PLAN, f"{what}: {why}")
         if coll is not None:
             host = _host_of(self.config.address)
             coll.join(msg.transport, host, self.config.device, self._store_call)
@@ -203,6 +223,8 @@ class Loader:
                 targets = self.targets(plan) if self.targets is not None else None
                 offered = mail.offer(targets) if targets is not None else None
                 self._written = offered is not None
+                if self._written:  # the sender writes into our tensors from now on
+                    self.deltas.written()
                 return Ack(msg.seq, PLAN, handles=handles, targets=offered)
             self._written = False
             bufs = [mail.buffer(0), mail.buffer(1)]
@@ -232,7 +254,10 @@ class Loader:
         u = self._unpacker
         assert u is not None
         u.stage(k)
-        items = u.loads[k]
+        items: list[Any] = self.deltas.items(u.loads[k]) if u.loads[k] else []
+        rest = self.deltas.last() if k + 1 == u.plan.buckets else []
+        if rest:  # a ``whole`` receiver's delta push: every tensor, once the last bucket came
+            items = [*items, *rest]
         if items:
             self.config.load(items)
         self.counts.bytes += u.bytes[k]
@@ -326,6 +351,7 @@ class Loader:
             except Exception as e:
                 return self._failed(seq, DONE - 1, f"on_commit raised {type(e).__name__}: {e}")
         self._committed(version)
+        self.deltas.committed(version)
         self.counts.commits += 1
         self.counts.last_seconds = time.perf_counter() - self._push_start
         self._push_start = 0.0

@@ -66,6 +66,20 @@ class WeightReceiver:
     receiver. A background thread that fails (a reply it cannot read, a bug)
     makes ``wait_for`` raise ``WeightSyncError`` naming the failure. In each case
     ``statistics().stopped`` says why the receiver serves no more.
+
+    Delta pushes (from a sender with ``delta_budget``): ``deltas="in_place"`` lets
+    ``load`` get ``(name, Delta)`` items, each to apply to the engine's tensor of that
+    name, which holds the last committed version (``Delta.apply_``; ``ParamLoader`` does
+    it); ``deltas="base"`` keeps a copy of the last committed version (in host memory,
+    pinned for CUDA tensors, or ``delta_base="device"``: on the pushed tensors' device)
+    and hands ``load`` the whole tensors a delta changed, rebuilt from it;
+    ``deltas="whole"`` keeps the same copy and hands ``load`` every tensor of a delta
+    push's version once its last bucket came (a loader that reloads a layer only from
+    all of its tensors, as vLLM's layerwise reload). None (the default): the sender
+    never sends this receiver a delta. A delta whose base version
+    this receiver does not hold is refused before any byte moves (the sender raises
+    ``DeltaBaseMissing``); after a push that failed here it holds no whole version, and
+    its next push is full.
     """
 
     def __init__(
@@ -81,6 +95,8 @@ class WeightReceiver:
         verify: bool = False,
         name: str | None = None,
         secret: str | bytes | None = None,
+        deltas: str | None = None,
+        delta_base: str = "host",
     ) -> None:
         self.config = ReceiverConfig(
             group=group,
@@ -93,6 +109,8 @@ class WeightReceiver:
             verify=verify,
             name=name,
             secret=secret,
+            deltas=deltas,
+            delta_base=delta_base,
         )
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_names)}"
         self._transport: ReceiverTransport | None = None

@@ -10,12 +10,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import PushTimeout
+from .._errors import PushTimeout, WeightSyncError
 from ..protocol._members import Member, Push
 from ..protocol._messages import DONE, IDLE, PLAN
 from ._hub import Hub
 
-__all__ = ["Course"]
+__all__ = ["Course", "MembersChanged"]
+
+
+class MembersChanged(WeightSyncError):
+    """The members a push found are not those it was made for (a delta push, and one of
+    them lacks its base: it joined since, say): nothing started; the sender makes the push
+    again, full."""
 
 
 class Course:
@@ -41,7 +47,9 @@ class Course:
 
         ``fast(members)``: the push, if these members need nothing before the stream (they
         hold the plan and the group): it starts streaming here, in the same hop, and is
-        returned; else None, and the sender sets the members up and calls :meth:`start`."""
+        returned; else None, and the sender sets the members up and calls :meth:`start`.
+        ``push_args["accept"]`` (if given) ``(members)``: False if the push was made for
+        others (raises ``MembersChanged``, nothing started)."""
 
         def enough() -> bool:
             ms = self.hub.members.values()
@@ -56,6 +64,9 @@ class Course:
         members = [m for m in self.hub.members.values() if m.idle]
         if len(members) < wait_for:
             raise PushTimeout(self._too_few(push_args, wait_for))
+        accept = push_args.get("accept")
+        if accept is not None and not accept(members):
+            raise MembersChanged("the push's members are not those it was made for")
         self._arm_deadline(deadline)
         for m in members:
             m.seq, m.error, m.sent_setup, m.checksums = push_args["seq"], None, False, []

@@ -113,6 +113,7 @@ class Hub:
             self._leave(m, "closed its receiver")
             return encode(Noted())
         m.returning = False
+        m.holds = msg.holds if msg.holds >= 0 else None
         self._acked(m, msg)
         if not msg.park:
             self._changed.set()
@@ -248,7 +249,7 @@ class Hub:
             if not m.sent_setup and m.key in p.setups:
                 m.sent_setup = True
                 plan = p.plan if m.plan != p.fingerprint else {"same": p.fingerprint}
-                m.parked.set_result(Setup(p.seq, plan or {}, p.setups[m.key], p.version))
+                m.parked.set_result(Setup(p.seq, plan or {}, p.setups[m.key], p.version, p.delta))
             return
         if not p.streaming or m.step == DONE:
             return

@@ -108,8 +108,11 @@ class Preparer:
             self.packer = None
         return data, self.plan, layout is not None
 
-    def setups(self, members: list[Member], plan: Plan, timeout: float) -> dict[bytes, Any]:
-        """Prepare the transport for ``plan``; the descriptor for each member that must attach."""
+    def setups(
+        self, members: list[Member], plan: Plan, timeout: float, every: bool = False
+    ) -> dict[bytes, Any]:
+        """Prepare the transport for ``plan``; the descriptor for each member that must attach
+        (``every``: each member, its Setup carrying what this push alone says)."""
         parts = self.parts
         tr, mail, coll = parts.transport, parts.mailbox, parts.collective
         assert self.device is not None
@@ -124,10 +127,10 @@ class Preparer:
         out = {}
         for m in members:
             if coll is not None:
-                if group is not None or m.plan != plan.fingerprint:
+                if group is not None or m.plan != plan.fingerprint or every:
                     base = group[m.key] if group is not None else coll.current(m.key)
                     out[m.key] = {**base, "generation": tr.generation}
-            elif m.plan != plan.fingerprint or m.generation != tr.generation:
+            elif m.plan != plan.fingerprint or m.generation != tr.generation or every:
                 assert mail is not None
                 out[m.key] = {**mail.descriptor(), "generation": tr.generation}
         if out:

@@ -18,12 +18,13 @@ import torch
 from rlferry.errors import RequestError
 
 from .._config import SenderConfig
-from .._errors import SenderClosed, WeightSyncError
+from .._errors import DeltaBaseMissing, SenderClosed, WeightSyncError
 from .._report import PushReport, SenderStatistics
 from ..copies._pack import bucketed
 from ..planning._buckets import Plan
 from ..protocol._members import Member, Push
 from ..protocol._messages import Described
+from ._course import MembersChanged
 from ._finishing import Finisher, error_class, failures_text
 from ._launching import Launcher
 from ._parts import SenderParts
@@ -99,7 +100,8 @@ class Pusher:
     # -- the push -----------------------------------------------------------------------
     def steps(
         self, named: Named, version: int, timeout: float,
-        layout: Iterable[tuple[str, Any]] | None = None,
+        layout: Iterable[tuple[str, Any]] | None = None, delta: dict[str, Any] | None = None,
+        accept: Callable[[list[Member]], bool] | None = None,
     ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
         """:meth:`WeightSender.push` as steps, for a caller that drives several senders'
         pushes in one thread (:func:`drain` runs one): the first step starts the push (a
@@ -116,7 +118,13 @@ class Pusher:
         each bucket's tensor indices and list before the bucket is packed, to replace
         tensors of it (in the list, and in ``named``) that the caller finds stale then
         (it returns their indices). Such a caller must push the
-        layout of the last push (a push that started streaming the old one fails, aborted)."""
+        layout of the last push (a push that started streaming the old one fails, aborted).
+
+        ``delta``: a delta push's header (``named``, a list, holds its encoded tensors):
+        every member gets a Setup carrying it, and the push is packed (its tensors are new
+        each push: exporting them for zero copy would cost more than packing them).
+        ``accept(members)`` is asked on the wire loop once the members are known: False
+        raises ``MembersChanged`` before anything started."""
         if type(version) is not int:
             raise RequestError(f"push.version: expected an int, got {version!r}")
         if self._closed:
@@ -128,19 +136,20 @@ class Pusher:
             kept = self.preparer.kept()
             self._moving = False
             try:
-                return (yield from self._push(named, version, timeout, layout))
+                return (yield from self._push(named, version, timeout, layout, delta, accept))
             except BaseException as e:
                 if not self._moving:  # it failed before any bucket moved: it leaves nothing
                     self.preparer.restore(kept)
                     if self.parts.mailbox is not None:
                         self.parts.mailbox.abandon()
-                if isinstance(e, WeightSyncError):
+                if isinstance(e, WeightSyncError) and not isinstance(e, MembersChanged):
                     self.parts.counts.failed += 1
                 raise
 
     def _push(
         self, named: Named, version: int, timeout: float,
-        layout: Iterable[tuple[str, Any]] | None,
+        layout: Iterable[tuple[str, Any]] | None, delta: dict[str, Any] | None,
+        accept: Callable[[list[Member]], bool] | None,
     ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
         parts, prep, launcher, finisher = self.parts, self.preparer, self.launcher, self.finisher
         t0 = time.perf_counter()
@@ -159,7 +168,7 @@ class Pusher:
                     ))  # fmt: skip
                 named = lambda: given  # noqa: E731  (the usual way, with what it gave)
         run = parts.loop.run
-        args = {"seq": seq, "version": version, "timeout": timeout}
+        args = {"seq": seq, "version": version, "timeout": timeout, "accept": accept}
         begun: concurrent.futures.Future[tuple[list[Member], Push | None]] | None = None
         fast = early = None
         lined = False  # started on the members' lines (see Launcher.begin)
@@ -183,7 +192,7 @@ class Pusher:
             if guard is not None:
                 buckets = self._guarded(bucketed(plan, named, checked), guard, plan)
             if begun is None:
-                fast = prep.fast(plan, seq, version) if not self._first else None
+                fast = prep.fast(plan, seq, version) if not self._first and not delta else None
                 begun, lined = launcher.begin(fast, args, wait_for, deadline)
                 if fast is not None and not lined:
                     _sent(begun, deadline)  # the receivers get the start while bucket 0 packs
@@ -213,7 +222,7 @@ class Pusher:
         plan_sent = any(m.plan != plan.fingerprint for m in members)
         verify = any(m.verify for m in members)
         direct: list[torch.Tensor] | None = None
-        if parts.config.zero_copy and mail is not None and not checked and not verify:
+        if parts.config.zero_copy and mail is not None and not (checked or verify or delta):
             assert prep.device is not None
             direct = [t for _, t in named]
             if not mail.use_direct(direct, prep.device):
@@ -222,10 +231,10 @@ class Pusher:
         if direct is None and mail is not None:
             mail.use_packed()
         launcher.keep_direct(named, direct)
-        setups = prep.setups(members, plan, timeout)
+        setups = prep.setups(members, plan, timeout, every=delta is not None)
         push = Push(
             seq, version, plan.to_wire() if plan_sent else None, plan.fingerprint, members,
-            setups, coll is not None, verify,
+            setups, coll is not None, verify, delta=delta,
         )  # fmt: skip
         if not setups:  # every member holds the plan and the buffers: stream at once
             self._moving = True
@@ -241,7 +250,10 @@ class Pusher:
                     coll.form(deadline)
                 rejected = run(parts.course.planned(deadline))
                 if rejected:
-                    raise error_class(rejected)(
+                    cls: type[WeightSyncError] = WeightSyncError
+                    if delta is not None and any(m.holds != delta["base"] for m in rejected):
+                        cls = DeltaBaseMissing  # a receiver lacks the base (it says why)
+                    raise error_class(rejected, cls)(
                         f"push of version {version}: {failures_text(rejected)}; no bucket moved",
                         {m.name: m.error or "" for m in rejected},
                     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,10 +10,17 @@ import torch
 
 from .._config import SenderConfig
 from .._report import PushReport, SenderStatistics
+from ._deltas import DeltaPushes
 from ._pusher import Pusher
 from ._turns import drain
 
 __all__ = ["WeightSender"]
+
+
+def _cast(t: Any, dtype: torch.dtype) -> Any:
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.detach().to(dtype)
+    return t
 
 
 class WeightSender:
@@ -45,6 +53,20 @@ class WeightSender:
     instead of high (the default: NCCL's kernels take SMs before the pack and
     load copies queued beside them, and the collective is what bounds a push).
 
+    Delta pushes: ``delta_budget`` (bytes; 0: off) lets the sender keep the bytes of
+    the version it pushed last, for the first tensors (in push order) that fit, beside
+    the pushed tensors (``delta_base="device"``: the trainer's GPU, or ordinary memory
+    for CPU tensors) or in pinned host memory (``"host"``). A later push whose every
+    receiver committed that version and takes deltas (``WeightReceiver(deltas=...)``)
+    sends only the elements that changed, bit for bit; a tensor that did not change is
+    not sent, one that changed a lot goes dense, one not kept always goes dense. One
+    receiver that lacks the base (new, rejoined, or one that failed a push since) makes
+    the whole push full; so do ``push(..., full=True)``, the first push and a new
+    layout. ``delta_policy="measured"`` (the default): whether deltas are faster on this
+    link is measured, the sender timing both kinds and pushing the faster (a GPU's own
+    copy outruns the diff; a host's TCP link is outrun by it); ``"always"``: every push
+    that may be a delta is one. ``PushReport.kind`` says which each push was.
+
     A process may run one sender per group, each with its own transport.
     """
 
@@ -61,6 +83,9 @@ class WeightSender:
         zero_copy: bool = True,
         grouped_pack: bool = True,
         nccl_high_priority: bool = True,
+        delta_budget: int = 0,
+        delta_base: str = "device",
+        delta_policy: str = "measured",
     ) -> None:
         self.config = SenderConfig(
             group=group,
@@ -73,8 +98,16 @@ class WeightSender:
             zero_copy=zero_copy,
             grouped_pack=grouped_pack,
             nccl_high_priority=nccl_high_priority,
+            delta_budget=delta_budget,
+            delta_base=delta_base,
+            delta_policy=delta_policy,
         )
         self._pusher = Pusher(self.config)
+        self._deltas = (
+            DeltaPushes(self._pusher, delta_budget, delta_base, delta_policy == "always")
+            if delta_budget
+            else None
+        )
         self.address: str = self._pusher.address
 
     def push(
@@ -84,6 +117,8 @@ class WeightSender:
         version: int,
         timeout: float = 60.0,
         layout: Iterable[tuple[str, Any]] | None = None,
+        full: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> PushReport:
         """Send every ``(name, tensor)`` to the group's receivers; returns when they committed.
 
@@ -99,6 +134,10 @@ class WeightSender:
         joined to ask for work, a moment at most); a receiver still busy with an
         earlier push, or one that joined and never asked for work, is left out.
 
+        ``dtype``: cast every floating-point tensor to it first (the dtype the engines
+        serve: deltas are exact in it). ``full``: a sender with ``delta_budget`` pushes
+        every tensor, not a delta (a full push needs no base at the receivers).
+
         Raises:
             PushTimeout: (a ``TimeoutError``) too few receivers were ready within
                 ``timeout`` (the message names each one that joined and what it was
@@ -107,13 +146,23 @@ class WeightSender:
             WeightSyncError: a receiver rejected the plan (nothing moved) or failed
                 (``failures`` names each with its reason; the others committed,
                 ``report`` says who).
+            DeltaBaseMissing: (a ``WeightSyncError`` and a ``ValueError``) a receiver
+                refused a delta push before any byte moved: it does not hold the base
+                version (its next push is full).
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
-        return drain(self._pusher.steps(named_tensors, version, timeout, layout))
+        if dtype is not None:
+            named_tensors = [(n, _cast(t, dtype)) for n, t in named_tensors]
+        if self._deltas is None:
+            return drain(self._pusher.steps(named_tensors, version, timeout, layout))
+        return self._deltas.push(list(named_tensors), version, timeout, full)
 
     def statistics(self) -> SenderStatistics:
-        return self._pusher.statistics()
+        stats = self._pusher.statistics()
+        if self._deltas is None:
+            return stats
+        return dataclasses.replace(stats, **self._deltas.statistics())
 
     def close(self) -> None:
         """Stop serving; receivers see the sender gone and keep their last version."""

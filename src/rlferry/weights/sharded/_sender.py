@@ -67,6 +67,8 @@ class ShardedSender:
     (:func:`busier_ends`, :func:`bucket_cap`; give every rank the same). Smaller buckets cost time
     (``rlferry plan-weights`` shows both); an engine rank that hears from 256 trainer
     ranks would otherwise hold two 256 MiB buffers for each.
+
+    Delta pushes are a ``WeightSender``'s: ``delta_budget`` other than 0 is refused.
     """
 
     def __init__(
@@ -85,7 +87,15 @@ class ShardedSender:
         zero_copy: bool = True,
         point_to_point: bool = False,
         buffer_bytes: int = LINK_BUFFER_BYTES,
+        delta_budget: int = 0,
     ) -> None:
+        if delta_budget != 0:
+            raise RequestError(
+                f"ShardedSender.delta_budget: delta pushes go through a WeightSender, got "
+                f"{delta_budget!r} (a ShardedSender's links push pieces of tensors that its "
+                "receivers write into regions of the engine's tensors, which a delta does not "
+                "address; push whole tensors with WeightSender(delta_budget=...))"
+            )
         self.rank = check_rank("ShardedSender", rank, trainer.ranks, "trainer")
         if type(buffer_bytes) is not int or buffer_bytes < 2 * MIN_BUCKET_BYTES:
             raise RequestError(

@@ -1,0 +1,92 @@
+"""Whether a push that may be a delta is one: from the times the sender measured.
+
+A delta push costs the diff (reading the new tensors and the base) plus the changed
+bytes on the link; a full push, every byte on the link. Which is faster depends on the
+link (a GPU's own copy outruns the diff; a host's TCP link is outrun by it) and on how
+much changed (after a large step most bytes go dense anyway, and the diff is lost time).
+So the sender times its pushes, each kind end to end (a delta push with its diff; a full
+push without the copy that keeps the base), keeps the mean of the last few of each
+(weights halving), and pushes the faster kind. The slower one is tried again, to find a
+change (a learning rate that decays, a link that slows), once what trying it costs (its
+extra time, and the copy of the base a delta's try needs first) is at most :data:`SHARE`
+of the faster kind's time over the pushes since: after :data:`FIRST_WAIT` pushes at
+least, :data:`MOST_WAIT` at most. When the faster kind slows past the other (more
+changes: a delta's dense tensors), the mean says so and the kinds swap with no try.
+
+While full pushes win, the base is not kept up (its copy would cost a memory pass per
+push, a quarter of a full push over gloo on a 2-core host: ``python
+benchmarks/weights_delta.py --transport gloo --scale 4``); the push before a try of a
+delta refreshes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["DELTA", "FIRST_WAIT", "FULL", "MOST_WAIT", "SHARE", "Policy"]
+
+DELTA, FULL = "delta", "full"
+SHARE = 0.02
+FIRST_WAIT = 8
+MOST_WAIT = 1024
+_WEIGHT = 0.5  # of the newest time in the running mean
+
+
+class Policy:
+    """The kind of each push that may be a delta, from measured push times (``always``:
+    a delta every time, the base always kept up; for a link known to favour deltas)."""
+
+    def __init__(self, always: bool = False) -> None:
+        self.always = always
+        self.seconds: dict[str, float] = {}  # running mean of each kind's push
+        self.refresh = 0.0  # running mean of a copy of the base
+        self._since = 0  # pushes of the faster kind since the slower was measured
+        self._wait = FIRST_WAIT
+
+    def best(self) -> str | None:
+        """The kind measured faster (None until both were measured)."""
+        if len(self.seconds) < 2:
+            return None
+        return DELTA if self.seconds[DELTA] < self.seconds[FULL] else FULL
+
+    def choose(self) -> str:
+        """The kind of the next push that may be a delta: each kind is measured once
+        (a delta first), then the faster, the slower tried when its wait is over."""
+        best = self.best()
+        if self.always:
+            return DELTA
+        if best is None:
+            return FULL if DELTA in self.seconds else DELTA
+        if self._since >= self._wait:
+            return FULL if best == DELTA else DELTA
+        return best
+
+    def keep_base(self) -> bool:
+        """Whether a full push keeps the base up: the push after it may be a delta."""
+        best = self.best()
+        return self.always or best != FULL or self._since + 1 >= self._wait
+
+    def refreshed(self, seconds: float) -> None:
+        """A copy of the base took ``seconds``."""
+        self.refresh = _mean(self.refresh or None, seconds)
+
+    def timed(self, kind: str, seconds: float) -> None:
+        """A push of ``kind`` took ``seconds``."""
+        before = self.best()
+        self.seconds[kind] = _mean(self.seconds.get(kind), seconds)
+        after = self.best()
+        if after is None:
+            return
+        if kind == before:
+            self._since += 1
+            return
+        # both measured first, or the slower kind tried: wait until trying it again costs
+        # at most SHARE of the faster kind's time over the pushes between
+        fast, slow = self.seconds[after], self.seconds[FULL if after == DELTA else DELTA]
+        cost = slow - fast + (self.refresh if after == FULL else 0.0)
+        self._since = 0
+        self._wait = min(MOST_WAIT, max(FIRST_WAIT, math.ceil(cost / (SHARE * fast))))
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else old + _WEIGHT * (new - old)
