@@ -224,12 +224,13 @@ def test_plan_weights_names_a_trainer_layout_that_cuts_blocks():
 def test_a_delta_sends_offsets_and_values_of_what_changed_or_the_tensor_whole():
     bf16 = torch.bfloat16
     assert delta_bytes(1 << 20, bf16, 0.0) == 0  # nothing changed: nothing sent
-    # 1% of 2^20 elements: 10,486 changes of 2 + 2 bytes, 16 blocks of 4 bytes of count
-    assert delta_bytes(1 << 20, bf16, 0.01) == 10486 * 4 + 16 * 4
-    # half changed: sparse would be as large as the tensor, so it goes whole
-    assert delta_bytes(1 << 20, bf16, 0.5) == (1 << 20) * 2
-    # fp8 engines: 3 bytes a change against 1 a element
-    assert delta_bytes(1 << 20, torch.float8_e4m3fn, 0.3) == 1 << 20
+    # 1% of 2^20 elements: 10,486 changes of 2 + 1 bytes, 4,096 blocks of 2 bytes of count
+    assert delta_bytes(1 << 20, bf16, 0.01) == 4096 * 2 + 10486 * 3
+    # 60% changed: sparse would save less than 10% of the tensor, so it goes whole
+    assert delta_bytes(1 << 20, bf16, 0.6) == (1 << 20) * 2
+    # fp8 engines: 2 bytes a change against 1 an element
+    assert delta_bytes(1 << 20, torch.float8_e4m3fn, 0.3) == 4096 * 2 + 314573 * 2
+    assert delta_bytes(1 << 20, torch.float8_e4m3fn, 0.45) == 1 << 20
 
 
 def test_a_delta_push_is_planned_on_the_same_links_with_fewer_bytes_and_a_diff():

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..planning._delta_layout import SPARSE_AT_MOST
 from ._record import BLOCK, int_view, layout, parts_name
 
 __all__ = ["SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "unchanged"]
 
-SPARSE_AT_MOST = 0.9  # sparse when at least 10% smaller than dense
 STAGE_BYTES = 1 << 30  # a host base's tensors staged on the device at once
 
 

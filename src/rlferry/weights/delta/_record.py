@@ -15,14 +15,11 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ..planning._delta_layout import BLOCK, layout
+
 __all__ = ["BLOCK", "SUFFIX", "Delta", "comparable", "int_view", "layout", "parts_name"]
 
-# An element's place in its block fits one byte: a changed bf16 element costs 3 bytes
-# (its value and its offset) and a block 2 (its count), 1.5 x the changed bytes and 0.4%
-# of the dense bytes in all, the bytes goal of ``benchmarks/weights_delta.py``.
-BLOCK = 256
 SUFFIX = "\x00delta"  # a changed tensor's pushed name: its own name, then this
-_ALIGN = 16
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -41,15 +38,6 @@ def int_view(t: torch.Tensor) -> torch.Tensor | None:
     None for an element size that has none (complex128)."""
     ints = _INTS.get(t.element_size())
     return t.reshape(-1).view(ints) if ints is not None else None
-
-
-def layout(numel: int, changed: int, itemsize: int) -> tuple[int, int, int, int]:
-    """``(blocks, values_at, offsets_at, nbytes)`` of a tensor of ``numel`` elements of
-    ``itemsize`` bytes of which ``changed`` changed."""
-    blocks = -(-numel // BLOCK)
-    values_at = -(-2 * blocks // _ALIGN) * _ALIGN
-    offsets_at = values_at + changed * itemsize
-    return blocks, values_at, offsets_at, offsets_at + changed
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """What sending fewer bytes saves on a cluster: a delta push and a LoRA adapter, predicted.
 
 A **delta push** sends, for each tensor an engine already holds at the base version, only
-the elements that changed: their places (2-byte offsets within blocks of
-:data:`DELTA_BLOCK` elements, 4 bytes of count a block) and their new values; a tensor
-where that would not be at least 10% smaller than the tensor goes whole. Before it, each
-trainer rank reads what it pushes and the bytes it kept of the base to find what changed
-(at ``diff_GBps`` of pushed bytes a second). The links, buckets and fixed costs are
-:func:`predict`'s, on the encoded bytes.
+the elements that changed, in the record :mod:`._delta_layout` sizes (a one-byte place
+and the new value a change, an int16 count a block of 256 elements); a tensor where that
+would not be at least 10% smaller goes whole, and one that did not change is not sent.
+Before it, each trainer rank reads what it pushes and the bytes it kept of the base to
+find what changed (at ``diff_GBps`` of pushed bytes a second). The links, buckets and
+fixed costs are :func:`predict`'s, on the encoded bytes.
 
 A **LoRA push** sends an adapter instead of the model: for every linear weight of the
 attention and the MLP (``out x in``), ``A`` (``rank x in``) and ``B`` (``out x rank``),
@@ -24,12 +24,11 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._delta_layout import sent_bytes
 from ._predict import Cluster, Prediction, predict
 from ._specs import TensorSpec
 
 __all__ = [
-    "DELTA_BLOCK",
-    "DENSE_ABOVE",
     "DIFF_GBPS",
     "DeltaPrediction",
     "delta_bytes",
@@ -37,8 +36,6 @@ __all__ = [
     "predict_delta",
 ]
 
-DELTA_BLOCK = 1 << 16  # elements a block of a sparse delta; a change's offset fits 2 bytes
-DENSE_ABOVE = 0.9  # a sparse delta of more than this share of the tensor's bytes goes dense
 # The rate a trainer GPU finds what changed, in bytes pushed a second (it reads them and the
 # base, and writes the changed elements back into the base): half of an H200's
 # device-to-device copy rate (4.3 TB/s counting the bytes read and written).
@@ -50,14 +47,8 @@ _LINEAR = re.compile(r"(self_attn|mlp|attention|block_sparse_moe)\..*\.weight$")
 
 def delta_bytes(elements: int, dtype: torch.dtype, changed: float) -> int:
     """The bytes a delta of ``elements`` elements of ``dtype`` takes when ``changed`` of
-    them (a fraction) changed: sparse, or the tensor whole where sparse saves less than
-    ``1 - DENSE_ABOVE`` of it."""
-    dense = elements * dtype.itemsize
-    n = math.ceil(changed * elements)
-    if n == 0:
-        return 0
-    sparse = n * (2 + dtype.itemsize) + 4 * -(-elements // DELTA_BLOCK)
-    return dense if sparse > DENSE_ABOVE * dense else sparse
+    them (a fraction) changed."""
+    return sent_bytes(elements, math.ceil(changed * elements), dtype.itemsize)
 
 
 @dataclass(frozen=True)
