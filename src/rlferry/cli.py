@@ -157,6 +157,20 @@ def _demo_parser(sub: Any) -> None:
         help="with --launcher ray: the cluster to join (default: a local Ray, started and "
         "stopped by the run)",
     )  # fmt: skip
+    d.add_argument(
+        "--checkpoint-every", type=int, default=None, metavar="N",
+        help="a job checkpoint every N steps (the trainer's weights and optimizer, the queue, "
+        "the coordinator's versions, the prompts in flight), the last 2 kept",
+    )  # fmt: skip
+    d.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR",
+        help="where the checkpoints go (default: OUT/checkpoints, or the --resume directory)",
+    )  # fmt: skip
+    d.add_argument(
+        "--resume", default=None, metavar="DIR",
+        help="continue the job whose checkpoints are in DIR from its last whole one, to --steps "
+        "(the same settings; OUT/trained.jsonl is cut back to that step and continued)",
+    )  # fmt: skip
 
 
 def _plan_weights_parser(sub: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,16 +44,34 @@ class DemoConfig:
     launcher: str = "local"  # "local": child processes; "ray": Ray actors
     ray_address: str | None = None  # None: the Ray this process is connected to, or a local one
     lora: int | None = None  # a rank: train and push a LoRA adapter of it (the base frozen)
+    out: str | None = None  # where trained.jsonl goes (None: not written)
+    checkpoint_every: int | None = None  # a job checkpoint every this many steps
+    checkpoint_dir: str | None = None  # None: OUT/checkpoints
+    checkpoint_keep: int = 2  # whole checkpoints kept
+    resume: str | None = None  # a checkpoint directory: continue its job from its last one
 
     def __post_init__(self) -> None:
-        lows = {"steps": 1, "engines": 1, "max_staleness": 0, "groups_per_step": 2,
-                "group_size": 2, "warm_steps": 0}  # fmt: skip
+        lows = {
+            "steps": 1,
+            "engines": 1,
+            "max_staleness": 0,
+            "groups_per_step": 2,
+            "group_size": 2,
+            "warm_steps": 0,
+            "checkpoint_every": 1,
+            "checkpoint_keep": 1,
+        }
         for name, low in lows.items():
             value = getattr(self, name)
-            if name == "warm_steps" and value is None:
+            if name in ("warm_steps", "checkpoint_every") and value is None:
                 continue
             if type(value) is not int or value < low:
                 raise RequestError(f"{name}: expected an int >= {low}, got {value!r}")
+        if self.checkpoint_every is not None and self.checkpoints() is None:
+            raise RequestError(
+                "checkpoint_every: needs a directory to write into (give checkpoint_dir, or out "
+                "for OUT/checkpoints)"
+            )
         if self.lora is not None and (type(self.lora) is not int or self.lora < 1):
             raise RequestError(f"lora: expected None or an int >= 1 (a rank), got {self.lora!r}")
         if self.lora is not None and self.engine == "vllm":
@@ -112,6 +131,15 @@ class DemoConfig:
                 f"{torch.cuda.device_count()} GPUs (one engine per engine GPU: an NCCL "
                 f"broadcast takes one rank per GPU), got {self.engines}"
             )
+
+    def checkpoints(self) -> str | None:
+        """The job's checkpoint directory: ``checkpoint_dir``, else the one ``resume``
+        names, else ``out/checkpoints`` (None without any of them)."""
+        if self.checkpoint_dir is not None:
+            return self.checkpoint_dir
+        if self.resume is not None:
+            return self.resume
+        return None if self.out is None else str(Path(self.out) / "checkpoints")
 
     def gpus(self) -> tuple[int, int]:
         """(engine GPUs, trainer ranks): split gives the first half of the GPUs to the

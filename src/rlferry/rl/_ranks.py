@@ -1,5 +1,6 @@
 """What the demo's driver asks of its trainer ranks besides training: each update's push,
-and, at the end, the fingerprint of the weights they hold against the engines'."""
+and, at the end, the fingerprint of the weights they hold against the engines' and the
+run's closing figures."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 from rlferry.control import Coordinator
 
 from ._config import DemoConfig
+from ._faults import kill_point
 from ._processes import answer
 
-__all__ = ["final_check", "pusher"]
+__all__ = ["closing_figures", "final_check", "pusher"]
 
 
 def pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
@@ -23,6 +25,7 @@ def pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
     def push(seconds: float) -> dict[str, Any]:
         for conn in ranks:
             conn.send(("push", version, seconds))
+        kill_point("push", version)
         answers: list[dict[str, Any]] = []
         failed: list[BaseException] = []
         for conn in ranks:
@@ -64,4 +67,40 @@ async def final_check(
             f"at {coord.version} with {trainer}"
         )
     out["weights_fingerprint"] = trainer
+    return out
+
+
+async def closing_figures(
+    engines: list[Any], coord: Coordinator, ranks: list[Any], config: DemoConfig, *,
+    steps: int, sent: list[list[int]], written: list[tuple[float, int]], gpus: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The run's figures measured once, at its end (``steps`` run in this process):
+    :func:`final_check`'s, the bytes each rank pushed, the checkpoints' cost, the engines'
+    forward passes, the GPUs' busy share, where an update's time went."""
+    out = await final_check(engines, coord, ranks, config)
+    if written:
+        out["checkpoint: write seconds (mean)"] = sum(w[0] for w in written) / len(written)
+        out["checkpoint: MB"] = written[-1][1] / 1e6
+    if sent:  # what each rank sends per update: its own shards, or rank 0 all
+        out["weights_bytes_per_rank"] = sent[-1]
+        if config.lora:
+            out["LoRA: bytes pushed per update"] = sum(sent[-1])
+    ends = [await e.statistics() for e in engines]
+    forwards = sum(e.steps for e in ends)
+    if forwards:  # engines that count their forward passes (HFEngine)
+        out["engine: forward passes per step"] = forwards / len(ends) / steps
+        out["engine: ms per forward pass"] = 1e3 * sum(e.step_seconds for e in ends) / forwards
+    if gpus is not None:
+        share = gpus.percent()
+        if share is not None:
+            out["GPU busy, % of the run (NVML)"] = share
+        else:
+            out["gpu_busy_why"] = gpus.why
+    stats = coord.statistics()
+    if stats.updates:  # where an update's time goes, ms per update
+        n = stats.updates / 1e3
+        rest = stats.update_seconds - stats.pause_seconds - stats.push_seconds
+        out["update: pause (ms)"] = stats.pause_seconds / n
+        out["update: push (ms)"] = stats.push_seconds / n
+        out["update: commit and resume (ms)"] = rest / n
     return out

@@ -24,6 +24,9 @@ a pipe:
   With ``settings["lora"]`` (a rank) each rank trains a LoRA adapter of that rank on the
   frozen base, whole on every rank (``_lora.TrainedAdapter``: the ranks average its
   gradients), and rank 0 pushes the adapter alone through its ``WeightSender``;
+- ``("save", directory)`` (every rank): this rank's part of a job checkpoint
+  (``_trainer_state``); ``settings["resume"]``, a checkpoint's directory, is read back
+  before the rank reports ready;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it;
   with an adapter: the base, then the adapter, as the engines hold them);
 - ``("stop",)``.
@@ -68,6 +71,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from rlferry.weights import WeightSender, fingerprint
 
     from ._gather import gathered
+    from ._trainer_state import load_rank, save_rank
     from .grpo import GrpoBatch, grpo_loss
 
     torch.manual_seed(s["seed"] + rank)
@@ -102,6 +106,8 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         params = list(model.parameters())
     model.train()
     optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.0)
+    if s.get("resume"):  # a job checkpoint's parameters, optimizer state and RNG
+        load_rank(s["resume"], rank, params, optimizer)
     sender: Any = None
     if s["sync"] and s["sharded"]:
         sender = _sharded_sender(model, rank, s, serve, device)
@@ -135,6 +141,9 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
                 )
             )  # fmt: skip
             conn.send(("ok", {"fingerprint": digest}))
+            continue
+        if cmd[0] == "save":  # this rank's part of a job checkpoint, into the directory
+            conn.send(("ok", save_rank(cmd[1], rank, params, optimizer)))
             continue
         if cmd[0] == "push":
             _, version, seconds = cmd

@@ -30,23 +30,23 @@ import dataclasses
 import gc
 import itertools
 import os
-import random
-import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, rollout_columns
+from rlferry.control import Coordinator, RemoteEngine, SamplingParams, rollout_columns
+from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
+from ._checkpoint import Checkpoints, TrainedLog, check_resumable, job_state, save_job
 from ._config import LORA_LR, RL_LR, WARM, DemoConfig
+from ._faults import kill_point
 from ._gpu import GpuBusy
+from ._interrupts import run_hearing_ctrl_c
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
     Processes,
@@ -56,10 +56,11 @@ from ._processes import (
     start_engine,
     start_trainers,
 )
-from ._ranks import final_check, pusher
+from ._producer import Producer
+from ._ranks import closing_figures, pusher
 from ._records import RunRecord, StepRecord
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "run_demo", "run_hearing_ctrl_c"]
 
 _RUNS = itertools.count()  # a run's number in this process: its Ray job's name
 
@@ -75,6 +76,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
     from .model import make_model, warm_start
     from .task import ReverseTask
 
+    t_begin = time.monotonic()
     task = ReverseTask()
     tok = task.tokenizer
     record = RunRecord(config.name, dataclasses.asdict(config))
@@ -86,16 +88,32 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         contextlib.ExitStack() as stack,
     ):
         check_memory(config, tok.vocab_size)
+        root = config.checkpoints()
+        ckpts = None if root is None else Checkpoints(root, config.checkpoint_keep)
+        job: dict[str, Any] | None = None
+        at: Path | None = None  # the checkpoint resumed from
+        done = 0  # its step
+        if config.resume is not None:  # the last whole checkpoint; no warm start
+            done, at = Checkpoints(config.resume).latest()
+            job = job_state(at)
+            check_resumable(config, job["config"], at)
+            record.steps = [StepRecord(**r) for r in job["steps"]]
+            record.summary["resumed at step"] = done
+        elif ckpts is not None:
+            ckpts.check_new()
+        model_dir = Path(tmp) if ckpts is None else ckpts.base
         # on CUDA the warm start runs on GPU 0 (bfloat16 for qwen3-0.6b), then leaves it
         where = "cuda:0" if config.device == "cuda" else "cpu"
         model = make_model(config.model, tok.vocab_size, seed=config.seed, device=where)
-        warm_steps, warm_lr = WARM[config.model]
-        if config.warm_steps is not None:
-            warm_steps = config.warm_steps
-        warm = warm_start(model, task, steps=warm_steps, seed=config.seed, lr=warm_lr)
-        record.summary["warm_start_loss"] = [warm[0], warm[-1]] if warm else []
-        model.save_pretrained(tmp)
+        if job is None:
+            warm_steps, warm_lr = WARM[config.model]
+            if config.warm_steps is not None:
+                warm_steps = config.warm_steps
+            warm = warm_start(model, task, steps=warm_steps, seed=config.seed, lr=warm_lr)
+            record.summary["warm_start_loss"] = [warm[0], warm[-1]] if warm else []
+            model.save_pretrained(model_dir)
         serve_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        record.summary["model: MB (float32 master weights)"] = 4e-6 * model.num_parameters()
         del model
         if config.device == "cuda":
             torch.cuda.empty_cache()
@@ -109,12 +127,16 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             if config.device == "cuda":
                 await asyncio.to_thread(procs.place_gpus, config.gpus()[1], config.engines)
         else:  # the processes stop before the queue closes
-            queue = stack.enter_context(Queue(storage_units=1, tasks=("train",)))
+            queue = stack.enter_context(
+                Queue.restore(at / "queue") if at is not None  # its partitions and acks
+                else Queue(storage_units=1, tasks=("train",))
+            )  # fmt: skip
             stack.callback(procs.stop)
         engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": free_port(),
-            "model_dir": tmp, "lr": _lr(config), "lora": config.lora,
+            "model_dir": str(model_dir), "lr": _lr(config), "lora": config.lora,
+            "resume": None if at is None else str(at),
             "clip": config.clip, "sync": config.sync,
             "engines": config.engines, "queue": None if on_ray else queue.address,
             "ray_job": procs.job if on_ray else None,
@@ -135,12 +157,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         starting: asyncio.Future[Any]
         if on_ray:  # the engines as actors, driven over HTTP with the job's token
             starting = asyncio.ensure_future(asyncio.to_thread(
-                procs.start_engines, tmp, config.engines, config.device, config.engine,
+                procs.start_engines, str(model_dir), config.engines, config.device, config.engine,
                 max(64, per_engine), ENGINE_LEN, config.lora,
             ))  # fmt: skip
         else:
             starting = asyncio.gather(*(
-                asyncio.to_thread(start_engine, procs, tmp, i, config.engine_device(i),
+                asyncio.to_thread(start_engine, procs, str(model_dir), i, config.engine_device(i),
                                   config.engine, max(64, per_engine), ENGINE_LEN, config.lora)
                 for i in range(config.engines)
             ))  # fmt: skip
@@ -161,29 +183,36 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 e.init_weight_transfer("demo", at) for e, at in zip(engines, sender, strict=True)
             ))  # fmt: skip
         batch = config.groups_per_step * config.group_size
-        coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness)
-        prompts: dict[int, Any] = {}
+        ranks = [conn for _, conn in procs.trainers]
+        sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
+        # resumed: the engines (the base model, version 0) get the checkpoint's weights, as
+        # its version, before the coordinator gets its counters
+        coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness,
+                            version=max(0, done - 1) if config.sync else 0)  # fmt: skip
+        if job is not None:
+            if config.sync:
+                await coord.update_weights(pusher(ranks, done, sent), version=done, timeout=120)
+            coord.load_state_dict(job["coordinator"])
+        produced = Producer(task, config.seed, None if job is None else job["producer"])
         params = SamplingParams(
             max_tokens=task.max_tokens, temperature=1.0, stop_token_ids=(tok.eos_id,)
         )
-
-        async def produce() -> None:
-            rng = random.Random(config.seed)
-            for k in range(1 << 62):
-                prompt = task.sample(1, rng)[0]
-                prompts[k] = prompt
-                await coord.submit(prompt.ids, params, n=config.group_size, group=k)
+        trained = None if config.out is None else TrainedLog(
+            Path(config.out) / "trained.jsonl", after=None if job is None else done
+        )  # fmt: skip
+        if trained is not None:
+            stack.callback(trained.close)
 
         # Everything made so far (torch, transformers, the model, the services) lives as long
         # as the run: out of the garbage collector's sight, a full collection scans only
         # what the steps make (without this: 130-290 ms pauses every ~8 steps here).
         gc.freeze()
         stack.callback(gc.unfreeze)
-        producer = asyncio.ensure_future(produce())
+        producer = asyncio.ensure_future(produced.run(coord, params, config.group_size))
         client = queue.async_client()
-        ranks = [conn for _, conn in procs.trainers]
-        sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
         t_start = time.monotonic()
+        wall0 = record.steps[-1].wall if record.steps else 0.0  # a resumed run's wall so far
+        written: list[tuple[float, int]] = []  # each checkpoint's seconds and bytes
         # NVML's samples of the run's GPUs (on Ray they are Ray's to place: not measured)
         gpus = GpuBusy(range(engine_gpus + dp if config.layout == "split" else dp)) if (
             config.device == "cuda" and not on_ray) else None  # fmt: skip
@@ -210,26 +239,36 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         try:
             busy = await engine_stats()
             row: StepRecord | None = None
-            for step in range(1, config.steps + 1):
+            for step in range(done + 1, config.steps + 1):
                 t0 = time.monotonic()
                 groups = await coord.batch(config.groups_per_step, timeout=600)
                 t_wait = time.monotonic() - t0
                 lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
-                rewards = _score(task, prompts, groups)
+                rewards, uids = produced.score(groups)
                 data, meta = rollout_columns(groups)
                 adv = group_advantages(torch.tensor(rewards), config.group_size)
                 data["advantages"] = adv
                 meta["reward"] = rewards
+                asyncio.get_running_loop().call_soon(kill_point, "put", step)
                 await client.put(f"train_{step}", data, meta=meta, timeout=60)
                 t1 = time.monotonic()
                 training = asyncio.gather(*(
                     asyncio.to_thread(call, conn, "train", step) for _, conn in procs.trainers
                 ))  # fmt: skip
+                kill_point("train", step)
+                if step == done + 1 and job is not None:
+                    kill_point("resumed", step)
                 try:
                     if row is not None and asked is not None:  # the last step's, while this trains
                         busy = await recorded(row, busy, asked)
                 finally:
                     results = await training
+                await client.clear(f"train_{step}")  # trained and acked by every rank
+                if trained is not None:
+                    trained.append(step, step, uids)
+                if step == done + 1 and job is not None:
+                    record.summary["resume: seconds to the first trained step"] = (
+                        time.monotonic() - t_begin)  # fmt: skip
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
@@ -238,9 +277,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 asked = asyncio.ensure_future(engine_stats())
                 if gpus is not None:
                     gpus.read()
-                wall = time.monotonic() - t_start
                 row = StepRecord(
-                    step=step, wall=wall, reward_mean=sum(rewards) / len(rewards),
+                    step=step, wall=wall0 + time.monotonic() - t_start,
+                    reward_mean=sum(rewards) / len(rewards),
                     reward_max=max(rewards), samples=len(rewards),
                     samples_per_s=len(rewards) / max(1e-9, time.monotonic() - t0),
                     staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
@@ -249,36 +288,24 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     loss=sum(r["loss"] for r in results) / len(results), lags=lags,
                     version=coord.version,
                 )  # fmt: skip
+                if ckpts is not None and config.checkpoint_every and (
+                        step % config.checkpoint_every == 0):  # fmt: skip
+                    busy = await recorded(row, busy, asked)  # the record so far, whole
+                    row = asked = None
+                    written.append(await save_job(
+                        ckpts, step, ranks, None if on_ray else queue, {
+                            "step": step, "config": dataclasses.asdict(config),
+                            "coordinator": coord.state_dict(), "producer": produced.state(),
+                            "steps": [dataclasses.asdict(r) for r in record.steps],
+                        },
+                    ))  # fmt: skip
+                kill_point("step", step)
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
-            record.summary.update(await final_check(engines, coord, ranks, config))
-            if sent:  # what each rank sends per update: its own shards, or rank 0 all
-                record.summary["weights_bytes_per_rank"] = sent[-1]
-                if config.lora:
-                    record.summary["LoRA: bytes pushed per update"] = sum(sent[-1])
-            ends = [await e.statistics() for e in engines]
-            forwards = sum(e.steps for e in ends)
-            if forwards:  # engines that count their forward passes (HFEngine)
-                record.summary.update({
-                    "engine: forward passes per step": forwards / len(ends) / config.steps,
-                    "engine: ms per forward pass": 1e3 * sum(e.step_seconds for e in ends)
-                    / forwards,
-                })  # fmt: skip
-            if gpus is not None:
-                share = gpus.percent()
-                if share is not None:
-                    record.summary["GPU busy, % of the run (NVML)"] = share
-                else:
-                    record.summary["gpu_busy_why"] = gpus.why
-            stats = coord.statistics()
-            if stats.updates:  # where an update's time goes, ms per update
-                n = stats.updates / 1e3
-                rest = stats.update_seconds - stats.pause_seconds - stats.push_seconds
-                record.summary.update({
-                    "update: pause (ms)": stats.pause_seconds / n,
-                    "update: push (ms)": stats.push_seconds / n,
-                    "update: commit and resume (ms)": rest / n,
-                })  # fmt: skip
+            record.summary.update(await closing_figures(
+                engines, coord, ranks, config, steps=config.steps - done, sent=sent,
+                written=written, gpus=gpus,
+            ))  # fmt: skip
         finally:
             producer.cancel()
             if asked is not None and not asked.done():
@@ -287,7 +314,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             await client.aclose()
             for e in engines:
                 await e.aclose()
-    record.summary["wall_seconds"] = time.monotonic() - t_start
+    record.summary["wall_seconds"] = wall0 + time.monotonic() - t_start
     return record
 
 
@@ -298,50 +325,9 @@ def _lr(config: DemoConfig) -> float:
     return (LORA_LR if config.lora else RL_LR)[config.model]
 
 
-def _score(task: Any, prompts: dict[int, Any], groups: list[Group]) -> list[float]:
-    out = []
-    for g in groups:
-        prompt = prompts.pop(g.group)
-        out += [task.reward(prompt, c.token_ids) for c in g.completions]
-    return out
-
-
 def run_demo(config: DemoConfig, progress: Any = None) -> RunRecord:
     """Run the demo once (Ctrl-C stops every process it started)."""
     return run_hearing_ctrl_c(lambda: _run(config, progress))
-
-
-def run_hearing_ctrl_c(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """``asyncio.run(main())``, where a Ctrl-C raises KeyboardInterrupt even if the run
-    failed otherwise first. A Ctrl-C at a terminal reaches the whole process group: the
-    engine processes stop at once, and the run may fail on one of them (unreachable, on
-    a loaded machine) before asyncio cancels it; it is an interrupt all the same. The
-    SIGINT handler asyncio installs is chained: a Ctrl-C is noted, then handled as
-    asyncio does (the run cancelled, its clean-up run)."""
-    heard = threading.Event()
-    ours: list[Any] = []
-
-    async def hearing() -> Any:
-        theirs = signal.getsignal(signal.SIGINT)
-        if threading.current_thread() is threading.main_thread() and callable(theirs):
-
-            def note(signum: int, frame: Any) -> None:
-                heard.set()
-                theirs(signum, frame)
-
-            ours.append(note)
-            signal.signal(signal.SIGINT, note)
-        return await main()
-
-    try:
-        return asyncio.run(hearing())
-    except Exception as e:
-        if heard.is_set():
-            raise KeyboardInterrupt(f"the run also failed: {type(e).__name__}: {e}") from e
-        raise
-    finally:
-        if ours and signal.getsignal(signal.SIGINT) is ours[0]:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def default_out() -> Path:
@@ -363,14 +349,24 @@ def main(args: Any) -> Path:
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
         device=args.device, engine=args.engine, layout=args.layout, model=args.model,
         seed=args.seed, sync=not args.no_sync, launcher=args.launcher,
-        ray_address=args.ray_address, lora=getattr(args, "lora", None),
+        ray_address=args.ray_address, lora=getattr(args, "lora", None), out=args.out,
+        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
     )  # fmt: skip
     configs = [base]
     if args.compare:
+        if args.checkpoint_every is not None or args.resume is not None:
+            raise RequestError(
+                "compare: runs two jobs; --checkpoint-every and --resume take one (drop "
+                "--compare, or them)"
+            )
         asynchronous = (
             base if base.max_staleness > 0 else dataclasses.replace(base, max_staleness=2)
-        )
-        configs = [dataclasses.replace(base, max_staleness=0), asynchronous]
+        )  # each run's trained.jsonl in OUT/sync and OUT/async
+        configs = [
+            dataclasses.replace(base, max_staleness=0, out=str(Path(args.out) / "sync")),
+            dataclasses.replace(asynchronous, out=str(Path(args.out) / "async")),
+        ]
     runs = []
     for config in configs:
         with tqdm(total=config.steps, desc=config.name, unit="step", dynamic_ncols=True) as bar:
