@@ -16,20 +16,21 @@ kept in memory.
   record (:func:`~._record.layout`: counts as int16, the padding zeroed, values, uint8
   offsets) and the changed elements into the base.
 
-:func:`apply_blocks` writes a record's values into a tensor, block by block: each
-block's first change from a cumsum of the counts, no index tensor built.
+:func:`apply` writes a record's values into a tensor by :func:`apply_blocks`, block
+by block: each block's first change from a cumsum of the counts, no index tensor built.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ._record import BLOCK as BLOCK_ELEMENTS
 
 __all__ = [
-    "BLOCK_ELEMENTS", "CHUNK_TILES", "TILE_BLOCKS", "WARPS", "apply_blocks", "count_blocks",
-    "write_records",
+    "BLOCK_ELEMENTS", "CHUNK_TILES", "TILE_BLOCKS", "WARPS", "apply", "apply_blocks",
+    "count_blocks", "write_records",
 ]  # fmt: skip
 
 TILE_BLOCKS = 16  # blocks a program: 4096 elements, 8 KiB of each stream in bf16
@@ -136,3 +137,18 @@ def apply_blocks(  # type: ignore[no-untyped-def]
     off = tl.load(offsets + at, mask=take, other=0).to(tl.int64)
     v = tl.load(values + at, mask=take)
     tl.store(flat + bl[:, None] * BLOCK + off, v, mask=take)
+
+
+def apply(
+    flat: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Write a record's ``values`` (of ``flat``'s integer dtype) at its ``counts`` and
+    ``offsets`` into ``flat`` (all on one device), on the current stream: a cumsum and one
+    launch."""
+    blocks = counts.numel()
+    starts = torch.cumsum(counts, 0, dtype=torch.int64).sub_(counts)
+    grid = (triton.cdiv(blocks, TILE_BLOCKS),)
+    apply_blocks[grid](
+        flat, counts, starts, offsets, values, blocks, TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS,
+        num_warps=WARPS,
+    )  # fmt: skip

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from ..copies._copy import triton_available
-from ._record import BLOCK, int_view, layout, parts_name
+from ._record import BLOCK, int_view, kernels, layout, parts_name
 
 __all__ = ["SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "encode_by_kernels", "unchanged"]
 
@@ -161,7 +160,7 @@ def _block_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_on_device(group: list[Entry], out: Encoded) -> None:
-    if triton_available():
+    if kernels(group[0][1].device):
         encode_by_kernels(group, out)
         return
     staged: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # (int views of new, base)
