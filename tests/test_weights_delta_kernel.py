@@ -29,17 +29,17 @@ def pair(shape, dtype, frac, g):
     return base, (ints ^ step).view(dtype).view(shape)
 
 
-def check(cases, device, host_base=False):
+def check(cases, device, host_base=False, encoder=encode_by_kernels):
     """The kernels' diff of ``cases`` on ``device`` (bases there, or in host memory)
     against the CPU diff: the same records, counts and bases; each record applied by the
-    kernel rebuilds the new version."""
+    kernel rebuilds the new version. ``encoder``: the diff checked."""
     g = torch.Generator().manual_seed(0)
     pairs = [pair(*c, g) for c in cases]
     where = "cpu" if host_base else device
     entries = [(f"t{i}", n.to(device), b.to(where, copy=True)) for i, (b, n) in enumerate(pairs)]
     entries.append(("dense", torch.ones(4, device=device), None))
     got = Encoded()
-    encode_by_kernels(entries, got)
+    encoder(entries, got)
     want = Encoded()
     for i, (b, n) in enumerate(pairs):
         _encode_on_host(f"t{i}", n, b.clone(), [], want)
