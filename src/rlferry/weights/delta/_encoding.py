@@ -10,10 +10,12 @@ under its own name. The base then holds the pushed version.
 On the CPU each tensor is done in one pass (a comparison into a reused mask, the
 changed places, the parts). On CUDA there is no host round trip per tensor: a first
 pass counts the changed elements of every block of every tensor, one ``.tolist()``
-reads the totals of all tensors, and a second pass compacts each changed tensor's
-places with ``nonzero_static`` (its size known), gathers the values and writes them
-into the base. A base kept in host memory is staged on the device in groups of
-:data:`STAGE_BYTES`, one read of the totals per group.
+reads the totals of all tensors, and a second pass writes each sparse tensor's record
+and its changes into the base. With Triton each pass is one launch per element size
+over a table of the tensors (:func:`encode_by_kernels`, the kernels of
+``_diff_kernel``); without it, torch ops a tensor (the second pass compacts the places
+with ``nonzero_static``, its size known). A base kept in host memory is staged on the
+device in groups of :data:`STAGE_BYTES`, one read of the totals per group.
 """
 
 from __future__ import annotations
