@@ -148,7 +148,8 @@ def apply(
     blocks = counts.numel()
     starts = torch.cumsum(counts, 0, dtype=torch.int64).sub_(counts)
     grid = (triton.cdiv(blocks, TILE_BLOCKS),)
-    apply_blocks[grid](
-        flat, counts, starts, offsets, values, blocks, TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS,
-        num_warps=WARPS,
-    )  # fmt: skip
+    with torch.cuda.device(flat.device) if flat.is_cuda else torch.device(flat.device):
+        apply_blocks[grid](
+            flat, counts, starts, offsets, values, blocks, TILE=TILE_BLOCKS,
+            BLOCK=BLOCK_ELEMENTS, num_warps=WARPS,
+        )  # fmt: skip

@@ -264,7 +264,8 @@ def _launch(kernel: Any, rows: list[list[int]], arg: torch.Tensor, dev: torch.de
         )
         pairs = torch.stack([which, within], 1).to(torch.int32)
         grid = (pairs.shape[0], per_chunk)
-        kernel[grid](
-            table.to(dev), pairs.to(dev), arg, per_chunk * tile, ITEMSIZE=size,
-            TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS, num_warps=WARPS,
-        )  # fmt: skip
+        with torch.device(dev) if dev.type != "cuda" else torch.cuda.device(dev):
+            kernel[grid](
+                table.to(dev), pairs.to(dev), arg, per_chunk * tile, ITEMSIZE=size,
+                TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS, num_warps=WARPS,
+            )  # fmt: skip
