@@ -6,8 +6,14 @@ import sys
 
 import pytest
 
-from rlferry.rl._records import RunRecord, StepRecord
-from rlferry.rl.report import format_progress, read_runs, summarize, write_report
+from rlferry.rl.report import (
+    RunRecord,
+    StepRecord,
+    format_progress,
+    read_runs,
+    summarize,
+    write_report,
+)
 
 PLOTS = ("reward_by_step.png", "reward_by_time.png", "phases.png", "staleness.png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -278,7 +284,7 @@ def test_write_report_without_matplotlib_names_the_extra_and_writes_nothing(tmp_
 def test_write_report_leaves_pyplot_and_its_backend_alone(mpl, tmp_path):
     code = (
         "import sys, matplotlib\n"
-        "from rlferry.rl._records import RunRecord, StepRecord\n"
+        "from rlferry.rl.report import RunRecord, StepRecord\n"
         "from rlferry.rl.report import write_report\n"
         "raw = lambda: dict.__getitem__(matplotlib.rcParams, 'backend')\n"
         "before = raw()\n"

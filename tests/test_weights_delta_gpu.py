@@ -15,6 +15,7 @@ from conftest import requires_cuda
 from rlferry.weights import ParamLoader, WeightReceiver, WeightSender, fingerprint
 from rlferry.weights.delta import Delta
 from rlferry.weights.delta._base import KeptBase
+from test_weights_delta_kernel import SMALL, check
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
@@ -166,3 +167,21 @@ def test_delta_apply_on_cuda_takes_parts_from_either_device():
     back = torch.zeros(600)
     d.to("cuda").apply_(back)
     assert torch.equal(back, t.cpu())
+
+
+LARGE = [((3, (1 << 20) + 5), BF16, 0.01), ((4096, 300), torch.float32, 0.04),
+         ((2, 3000), torch.float8_e4m3fn, 0.25), ((70000,), torch.float64, 0.001),
+         ((1 << 21,), BF16, 0.0), ((1024, 1024), BF16, 0.9),
+         ((5, 7), torch.float16, 0.5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("host_base", [False, True])
+def test_the_diff_kernels_make_the_cpu_diffs_bytes_across_chunks_and_dtypes(host_base):
+    check(SMALL + LARGE, "cuda", host_base=host_base)
+
+
+def test_the_torch_path_without_triton_makes_the_cpu_diffs_bytes(monkeypatch):
+    from rlferry.weights.delta import _encoding, _record
+
+    monkeypatch.setattr(_record, "kernels", lambda device: False)
+    check(SMALL + LARGE, "cuda", encoder=_encoding._encode_on_device)

@@ -10,8 +10,8 @@ from typing import Any
 from rlferry.control import Coordinator
 
 from ._config import DemoConfig
-from ._faults import kill_point
 from ._processes import answer
+from .checkpoints import kill_point
 
 __all__ = ["closing_figures", "final_check", "pusher"]
 

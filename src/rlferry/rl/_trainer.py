@@ -71,7 +71,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from rlferry.weights import WeightSender, fingerprint
 
     from ._gather import gathered
-    from ._trainer_state import load_rank, save_rank
+    from .checkpoints import load_rank, save_rank
     from .grpo import GrpoBatch, grpo_loss
 
     torch.manual_seed(s["seed"] + rank)

@@ -42,9 +42,7 @@ from rlferry.control import Coordinator, RemoteEngine, SamplingParams, rollout_c
 from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
-from ._checkpoint import Checkpoints, TrainedLog, check_resumable, job_state, save_job
 from ._config import LORA_LR, RL_LR, WARM, DemoConfig
-from ._faults import kill_point
 from ._gpu import GpuBusy
 from ._interrupts import run_hearing_ctrl_c
 from ._memory import ENGINE_LEN, check_memory
@@ -58,7 +56,8 @@ from ._processes import (
 )
 from ._producer import Producer
 from ._ranks import closing_figures, pusher
-from ._records import RunRecord, StepRecord
+from .checkpoints import Checkpoints, TrainedLog, check_resumable, job_state, kill_point, save_job
+from .report import RunRecord, StepRecord
 
 __all__ = ["DemoConfig", "run_demo", "run_hearing_ctrl_c"]
 

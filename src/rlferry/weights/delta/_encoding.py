@@ -10,23 +10,26 @@ under its own name. The base then holds the pushed version.
 On the CPU each tensor is done in one pass (a comparison into a reused mask, the
 changed places, the parts). On CUDA there is no host round trip per tensor: a first
 pass counts the changed elements of every block of every tensor, one ``.tolist()``
-reads the totals of all tensors, and a second pass compacts each changed tensor's
-places with ``nonzero_static`` (its size known), gathers the values and writes them
-into the base. A base kept in host memory is staged on the device in groups of
-:data:`STAGE_BYTES`, one read of the totals per group.
+reads the totals of all tensors, and a second pass writes each sparse tensor's record
+and its changes into the base. With Triton each pass is one launch per element size
+over a table of the tensors (:func:`encode_by_kernels`, the kernels of
+``_diff_kernel``); without it, torch ops a tensor (the second pass compacts the places
+with ``nonzero_static``, its size known). A base kept in host memory is staged on the
+device in groups of :data:`STAGE_BYTES`, one read of the totals per group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..planning._delta_layout import SPARSE_AT_MOST
-from ._record import BLOCK, int_view, layout, parts_name
+from ._record import BLOCK, int_view, kernels, layout, parts_name
 
-__all__ = ["SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "unchanged"]
+__all__ = ["SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "encode_by_kernels", "unchanged"]
 
 STAGE_BYTES = 1 << 30  # a host base's tensors staged on the device at once
 
@@ -159,6 +162,9 @@ def _block_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_on_device(group: list[Entry], out: Encoded) -> None:
+    if kernels(group[0][1].device):
+        encode_by_kernels(group, out)
+        return
     staged: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # (int views of new, base)
     counts: list[torch.Tensor] = []
     for _, new, base in group:
@@ -185,3 +191,81 @@ def _encode_on_device(group: list[Entry], out: Encoded) -> None:
             _sparse(name, new, a, b, idx, c, out)
         if base.device != new.device:
             base.copy_(on, non_blocking=True)
+
+
+def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
+    """:func:`encode` of ``group`` (on one device) by the Triton kernels of ``_diff_kernel``:
+    one launch a pass and element size, one read of the totals of every tensor."""
+    from ._diff_kernel import count_blocks, write_records
+
+    dev = group[0][1].device
+    rows: list[list[int]] = []  # a kept tensor's row of the kernels' table, its element size
+    views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # new's int view, base there
+    blocks = 0
+    for _, new, base in group:
+        if base is None:
+            views.append(None)
+            continue
+        on = base if base.device == dev else base.to(dev, non_blocking=True)
+        a, b = int_view(new), int_view(on)
+        assert a is not None and b is not None
+        views.append((a, on))
+        rows.append([a.data_ptr(), b.data_ptr(), a.numel(), blocks, 0, 0, 0, a.element_size()])
+        blocks += -(-a.numel() // BLOCK)
+    totals: list[int] = []
+    if rows:
+        counts = torch.empty(blocks, dtype=torch.int32, device=dev)
+        _launch(count_blocks, rows, counts, dev)
+        starts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(counts, 0, out=starts[1:])
+        ends = torch.tensor([[r[3], r[3] + -(-r[2] // BLOCK)] for r in rows], device=dev)
+        totals = (starts[ends[:, 1]] - starts[ends[:, 0]]).tolist()  # the one sync
+    sparse: list[list[int]] = []
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []  # host bases, their staged copies
+    it = iter(zip(rows, totals, strict=True))
+    for (name, new, base), v in zip(group, views, strict=True):
+        if v is None or base is None:
+            out.add(name, new)
+            continue
+        row, n = next(it)
+        a, on = v
+        staged = on.view(new.dtype).view(new.shape)
+        if _choose(name, new, staged, n, out):
+            _, values_at, offsets_at, nbytes = layout(a.numel(), n, a.element_size())
+            data = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            sparse.append([*row[:4], data.data_ptr(), values_at, offsets_at, row[7]])
+            out.pushed.append((parts_name(name), data))
+            out.sparse.append((name, tuple(new.shape), new.dtype, n))
+            out.sent += nbytes
+        if base.device != dev:
+            back.append((base, staged))
+    if sparse:
+        _launch(write_records, sparse, starts, dev)
+    for base, staged in back:
+        base.copy_(staged, non_blocking=True)
+
+
+def _launch(kernel: Any, rows: list[list[int]], arg: torch.Tensor, dev: torch.device) -> None:
+    """``kernel`` over the tensors of ``rows`` (the last column: their element size), one
+    launch an element size: a table of their rows and one of their chunks (see
+    ``_diff_kernel``)."""
+    from ._diff_kernel import BLOCK_ELEMENTS, CHUNK_TILES, TILE_BLOCKS, WARPS
+
+    tile = TILE_BLOCKS * BLOCK_ELEMENTS
+    for size in sorted({r[-1] for r in rows}):
+        mine = [r[:-1] for r in rows if r[-1] == size]
+        table = torch.tensor(mine, dtype=torch.int64)
+        tiles = -(-table[:, 2] // tile)  # each tensor's
+        per_chunk = min(CHUNK_TILES, int(tiles.max()))
+        chunks = -(-tiles // per_chunk)
+        which = torch.repeat_interleave(torch.arange(len(mine)), chunks)
+        within = torch.arange(which.numel()) - torch.repeat_interleave(
+            chunks.cumsum(0) - chunks, chunks
+        )
+        pairs = torch.stack([which, within], 1).to(torch.int32)
+        grid = (pairs.shape[0], per_chunk)
+        with torch.device(dev) if dev.type != "cuda" else torch.cuda.device(dev):
+            kernel[grid](
+                table.to(dev), pairs.to(dev), arg, per_chunk * tile, ITEMSIZE=size,
+                TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS, num_warps=WARPS,
+            )  # fmt: skip

@@ -9,6 +9,7 @@ split it over buckets like any tensor, and the receiver's ``load`` gets it whole
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from rlferry.errors import RequestError
 
 from ..planning._delta_layout import BLOCK, layout
 
-__all__ = ["BLOCK", "SUFFIX", "Delta", "comparable", "int_view", "layout", "parts_name"]
+__all__ = ["BLOCK", "SUFFIX", "Delta", "comparable", "int_view", "kernels", "layout", "parts_name"]
 
 SUFFIX = "\x00delta"  # a changed tensor's pushed name: its own name, then this
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -26,6 +27,12 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def parts_name(name: str) -> str:
     """The name a changed tensor's bytes are pushed under."""
     return name + SUFFIX
+
+
+def kernels(device: torch.device) -> bool:
+    """Whether deltas on ``device`` are made and applied by the Triton kernels of
+    ``_diff_kernel``: on CUDA, where Triton can be imported."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def comparable(dtype: torch.dtype) -> bool:
@@ -110,8 +117,9 @@ class Delta:
 
     def apply_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Write the changed elements into ``tensor`` (the base version: contiguous, of this
-        delta's shape and dtype, on any device); returns it. Torch ops on ``tensor``'s
-        device, no host round trip (on CUDA, queued on the current stream).
+        delta's shape and dtype, on any device); returns it. On ``tensor``'s device, no host
+        round trip: on CUDA a Triton kernel (torch ops without Triton), queued on the
+        current stream.
 
         Raises ``RequestError`` (a ``ValueError``) for a tensor of another shape or dtype,
         or not contiguous."""
@@ -133,7 +141,12 @@ class Delta:
             raise RequestError(f"Delta.apply_: a {self.dtype} tensor cannot take deltas")
         dev = tensor.device
         delta = self if self.counts.device == dev else self.to(dev)
-        flat.index_copy_(0, delta.indices(), delta.values.view(flat.dtype))
+        if kernels(dev):
+            from ._diff_kernel import apply
+
+            apply(flat, delta.counts, delta.offsets, delta.values.view(flat.dtype))
+        else:
+            flat.index_copy_(0, delta.indices(), delta.values.view(flat.dtype))
         return tensor
 
     def to(self, device: torch.device | str) -> Delta:

@@ -14,15 +14,11 @@ Every file is read without running code (no pickle, no ``torch.save``): tensors 
 values as the wire encodes them, in :func:`rlferry.wire.files.write_file`'s checked
 format.
 
-``trained.jsonl`` (the run's ``out`` directory) has one line per trained step,
-``{"step": S, "version": V, "uids": [...]}``, flushed as the step ends; on resume it is
-cut back to the checkpoint's step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import secrets
@@ -34,11 +30,11 @@ from typing import Any
 from rlferry.errors import RequestError
 from rlferry.wire.files import read_file, write_file
 
+from .._processes import call
 from ._faults import kill_point
-from ._processes import call
 
 __all__ = [
-    "CHECKPOINT_KEEP", "JOB_FILE", "RESUMABLE", "Checkpoints", "TrainedLog",
+    "CHECKPOINT_KEEP", "JOB_FILE", "RESUMABLE", "Checkpoints",
     "check_resumable", "job_state", "save_job",
 ]  # fmt: skip
 
@@ -123,35 +119,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class TrainedLog:
-    """``trained.jsonl``: a line per trained step, flushed as it is written. ``after``: the
-    step of the checkpoint a run resumes from (the file is cut back to it: the lines past
-    it belong to no model any more, a last line cut short by a kill included); None: a
-    new run (the file starts empty)."""
-
-    def __init__(self, path: str | os.PathLike[str], after: int | None = None) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
-        if after is not None and self.path.exists():
-            for line in self.path.read_text().splitlines(keepends=True):
-                if not line.endswith("\n"):
-                    break  # cut short: its step never ended
-                if json.loads(line)["step"] <= after:
-                    kept.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")  # noqa: SIM115 (open for the run, closed by close)
-
-    def append(self, step: int, version: int, uids: list[str]) -> None:
-        self._file.write(json.dumps({"step": step, "version": version, "uids": uids}) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def job_state(path: Path) -> dict[str, Any]:
