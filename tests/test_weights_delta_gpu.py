@@ -113,6 +113,17 @@ def test_cuda_ipc_delta_pushes_are_bit_identical_to_full_pushes(where):
     s.close()
 
 
+def test_cuda_ipc_pushes_full_under_the_measured_policy_and_keeps_no_base():
+    s = WeightSender(group="d", transport="cuda_ipc", delta_budget=1 << 30)
+    proc, conn = spawn(s.address, "cuda:0")
+    kinds, _ = run_pushes(s, conn, 3)
+    assert kinds == ["full", "full", "full"]
+    assert s.statistics().delta_bytes == 0
+    conn.send("stop")
+    proc.join(60)
+    s.close()
+
+
 def test_cuda_ipc_a_whole_receiver_rebuilds_every_tensor_from_its_host_copy():
     s = WeightSender(group="d", transport="cuda_ipc", delta_budget=1 << 30,
                      delta_policy="always")  # fmt: skip

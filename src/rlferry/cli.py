@@ -223,7 +223,7 @@ def _plan_weights_parser(sub: Any) -> None:
                     "changed since the engines' version (0.02: 2%%)")  # fmt: skip
     pw.add_argument("--diff-gbytes", type=float, default=None,
                     help="with --changed: GB of pushed tensors a trainer GPU diffs against "
-                    "its base a second (default 2000: an H200)")  # fmt: skip
+                    "its base a second (default 350: an H200)")  # fmt: skip
     pw.add_argument("--lora-rank", type=int, default=None, metavar="R",
                     help="also predict pushing a rank-R LoRA adapter of every linear of the "
                     "attention and the MLP instead of the model")  # fmt: skip

@@ -29,13 +29,19 @@ import triton.language as tl
 from ._record import BLOCK as BLOCK_ELEMENTS
 
 __all__ = [
-    "BLOCK_ELEMENTS", "CHUNK_TILES", "TILE_BLOCKS", "WARPS", "apply", "apply_blocks",
-    "count_blocks", "write_records",
+    "BLOCK_ELEMENTS", "CHUNK", "COUNT", "TILE_BLOCKS", "WARPS", "WRITE", "apply",
+    "apply_blocks", "count_blocks", "write_records",
 ]  # fmt: skip
 
-TILE_BLOCKS = 16  # blocks a program: 4096 elements, 8 KiB of each stream in bf16
-CHUNK_TILES = 256  # tiles a chunk: 1 Mi elements (a tensor's chunks balance the grid)
-WARPS = 8
+CHUNK = 1 << 20  # elements a chunk: a tensor's chunks balance the grid
+# (blocks a program, warps) of each pass, the fastest measured over Qwen3-8B's 399 bf16
+# tensors at 1% changed on an H200 (`python benchmarks/_diff_tune.py`): the count streams
+# wide tiles (11.5 ms for 16.4 GB, a copy takes 8.8); the write, whose cumsum within a
+# block and scattered stores want a warp a block, 21 ms at one block a program against
+# 80 at 16 blocks and 8 warps.
+COUNT = (16, 8)
+WRITE = (1, 1)
+TILE_BLOCKS, WARPS = 16, 8  # the apply's
 COLS: tl.constexpr = tl.constexpr(7)  # a tensor's row
 
 

@@ -196,7 +196,7 @@ def _encode_on_device(group: list[Entry], out: Encoded) -> None:
 def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
     """:func:`encode` of ``group`` (on one device) by the Triton kernels of ``_diff_kernel``:
     one launch a pass and element size, one read of the totals of every tensor."""
-    from ._diff_kernel import count_blocks, write_records
+    from ._diff_kernel import COUNT, WRITE, count_blocks, write_records
 
     dev = group[0][1].device
     rows: list[list[int]] = []  # a kept tensor's row of the kernels' table, its element size
@@ -215,7 +215,7 @@ def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
     totals: list[int] = []
     if rows:
         counts = torch.empty(blocks, dtype=torch.int32, device=dev)
-        _launch(count_blocks, rows, counts, dev)
+        _launch(count_blocks, rows, counts, dev, COUNT)
         starts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)
         torch.cumsum(counts, 0, out=starts[1:])
         ends = torch.tensor([[r[3], r[3] + -(-r[2] // BLOCK)] for r in rows], device=dev)
@@ -240,23 +240,27 @@ def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
         if base.device != dev:
             back.append((base, staged))
     if sparse:
-        _launch(write_records, sparse, starts, dev)
+        _launch(write_records, sparse, starts, dev, WRITE)
     for base, staged in back:
         base.copy_(staged, non_blocking=True)
 
 
-def _launch(kernel: Any, rows: list[list[int]], arg: torch.Tensor, dev: torch.device) -> None:
+def _launch(
+    kernel: Any, rows: list[list[int]], arg: torch.Tensor, dev: torch.device,
+    shape: tuple[int, int],
+) -> None:  # fmt: skip
     """``kernel`` over the tensors of ``rows`` (the last column: their element size), one
     launch an element size: a table of their rows and one of their chunks (see
     ``_diff_kernel``)."""
-    from ._diff_kernel import BLOCK_ELEMENTS, CHUNK_TILES, TILE_BLOCKS, WARPS
+    from ._diff_kernel import BLOCK_ELEMENTS, CHUNK
 
-    tile = TILE_BLOCKS * BLOCK_ELEMENTS
+    tile_blocks, warps = shape  # blocks a program, warps
+    tile = tile_blocks * BLOCK_ELEMENTS
     for size in sorted({r[-1] for r in rows}):
         mine = [r[:-1] for r in rows if r[-1] == size]
         table = torch.tensor(mine, dtype=torch.int64)
         tiles = -(-table[:, 2] // tile)  # each tensor's
-        per_chunk = min(CHUNK_TILES, int(tiles.max()))
+        per_chunk = min(CHUNK // tile, int(tiles.max()))
         chunks = -(-tiles // per_chunk)
         which = torch.repeat_interleave(torch.arange(len(mine)), chunks)
         within = torch.arange(which.numel()) - torch.repeat_interleave(
@@ -267,5 +271,5 @@ def _launch(kernel: Any, rows: list[list[int]], arg: torch.Tensor, dev: torch.de
         with torch.device(dev) if dev.type != "cuda" else torch.cuda.device(dev):
             kernel[grid](
                 table.to(dev), pairs.to(dev), arg, per_chunk * tile, ITEMSIZE=size,
-                TILE=TILE_BLOCKS, BLOCK=BLOCK_ELEMENTS, num_warps=WARPS,
+                TILE=tile_blocks, BLOCK=BLOCK_ELEMENTS, num_warps=warps,
             )  # fmt: skip

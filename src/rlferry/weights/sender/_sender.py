@@ -65,7 +65,10 @@ class WeightSender:
     layout. ``delta_policy="measured"`` (the default): whether deltas are faster on this
     link is measured, the sender timing both kinds and pushing the faster (a GPU's own
     copy outruns the diff; a host's TCP link is outrun by it); ``"always"``: every push
-    that may be a delta is one. ``PushReport.kind`` says which each push was.
+    that may be a delta is one. Over ``cuda_ipc`` the measured policy pushes full and
+    keeps no base: the full push is one copy on the GPU, and the diff alone reads twice
+    its bytes (five copies' time on an H200: ``python benchmarks/delta_diff.py --device
+    cuda``). ``PushReport.kind`` says which each push was.
 
     A process may run one sender per group, each with its own transport.
     """
@@ -103,9 +106,10 @@ class WeightSender:
             delta_policy=delta_policy,
         )
         self._pusher = Pusher(self.config)
+        measured_loses = delta_policy == "measured" and transport == "cuda_ipc"
         self._deltas = (
             DeltaPushes(self._pusher, delta_budget, delta_base, delta_policy == "always")
-            if delta_budget
+            if delta_budget and not measured_loses
             else None
         )
         self.address: str = self._pusher.address
