@@ -324,6 +324,17 @@ def test_a_second_save_replaces_the_first_whole(q, tmp_path):
         assert got.data["x"].reshape(-1).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_save_never_replaces_a_directory_of_other_files(q, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as e:
+        q.save(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: expected a checkpoint to replace (holding controller.rlf), an empty "
+        "directory or a new path, got other files (write the checkpoint to a new path)"
+    )
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("damage", ["one byte changed", "truncated"])
 def test_a_damaged_queue_checkpoint_is_refused_naming_the_file(q, tmp_path, damage):
     put_rows(q.client(), "p", 64)

@@ -171,12 +171,16 @@ class Queue:
         Each consumer task's acks are kept; leases are not: what was delivered but not
         acked is delivered again after :meth:`restore`. The files are rlferry's checked
         format (:mod:`rlferry.wire.files`): nothing in them is pickled.
+
+        Raises:
+            FileExistsError: ``path`` holds other files than a queue checkpoint's (nothing is
+                written; an empty directory is fine).
         """
         self._check_open()
         run = wire_loop().run
         links = Links(self.address, secret=self._secret)
         try:
-            with new_directory(path) as out:
+            with new_directory(path, replaces="controller.rlf") as out:
                 state = run(links.ask(Dump(), _DUMP_TIMEOUT))
                 info = run(links.ask(Info(), _DUMP_TIMEOUT))
                 state["tasks"] = info["tasks"]

@@ -232,8 +232,14 @@ def read_file(path: StrPath) -> Any:
         raise _refuse(source, str(e)) from None
 
 
+def _replaceable(target: Path, marker: str) -> bool:
+    if not target.exists():
+        return True
+    return target.is_dir() and ((target / marker).exists() or next(target.iterdir(), None) is None)
+
+
 @contextlib.contextmanager
-def new_directory(path: StrPath) -> Iterator[Path]:
+def new_directory(path: StrPath, *, replaces: str | None = None) -> Iterator[Path]:
     """A fresh directory to write a checkpoint of several files into; ``path`` once whole.
 
     Yields ``<path>.tmp-<random>`` (its parents made). When the ``with`` block ends without
@@ -242,8 +248,20 @@ def new_directory(path: StrPath) -> Iterator[Path]:
     ``<path>.tmp-*`` directories (left by writers that died) are removed. When the block
     raises, the temporary directory is removed and ``path`` is untouched. One writer per
     ``path`` at a time.
+
+    ``replaces``: the name of a file that an existing ``path`` must hold to be replaced (an
+    empty directory is replaced too), so that a directory of other files is never removed.
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a checkpoint ``replaces`` names (nothing
+            is written).
     """
     target = Path(path)
+    if replaces is not None and not _replaceable(target, replaces):
+        raise FileExistsError(
+            f"{target}: expected a checkpoint to replace (holding {replaces}), an empty "
+            "directory or a new path, got other files (write the checkpoint to a new path)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.tmp-{secrets.token_hex(4)}")
     tmp.mkdir()
