@@ -26,7 +26,7 @@ _METADATA_FILE = "metadata.json"
 
 
 def _save(client: TransferQueueClient, target: Path, metadata: dict[str, Any] | None) -> None:
-    with new_directory(target) as tmp:
+    with new_directory(target, replaces=_METADATA_FILE) as tmp:
         client.save_controller_checkpoint(str(tmp / CONTROLLER_FILE))
         client.save_storage_checkpoint(str(tmp))
         with open(tmp / _METADATA_FILE, "w") as f:
@@ -56,7 +56,8 @@ def save_checkpoint(
     metadata: dict[str, Any] | None = None,
 ) -> None:
     """Write the whole state (controller, and the data: it lives in memory, so always) to
-    ``checkpoint_dir``, replacing an earlier checkpoint there only once the new one is whole.
+    ``checkpoint_dir``, replacing an earlier checkpoint there only once the new one is whole
+    (a directory of other files there is never replaced: ``FileExistsError``).
     Nothing is pickled: a value the wire does not carry (rlferry.wire.encode) is refused.
 
     Raises:
