@@ -113,7 +113,7 @@ def write_file(path: StrPath, value: Any) -> int:
 
     Raises:
         WireError: a value the wire does not carry, naming its path (``$.state[3]``).
-        OSError: the file could not be written (nothing is left at ``path`` then).
+        OSError: the file could not be written (``path`` is left as it was).
     """
     target = Path(path)
     frames = [memoryview(f).cast("B") for f in encode(value)]
