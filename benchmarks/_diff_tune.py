@@ -42,7 +42,7 @@ def main() -> None:
     copy = timed(lambda: [b.copy_(t) for b, t in zip(bases, news, strict=False)])
     print(f"{len(news)} tensors, {total / 1e9:.2f} GB; copy {copy:.1f} ms")
     # restore the 1% difference after the copy
-    for t, b in zip(news, bases, strict=False):
+    for b in bases:
         flat = b.view(-1).view(torch.int16)
         idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), device=dev)
         flat[idx] ^= 1
@@ -52,8 +52,15 @@ def main() -> None:
         rows.append([ai.data_ptr(), bi.data_ptr(), ai.numel(), blocks, 0, 0, 0, 2])
         blocks += -(-ai.numel() // 256)
     counts = torch.empty(blocks, dtype=torch.int32, device=dev)
-    for tile, warps, chunk in [(16, 8, 1 << 20), (1, 1, 1 << 19), (1, 1, 1 << 20), (1, 1, 1 << 22),
-                               (2, 1, 1 << 20), (1, 2, 1 << 20), (2, 2, 1 << 20)]:
+    for tile, warps, chunk in [
+        (16, 8, 1 << 20),
+        (1, 1, 1 << 19),
+        (1, 1, 1 << 20),
+        (1, 1, 1 << 22),
+        (2, 1, 1 << 20),
+        (1, 2, 1 << 20),
+        (2, 2, 1 << 20),
+    ]:
         K.CHUNK = chunk
         shape = (tile, warps)
         c = timed(lambda shape=shape: E._launch(K.count_blocks, rows, counts, dev, shape))
@@ -61,7 +68,7 @@ def main() -> None:
         torch.cumsum(counts, 0, out=starts[1:])
         sparse = []
         recs = []
-        for r, (a, b) in zip(rows, zip(news, bases, strict=False), strict=False):
+        for r in rows:
             n = int(starts[r[3] + -(-r[2] // 256)] - starts[r[3]])
             _, va, oa, nb = E.layout(r[2], n, 2)
             d = torch.empty(nb, dtype=torch.uint8, device=dev)

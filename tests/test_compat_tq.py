@@ -23,6 +23,7 @@ from rlferry.compat.transferqueue import (  # noqa: E402
     StorageKeyNotFoundError,
 )
 from rlferry.compat.transferqueue.metadata import samples_of  # noqa: E402
+from rlferry.wire import FileFormatError  # noqa: E402
 
 TensorDict = tensordict.TensorDict
 
@@ -280,6 +281,74 @@ def test_a_checkpoint_brings_back_data_and_consumption(client, tmp_path):
     tq.load_checkpoint(tmp_path / "ckpt")
     rest = client.get_meta(["x"], 2, "p", task_name="t")
     assert rest.global_indexes == [2, 3]
+    assert client.get_data(rest)["x"].reshape(-1).tolist() == [2.0, 3.0]
+
+
+def test_a_checkpoint_holds_no_pickle_and_keeps_custom_meta_and_the_samplers_cache(tmp_path):
+    client = started(get_meta_timeout=0.3, sampler=tq.RankAwareSampler())
+    rank0 = [
+        {"dp_rank": 0, "batch_index": b, "task_name": "t", "partition_id": "p"} for b in range(2)
+    ]
+    try:
+        meta = client.put(rows(4), partition_id="p")
+        meta.update_custom_meta([{"score": i, "tags": {1: "a"}} for i in range(4)])
+        client.set_custom_meta(meta)
+        first = client.get_meta(["x"], 2, "p", task_name="t", sampling_config=rank0[0])
+        tq.save_checkpoint(tmp_path / "ckpt")
+        names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+        assert names == ["controller_state.rlf", "metadata.json", "storage.rlf"]
+        for name in ("controller_state.rlf", "storage.rlf"):
+            assert (tmp_path / "ckpt" / name).read_bytes()[:4] == b"\x89RLF"
+        client.clear_partition("p")
+        tq.load_checkpoint(tmp_path / "ckpt")
+        again = client.get_meta(["x"], 2, "p", task_name="t", sampling_config=rank0[0])
+        assert again.global_indexes == first.global_indexes == [0, 1]  # the cached answer
+        rest = client.get_meta(["x"], 2, "p", task_name="t", sampling_config=rank0[1])
+        assert rest.global_indexes == [2, 3]
+        assert rest.custom_meta == [{"score": 2, "tags": {1: "a"}}, {"score": 3, "tags": {1: "a"}}]
+    finally:
+        tq.close()
+
+
+def test_a_tampered_shim_checkpoint_is_refused_naming_the_file(client, tmp_path):
+    client.put(rows(4), partition_id="p")
+    tq.save_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "storage.rlf"
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(FileFormatError) as e:
+        tq.load_checkpoint(tmp_path / "ckpt")
+    assert str(e.value).startswith(f"{path}: checksum mismatch")
+
+
+def _transferqueues_own_checkpoint(client, path):
+    """A checkpoint as TransferQueue writes one: torch.save pickles of the state's objects."""
+    path.mkdir()
+    torch.save(client._live.controller.state(), path / "controller_state.pt")
+    torch.save(client._live.store.state(), path / "storage.pt")
+    (path / "metadata.json").write_text('{"storage_saved": true, "user_metadata": {}}')
+
+
+def test_transferqueues_pickled_checkpoint_is_refused_without_trust_pickle(client, tmp_path):
+    client.put(rows(4), partition_id="p")
+    _transferqueues_own_checkpoint(client, tmp_path / "ckpt")
+    with pytest.raises(FileFormatError) as e:
+        tq.load_checkpoint(tmp_path / "ckpt")
+    assert str(e.value) == (
+        f"{tmp_path / 'ckpt' / 'storage.pt'}: a torch.save archive (a zip file) "
+        "(TransferQueue's own checkpoint format), which can run code when loaded: refused; "
+        "load_checkpoint(..., trust_pickle=True) reads it if you trust the file"
+    )
+
+
+def test_transferqueues_pickled_checkpoint_is_read_with_trust_pickle(client, tmp_path):
+    client.put(rows(4), partition_id="p")
+    client.get_meta(["x"], 2, "p", task_name="t")
+    _transferqueues_own_checkpoint(client, tmp_path / "ckpt")
+    client.clear_partition("p")
+    tq.load_checkpoint(tmp_path / "ckpt", trust_pickle=True)
+    rest = client.get_meta(["x"], 2, "p", task_name="t")
     assert client.get_data(rest)["x"].reshape(-1).tolist() == [2.0, 3.0]
 
 

@@ -17,6 +17,7 @@ from rlferry.queue import (
     UnknownTask,
 )
 from rlferry.queue.statistics import TaskStatistics
+from rlferry.wire import FileFormatError
 
 
 @pytest.fixture
@@ -293,6 +294,69 @@ def test_save_and_restore_keep_state_and_data(q, tmp_path):
         full = rc.get("p", task="critic_train", batch_size=4, fields=["x"], timeout=5)
         assert torch.equal(full.data["x"], torch.arange(4.0)) and full.partition_meta == {"k": 1}
         assert rc.put("p", {"x": torch.zeros(1), "s": ["e"]}) == [4]  # indexes go on
+
+
+def test_after_restore_what_was_acked_is_not_delivered_and_what_was_leased_is(q, tmp_path):
+    c = q.client()
+    idx = put_rows(c, "p", 6)
+    c.ack(c.get("p", task="actor_train", batch_size=2, fields=["x"], timeout=5))
+    leased = c.get("p", task="actor_train", batch_size=2, fields=["x"], timeout=5)
+    assert leased.indexes == idx[2:4]  # delivered, never acked
+    q.save(tmp_path / "snap")
+    with Queue.restore(tmp_path / "snap") as r:
+        rc = r.client()
+        again = rc.get("p", task="actor_train", batch_size=4, fields=["x"], timeout=5)
+        assert again.indexes == idx[2:]
+        assert again.data["x"].reshape(-1).tolist() == [2.0, 3.0, 4.0, 5.0]
+        critic = rc.get("p", task="critic_train", batch_size=6, fields=["x"], timeout=5)
+        assert critic.indexes == idx
+
+
+def test_a_second_save_replaces_the_first_whole(q, tmp_path):
+    c = q.client()
+    put_rows(c, "p", 2)
+    q.save(tmp_path / "snap")
+    put_rows(c, "p", 2, start=2)
+    q.save(tmp_path / "snap")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+    with Queue.restore(tmp_path / "snap") as r:
+        got = r.client().get("p", task="actor_train", batch_size=4, fields=["x"], timeout=5)
+        assert got.data["x"].reshape(-1).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_save_never_replaces_a_directory_of_other_files(q, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as e:
+        q.save(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: expected a checkpoint to replace (holding controller.rlf), an empty "
+        "directory or a new path, got other files (write the checkpoint to a new path)"
+    )
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("damage", ["one byte changed", "truncated"])
+def test_a_damaged_queue_checkpoint_is_refused_naming_the_file(q, tmp_path, damage):
+    put_rows(q.client(), "p", 64)
+    q.save(tmp_path / "snap")
+    unit = tmp_path / "snap" / "unit-0.rlf"
+    data = bytearray(unit.read_bytes())
+    if damage == "truncated":
+        del data[-10:]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    unit.write_bytes(data)
+    with pytest.raises(FileFormatError) as e:
+        Queue.restore(tmp_path / "snap")
+    what = "truncated: expected" if damage == "truncated" else "checksum mismatch"
+    assert str(e.value).startswith(f"{unit}: {what}")
+
+
+def test_a_queue_checkpoint_that_is_a_pickle_is_refused(q, tmp_path):
+    q.save(tmp_path / "snap")
+    torch.save({"state": 1}, tmp_path / "snap" / "controller.rlf")
+    with pytest.raises(FileFormatError, match=r"it starts like a torch\.save archive"):
+        Queue.restore(tmp_path / "snap")
 
 
 def test_blocked_get_uses_no_cpu_while_waiting(q):

@@ -11,14 +11,11 @@ memory either way. ``rlferry serve queue`` runs them as separate processes.)
 from __future__ import annotations
 
 import os
-import struct
 import warnings
-from pathlib import Path
 from typing import Any
 
 from rlferry.wire import Server, default_address, wire_loop
-from rlferry.wire import decode as wire_decode
-from rlferry.wire import encode as wire_encode
+from rlferry.wire.files import new_directory, read_file, whole_directory, write_file
 
 from ._checks import checked_address
 from ._client import AsyncQueueClient
@@ -168,21 +165,30 @@ class Queue:
 
     # -- persistence ------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the whole state and data to the directory ``path`` (leases are not kept:
-        leased samples are delivered again after :meth:`restore`)."""
+        """Write the whole state and data to the directory ``path``, atomically: the files
+        go to a new directory renamed to ``path`` once whole (an older ``path`` is replaced).
+
+        Each consumer task's acks are kept; leases are not: what was delivered but not
+        acked is delivered again after :meth:`restore`. The files are rlferry's checked
+        format (:mod:`rlferry.wire.files`): nothing in them is pickled.
+
+        Raises:
+            FileExistsError: ``path`` holds other files than a queue checkpoint's (nothing is
+                written; an empty directory is fine).
+        """
         self._check_open()
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
         run = wire_loop().run
         links = Links(self.address, secret=self._secret)
         try:
-            state = run(links.ask(Dump(), _DUMP_TIMEOUT))
-            info = run(links.ask(Info(), _DUMP_TIMEOUT))
-            state["tasks"] = info["tasks"]
-            _write(out / "controller.rlf", state)
-            for u in range(len(info["units"])):
-                unit = run(links.unit(u))
-                _write(out / f"unit-{u}.rlf", run(links.call(unit, Dump(), _DATA_TIMEOUT)))
+            with new_directory(path, replaces="controller.rlf") as out:
+                state = run(links.ask(Dump(), _DUMP_TIMEOUT))
+                info = run(links.ask(Info(), _DUMP_TIMEOUT))
+                state["tasks"] = info["tasks"]
+                write_file(out / "controller.rlf", state)
+                for u in range(len(info["units"])):
+                    unit = run(links.unit(u))
+                    dump = run(links.call(unit, Dump(), _DATA_TIMEOUT))
+                    write_file(out / f"unit-{u}.rlf", dump)
         finally:
             run(links.aclose())
 
@@ -191,10 +197,17 @@ class Queue:
         """Start an embedded queue with the state and data :meth:`save` wrote.
 
         ``options`` are the constructor's; ``tasks`` and ``storage_units`` default to
-        the saved ones.
+        the saved ones. ``path`` is the directory :meth:`save` wrote (or, when a save died
+        between its two renames, the whole one it left as ``<path>.old``).
+
+        Raises:
+            FileFormatError: a file of the checkpoint is not whole (truncated, changed, or
+                not rlferry's format), naming the file and what is wrong.
+            FileNotFoundError: no checkpoint at ``path``.
+            SchemaError: ``storage_units`` differs from the saved number.
         """
-        src = Path(path)
-        state = _read(src / "controller.rlf")
+        src = whole_directory(path)
+        state = read_file(src / "controller.rlf")
         n_units = len(list(src.glob("unit-*.rlf")))
         options.setdefault("tasks", tuple(state["tasks"]))
         options.setdefault("storage_units", n_units)
@@ -211,7 +224,7 @@ class Queue:
             run(_load(q._controller, state))
             for u in range(n_units):
                 unit = run(links.unit(u))
-                run(links.call(unit, Load(_read(src / f"unit-{u}.rlf")), _DATA_TIMEOUT))
+                run(links.call(unit, Load(read_file(src / f"unit-{u}.rlf")), _DATA_TIMEOUT))
         except BaseException:
             q.close()
             raise
@@ -244,27 +257,3 @@ class Queue:
 
 async def _load(ctrl: Controller, state: dict[str, Any]) -> None:
     ctrl.load(state)
-
-
-def _write(path: Path, value: Any) -> None:
-    frames = [memoryview(f).cast("B") for f in wire_encode(value)]
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(frames)))
-        f.write(struct.pack(f"<{len(frames)}Q", *(m.nbytes for m in frames)))
-        for m in frames:
-            f.write(m)
-    os.replace(tmp, path)
-
-
-def _read(path: Path) -> Any:
-    data = bytearray(path.read_bytes())
-    view = memoryview(data)
-    (count,) = struct.unpack_from("<Q", view, 0)
-    sizes = struct.unpack_from(f"<{count}Q", view, 8)
-    at = 8 + 8 * count
-    frames = []
-    for n in sizes:
-        frames.append(view[at : at + n])
-        at += n
-    return wire_decode(frames)

@@ -9,6 +9,7 @@ from ._codec import encode
 from ._decode import decode
 from ._errors import (
     ChannelClosed,
+    FileFormatError,
     PeerGone,
     RemoteError,
     RequestTimeout,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncClient",
     "ChannelClosed",
     "Client",
+    "FileFormatError",
     "PackedStrings",
     "PeerGone",
     "RemoteError",

@@ -5,10 +5,19 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-from rlferry.errors import Closed, Gone, RemoteError, RlferryError, SecurityError, Timeout
+from rlferry.errors import (
+    Closed,
+    Gone,
+    RemoteError,
+    RequestError,
+    RlferryError,
+    SecurityError,
+    Timeout,
+)
 
 __all__ = [
     "ChannelClosed",
+    "FileFormatError",
     "PeerGone",
     "RemoteError",
     "RequestTimeout",
@@ -33,6 +42,16 @@ class PeerGone(WireError, Gone):
 
 class RequestTimeout(WireError, Timeout):
     """No reply came within the request's timeout."""
+
+
+class FileFormatError(WireError, RequestError):
+    """A file that is not a whole rlferry file: another format (``looks_like`` names it
+    when it is a pickle or a torch.save archive), a newer format version, truncated, or
+    changed since it was written. The message names the file and what is wrong."""
+
+    def __init__(self, message: str, looks_like: str = "") -> None:
+        super().__init__(message)
+        self.looks_like = looks_like
 
 
 class _Brief(reprlib.Repr):

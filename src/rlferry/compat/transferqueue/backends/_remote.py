@@ -212,8 +212,8 @@ class RemoteController:
     def save(self, path: str) -> None:
         self.link.call("save_controller", path)
 
-    def load_from(self, path: str) -> None:
-        self.link.call("load_controller", path)
+    def load_from(self, path: str, trust_pickle: bool = False) -> None:
+        self.link.call("load_controller", path, trust_pickle)
 
 
 class RemoteStore:
@@ -237,5 +237,5 @@ class RemoteStore:
     def save(self, path: str) -> None:
         self.link.call("save_storage", path)
 
-    def load_from(self, path: str) -> None:
-        self.link.call("load_storage", path)
+    def load_from(self, path: str, trust_pickle: bool = False) -> None:
+        self.link.call("load_storage", path, trust_pickle)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlferry.wire.files import FileFormatError
+
 from .._errors import ClientClosed, GetMetaTimeout, NotInitialized, StorageKeyNotFoundError
 from ..metadata import BatchMeta, from_arrays, samples_of
 from ..state import objects
@@ -26,6 +28,7 @@ ERRORS: dict[str, type[Exception]] = {
     for c in (
         AssertionError,
         ClientClosed,
+        FileFormatError,
         FileNotFoundError,
         GetMetaTimeout,
         IndexError,

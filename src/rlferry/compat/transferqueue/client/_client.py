@@ -12,6 +12,8 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Coroutine
+from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from .._errors import ClientClosed
 from ..backends import Backend, Part, RemoteController
 from ..metadata import BatchMeta, extract_field_schema, samples_of
+from ..state import PICKLED_STORAGE_FILE, STORAGE_FILE
 from ._checks import check_get, index_list, key_list
 from ._columns import column, empty_tensordict, parsed, rows_of, scatter, tensordict_of
 from ._process import current_backend
@@ -250,21 +253,24 @@ class AsyncTransferQueueClient:
         return self._live.controller.kv_list(partition_id)
 
     # ---- checkpoints ----
-    # The loads below unpickle (the controller's state holds the shim's own objects) the
-    # local files save_*_checkpoint wrote, at paths the caller names, as TransferQueue's own
-    # checkpoints do: never anything from a socket. Load only checkpoints you wrote. With the
-    # queue as a service, the service writes and reads them, on its own host.
+    # Local files at paths the caller names (with the queue as a service, the service writes
+    # and reads them, on its own host), in rlferry's checked format: nothing is pickled, and
+    # a file that is not whole is refused. A pickle (TransferQueue's own format) is read only
+    # with trust_pickle=True.
     def save_controller_checkpoint(self, path: str) -> None:
         self._live.controller.save(path)
 
-    def load_controller_checkpoint(self, path: str) -> None:
-        self._live.controller.load_from(path)
+    def load_controller_checkpoint(self, path: str, *, trust_pickle: bool = False) -> None:
+        self._live.controller.load_from(path, trust_pickle)
 
     def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self._live.store.save(f"{checkpoint_dir}/storage.pt")
+        self._live.store.save(f"{checkpoint_dir}/{STORAGE_FILE}")
 
-    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        self._live.store.load_from(f"{checkpoint_dir}/storage.pt")
+    def load_storage_checkpoint(self, checkpoint_dir: str, *, trust_pickle: bool = False) -> None:
+        path = Path(checkpoint_dir) / STORAGE_FILE
+        if not path.exists() and (Path(checkpoint_dir) / PICKLED_STORAGE_FILE).exists():
+            path = Path(checkpoint_dir) / PICKLED_STORAGE_FILE  # TransferQueue's own
+        self._live.store.load_from(str(path), trust_pickle)
 
     def close(self) -> None:
         self._backend = None
@@ -341,14 +347,20 @@ class AsyncTransferQueueClient:
     async def async_save_controller_checkpoint(self, path: str) -> None:
         await self._off(self.save_controller_checkpoint, path)
 
-    async def async_load_controller_checkpoint(self, path: str) -> None:
-        await self._off(self.load_controller_checkpoint, path)
+    async def async_load_controller_checkpoint(
+        self, path: str, *, trust_pickle: bool = False
+    ) -> None:
+        await self._off(partial(self.load_controller_checkpoint, trust_pickle=trust_pickle), path)
 
     async def async_save_storage_checkpoint(self, checkpoint_dir: str) -> None:
         await self._off(self.save_storage_checkpoint, checkpoint_dir)
 
-    async def async_load_storage_checkpoint(self, checkpoint_dir: str) -> None:
-        await self._off(self.load_storage_checkpoint, checkpoint_dir)
+    async def async_load_storage_checkpoint(
+        self, checkpoint_dir: str, *, trust_pickle: bool = False
+    ) -> None:
+        await self._off(
+            partial(self.load_storage_checkpoint, trust_pickle=trust_pickle), checkpoint_dir
+        )
 
 
 class TransferQueueClient(AsyncTransferQueueClient):

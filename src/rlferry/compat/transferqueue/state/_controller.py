@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlferry.wire.files import write_file
+
 from ..metadata import BatchMeta, from_arrays
 from ..samplers import BaseSampler, SequentialSampler
 from ._changes import Changes
 from ._partition import Field, Indexes, Partition
+from ._saved import controller_in, controller_out, read_saved
 
 __all__ = ["Controller"]
 
@@ -337,12 +340,19 @@ class Controller:
             }
 
     def save(self, path: str) -> None:
-        """Write ``state()`` to the local file ``path`` (a checkpoint)."""
-        torch.save(self.state(), path)
+        """Write ``state()`` to the local file ``path`` (a checkpoint, in rlferry's checked
+        format: nothing pickled)."""
+        write_file(path, controller_out(self.state()))
 
-    def load_from(self, path: str) -> None:
-        """``load`` the local file ``save`` wrote (unpickled: load only checkpoints you wrote)."""
-        self.load(torch.load(path, weights_only=False))
+    def load_from(self, path: str, trust_pickle: bool = False) -> None:
+        """``load`` the local file ``save`` wrote; a pickle (TransferQueue's own format) only
+        with ``trust_pickle``.
+
+        Raises:
+            FileFormatError: the file is not whole, or a pickle without ``trust_pickle``.
+        """
+        saved, pickled = read_saved(path, trust_pickle)
+        self.load(saved if pickled else controller_in(saved))
 
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:

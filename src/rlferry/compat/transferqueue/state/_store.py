@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from rlferry.wire import shared_empty
+from rlferry.wire.files import write_file
 from rlferry.wire.lowlevel import bytes_copy, copy_many
 
 from .._errors import StorageKeyNotFoundError
 from ._memory import Pool
+from ._saved import read_saved, store_in, store_out
 from ._values import nested, objects, pack
 
 __all__ = ["Store"]
@@ -228,12 +230,19 @@ class Store:
             }
 
     def save(self, path: str) -> None:
-        """Write ``state()`` to the local file ``path`` (a checkpoint)."""
-        torch.save(self.state(), path)
+        """Write ``state()`` to the local file ``path`` (a checkpoint, in rlferry's checked
+        format: nothing pickled; a value the wire does not carry is refused, naming it)."""
+        write_file(path, store_out(self.state()))
 
-    def load_from(self, path: str) -> None:
-        """``load`` the local file ``save`` wrote (unpickled: load only checkpoints you wrote)."""
-        self.load(torch.load(path, weights_only=False))
+    def load_from(self, path: str, trust_pickle: bool = False) -> None:
+        """``load`` the local file ``save`` wrote; a pickle (TransferQueue's own format) only
+        with ``trust_pickle``.
+
+        Raises:
+            FileFormatError: the file is not whole, or a pickle without ``trust_pickle``.
+        """
+        saved, pickled = read_saved(path, trust_pickle)
+        self.load(saved if pickled else store_in(saved))
 
     def load(self, state: dict[str, Any]) -> None:
         with self._lock:
