@@ -98,8 +98,8 @@ def test_a_driver_killed_between_steps_resumes_and_trains_every_sample_once(tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kill",
-    ["put:3", "train:3", "push:3", "checkpoint:2", "checkpoint:4", "step:2", "step:4",
-     "push:4", "train:5", "put:5"],
+    ["put:3", "train:3", "push:3", "put:4", "checkpoint:4", "step:2", "step:4", "push:4",
+     "train:5", "put:5"],
 )  # fmt: skip
 def test_a_driver_killed_anywhere_resumes_and_trains_every_sample_once(tmp_path, kill):
     _killed_then_resumed(tmp_path, kill)
@@ -111,8 +111,9 @@ def test_a_driver_killed_during_the_first_step_after_a_resume_resumes_again(tmp_
 
 
 @pytest.mark.slow
-def test_a_driver_killed_before_its_first_checkpoint_has_nothing_to_resume(tmp_path):
-    rc, text = _demo(tmp_path, 5, kill="train:1")
+@pytest.mark.parametrize("kill", ["train:1", "checkpoint:2"])
+def test_a_driver_killed_before_its_first_checkpoint_has_nothing_to_resume(tmp_path, kill):
+    rc, text = _demo(tmp_path, 5, kill=kill)
     assert rc == -signal.SIGKILL, text[-3000:]
     rc, text = _demo(tmp_path, 5, str(tmp_path / "out" / "checkpoints"))
     assert rc != 0

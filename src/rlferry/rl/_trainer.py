@@ -70,9 +70,9 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from rlferry.queue import GrpoGroups, Queue
     from rlferry.weights import WeightSender, fingerprint
 
-    from ._gather import gathered
+    from ._profiling import traced
     from .checkpoints import load_rank, save_rank
-    from .grpo import GrpoBatch, grpo_loss
+    from .grpo import GrpoBatch, grpo_terms
 
     torch.manual_seed(s["seed"] + rank)
     if s["threads"]:
@@ -105,7 +105,10 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         model = _sharded(model.to(device)) if dp > 1 else model.to(device)
         params = list(model.parameters())
     model.train()
-    optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.0)
+    # on a GPU one fused kernel steps every parameter (the loop of per-tensor kernels is
+    # launch-bound on a small model)
+    optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.0,
+                                  fused=device.type == "cuda")  # fmt: skip
     if s.get("resume"):  # a job checkpoint's parameters, optimizer state and RNG
         load_rank(s["resume"], rank, params, optimizer)
     sender: Any = None
@@ -127,6 +130,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         told = [sender.addresses[e] for e in range(n)] if s.get("p2p") else [sender.address] * n
     conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
+    mirror: list[tuple[str, torch.Tensor]] | None = None  # one rank: the engines' dtype
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
@@ -148,26 +152,11 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         if cmd[0] == "push":
             _, version, seconds = cmd
             t0 = time.perf_counter()
-            sent = 0
-            if adapter is not None:  # the adapter alone, from rank 0
-                if sender is not None:
-                    named = adapter.named(serve)
-                    sent = sender.push(named, version=version, timeout=seconds).bytes
-            elif s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
-                sent = sender.push(model.state_dict(), version=version, timeout=seconds).bytes
-            elif sender is not None:
-                layout = [  # global shapes, the engines' dtype
-                    (n, torch.empty(t.shape, dtype=serve, device="meta"))
-                    for n, t in model.state_dict().items()
-                ]
-                sent = sender.push(
-                    gathered(model, serve), version=version, timeout=seconds, layout=layout
-                ).bytes
-            else:
-                for _ in gathered(model, serve):  # other ranks: their part of every gather
-                    pass
+            with traced(rank, "push", version):
+                sent, mirror = _push(sender, model, adapter, s, serve, version, seconds, mirror)
             conn.send(("ok", {"seconds": time.perf_counter() - t0, "bytes": sent}))
             continue
+
         _, step = cmd
         t0 = time.perf_counter()
         batch = client.get(
@@ -177,16 +166,18 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             timeout=600,
         )  # fmt: skip
         got = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        d = batch.data
-        rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
-        with autocast:
-            loss, stats = grpo_loss(model, rows, clip=s["clip"])
-        loss.backward()
-        if adapter is not None:  # FSDP averages the model's gradients; the adapter's here
-            adapter.average_gradients()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        with traced(rank, "train", step):
+            optimizer.zero_grad(set_to_none=True)
+            d = batch.data
+            rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
+            with autocast:
+                loss, terms = grpo_terms(model, rows, clip=s["clip"])
+            loss.backward()
+            if adapter is not None:  # FSDP averages the model's gradients; the adapter's here
+                adapter.average_gradients()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            stats = terms.stats()  # the step's one wait for the device
         client.ack(batch)
         conn.send(("ok", {
             **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got,
@@ -266,3 +257,50 @@ def _sharded(model: Any) -> Any:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _push(
+    sender: Any, model: Any, adapter: Any, s: dict[str, Any], serve: torch.dtype, version: int,
+    seconds: float, mirror: list[tuple[str, torch.Tensor]] | None,
+) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:  # fmt: skip
+    """This rank's part of an update (see the module's ``push``); the bytes it sent."""
+    from ._gather import gathered
+
+    if adapter is not None:  # the adapter alone, from rank 0
+        if sender is None:
+            return 0, mirror
+        named = adapter.named(serve)
+        return sender.push(named, version=version, timeout=seconds).bytes, mirror
+    if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
+        return sender.push(model.state_dict(), version=version, timeout=seconds).bytes, mirror
+    if sender is not None and s["dp"] == 1:  # one rank: its weights at fixed addresses
+        mirror = _served(model, serve, mirror)
+        return sender.push(mirror, version=version, timeout=seconds).bytes, mirror
+    if sender is not None:
+        layout = [  # global shapes, the engines' dtype
+            (n, torch.empty(t.shape, dtype=serve, device="meta"))
+            for n, t in model.state_dict().items()
+        ]
+        report = sender.push(
+            gathered(model, serve), version=version, timeout=seconds, layout=layout
+        )
+        return report.bytes, mirror
+    for _ in gathered(model, serve):  # other ranks: their part of every gather
+        pass
+    return 0, mirror
+
+
+def _served(
+    model: Any, dtype: torch.dtype, mirror: list[tuple[str, torch.Tensor]] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """A single rank's weights in the engines' dtype, at addresses that stay from push to
+    push (a cuda_ipc receiver reads them in place, their handles opened once): the float32
+    master weights cast into ``mirror`` (made on the first push) by one grouped copy; the
+    weights themselves where they already are in that dtype."""
+    named = list(model.state_dict().items())
+    if all(t.dtype == dtype for _, t in named):
+        return named
+    if mirror is None:
+        mirror = [(n, torch.empty_like(t, dtype=dtype)) for n, t in named]
+    torch._foreach_copy_([m for _, m in mirror], [t.detach() for _, t in named])
+    return mirror

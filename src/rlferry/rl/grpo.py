@@ -37,6 +37,7 @@ __all__ = [
     "GrpoStats",
     "group_advantages",
     "grpo_loss",
+    "grpo_terms",
     "pad_batch",
     "sequence_logprobs",
 ]
@@ -172,15 +173,38 @@ def sequence_logprobs(
     return logp * response_mask
 
 
+@dataclass(frozen=True)
+class GrpoTerms:
+    """The figures of a :func:`grpo_terms` call, still on the device: :meth:`stats`
+    reads them all at once (one wait for the device, after the step's kernels)."""
+
+    values: torch.Tensor  # loss, ratio_mean, clip_fraction, logp_diff, entropy
+    tokens: int
+
+    def stats(self) -> GrpoStats:
+        loss, ratio, clipped, diff, entropy = self.values.tolist()
+        return GrpoStats(loss, ratio, clipped, diff, entropy, self.tokens)
+
+
 def grpo_loss(model: Any, batch: GrpoBatch, *, clip: float = 0.2) -> tuple[torch.Tensor, GrpoStats]:
     """The loss of the module docstring on ``batch`` (a differentiable 0-d tensor; call
     ``backward`` on it) and its :class:`GrpoStats`. Inputs go to the model's device."""
+    loss, terms = grpo_terms(model, batch, clip=clip)
+    return loss, terms.stats()
+
+
+def grpo_terms(
+    model: Any, batch: GrpoBatch, *, clip: float = 0.2
+) -> tuple[torch.Tensor, GrpoTerms]:
+    """:func:`grpo_loss` with its figures left on the device: read them with
+    :meth:`GrpoTerms.stats` after the backward and the optimizer step are queued, so
+    nothing waits for the forward before they launch."""
     if not 0 < clip < 1:
         raise RequestError(f"grpo_loss.clip: expected a number in (0, 1), got {clip!r}")
     device = next(model.parameters()).device
-    input_ids, attention_mask, response_mask = (
-        t.to(device) for t in pad_batch(batch.prompts, batch.responses)
-    )
+    padded = pad_batch(batch.prompts, batch.responses)
+    tokens = int(padded[2].sum())  # counted on the host, before the copy to the device
+    input_ids, attention_mask, response_mask = (t.to(device) for t in padded)
     engine = torch.zeros(input_ids.shape, dtype=torch.float32)
     for i, (p, lp) in enumerate(zip(batch.prompts, batch.logprobs, strict=True)):
         engine[i, len(p) : len(p) + len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
@@ -189,7 +213,6 @@ def grpo_loss(model: Any, batch: GrpoBatch, *, clip: float = 0.2) -> tuple[torch
 
     logp, entropy = _logprobs_entropy(model, input_ids, attention_mask)
     mask = response_mask.float()
-    tokens = int(response_mask.sum())
     if tokens == 0:
         raise RequestError(
             "grpo_loss.batch: expected at least one response token, got 0 (every response is empty)"
@@ -202,12 +225,9 @@ def grpo_loss(model: Any, batch: GrpoBatch, *, clip: float = 0.2) -> tuple[torch
 
     with torch.no_grad():
         was_clipped = ((ratio > 1 + clip) & (adv > 0)) | ((ratio < 1 - clip) & (adv < 0))
-        stats = GrpoStats(
-            loss=float(loss),
-            ratio_mean=float((ratio * mask).sum() / tokens),
-            clip_fraction=float((was_clipped & response_mask).sum() / tokens),
-            logp_diff=float(diff.abs().sum() / tokens),
-            entropy=float((entropy * mask).sum() / tokens),
-            tokens=tokens,
-        )
-    return loss, stats
+        values = torch.stack([
+            loss.detach(), (ratio * mask).sum(), (was_clipped & response_mask).sum().float(),
+            diff.abs().sum(), (entropy * mask).sum(),
+        ])  # fmt: skip
+        values[1:] /= tokens
+    return loss, GrpoTerms(values, tokens)
