@@ -7,13 +7,19 @@ itself). A tensor that did not change is left out of the push; one whose sparse 
 sent sparse (its bytes under :func:`~._record.parts_name`); any other is sent dense,
 under its own name. The base then holds the pushed version.
 
-On the CPU each tensor is done in one pass (a comparison into a reused mask, the
-changed places, the parts). On CUDA there is no host round trip per tensor: a first
-pass counts the changed elements of every block of every tensor, one ``.tolist()``
-reads the totals of all tensors, and a second pass compacts each changed tensor's
-places with ``nonzero_static`` (its size known), gathers the values and writes them
-into the base. A base kept in host memory is staged on the device in groups of
-:data:`STAGE_BYTES`, one read of the totals per group.
+On the CPU, with the C extension (``_fastdiff``), runs of tensors are diffed in one
+pass over each tensor and its base, on every core without the GIL, into a reused scratch
+buffer of at least :data:`SCRATCH_BYTES` (and of each tensor's most sparse bytes): each
+block's count, each changed element's value and offset, the base updated in the same
+pass; a tensor sent sparse is then copied out of the scratch, its sparse bytes only.
+Without the extension each tensor is done with torch ops (a comparison into a reused
+mask, the changed places, the parts), with the same bytes out.
+
+On CUDA there is no host round trip per tensor: a first pass counts the changed elements
+of every block of every tensor, one ``.tolist()`` reads the totals of all tensors, and a
+second pass compacts each changed tensor's places with ``nonzero_static`` (its size
+known), gathers the values and writes them into the base. A base kept in host memory is
+staged on the device in groups of :data:`STAGE_BYTES`, one read of the totals per group.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._native import THREADS, fastdiff
 from ._record import BLOCK, int_view, layout, parts_name
 
-__all__ = ["SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "unchanged"]
+__all__ = ["SCRATCH_BYTES", "SPARSE_AT_MOST", "STAGE_BYTES", "Encoded", "encode", "unchanged"]
 
 SPARSE_AT_MOST = 0.9  # sparse when at least 10% smaller than dense
 STAGE_BYTES = 1 << 30  # a host base's tensors staged on the device at once
+SCRATCH_BYTES = 64 << 20  # the CPU diff's scratch: the most sparse bytes of a run of tensors
+_SCRATCH_ALIGN = 64
 
 
 @dataclass
@@ -55,12 +64,14 @@ Entry = tuple[str, torch.Tensor, torch.Tensor | None]
 def encode(entries: list[Entry], scratch: list[torch.Tensor]) -> Encoded:
     """Encode ``(name, new, base)`` in push order (``base`` None: not kept, sent dense;
     ``new`` of the base's shape and dtype, a strided one compared through a contiguous
-    copy) and write the changes into each base. ``scratch``: a reused CPU mask
+    copy) and write the changes into each base. ``scratch``: a reused CPU buffer
     (``[tensor]`` or ``[]``, grown as needed)."""
     out = Encoded()
     for group in _groups(entries):
         if group[0][1].device.type == "cuda":
             _encode_on_device(group, out)
+        elif fastdiff is not None:
+            _encode_natively(group, scratch, out)
         else:
             for name, new, base in group:
                 if base is None:
@@ -139,7 +150,7 @@ def _encode_on_host(
     a, b = int_view(new), int_view(base)
     assert a is not None and b is not None
     numel = a.numel()
-    if not scratch or scratch[0].numel() < numel:
+    if not scratch or scratch[0].numel() < numel or scratch[0].dtype != torch.bool:
         scratch[:] = [torch.empty(numel, dtype=torch.bool)]
     mask = torch.ne(a, b, out=scratch[0][:numel])
     n = int(torch.count_nonzero(mask))  # places are compacted only for a tensor sent sparse
@@ -147,6 +158,85 @@ def _encode_on_host(
         idx = mask.nonzero().squeeze(1)
         counts = torch.bincount(idx >> 8, minlength=-(-numel // BLOCK))
         _sparse(name, new, a, b, idx, counts, out)
+
+
+def most_sparse(numel: int, itemsize: int) -> int:
+    """The most changed elements a tensor sent sparse carries (0: it never is)."""
+    dense = numel * itemsize
+    n = max(0, int((SPARSE_AT_MOST * dense - layout(numel, 0, itemsize)[1]) // (itemsize + 1)))
+    while layout(numel, n + 1, itemsize)[3] <= SPARSE_AT_MOST * dense:
+        n += 1
+    while n > 0 and layout(numel, n, itemsize)[3] > SPARSE_AT_MOST * dense:
+        n -= 1
+    return n
+
+
+@dataclass
+class _Job:
+    """A tensor of a native run: ``new`` contiguous, its base, its most sparse changes and
+    where its record goes in the scratch."""
+
+    name: str
+    given: torch.Tensor  # as the caller gave it (sent dense as it is)
+    new: torch.Tensor | None = None  # None: no base, sent dense
+    base: torch.Tensor | None = None
+    nmax: int = 0
+    at: int = 0
+
+
+def _encode_natively(group: list[Entry], scratch: list[torch.Tensor], out: Encoded) -> None:
+    """Encode ``group`` (CPU tensors) with the C extension, in runs whose most sparse
+    bytes fit the scratch."""
+    run: list[_Job] = []
+    used = 0
+    for name, new, base in group:
+        if base is None:
+            run.append(_Job(name, new))
+            continue
+        contiguous = new.contiguous()
+        numel, itemsize = contiguous.numel(), contiguous.element_size()
+        nmax = most_sparse(numel, itemsize)
+        need = layout(numel, 0, itemsize)[1] + nmax * (itemsize + 1) if nmax else 0
+        need = -(-need // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        if run and used + need > max(SCRATCH_BYTES, need):
+            _diff_run(run, used, scratch, out)
+            run, used = [], 0
+        run.append(_Job(name, new, contiguous, base, nmax, used))
+        used += need
+    _diff_run(run, used, scratch, out)
+
+
+def _diff_run(run: list[_Job], used: int, scratch: list[torch.Tensor], out: Encoded) -> None:
+    if not scratch or scratch[0].numel() < used or scratch[0].dtype != torch.uint8:
+        scratch[:] = [torch.empty(max(used, SCRATCH_BYTES), dtype=torch.uint8)]
+    buf = scratch[0]
+    found = fastdiff.diff(
+        [
+            (j.new.data_ptr(), j.base.data_ptr(), buf.data_ptr() + j.at if j.nmax else 0,
+             j.new.numel(), j.new.element_size(), j.nmax, layout(j.new.numel(), 0, 1)[1])
+            for j in run
+            if j.new is not None and j.base is not None
+        ],
+        THREADS,
+    )  # fmt: skip
+    changes = iter(found)
+    for j in run:
+        if j.new is None:
+            out.add(j.name, j.given)
+            continue
+        n = next(changes)
+        numel, itemsize = j.new.numel(), j.new.element_size()
+        out.compared += numel
+        out.changed += n
+        if n == 0:
+            continue
+        if n > j.nmax:  # the base holds it already
+            out.add(j.name, j.given)
+            continue
+        nbytes = layout(numel, n, itemsize)[3]
+        out.pushed.append((parts_name(j.name), buf[j.at : j.at + nbytes].clone()))
+        out.sparse.append((j.name, tuple(j.new.shape), j.new.dtype, n))
+        out.sent += nbytes
 
 
 def _block_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

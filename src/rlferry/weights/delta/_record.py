@@ -15,6 +15,8 @@ import torch
 
 from rlferry.errors import RequestError
 
+from ._native import THREADS, fastdiff
+
 __all__ = ["BLOCK", "SUFFIX", "Delta", "comparable", "int_view", "layout", "parts_name"]
 
 # An element's place in its block fits one byte: a changed bf16 element costs 3 bytes
@@ -145,8 +147,29 @@ class Delta:
             raise RequestError(f"Delta.apply_: a {self.dtype} tensor cannot take deltas")
         dev = tensor.device
         delta = self if self.counts.device == dev else self.to(dev)
-        flat.index_copy_(0, delta.indices(), delta.values.view(flat.dtype))
+        if not (dev.type == "cpu" and delta._apply_natively(flat)):
+            flat.index_copy_(0, delta.indices(), delta.values.view(flat.dtype))
         return tensor
+
+    def _apply_natively(self, flat: torch.Tensor) -> bool:
+        """Write the changes into ``flat`` (a CPU tensor's flat integer view) with the C
+        extension; False (nothing written) where it is absent or the parts are not
+        contiguous CPU tensors that fit ``flat`` (torch ops apply it, or raise)."""
+        parts = (self.counts, self.offsets, self.values)
+        if fastdiff is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
+            return False
+        n = self.values.numel()
+        if (
+            self.counts.dtype != torch.int16
+            or self.offsets.dtype != torch.uint8
+            or self.offsets.numel() != n
+            or self.counts.numel() != -(-flat.numel() // BLOCK)
+        ):
+            return False
+        return fastdiff.apply(
+            flat.data_ptr(), flat.numel(), flat.element_size(), self.counts.data_ptr(),
+            self.offsets.data_ptr(), self.values.data_ptr(), n, THREADS,
+        )  # fmt: skip
 
     def to(self, device: torch.device | str) -> Delta:
         """This delta with its parts on ``device`` (queued on the current stream for a CUDA
