@@ -6,11 +6,14 @@
  * base. Tensors of more than 2 * MIN_SPLIT blocks are cut in two pieces: the front one
  * writes its values and offsets forward from the start of their regions, the back one
  * backward (blocks last to first) from their ends, so the two never meet while the
- * tensor is sparse; one small move joins them. The pieces of all tensors of a call go
- * to the threads largest first, without the GIL. A tensor's pieces add what they found
- * to a shared total every SYNC_BLOCKS blocks: once it passes `nmax` (the most changes a
- * sparse record may carry), they stop writing the record and only count and update
- * the base (the tensor goes dense; its base already holds it).
+ * tensor is sparse; one small move joins them. Each piece goes in runs of RUN blocks
+ * (the back piece's runs last to first, the blocks of a run first to last: read
+ * backward, memory runs 3x slower): a run is compared (masks kept, the base updated),
+ * then its changes written. The pieces of all tensors of a call go to the threads
+ * largest first, without the GIL. A tensor's pieces add each run's changes to a shared
+ * total: once it passes `nmax` (the most changes a sparse record may carry), they stop
+ * writing the record and only count and update the base (the tensor goes dense; its
+ * base already holds it).
  *
  * apply: the changed elements of a delta written into a tensor, the blocks cut among
  * threads at the same count of changes; nothing is written (False) when the counts do
@@ -35,7 +38,7 @@
 #endif
 
 #define BLOCK 256
-#define SYNC_BLOCKS 64 /* a piece adds its changes to its tensor's total this often */
+#define RUN 64         /* blocks compared before their changes are written */
 #define MIN_SPLIT 256  /* blocks (64 Ki elements) a piece has at least */
 #define MAX_THREADS 64
 
@@ -107,6 +110,18 @@ GENERIC(uint64_t, g8)
                        FULL)                                                               \
     AVX512 static int compare_##NAME(const uint8_t *a, uint8_t *b, int len, uint64_t *m) { \
         int k = 0;                                                                         \
+        if (len == BLOCK) { /* unmasked loads, a fixed count: 3x faster than masked */     \
+            for (int c = 0; c < BLOCK / W; c++) {                                          \
+                __m512i va = _mm512_loadu_si512(a + c * 64);                               \
+                __m512i vb = _mm512_loadu_si512(b + c * 64);                               \
+                MASK_T ne = CMP((MASK_T)FULL, va, vb);                                     \
+                if (ne)                                                                    \
+                    _mm512_mask_storeu_##SFX(b + c * 64, ne, va);                          \
+                m[c] = (uint64_t)ne;                                                       \
+                k += (int)_mm_popcnt_u64((uint64_t)ne);                                    \
+            }                                                                              \
+            return k;                                                                      \
+        }                                                                                  \
         for (int c = 0; c * W < len; c++) {                                                \
             int rem = len - c * W;                                                         \
             MASK_T lm = rem >= W ? (MASK_T)FULL : (MASK_T)((1ULL << rem) - 1);             \
@@ -195,35 +210,44 @@ static int64_t diff_piece(job_t *j, int back) {
     uint8_t *ends = j->data ? j->data + j->values_at + j->nmax * isz : NULL;
     uint8_t *vp = back ? ends : (j->data ? j->data + j->values_at : NULL);
     uint8_t *op = back ? (ends ? ends + j->nmax : NULL) : ends;
-    uint64_t m[BLOCK / 8];
-    int64_t n = 0, told = 0;
+    uint64_t m[RUN][BLOCK / 8];
+    int ks[RUN];
+    int64_t n = 0;
     int dense = j->nmax < 1;
-    for (int64_t i = 0; i < b1 - b0; i++) {
-        int64_t blk = back ? b1 - 1 - i : b0 + i;
-        int64_t at = blk * BLOCK;
-        int len = j->numel - at < BLOCK ? (int)(j->numel - at) : BLOCK;
-        int k = compare(j->a + at * isz, j->b + at * isz, len, m);
-        n += k;
-        if (!dense && n > j->nmax)
+    for (int64_t r = 0; r < b1 - b0; r += RUN) {
+        int cnt = b1 - b0 - r < RUN ? (int)(b1 - b0 - r) : RUN;
+        int64_t first = back ? b1 - r - cnt : b0 + r; /* the back piece's runs last first */
+        int64_t kr = 0;
+        for (int i = 0; i < cnt; i++) { /* blocks forward in a run: the prefetchers follow */
+            int64_t at = (first + i) * BLOCK;
+            int len = j->numel - at < BLOCK ? (int)(j->numel - at) : BLOCK;
+            ks[i] = compare(j->a + at * isz, j->b + at * isz, len, m[i]);
+            kr += ks[i];
+        }
+        n += kr;
+        if (n > j->nmax)
             dense = 1;
-        if (!dense) {
-            counts[blk] = (int16_t)k;
-            if (k && back) {
-                vp -= (int64_t)k * isz;
-                op -= k;
-                write(j->a + at * isz, len, m, vp, op);
-            } else if (k) {
-                write(j->a + at * isz, len, m, vp, op);
-                vp += (int64_t)k * isz;
-                op += k;
+        /* both pieces add each run's changes before writing them: of two runs, the one
+         * added last sees both, so their records never overlap while the tensor is sparse */
+        if (j->split < j->blocks && __atomic_add_fetch(&j->total, kr, __ATOMIC_RELAXED) > j->nmax)
+            dense = 1;
+        if (dense)
+            continue;
+        if (back)
+            vp -= kr * isz, op -= kr;
+        uint8_t *v = vp, *o = op;
+        for (int i = 0; i < cnt; i++) {
+            int64_t at = (first + i) * BLOCK;
+            counts[first + i] = (int16_t)ks[i];
+            if (ks[i]) {
+                int len = j->numel - at < BLOCK ? (int)(j->numel - at) : BLOCK;
+                write(j->a + at * isz, len, m[i], v, o);
+                v += (int64_t)ks[i] * isz;
+                o += ks[i];
             }
         }
-        if ((i + 1) % SYNC_BLOCKS == 0 && j->split < j->blocks) {
-            int64_t all = __atomic_add_fetch(&j->total, n - told, __ATOMIC_RELAXED);
-            told = n;
-            if (all > j->nmax)
-                dense = 1;
-        }
+        if (!back)
+            vp = v, op = o;
     }
     return n;
 }
