@@ -115,8 +115,8 @@ GENERIC(uint64_t, g8)
                 __m512i va = _mm512_loadu_si512(a + c * 64);                               \
                 __m512i vb = _mm512_loadu_si512(b + c * 64);                               \
                 MASK_T ne = CMP((MASK_T)FULL, va, vb);                                     \
-                if (ne)                                                                    \
-                    _mm512_mask_storeu_##SFX(b + c * 64, ne, va);                          \
+                if (ne) /* the equal elements too: a plain store, no masked one */         \
+                    _mm512_storeu_si512(b + c * 64, va);                                   \
                 m[c] = (uint64_t)ne;                                                       \
                 k += (int)_mm_popcnt_u64((uint64_t)ne);                                    \
             }                                                                              \
