@@ -34,22 +34,29 @@ def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return raw.to(torch.int16).view(torch.uint8)[..., :size].contiguous().view(dtype).squeeze(-1)
 
 
-def both(entries, monkeypatch):
+class Plain:
+    """The extension with its plain C kernels (the CPU's vector ones are the default)."""
+
+    @staticmethod
+    def diff(jobs, threads):
+        return fastdiff.diff(jobs, threads, True)
+
+
+def both(entries, monkeypatch, plain=False):
     """``encode`` with the extension and with torch ops, each on its own copy of the bases:
     (encoded, bases) for each."""
     out = []
     for native in (True, False):
         with monkeypatch.context() as m:
-            if not native:
-                m.setattr(_encoding, "fastdiff", None)
+            m.setattr(_encoding, "fastdiff", (Plain if plain else fastdiff) if native else None)
             bases = [None if b is None else b.clone() for _, _, b in entries]
             got = encode([(n, t, b) for (n, t, _), b in zip(entries, bases, strict=True)], [])
             out.append((got, bases))
     return out
 
 
-def assert_same(entries, monkeypatch):
-    (a, abases), (b, bbases) = both(entries, monkeypatch)
+def assert_same(entries, monkeypatch, plain=False):
+    (a, abases), (b, bbases) = both(entries, monkeypatch, plain)
     assert [n for n, _ in a.pushed] == [n for n, _ in b.pushed]
     for (_, x), (_, y) in zip(a.pushed, b.pushed, strict=True):
         assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8),
@@ -63,14 +70,15 @@ def assert_same(entries, monkeypatch):
     return a
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["vector", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("frac", [0.0, 0.01, 0.5, 1.0])
-def test_the_native_diff_encodes_the_bytes_of_the_torch_diff(dtype, frac, monkeypatch):
+def test_the_native_diff_encodes_the_bytes_of_the_torch_diff(dtype, frac, plain, monkeypatch):
     entries = []
     for i, numel in enumerate(SIZES):
         old = random((numel,), dtype, i)
         entries.append((f"t{i}", changed(old, frac, 100 + i), old))
-    got = assert_same(entries, monkeypatch)
+    got = assert_same(entries, monkeypatch, plain)
     assert got.compared == sum(SIZES)
 
 

@@ -47,7 +47,7 @@ typedef struct {
     uint8_t *b;       /* its base, updated */
     uint8_t *data;    /* the record: room for values_at + nmax * (isz + 1) bytes */
     int64_t numel, nmax, blocks, values_at, split;
-    int isz;
+    int isz, plain; /* plain: the plain C kernels whatever the CPU has */
     int64_t total;   /* changes found by its pieces so far (atomic) */
     int left;        /* pieces not done (atomic) */
     int64_t found[2]; /* changes of the front and the back piece */
@@ -181,13 +181,15 @@ AVX512_KERNELS(v8, 8, __mmask8, epi64, CMP64, TO16, __m128i, IOTA16, ADD128,
                _mm_maskz_compress_epi8, _mm_mask_storeu_epi8, 0xFFu)
 #endif
 
-static compare_fn compares[9];
-static write_fn writes[9];
+static compare_fn compares[9], plain_compares[9];
+static write_fn writes[9], plain_writes[9];
 
 static void choose_kernels(void) {
     compares[1] = compare_g1, compares[2] = compare_g2;
     compares[4] = compare_g4, compares[8] = compare_g8;
     writes[1] = write_g1, writes[2] = write_g2, writes[4] = write_g4, writes[8] = write_g8;
+    memcpy(plain_compares, compares, sizeof(compares));
+    memcpy(plain_writes, writes, sizeof(writes));
 #ifdef RLFERRY_AVX512
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -204,8 +206,8 @@ static void choose_kernels(void) {
 static int64_t diff_piece(job_t *j, int back) {
     const int isz = j->isz;
     const int64_t b0 = back ? j->split : 0, b1 = back ? j->blocks : j->split;
-    compare_fn compare = compares[isz];
-    write_fn write = writes[isz];
+    compare_fn compare = (j->plain ? plain_compares : compares)[isz];
+    write_fn write = (j->plain ? plain_writes : writes)[isz];
     int16_t *counts = (int16_t *)j->data;
     uint8_t *ends = j->data ? j->data + j->values_at + j->nmax * isz : NULL;
     uint8_t *vp = back ? ends : (j->data ? j->data + j->values_at : NULL);
@@ -356,8 +358,8 @@ static int clamp_threads(int threads) {
 
 static PyObject *diff(PyObject *self, PyObject *args) {
     PyObject *list;
-    int threads;
-    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &list, &threads))
+    int threads, plain = 0;
+    if (!PyArg_ParseTuple(args, "O!i|p", &PyList_Type, &list, &threads, &plain))
         return NULL;
     threads = clamp_threads(threads);
     Py_ssize_t count = PyList_GET_SIZE(list);
@@ -374,6 +376,7 @@ static PyObject *diff(PyObject *self, PyObject *args) {
             PyMem_Free(jobs), PyMem_Free(pieces);
             return NULL;
         }
+        j->plain = plain;
         bytes += j->numel * j->isz;
         if (threads > 1 && j->blocks >= 2 * MIN_SPLIT)
             j->split = j->blocks / 2;
@@ -490,8 +493,8 @@ static PyObject *apply(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"diff", diff, METH_VARARGS,
-     "diff(jobs, threads) -> changes per job; a job: (new, base, data, numel, itemsize, "
-     "nmax, values_at)"},
+     "diff(jobs, threads, plain=False) -> changes per job; a job: (new, base, data, numel, "
+     "itemsize, nmax, values_at); plain: the plain C kernels whatever the CPU has"},
     {"apply", apply, METH_VARARGS,
      "apply(tensor, numel, itemsize, counts, offsets, values, changed, threads) -> False "
      "(nothing written) when the counts or offsets do not fit the tensor"},

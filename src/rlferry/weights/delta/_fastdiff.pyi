@@ -1,4 +1,6 @@
-def diff(jobs: list[tuple[int, int, int, int, int, int, int]], threads: int) -> list[int]: ...
+def diff(
+    jobs: list[tuple[int, int, int, int, int, int, int]], threads: int, plain: bool = False
+) -> list[int]: ...
 def apply(
     tensor: int,
     numel: int,
