@@ -11,7 +11,9 @@ On the CPU, with the C extension (``_fastdiff``), runs of tensors are diffed in 
 pass over each tensor and its base, on every core without the GIL, into a reused scratch
 buffer of at least :data:`SCRATCH_BYTES` (and of each tensor's most sparse bytes): each
 block's count, each changed element's value and offset, the base updated in the same
-pass; a tensor sent sparse is then copied out of the scratch, its sparse bytes only.
+pass; a tensor sent sparse is then copied out of the scratch, its sparse bytes only, into
+a second buffer reused push after push (the records are views of it, valid until the next
+encode).
 Without the extension each tensor is done with torch ops (a comparison into a reused
 mask, the changed places, the parts), with the same bytes out.
 
@@ -24,6 +26,7 @@ staged on the device in groups of :data:`STAGE_BYTES`, one read of the totals pe
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,8 +67,9 @@ Entry = tuple[str, torch.Tensor, torch.Tensor | None]
 def encode(entries: list[Entry], scratch: list[torch.Tensor]) -> Encoded:
     """Encode ``(name, new, base)`` in push order (``base`` None: not kept, sent dense;
     ``new`` of the base's shape and dtype, a strided one compared through a contiguous
-    copy) and write the changes into each base. ``scratch``: a reused CPU buffer
-    (``[tensor]`` or ``[]``, grown as needed)."""
+    copy) and write the changes into each base. ``scratch``: reused CPU buffers (a list,
+    empty at first, grown as needed); the sparse records pushed may be views of them,
+    valid until the next call."""
     out = Encoded()
     for group in _groups(entries):
         if group[0][1].device.type == "cuda":
@@ -184,9 +188,37 @@ class _Job:
     at: int = 0
 
 
+class _Records:
+    """The sparse records of one encode: views of a buffer kept in ``scratch[1]`` and
+    written again by the next encode (its push has sent them by then); one twice the size
+    when they outgrow it. A fresh tensor a record costs a page fault a page each push."""
+
+    def __init__(self, scratch: list[torch.Tensor]) -> None:
+        self.scratch = scratch
+        self.at = 0
+
+    def put(self, data: torch.Tensor) -> torch.Tensor:
+        n = data.numel()
+        buf = self.scratch[1] if len(self.scratch) > 1 else None
+        if buf is None or self.at + n > buf.numel():
+            size = max(2 * buf.numel() if buf is not None else 0, n, SCRATCH_BYTES)
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.scratch[1:] = [buf]
+            self.at = 0
+        view = buf[self.at : self.at + n]
+        # one thread: torch's copy_ waits for every thread of its pool, 9 ms a call when
+        # another process holds a core (benchmarks/weights_delta.py --transport shm)
+        ctypes.memmove(view.data_ptr(), data.data_ptr(), n)
+        self.at += -(-n // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        return view
+
+
 def _encode_natively(group: list[Entry], scratch: list[torch.Tensor], out: Encoded) -> None:
     """Encode ``group`` (CPU tensors) with the C extension, in runs whose most sparse
     bytes fit the scratch."""
+    if scratch and scratch[0].dtype != torch.uint8:  # the torch diff's mask
+        scratch.clear()
+    records = _Records(scratch)
     run: list[_Job] = []
     used = 0
     for name, new, base in group:
@@ -199,16 +231,18 @@ def _encode_natively(group: list[Entry], scratch: list[torch.Tensor], out: Encod
         need = layout(numel, 0, itemsize)[1] + nmax * (itemsize + 1) if nmax else 0
         need = -(-need // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
         if run and used + need > max(SCRATCH_BYTES, need):
-            _diff_run(run, used, scratch, out)
+            _diff_run(run, used, scratch, records, out)
             run, used = [], 0
         run.append(_Job(name, new, contiguous, base, nmax, used))
         used += need
-    _diff_run(run, used, scratch, out)
+    _diff_run(run, used, scratch, records, out)
 
 
-def _diff_run(run: list[_Job], used: int, scratch: list[torch.Tensor], out: Encoded) -> None:
-    if not scratch or scratch[0].numel() < used or scratch[0].dtype != torch.uint8:
-        scratch[:] = [torch.empty(max(used, SCRATCH_BYTES), dtype=torch.uint8)]
+def _diff_run(
+    run: list[_Job], used: int, scratch: list[torch.Tensor], records: _Records, out: Encoded
+) -> None:
+    if not scratch or scratch[0].numel() < used:
+        scratch[:1] = [torch.empty(max(used, SCRATCH_BYTES), dtype=torch.uint8)]
     buf = scratch[0]
     found = fastdiff.diff(
         [
@@ -234,7 +268,7 @@ def _diff_run(run: list[_Job], used: int, scratch: list[torch.Tensor], out: Enco
             out.add(j.name, j.given)
             continue
         nbytes = layout(numel, n, itemsize)[3]
-        out.pushed.append((parts_name(j.name), buf[j.at : j.at + nbytes].clone()))
+        out.pushed.append((parts_name(j.name), records.put(buf[j.at : j.at + nbytes])))
         out.sparse.append((j.name, tuple(j.new.shape), j.new.dtype, n))
         out.sent += nbytes
 
