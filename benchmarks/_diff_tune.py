@@ -8,8 +8,8 @@ import time
 
 import torch
 
+from rlferry.weights.delta import _device_diff as E
 from rlferry.weights.delta import _diff_kernel as K
-from rlferry.weights.delta import _encoding as E
 
 sys.path.insert(0, "benchmarks")
 from _weights_engine import model_shapes

@@ -192,7 +192,7 @@ def test_the_diff_kernels_make_the_cpu_diffs_bytes_across_chunks_and_dtypes(host
 
 
 def test_the_torch_path_without_triton_makes_the_cpu_diffs_bytes(monkeypatch):
-    from rlferry.weights.delta import _encoding, _record
+    from rlferry.weights.delta import _device_diff
 
-    monkeypatch.setattr(_record, "kernels", lambda device: False)
-    check(SMALL + LARGE, "cuda", encoder=_encoding._encode_on_device)
+    monkeypatch.setattr(_device_diff, "kernels", lambda device: False)
+    check(SMALL + LARGE, "cuda", encoder=_device_diff.encode_on_device)

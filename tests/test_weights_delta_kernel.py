@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rlferry.weights.delta import Delta
-from rlferry.weights.delta._encoding import Encoded, _encode_on_host, encode_by_kernels
+from rlferry.weights.delta._device_diff import encode_by_kernels
+from rlferry.weights.delta._encoding import Encoded, _encode_on_host
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SMALL = [((300,), torch.bfloat16, 0.05), ((3, 7), torch.bfloat16, 0.3),

@@ -17,6 +17,7 @@ import torch
 from rlferry.errors import RequestError
 
 from ..planning._delta_layout import BLOCK, layout
+from ._native import THREADS, fastdiff
 
 __all__ = ["BLOCK", "SUFFIX", "Delta", "comparable", "int_view", "kernels", "layout", "parts_name"]
 
@@ -145,9 +146,29 @@ class Delta:
             from ._diff_kernel import apply
 
             apply(flat, delta.counts, delta.offsets, delta.values.view(flat.dtype))
-        else:
+        elif not (dev.type == "cpu" and delta._apply_natively(flat)):
             flat.index_copy_(0, delta.indices(), delta.values.view(flat.dtype))
         return tensor
+
+    def _apply_natively(self, flat: torch.Tensor) -> bool:
+        """Write the changes into ``flat`` (a CPU tensor's flat integer view) with the C
+        extension; False (nothing written) where it is absent or the parts are not
+        contiguous CPU tensors that fit ``flat`` (torch ops apply it, or raise)."""
+        parts = (self.counts, self.offsets, self.values)
+        if fastdiff is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in parts):
+            return False
+        n = self.values.numel()
+        if (
+            self.counts.dtype != torch.int16
+            or self.offsets.dtype != torch.uint8
+            or self.offsets.numel() != n
+            or self.counts.numel() != -(-flat.numel() // BLOCK)
+        ):
+            return False
+        return fastdiff.apply(
+            flat.data_ptr(), flat.numel(), flat.element_size(), self.counts.data_ptr(),
+            self.offsets.data_ptr(), self.values.data_ptr(), n, THREADS,
+        )  # fmt: skip
 
     def to(self, device: torch.device | str) -> Delta:
         """This delta with its parts on ``device`` (queued on the current stream for a CUDA
