@@ -65,9 +65,8 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     import transformers
 
     from rlferry.queue import GrpoGroups, Queue
-    from rlferry.weights import WeightSender, fingerprint
+    from rlferry.weights import WeightSender, WeightSyncError, fingerprint
 
-    from ._gather import gathered
     from .grpo import GrpoBatch, grpo_loss
 
     torch.manual_seed(s["seed"] + rank)
@@ -138,26 +137,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             continue
         if cmd[0] == "push":
             _, version, seconds = cmd
-            t0 = time.perf_counter()
-            sent = 0
-            if adapter is not None:  # the adapter alone, from rank 0
-                if sender is not None:
-                    named = adapter.named(serve)
-                    sent = sender.push(named, version=version, timeout=seconds).bytes
-            elif s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
-                sent = sender.push(model.state_dict(), version=version, timeout=seconds).bytes
-            elif sender is not None:
-                layout = [  # global shapes, the engines' dtype
-                    (n, torch.empty(t.shape, dtype=serve, device="meta"))
-                    for n, t in model.state_dict().items()
-                ]
-                sent = sender.push(
-                    gathered(model, serve), version=version, timeout=seconds, layout=layout
-                ).bytes
-            else:
-                for _ in gathered(model, serve):  # other ranks: their part of every gather
-                    pass
-            conn.send(("ok", {"seconds": time.perf_counter() - t0, "bytes": sent}))
+            try:
+                sent, t = _push(model, adapter, sender, s, serve, version, seconds)
+            except WeightSyncError as e:  # an engine lost mid-push: the update's to judge
+                conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}"))
+                continue
+            conn.send(("ok", {"seconds": t, "bytes": sent}))
             continue
         _, step = cmd
         t0 = time.perf_counter()
@@ -187,6 +172,40 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if sender is not None:
         sender.close()
     dist.destroy_process_group()
+
+
+def _push(
+    model: Any,
+    adapter: Any,
+    sender: Any,
+    s: dict[str, Any],
+    serve: torch.dtype,
+    version: int,
+    seconds: float,
+) -> tuple[int, float]:
+    """This rank's part of the push of ``version``: the bytes it sent and its seconds."""
+    from ._gather import gathered
+
+    t0 = time.perf_counter()
+    sent = 0
+    if adapter is not None:  # the adapter alone, from rank 0
+        if sender is not None:
+            named = adapter.named(serve)
+            sent = sender.push(named, version=version, timeout=seconds).bytes
+    elif s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
+        sent = sender.push(model.state_dict(), version=version, timeout=seconds).bytes
+    elif sender is not None:
+        layout = [  # global shapes, the engines' dtype
+            (n, torch.empty(t.shape, dtype=serve, device="meta"))
+            for n, t in model.state_dict().items()
+        ]
+        sent = sender.push(
+            gathered(model, serve), version=version, timeout=seconds, layout=layout
+        ).bytes
+    else:
+        for _ in gathered(model, serve):  # other ranks: their part of every gather
+            pass
+    return sent, time.perf_counter() - t0
 
 
 def _sharded_sender(

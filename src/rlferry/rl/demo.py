@@ -46,6 +46,7 @@ from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, ro
 from rlferry.queue import Queue
 
 from ._config import LORA_LR, RL_LR, WARM, DemoConfig
+from ._engines import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from ._gpu import GpuBusy
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
@@ -136,14 +137,17 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if on_ray:  # the engines as actors, driven over HTTP with the job's token
             starting = asyncio.ensure_future(asyncio.to_thread(
                 procs.start_engines, tmp, config.engines, config.device, config.engine,
-                max(64, per_engine), ENGINE_LEN, config.lora,
+                max(64, per_engine), ENGINE_LEN, config.lora, ENGINE_RESTARTS,
             ))  # fmt: skip
         else:
-            starting = asyncio.gather(*(
-                asyncio.to_thread(start_engine, procs, tmp, i, config.engine_device(i),
-                                  config.engine, max(64, per_engine), ENGINE_LEN, config.lora)
-                for i in range(config.engines)
-            ))  # fmt: skip
+
+            def start_one(i: int) -> str:
+                return start_engine(procs, tmp, i, config.engine_device(i), config.engine,
+                                    max(64, per_engine), ENGINE_LEN, config.lora)  # fmt: skip
+
+            starting = asyncio.gather(
+                *(asyncio.to_thread(start_one, i) for i in range(config.engines))
+            )
         try:
             if on_ray:
                 sender = await asyncio.to_thread(procs.start_trainers, settings)
@@ -162,6 +166,11 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             ))  # fmt: skip
         batch = config.groups_per_step * config.group_size
         coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness)
+        # each engine watched, a lost one replaced under its name: its loss costs its work
+        start, ended = ray_slots(procs.engine_actors) if on_ray else process_slots(procs, start_one)
+        slots = Engines(engines, start=start, ended=ended, weights=sender)
+        slots.attach(coord)
+        engines = slots.handles
         prompts: dict[int, Any] = {}
         params = SamplingParams(
             max_tokens=task.max_tokens, temperature=1.0, stop_token_ids=(tok.eos_id,)
@@ -190,8 +199,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if gpus is not None:
             stack.callback(gpus.close)
 
-        async def engine_stats() -> list[Any]:  # one round trip to every engine at once
-            return list(await asyncio.gather(*(e.statistics() for e in engines)))
+        engine_stats = slots.statistics  # one round trip to every engine at once
 
         async def recorded(row: StepRecord, busy: list[Any], asked: Any) -> list[Any]:
             """The engines' statistics asked for at ``row``'s end, once they came (they were
@@ -199,7 +207,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             answer took 11 ms of each CPU step when the step waited for it): ``row`` gets
             the engines' generating time since ``busy``, then is recorded."""
             now = await asked
-            gen = sum(b.step_seconds - a.step_seconds for a, b in zip(busy, now, strict=True))
+            gen = generating(busy, now)
             row = dataclasses.replace(row, generate_seconds=gen / len(engines))
             record.steps.append(row)
             if progress is not None:
@@ -212,7 +220,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             row: StepRecord | None = None
             for step in range(1, config.steps + 1):
                 t0 = time.monotonic()
-                groups = await coord.batch(config.groups_per_step, timeout=600)
+                slots.step = step
+                groups = await slots.guard(coord.batch(config.groups_per_step, timeout=600))
                 t_wait = time.monotonic() - t0
                 lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
                 rewards = _score(task, prompts, groups)
@@ -233,7 +242,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await coord.update_weights(pusher(ranks, step, sent), version=step, timeout=120)
+                    await slots.update(pusher(ranks, step, sent), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(engine_stats())
                 if gpus is not None:
@@ -251,12 +260,14 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 )  # fmt: skip
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
-            record.summary.update(await final_check(engines, coord, ranks, config))
+            at_end = await slots.at(coord.version)  # the engines that serve the last version
+            record.summary.update(await final_check(at_end, coord, ranks, config))
+            record.summary.update(slots.summary())
             if sent:  # what each rank sends per update: its own shards, or rank 0 all
                 record.summary["weights_bytes_per_rank"] = sent[-1]
                 if config.lora:
                     record.summary["LoRA: bytes pushed per update"] = sum(sent[-1])
-            ends = [await e.statistics() for e in engines]
+            ends = [e for e in await engine_stats() if e is not None]
             forwards = sum(e.steps for e in ends)
             if forwards:  # engines that count their forward passes (HFEngine)
                 record.summary.update({
@@ -280,6 +291,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     "update: commit and resume (ms)": rest / n,
                 })  # fmt: skip
         finally:
+            await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():
                 asked.cancel()  # a step failed: the error told is that one
