@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -32,10 +33,13 @@ from rlferry.control import (
     EngineError,
     EngineGone,
     EngineStatistics,
+    Group,
     RemoteEngine,
     WeightUpdateError,
 )
 from rlferry.errors import RequestError
+
+log = logging.getLogger("rlferry.rl")
 
 __all__ = ["ENGINE_RESTARTS", "Engines", "Loss", "generating", "process_slots", "ray_slots"]
 
@@ -44,6 +48,7 @@ ENGINE_RESTARTS = 3
 """How many times a slot's engine is replaced in one run (Ray: the actors' ``max_restarts``)."""
 UPDATE_TRIES = 4
 """How many times an update that committed on no engine is pushed, each once an engine is back."""
+UPDATE_TIMEOUT = 120.0  # seconds a catch-up may take, as the demo's updates
 FOREVER = 365 * 86400.0  # a watch's bound: as long as the run
 
 Start = Callable[[int], Awaitable[Any]]  # a new engine for slot i, serving
@@ -84,6 +89,9 @@ class Engines:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._replacing: dict[int, asyncio.Task[Any]] = {}
         self._coord: Coordinator | None = None
+        self.push_at: Callable[[int], Any] | None = None  # the trainer's push of a version
+        self._batching = False  # the driver waits for a batch: the trainer ranks are idle
+        self._catching: asyncio.Task[Any] | None = None
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._t0 = time.monotonic()
         self._closed = False
@@ -145,6 +153,7 @@ class Engines:
         await old.aclose()
         loss.rejoined_step, loss.rejoined_seconds = self.step, time.monotonic() - self._t0
         self._watch(i)
+        self._catch_up()
 
     def _give_up(self, name: str, why: str) -> None:
         self._dead[name] = why
@@ -170,6 +179,39 @@ class Engines:
             return task.result()
         self._failed.result()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def batch(self, groups: int, *, timeout: float) -> list[Group]:
+        """``coord.batch``; while it waits, a fleet where no engine serves is brought to the
+        trainer's version as soon as a replacement joined (``Coordinator.catch_up``: else
+        no batch would come before the next update). Returns once no catch-up pushes (the
+        trainer ranks take one command at a time)."""
+        assert self._coord is not None
+        self._batching = True
+        try:
+            self._catch_up()
+            return await self.guard(self._coord.batch(groups, timeout=timeout))
+        finally:
+            self._batching = False
+            if self._catching is not None:
+                await asyncio.wait([self._catching])
+
+    def _catch_up(self) -> None:
+        coord = self._coord
+        if (
+            coord is None or self.push_at is None or not self._batching or self._closed
+            or (self._catching is not None and not self._catching.done())
+            or coord.statistics().engines_serving
+        ):  # fmt: skip
+            return
+
+        async def catch_up() -> None:
+            assert coord is not None and self.push_at is not None
+            try:
+                await coord.catch_up(self.push_at(coord.version), timeout=UPDATE_TIMEOUT)
+            except EngineError as e:  # tried again once the next replacement joined
+                log.warning("rlferry demo: no engine serves, and none caught up: %s", e)
+
+        self._catching = self._spawn(catch_up())
 
     async def update(self, push: Any, *, version: int, timeout: float) -> None:
         """``coord.update_weights`` to ``version``: an update that committed on some engines

@@ -192,6 +192,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         client = queue.async_client()
         ranks = [conn for _, conn in procs.trainers]
         sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
+        if config.sync:  # how a replacement is caught up when no engine serves
+            slots.push_at = lambda version: pusher(ranks, version, sent)
         t_start = time.monotonic()
         # NVML's samples of the run's GPUs (on Ray they are Ray's to place: not measured)
         gpus = GpuBusy(range(engine_gpus + dp if config.layout == "split" else dp)) if (
@@ -221,7 +223,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             for step in range(1, config.steps + 1):
                 t0 = time.monotonic()
                 slots.step = step
-                groups = await slots.guard(coord.batch(config.groups_per_step, timeout=600))
+                groups = await slots.batch(config.groups_per_step, timeout=600)
                 t_wait = time.monotonic() - t0
                 lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
                 rewards = _score(task, prompts, groups)
