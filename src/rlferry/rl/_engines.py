@@ -70,19 +70,21 @@ class Loss:
 
 class Engines:
     """The run's engines by slot (:attr:`handles`: the one serving each slot now), each
-    watched and replaced when lost (see the module's docstring). ``weights``: per slot,
-    the trainer's address its engine joins (group ``demo``), or None without weight sync.
+    watched and replaced when lost (see the module's docstring), ``restarts`` times at most
+    (default :data:`ENGINE_RESTARTS`). ``weights``: per slot, the trainer's address its
+    engine joins (group ``demo``), or None without weight sync. :attr:`push_at`: the
+    trainer's push of a version (for :meth:`batch`'s catch-up), None without weight sync.
     :meth:`close` stops watching and replacing (before the processes stop)."""
 
     def __init__(
         self, handles: list[Any], *, start: Start, ended: Ended, weights: list[str] | None,
-        restarts: int = ENGINE_RESTARTS,
+        restarts: int | None = None,
     ) -> None:  # fmt: skip
         self.handles = list(handles)
         self.losses: list[Loss] = []
         self.step = 0
         self._start, self._ended, self._weights = start, ended, weights
-        self._restarts = restarts
+        self._restarts = ENGINE_RESTARTS if restarts is None else restarts
         self._used = [0] * len(handles)
         self._dead: dict[str, str] = {}  # engines lost for good: why
         self._behind: dict[str, str] = {}  # at the run's end, not at the last version: why
