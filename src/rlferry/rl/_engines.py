@@ -87,6 +87,7 @@ class Engines:
         self._restarts = ENGINE_RESTARTS if restarts is None else restarts
         self._used = [0] * len(handles)
         self._dead: dict[str, str] = {}  # engines lost for good: why
+        self._failed_in: dict[str, int] = {}  # engines an update failed: its step
         self._behind: dict[str, str] = {}  # at the run's end, not at the last version: why
         self._tasks: set[asyncio.Task[Any]] = set()
         self._replacing: dict[int, asyncio.Task[Any]] = {}
@@ -123,7 +124,8 @@ class Engines:
     def lost(self, i: int, why: str) -> None:
         """Note that slot ``i``'s engine was lost (``why``) and start its replacement."""
         name = self.handles[i].name
-        loss = Loss(name, self.step, why, time.monotonic() - self._t0)
+        step = self._failed_in.pop(name, self.step)  # its update's, if one failed it first
+        loss = Loss(name, step, why, time.monotonic() - self._t0)
         self.losses.append(loss)
         if self._used[i] >= self._restarts:
             loss.failed = f"its {self._restarts} replacements are used up"
@@ -222,11 +224,14 @@ class Engines:
         :data:`UPDATE_TRIES` times at most."""
         coord = self._coord
         assert coord is not None
+        self._failed_in.clear()  # the last update's: their losses were heard since
         for tries in range(1, UPDATE_TRIES + 1):
             try:
                 await self.guard(coord.update_weights(push, version=version, timeout=timeout))
                 return
             except EngineError as e:
+                for name in e.failures:
+                    self._failed_in.setdefault(name, self.step)
                 if coord.version >= version:  # committed on the engines that serve
                     return
                 if tries == UPDATE_TRIES or not (
