@@ -147,7 +147,7 @@ def test_both_engines_killed_in_a_row_are_replaced_and_the_run_goes_on(trained):
 
 
 def test_the_run_fails_naming_every_engine_once_none_can_be_replaced(trained, monkeypatch):
-    monkeypatch.setattr("rlferry.rl._engines.ENGINE_RESTARTS", 0)
+    monkeypatch.setattr("rlferry.rl.faults._engines.ENGINE_RESTARTS", 0)
     progress, killed = killing_at({2: "engine0", 3: "engine1"})
     with pytest.raises(EngineGone) as e:
         demo.run_demo(config(), progress)

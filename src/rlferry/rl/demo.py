@@ -46,7 +46,6 @@ from rlferry.control import Coordinator, Group, RemoteEngine, SamplingParams, ro
 from rlferry.queue import Queue
 
 from ._config import LORA_LR, RL_LR, WARM, DemoConfig
-from ._engines import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from ._gpu import GpuBusy
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
@@ -59,6 +58,7 @@ from ._processes import (
 )
 from ._ranks import final_check, pusher
 from ._records import RunRecord, StepRecord
+from .faults import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -166,7 +166,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             ))  # fmt: skip
         batch = config.groups_per_step * config.group_size
         coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness)
-        # each engine watched, a lost one replaced under its name: its loss costs its work
         start, ended = ray_slots(procs.engine_actors) if on_ray else process_slots(procs, start_one)
         slots = Engines(engines, start=start, ended=ended, weights=sender)
         slots.attach(coord)
@@ -201,8 +200,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if gpus is not None:
             stack.callback(gpus.close)
 
-        engine_stats = slots.statistics  # one round trip to every engine at once
-
         async def recorded(row: StepRecord, busy: list[Any], asked: Any) -> list[Any]:
             """The engines' statistics asked for at ``row``'s end, once they came (they were
             asked for without waiting: an engine answers between its decode steps, so the
@@ -218,7 +215,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
 
         asked: asyncio.Future[list[Any]] | None = None  # the engines' statistics, coming
         try:
-            busy = await engine_stats()
+            busy = await slots.statistics()
             row: StepRecord | None = None
             for step in range(1, config.steps + 1):
                 t0 = time.monotonic()
@@ -246,7 +243,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 if config.sync:
                     await slots.update(pusher(ranks, step, sent), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
-                asked = asyncio.ensure_future(engine_stats())
+                asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
                     gpus.read()
                 wall = time.monotonic() - t_start
@@ -269,7 +266,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 record.summary["weights_bytes_per_rank"] = sent[-1]
                 if config.lora:
                     record.summary["LoRA: bytes pushed per update"] = sum(sent[-1])
-            ends = [e for e in await engine_stats() if e is not None]
+            ends = [e for e in await slots.statistics() if e is not None]
             forwards = sum(e.steps for e in ends)
             if forwards:  # engines that count their forward passes (HFEngine)
                 record.summary.update({
@@ -397,6 +394,7 @@ def main(args: Any) -> Path:
         if why := run.summary.get("gpu_busy_why"):
             print(f"rlferry demo: the GPU busy share was not measured: {why}", file=sys.stderr)
         run.summary = {**summarize(run), **{k: v for k, v in run.summary.items()
-                                             if isinstance(v, (int, float))}}  # fmt: skip
+                                             if isinstance(v, (int, float))
+                                             or k == "engine_losses"}}  # fmt: skip
         runs.append(run)
     return write_report(Path(args.out), runs)
