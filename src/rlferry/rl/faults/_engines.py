@@ -52,7 +52,8 @@ UPDATE_TIMEOUT = 120.0  # seconds a catch-up may take, as the demo's updates
 FOREVER = 365 * 86400.0  # a watch's bound: as long as the run
 
 Start = Callable[[int], Awaitable[Any]]  # a new engine for slot i, serving
-Ended = Callable[[int, Any], Awaitable[str]]  # why slot i's engine ended, once it did
+# why slot i's engine ended, once it did (None: it stopped as asked, not lost)
+Ended = Callable[[int, Any], Awaitable[str | None]]
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ class Engines:
 
         async def watch() -> None:
             why = await self._ended(i, handle)
-            if not self._closed and self.handles[i] is handle:
+            if why is not None and not self._closed and self.handles[i] is handle:
                 self.lost(i, why)
 
         self._spawn(watch())
@@ -312,13 +313,15 @@ def generating(before: list[Any], now: list[Any]) -> float:
 
 def process_slots(procs: Any, start_one: Callable[[int], str]) -> tuple[Start, Ended]:
     """Local launcher: a slot's new engine is a new process (``start_one(i)``: its URL;
-    ``procs.engine_of[i]``: its process), ended when the process exits."""
+    ``procs.engine_of[i]``: its process), lost when the process exits other than as asked
+    (``rlferry serve engine`` exits 0 on SIGINT and SIGTERM: a Ctrl-C reaches the engines
+    of the run too, which then end with it)."""
 
     async def start(i: int) -> Any:
         url = await asyncio.to_thread(start_one, i)
         return RemoteEngine(url, name=f"engine{i}")
 
-    async def ended(i: int, handle: Any) -> str:
+    async def ended(i: int, handle: Any) -> str | None:
         proc = procs.engine_of[i]
         loop = asyncio.get_running_loop()
         done: asyncio.Future[int] = loop.create_future()
@@ -330,6 +333,8 @@ def process_slots(procs: Any, start_one: Callable[[int], str]) -> tuple[Start, E
 
         threading.Thread(target=wait, name=f"rlferry-engine{i}-watch", daemon=True).start()
         code = await done
+        if code == 0:  # it stopped on SIGINT or SIGTERM: asked to (a Ctrl-C reaches it too)
+            return None
         return f"its process (pid {proc.pid}) exited with code {code}"
 
     return start, ended
