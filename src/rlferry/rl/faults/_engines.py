@@ -35,7 +35,6 @@ from rlferry.control import (
     EngineStatistics,
     Group,
     RemoteEngine,
-    WeightUpdateError,
 )
 from rlferry.errors import RequestError
 
@@ -49,6 +48,9 @@ ENGINE_RESTARTS = 3
 UPDATE_TRIES = 4
 """How many times an update that committed on no engine is pushed, each once an engine is back."""
 UPDATE_TIMEOUT = 120.0  # seconds a catch-up may take, as the demo's updates
+LOSS_GRACE = 10.0
+"""Seconds an update that found no engine waits for the watches to hear their loss (an
+engine's process exit reaches the driver after its broken connection may)."""
 FOREVER = 365 * 86400.0  # a watch's bound: as long as the run
 
 Start = Callable[[int], Awaitable[Any]]  # a new engine for slot i, serving
@@ -97,6 +99,8 @@ class Engines:
         self._batching = False  # the driver waits for a batch: the trainer ranks are idle
         self._catching: asyncio.Task[Any] | None = None
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._failed.add_done_callback(lambda f: f.exception())  # told by guard() to its waiter
+        self._heard = asyncio.Event()  # set by every loss
         self._t0 = time.monotonic()
         self._closed = False
 
@@ -128,6 +132,7 @@ class Engines:
         step = self._failed_in.pop(name, self.step)  # its update's, if one failed it first
         loss = Loss(name, step, why, time.monotonic() - self._t0)
         self.losses.append(loss)
+        self._heard.set()
         if self._used[i] >= self._restarts:
             loss.failed = f"its {self._restarts} replacements are used up"
             self._give_up(name, f"{why}; {loss.failed}")
@@ -235,11 +240,19 @@ class Engines:
                     self._failed_in.setdefault(name, self.step)
                 if coord.version >= version:  # committed on the engines that serve
                     return
-                if tries == UPDATE_TRIES or not (
-                    isinstance(e, WeightUpdateError) or self._replacing
-                ):
+                if tries == UPDATE_TRIES:
+                    raise
+                if not self._replacing:  # its watch may not have heard the loss yet
+                    await self.guard(self._loss_heard(LOSS_GRACE))
+                if not self._replacing:
                     raise
             await self.guard(self._joined())
+
+    async def _loss_heard(self, timeout: float) -> None:
+        """Return once a loss was heard, or after ``timeout`` seconds."""
+        self._heard.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._heard.wait(), timeout)
 
     async def _joined(self) -> None:
         """Return once the replacements in progress ended (at once if none)."""
