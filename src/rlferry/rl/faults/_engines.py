@@ -244,6 +244,8 @@ class Engines:
                     raise
                 if not self._replacing:  # its watch may not have heard the loss yet
                     await self.guard(self._loss_heard(LOSS_GRACE))
+                if self._failed.done():  # every engine lost for good: that is the error
+                    self._failed.result()
                 if not self._replacing:
                     raise
             await self.guard(self._joined())
