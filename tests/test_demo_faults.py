@@ -7,6 +7,7 @@ staleness bound, name the loss and the rejoin, and end with every engine serving
 trainer's last weights bit for bit.
 """
 
+import asyncio
 import math
 import os
 import signal
@@ -40,15 +41,22 @@ def engine_pid(name: str) -> int:
     raise AssertionError(f"no engine process {name} under pid {me}")
 
 
+SLOWER = 0.2  # seconds a step waits more while an engine is missing: its replacement rejoins
+
+
 @pytest.fixture
 def trained(monkeypatch):
-    """The GRPO group ids of every batch the run takes, by step."""
+    """The GRPO group ids of every batch the run takes, by step. A step taken while an engine
+    does not serve waits :data:`SLOWER` more, so that a replacement starting on a loaded
+    machine (10-20 s) rejoins well within the run."""
     taken: list[list[int]] = []
 
     class Recording(Coordinator):
         async def batch(self, groups, **kw):
             out = await super().batch(groups, **kw)
             taken.append([g.group for g in out])
+            if self.statistics().engines_serving < 2:
+                await asyncio.sleep(SLOWER)
             return out
 
     monkeypatch.setattr(demo, "Coordinator", Recording)
