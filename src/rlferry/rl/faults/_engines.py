@@ -65,7 +65,7 @@ class Loss:
     engine: str
     step: int  # the step in progress when it was lost
     why: str
-    lost_seconds: float  # since the run started
+    lost_seconds: float  # since the engines were first watched (just before the first step)
     rejoined_step: int | None = None  # the step in progress when its replacement joined
     rejoined_seconds: float | None = None
     failed: str | None = None  # why no replacement serves in its place
