@@ -480,3 +480,49 @@ def test_a_wait_with_no_engine_serving_says_so_and_why_each_left(model_dir):
             await coord.aclose()
 
     asyncio.run(main())
+
+
+def test_catch_up_brings_a_replacement_to_the_trainers_version_without_a_new_one(model_dir):
+    async def main():
+        async with fleet("local", model_dir) as f:  # room for the groups of serves(): 32
+            coord = Coordinator(f.engines, batch_size=16, max_staleness=0)
+            state = perturbed(tiny_model(0), 1)
+            await f.update(coord, state, 1)
+            f.kill("e1")
+            await serves(coord, 2)  # a request to e1 finds it gone: broken
+            back = f.start("e1")  # a replacement: the checkpoint's weights, version 0
+            f.engines.append(back)
+            coord.add_engine(back)
+            await f.join([back])
+            await serves(coord, 1)
+            assert coord.statistics().not_serving["e1"].startswith("behind: at version 0")
+            report = await coord.catch_up(
+                lambda t: f.sender.push(state.items(), version=1, timeout=t), timeout=20
+            )  # fmt: skip
+            assert report.version == 1 and report.engines == ("e0", "e1")
+            stats = coord.statistics()
+            assert (stats.version, stats.engines_serving, stats.updates) == (1, 2, 1)
+            assert await back.get_weight_version() == 1
+            assert await back.fingerprint() == await f.engines[0].fingerprint()
+            assert await serves(coord, 2) == {"e0", "e1"}
+            await coord.aclose()
+
+    asyncio.run(main())
+
+
+def test_catch_up_with_no_engine_to_update_says_so():
+    async def main():
+        engine = HFEngine(tiny_model(0), name="e0")
+        coord = Coordinator([engine], batch_size=2)
+        engine.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(await coord.submit([1, 2], GREEDY), 2)
+        with pytest.raises(EngineError) as e:
+            await coord.catch_up(lambda t: None)
+        assert str(e.value).startswith(
+            "engine `coordinator`: catch_up to version 0: no engine to update (0 of 1 engines "
+            "serving: `e0`: broken: "
+        )
+        await coord.aclose()
+
+    asyncio.run(main())

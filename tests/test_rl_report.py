@@ -214,6 +214,33 @@ def test_a_figure_the_summary_holds_wins_and_its_other_numbers_get_rows(mpl, tmp
     assert "note" not in text
 
 
+def test_the_engines_lost_get_a_section_naming_the_step_why_and_the_rejoin(mpl, tmp_path):
+    run = async_run()
+    run.summary = {"engines lost": 2, "engine_losses": [
+        {"engine": "engine0", "step": 3, "why": "its process (pid 7) exited with code -9",
+         "lost_seconds": 2.25, "rejoined_step": 5, "rejoined_seconds": 6.5, "failed": None},
+        {"engine": "engine1", "step": 8, "why": "its process (pid 8) exited with code -9",
+         "lost_seconds": 9.0, "rejoined_step": None, "rejoined_seconds": None,
+         "failed": "its 3 replacements are used up"},
+    ]}  # fmt: skip
+    text = write_report(tmp_path, [run]).read_text()
+    assert "| `engines lost` | 2 |\n" in text
+    assert "## Engines lost\n" in text
+    assert (
+        "| async (max_staleness=2) | `engine0` | 3 | 2.2 | its process (pid 7) exited with "
+        "code -9 | 5 | 6.5 |\n"
+    ) in text
+    assert (
+        "| async (max_staleness=2) | `engine1` | 8 | 9.0 | its process (pid 8) exited with "
+        "code -9; its 3 replacements are used up | - | - |\n"
+    ) in text
+    assert read_runs(tmp_path / "runs.json")[0].summary == run.summary
+
+
+def test_a_run_without_lost_engines_has_no_such_section(mpl, tmp_path):
+    assert "Engines lost" not in write_report(tmp_path, [async_run()]).read_text()
+
+
 def test_a_run_name_with_a_pipe_does_not_break_the_tables(mpl, tmp_path):
     run = sync_run()
     run.name = "sync | seed 1"

@@ -287,12 +287,41 @@ class Coordinator(AsyncResource):
             raise RequestError(
                 f"version: expected an int above the current {self.version}, got {version!r}"
             )
+        outcome = await self._update(push, version, mode, timeout, "update")
+        self._updates += 1
+        if isinstance(outcome, EngineError):
+            raise outcome
+        self._seconds["pause"] += outcome.pause_seconds
+        self._seconds["push"] += outcome.push_seconds
+        self._seconds["update"] += outcome.seconds
+        return outcome
+
+    async def catch_up(
+        self, push: Callable[[float], Any], *, mode: PauseMode = "keep", timeout: float = 60.0
+    ) -> UpdateReport:
+        """Push the trainer's current version again: an engine that is behind (one added
+        in place of a lost one, holding older weights) serves once it committed it; an
+        engine that holds it already loads the same bytes. For a fleet where no engine
+        serves, so that no batch can come before the next update. ``push`` pushes the
+        weights of :attr:`version` (the trainer has not stepped since); the rest is
+        :meth:`update_weights`', errors included."""
+        self._check_open("catch_up")
+        outcome = await self._update(push, self.version, mode, timeout, "catch_up")
+        if isinstance(outcome, EngineError):
+            raise outcome
+        return outcome
+
+    async def _update(
+        self, push: Callable[[float], Any], version: int, mode: PauseMode, timeout: float,
+        what: str,
+    ) -> UpdateReport | EngineError:  # fmt: skip
+        """Run one update of the fleet to ``version``; the trainer's version follows it."""
         if mode not in ("keep", "abort", "wait"):
             raise RequestError(f"mode: expected 'keep', 'abort' or 'wait', got {mode!r}")
         await self._settle()
         if not any(m.state in ("serving", "behind") for m in self._fleet):
             raise EngineError(
-                "coordinator", f"update to version {version}: no engine to update "
+                "coordinator", f"{what} to version {version}: no engine to update "
                 f"({self._fleet.describe()}; add_engine one that is back)",
             )  # fmt: skip
         if mode == "abort":
@@ -307,12 +336,6 @@ class Coordinator(AsyncResource):
         finally:
             self._samples.running.set()
             self._changes.notify()
-        self._updates += 1
-        if isinstance(outcome, EngineError):
-            raise outcome
-        self._seconds["pause"] += outcome.pause_seconds
-        self._seconds["push"] += outcome.push_seconds
-        self._seconds["update"] += outcome.seconds
         return outcome
 
     # -- the rest -------------------------------------------------------------------------

@@ -110,7 +110,8 @@ class RayEngine(AsyncResource):
         Raises:
             TimeoutError: it still serves after ``timeout`` seconds.
         """
-        return await asyncio.wait_for(asyncio.wrap_future(self._end), timeout)
+        # shielded: a wait given up must not cancel the watch every call of this life shares
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._end)), timeout)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         return await self._guard(self._remote.generate(request))

@@ -132,6 +132,12 @@ class DemoConfig:
                 f"broadcast takes one rank per GPU), got {self.engines}"
             )
 
+    def grpo_lr(self) -> float:
+        """GRPO's lr: the run's, else its preset's (with an adapter: ``LORA_LR``'s)."""
+        if self.lr is not None:
+            return self.lr
+        return (LORA_LR if self.lora else RL_LR)[self.model]
+
     def checkpoints(self) -> str | None:
         """The job's checkpoint directory: ``checkpoint_dir``, else the one ``resume``
         names, else ``out/checkpoints`` (None without any of them)."""

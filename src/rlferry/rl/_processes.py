@@ -39,6 +39,7 @@ class Processes:
     def __init__(self) -> None:
         self.trainers: list[tuple[Any, Connection]] = []
         self.engines: list[subprocess.Popen[str]] = []
+        self.engine_of: dict[int, subprocess.Popen[str]] = {}  # the last process of each slot
         self._lock = threading.Lock()
         self._stopped = False
 
@@ -145,6 +146,7 @@ def start_engine(
     log = open(log_path, "w")  # noqa: SIM115 - closed by the reader at the engine's end
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     procs.add_engine(proc)
+    procs.engine_of[i] = proc
     url: concurrent.futures.Future[str] = concurrent.futures.Future()
 
     def read(out: Any = proc.stdout) -> None:
@@ -270,6 +272,7 @@ class RayProcesses:
         self._closing: list[Any] = []
         self._pg: Any = None
         self._share = 0.0
+        self.engine_actors: Any = None  # the RayEngines, once started
 
     def start_queue(self) -> Any:
         from rlferry.ray import RayQueue
@@ -293,7 +296,7 @@ class RayProcesses:
 
     def start_engines(self, model_dir: str, n: int, device: str, engine: str,
                       max_batch: int, max_model_len: int, lora: int | None = None,
-                      ) -> list[Any]:  # fmt: skip
+                      max_restarts: int = 0) -> list[Any]:  # fmt: skip
         from rlferry.ray import RayEngines
 
         options: dict[str, Any] = {"max_batch": max_batch, "max_model_len": max_model_len}
@@ -308,8 +311,10 @@ class RayProcesses:
         if device == "cuda":
             gpu = {"gpus_per_engine": self._share, "bundle": (self._pg, 0)}
         engines = RayEngines.start(self.job, model_dir, engines=n, engine=engine,
-                                   cpus_per_engine=0.25, options=options, **gpu)  # fmt: skip
+                                   cpus_per_engine=0.25, options=options,
+                                   max_restarts=max_restarts, **gpu)  # fmt: skip
         self._closing.append(engines)
+        self.engine_actors = engines
         return list(engines.engines)
 
     def start_trainers(self, settings: dict[str, Any]) -> list[str] | None:

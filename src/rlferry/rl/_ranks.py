@@ -71,12 +71,14 @@ async def final_check(
 
 
 async def closing_figures(
-    engines: list[Any], coord: Coordinator, ranks: list[Any], config: DemoConfig, *,
-    steps: int, sent: list[list[int]], written: list[tuple[float, int]], gpus: Any,
+    engines: list[Any], ends: list[Any], coord: Coordinator, ranks: list[Any],
+    config: DemoConfig, *, steps: int, sent: list[list[int]],
+    written: list[tuple[float, int]], gpus: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """The run's figures measured once, at its end (``steps`` run in this process):
-    :func:`final_check`'s, the bytes each rank pushed, the checkpoints' cost, the engines'
-    forward passes, the GPUs' busy share, where an update's time went."""
+    :func:`final_check`'s of ``engines`` (those that serve the last version), the bytes
+    each rank pushed, the checkpoints' cost, the engines' forward passes (``ends``: their
+    statistics), the GPUs' busy share, where an update's time went."""
     out = await final_check(engines, coord, ranks, config)
     if written:
         out["checkpoint: write seconds (mean)"] = sum(w[0] for w in written) / len(written)
@@ -85,7 +87,6 @@ async def closing_figures(
         out["weights_bytes_per_rank"] = sent[-1]
         if config.lora:
             out["LoRA: bytes pushed per update"] = sum(sent[-1])
-    ends = [await e.statistics() for e in engines]
     forwards = sum(e.steps for e in ends)
     if forwards:  # engines that count their forward passes (HFEngine)
         out["engine: forward passes per step"] = forwards / len(ends) / steps

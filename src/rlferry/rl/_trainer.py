@@ -68,7 +68,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     import transformers
 
     from rlferry.queue import GrpoGroups, Queue
-    from rlferry.weights import WeightSender, fingerprint
+    from rlferry.weights import WeightSender, WeightSyncError, fingerprint
 
     from ._profiling import traced
     from .checkpoints import load_rank, save_rank
@@ -152,8 +152,13 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         if cmd[0] == "push":
             _, version, seconds = cmd
             t0 = time.perf_counter()
-            with traced(rank, "push", version):
-                sent, mirror = _push(sender, model, adapter, s, serve, version, seconds, mirror)
+            try:
+                with traced(rank, "push", version):
+                    sent, mirror = _push(sender, model, adapter, s, serve, version, seconds,
+                                         mirror)  # fmt: skip
+            except WeightSyncError as e:  # an engine lost mid-push: the update's to judge
+                conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}"))
+                continue
             conn.send(("ok", {"seconds": time.perf_counter() - t0, "bytes": sent}))
             continue
 

@@ -42,7 +42,7 @@ from rlferry.control import Coordinator, RemoteEngine, SamplingParams, rollout_c
 from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
-from ._config import LORA_LR, RL_LR, WARM, DemoConfig
+from ._config import WARM, DemoConfig
 from ._gpu import GpuBusy
 from ._interrupts import run_hearing_ctrl_c
 from ._memory import ENGINE_LEN, check_memory
@@ -57,6 +57,7 @@ from ._processes import (
 from ._producer import Producer
 from ._ranks import closing_figures, pusher
 from .checkpoints import Checkpoints, TrainedLog, check_resumable, job_state, kill_point, save_job
+from .faults import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from .report import RunRecord, StepRecord
 
 __all__ = ["DemoConfig", "run_demo", "run_hearing_ctrl_c"]
@@ -134,7 +135,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         engine_gpus, dp = config.gpus()
         settings = {
             "seed": config.seed, "device": config.device, "port": free_port(),
-            "model_dir": str(model_dir), "lr": _lr(config), "lora": config.lora,
+            "model_dir": str(model_dir), "lr": config.grpo_lr(), "lora": config.lora,
             "resume": None if at is None else str(at),
             "clip": config.clip, "sync": config.sync,
             "engines": config.engines, "queue": None if on_ray else queue.address,
@@ -157,14 +158,25 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if on_ray:  # the engines as actors, driven over HTTP with the job's token
             starting = asyncio.ensure_future(asyncio.to_thread(
                 procs.start_engines, str(model_dir), config.engines, config.device, config.engine,
-                max(64, per_engine), ENGINE_LEN, config.lora,
+                max(64, per_engine), ENGINE_LEN, config.lora, ENGINE_RESTARTS,
             ))  # fmt: skip
         else:
-            starting = asyncio.gather(*(
-                asyncio.to_thread(start_engine, procs, str(model_dir), i, config.engine_device(i),
-                                  config.engine, max(64, per_engine), ENGINE_LEN, config.lora)
-                for i in range(config.engines)
-            ))  # fmt: skip
+
+            def start_one(i: int) -> str:
+                return start_engine(
+                    procs,
+                    str(model_dir),
+                    i,
+                    config.engine_device(i),
+                    config.engine,
+                    max(64, per_engine),
+                    ENGINE_LEN,
+                    config.lora,
+                )
+
+            starting = asyncio.gather(
+                *(asyncio.to_thread(start_one, i) for i in range(config.engines))
+            )
         try:
             if on_ray:
                 sender = await asyncio.to_thread(procs.start_trainers, settings)
@@ -184,13 +196,17 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         batch = config.groups_per_step * config.group_size
         ranks = [conn for _, conn in procs.trainers]
         sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
-        # resumed: the engines (the base model, version 0) get the checkpoint's weights, as
-        # its version, before the coordinator gets its counters
         coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness,
                             version=max(0, done - 1) if config.sync else 0)  # fmt: skip
-        if job is not None:
-            if config.sync:
-                await coord.update_weights(pusher(ranks, done, sent), version=done, timeout=120)
+        start, ended = ray_slots(procs.engine_actors) if on_ray else process_slots(procs, start_one)
+        slots = Engines(engines, start=start, ended=ended, weights=sender)
+        slots.attach(coord)
+        engines = slots.handles
+        if config.sync:  # how a replacement is caught up when no engine serves
+            slots.push_at = lambda version: pusher(ranks, version, sent)
+        if job is not None:  # resumed: the engines (the base model, version 0) get the
+            if config.sync:  # checkpoint's weights, as its version, before its counters
+                await slots.update(pusher(ranks, done, sent), version=done, timeout=120)
             coord.load_state_dict(job["coordinator"])
         produced = Producer(task, config.seed, None if job is None else job["producer"])
         params = SamplingParams(
@@ -218,16 +234,13 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         if gpus is not None:
             stack.callback(gpus.close)
 
-        async def engine_stats() -> list[Any]:  # one round trip to every engine at once
-            return list(await asyncio.gather(*(e.statistics() for e in engines)))
-
         async def recorded(row: StepRecord, busy: list[Any], asked: Any) -> list[Any]:
             """The engines' statistics asked for at ``row``'s end, once they came (they were
             asked for without waiting: an engine answers between its decode steps, so the
             answer took 11 ms of each CPU step when the step waited for it): ``row`` gets
             the engines' generating time since ``busy``, then is recorded."""
             now = await asked
-            gen = sum(b.step_seconds - a.step_seconds for a, b in zip(busy, now, strict=True))
+            gen = generating(busy, now)
             row = dataclasses.replace(row, generate_seconds=gen / len(engines))
             record.steps.append(row)
             if progress is not None:
@@ -236,11 +249,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
 
         asked: asyncio.Future[list[Any]] | None = None  # the engines' statistics, coming
         try:
-            busy = await engine_stats()
+            busy = await slots.statistics()
             row: StepRecord | None = None
             for step in range(done + 1, config.steps + 1):
                 t0 = time.monotonic()
-                groups = await coord.batch(config.groups_per_step, timeout=600)
+                slots.step = step
+                groups = await slots.batch(config.groups_per_step, timeout=600)
                 t_wait = time.monotonic() - t0
                 lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
                 rewards, uids = produced.score(groups)
@@ -271,9 +285,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await coord.update_weights(pusher(ranks, step, sent), version=step, timeout=120)
+                    await slots.update(pusher(ranks, step, sent), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
-                asked = asyncio.ensure_future(engine_stats())
+                asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
                     gpus.read()
                 row = StepRecord(
@@ -301,11 +315,14 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 kill_point("step", step)
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
+            at_end = await slots.at(coord.version)  # the engines that serve the last version
+            record.summary.update(slots.summary())
             record.summary.update(await closing_figures(
-                engines, coord, ranks, config, steps=config.steps - done, sent=sent,
-                written=written, gpus=gpus,
+                at_end, [e for e in await slots.statistics() if e is not None], coord, ranks,
+                config, steps=config.steps - done, sent=sent, written=written, gpus=gpus,
             ))  # fmt: skip
         finally:
+            await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():
                 asked.cancel()  # a step failed: the error told is that one
@@ -315,13 +332,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 await e.aclose()
     record.summary["wall_seconds"] = wall0 + time.monotonic() - t_start
     return record
-
-
-def _lr(config: DemoConfig) -> float:
-    """GRPO's lr: the run's, else its preset's (with an adapter: ``LORA_LR``'s)."""
-    if config.lr is not None:
-        return config.lr
-    return (LORA_LR if config.lora else RL_LR)[config.model]
 
 
 def run_demo(config: DemoConfig, progress: Any = None) -> RunRecord:
@@ -378,6 +388,7 @@ def main(args: Any) -> Path:
         if why := run.summary.get("gpu_busy_why"):
             print(f"rlferry demo: the GPU busy share was not measured: {why}", file=sys.stderr)
         run.summary = {**summarize(run), **{k: v for k, v in run.summary.items()
-                                             if isinstance(v, (int, float))}}  # fmt: skip
+                                             if isinstance(v, (int, float))
+                                             or k == "engine_losses"}}  # fmt: skip
         runs.append(run)
     return write_report(Path(args.out), runs)

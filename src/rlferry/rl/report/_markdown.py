@@ -227,6 +227,7 @@ def _markdown(runs: Sequence[RunRecord]) -> str:
         "",
         "![Staleness of the trained samples](staleness.png)",
         "",
+        *_losses(runs),
         "## Settings",
         "",
         *_settings(runs),
@@ -243,6 +244,33 @@ def _figures(run: RunRecord) -> dict[str, float]:
         if isinstance(value, int | float) and not isinstance(value, bool):
             figures[key] = float(value)
     return figures
+
+
+def _losses(runs: Sequence[RunRecord]) -> list[str]:
+    """The section of the engines lost during the runs (none: no section): which engine,
+    at which step, why, and when its replacement joined (the summary's ``engine_losses``)."""
+    rows = [(r.name, x) for r in runs for x in r.summary.get("engine_losses", ())]
+    if not rows:
+        return []
+    lines = [
+        "## Engines lost",
+        "",
+        "Each engine lost during the run; its replacement (a new process, or the actor Ray "
+        "restarted) joined under the same name and got rollouts once it held a version "
+        "within the staleness bound. Its requests in flight went on on the other engines.",
+        "",
+        _row(["run", "engine", "lost in step", "at (s)", "why", "rejoined in step", "at (s)"]),
+        _row(["---", "---", "---:", "---:", "---", "---:", "---:"]),
+    ]
+    for name, x in rows:
+        back = x.get("rejoined_step")
+        lines.append(_row([
+            _escape(name), f"`{x['engine']}`", str(x["step"]), f"{x['lost_seconds']:.1f}",
+            _escape(x["why"] + (f"; {x['failed']}" if x.get("failed") else "")),
+            "-" if back is None else str(back),
+            "-" if back is None else f"{x['rejoined_seconds']:.1f}",
+        ]))  # fmt: skip
+    return [*lines, ""]
 
 
 def _speedup(runs: Sequence[RunRecord]) -> str | None:
