@@ -70,6 +70,72 @@ def test_install_resolves_transfer_queue_and_the_submodules_tests_import():
     assert get_seqlen_balanced_partitions([1, 2, 3, 4], 2, equal_size=True) == [[0, 3], [1, 2]]
 
 
+# TransferQueue 0.1.11's `transfer_queue.__all__`, copied from its __init__.py.
+TQ_ALL = [
+    "init",
+    "close",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "KVBatchMeta",
+    "save_checkpoint",
+    "load_checkpoint",
+    "StreamingDataset",
+    "StreamingDataLoader",
+    "get_client",
+    "BatchMeta",
+    "TransferQueueClient",
+    "StorageKeyNotFoundError",
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "SequentialSampler",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+]
+
+
+def test_the_installed_module_carries_what_transferqueues_does():
+    import importlib.util
+    import os
+
+    import rlferry
+
+    tq.install()
+    import transfer_queue
+
+    assert transfer_queue.__all__ == TQ_ALL
+    star: dict = {}
+    exec("from transfer_queue import *", star)
+    assert sorted(n for n in star if n != "__builtins__") == sorted(TQ_ALL)
+    assert transfer_queue.__version__ == "0.1.11"
+    assert transfer_queue.__rlferry_version__ == rlferry.__version__
+    assert os.path.isfile(transfer_queue.__file__)
+    assert importlib.util.find_spec("transfer_queue").origin == transfer_queue.__file__
+    for name, exported in [
+        ("transfer_queue.sampler", ["BaseSampler", "SequentialSampler", "GRPOGroupNSampler",
+                                    "RankAwareSampler", "SeqlenBalancedSampler"]),
+        ("transfer_queue.dataloader", ["StreamingDataset", "StreamingDataLoader"]),
+        ("transfer_queue.storage", ["StorageKeyNotFoundError"]),
+    ]:  # fmt: skip
+        mod = sys.modules[name]
+        assert mod.__all__ == exported
+        assert all(hasattr(mod, n) for n in exported)
+    for name in [n for n in sys.modules if n.startswith("transfer_queue.")]:
+        mod = sys.modules[name]
+        assert os.path.isfile(mod.__file__), name
+        assert mod.__spec__.name == name
+
+
 def test_get_meta_on_an_empty_partition_returns_when_a_put_lands(patient):
     got = {}
     asking = threading.Thread(
