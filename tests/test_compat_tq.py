@@ -449,3 +449,31 @@ def test_a_put_after_an_async_get_meta_timed_out_on_a_closed_loop_succeeds(clien
     with pytest.raises(GetMetaTimeout):
         asyncio.run(client.async_get_meta(["x"], 1, "p", task_name="t"))
     assert client.put(rows(1), partition_id="p").size == 1
+
+
+def test_keys_put_cleared_put_again_mixed_and_through_a_checkpoint(client, tmp_path):
+    tq.kv_batch_put([f"k{i}" for i in range(4)], "p", rows(4))
+    tq.kv_clear(["k1", "k3", "nope"], "p")
+    assert sorted(tq.kv_list("p")["p"]) == ["k0", "k2"]
+    meta = tq.kv_batch_put(["k2", "k1", "k5"], "p", rows(3, start=10))  # one held, two new
+    assert meta.keys == ["k2", "k1", "k5"] and meta.tags == [{}, {}, {}]
+    assert meta.tags[0] is not meta.tags[1]
+    got = tq.kv_batch_get(["k5", "k0", "k1", "k2"], "p")
+    assert got["x"].reshape(-1).tolist() == [12.0, 0.0, 11.0, 10.0]
+    held = client.kv_retrieve_meta(["k0", "k5"], "p").global_indexes
+    assert client.kv_retrieve_keys(held, "p") == ["k0", "k5"]
+    with pytest.raises(RuntimeError):
+        client.kv_retrieve_keys([held[0], 10_000], "p")
+    tq.save_checkpoint(tmp_path / "ckpt")
+    client.clear_partition("p")
+    tq.load_checkpoint(tmp_path / "ckpt")
+    assert sorted(tq.kv_list("p")["p"]) == ["k0", "k1", "k2", "k5"]
+    assert client.kv_retrieve_keys(held, "p") == ["k0", "k5"]
+    tq.kv_clear(["k0", "k1", "k2", "k5"], "p")
+    assert tq.kv_list("p") == {"p": {}}
+
+
+def test_a_key_twice_in_one_kv_batch_put_is_refused_and_names_the_key(client):
+    with pytest.raises(ValueError) as e:
+        tq.kv_batch_put(["a", "b", "a"], "p", rows(3))
+    assert "['a']" in str(e.value)

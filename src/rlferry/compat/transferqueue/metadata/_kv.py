@@ -22,6 +22,29 @@ class KVBatchMeta:
     extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.check()
+        self.tags = copy.deepcopy(self.tags)
+        self.extra_info = copy.deepcopy(self.extra_info)
+
+    @classmethod
+    def owning(
+        cls,
+        keys: list[str],
+        tags: list[dict[str, Any]],
+        partition_id: str | None,
+        fields: list[str] | None,
+        extra_info: dict[str, Any] | None,
+    ) -> KVBatchMeta:
+        """A KVBatchMeta that takes ``keys``, ``tags`` and ``extra_info`` as they are (the
+        constructor deep-copies them): for values made for it alone."""
+        out = cls.__new__(cls)
+        out.keys, out.tags, out.partition_id = keys, tags, partition_id
+        out.fields, out.extra_info = fields, extra_info
+        out.check()
+        return out
+
+    def check(self) -> None:
+        """Raises ValueError: tags not one per key, a key or a field twice."""
         if len(self.keys) != len(self.tags):
             raise ValueError(
                 f"keys and tags must have same length, but got {len(self.keys)} and "
@@ -32,8 +55,6 @@ class KVBatchMeta:
             raise ValueError(f"keys: Got duplicated keys {dup} (each key names one sample)")
         if self.fields is not None and len(self.fields) != len(set(self.fields)):
             raise ValueError(f"fields: Got duplicated fields in {self.fields}")
-        self.tags = copy.deepcopy(self.tags)
-        self.extra_info = copy.deepcopy(self.extra_info)
 
     @property
     def size(self) -> int:
