@@ -299,12 +299,8 @@ class Controller:
             new = np.flatnonzero(held < 0)
             if len(new) and create:
                 names = keys if len(new) == len(keys) else np.array(keys, object)[new].tolist()
-                if len(set(names)) == len(names):
-                    held[new] = indexes = self._allocate(part, len(names))
-                    part.name(names, indexes)
-                else:  # a key twice: one sample, named once
-                    unique = list(dict.fromkeys(names))
-                    part.name(unique, self._allocate(part, len(unique)))
+                held[new] = indexes = self._allocate(part, len(names))
+                if not part.name(names, indexes):  # a key twice: one sample holds it
                     held = part.find(keys)
             held = held[held >= 0]
             fields = [f for f, col in part.produced.items() if len(held) and col[held].all()]

@@ -123,17 +123,25 @@ class Partition:
     # ---- keys ----
     def find(self, keys: Sequence[str]) -> np.ndarray:
         """The global index of each key, -1 for keys the partition does not hold."""
+        if not self.keys:
+            return np.full(len(keys), -1, dtype=np.int64)
         return np.fromiter(map(self.keys.get, keys, repeat(-1)), np.int64, len(keys))
 
-    def name(self, keys: Sequence[str], indexes: np.ndarray) -> None:
-        """Give ``indexes`` the ``keys`` (one each, none held yet)."""
+    def name(self, keys: Sequence[str], indexes: np.ndarray) -> bool:
+        """Give ``indexes`` the ``keys`` (one each, none held yet). False if a key came twice:
+        then it names the last of its indexes, and the others have none."""
         size = int(indexes.max()) + 1
         if size > len(self.key_at):
             grown = np.full(max(size, 2 * len(self.key_at), 64), None, dtype=object)
             grown[: len(self.key_at)] = self.key_at
             self.key_at = grown
         self.key_at[indexes] = np.array(keys, dtype=object)
+        held = len(self.keys)
         self.keys.update(zip(keys, indexes.tolist(), strict=True))
+        if len(self.keys) - held == len(keys):
+            return True
+        self.key_at[indexes[self.find(keys) != indexes]] = None
+        return False
 
     def unname(self, indexes: np.ndarray) -> None:
         """Drop the keys of ``indexes`` (those that have one)."""
