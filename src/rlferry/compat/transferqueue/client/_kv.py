@@ -12,7 +12,7 @@ import torch
 
 from .._errors import NotInitialized
 from ..backends import RemoteController
-from ..metadata import KVBatchMeta
+from ..metadata import KVBatchMeta, kv_meta_owning
 from ._interface import api_client
 from ._process import current_backend
 
@@ -113,7 +113,7 @@ def _kv_put(
             extra_info=meta.extra_info,
         )
     # tags and extra_info made for this call alone: no deep copy
-    return KVBatchMeta.owning(
+    return kv_meta_owning(
         list(keys), meta.custom_meta, partition_id, meta.field_names, copy.deepcopy(meta.extra_info)
     )
 
