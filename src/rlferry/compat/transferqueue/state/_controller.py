@@ -296,13 +296,15 @@ class Controller:
             if part is None:
                 return BatchMeta.empty()
             held = part.find(keys)
-            new = np.flatnonzero(held < 0)
-            if len(new) and create:
+            lacking = held < 0
+            if create and lacking.any():
+                new = np.flatnonzero(lacking)
                 names = keys if len(new) == len(keys) else np.array(keys, object)[new].tolist()
                 held[new] = indexes = self._allocate(part, len(names))
                 if not part.name(names, indexes):  # a key twice: one sample holds it
                     held = part.find(keys)
-            held = held[held >= 0]
+            elif lacking.any():
+                held = held[~lacking]
             fields = [f for f, col in part.produced.items() if len(held) and col[held].all()]
             return self._meta(part, held, fields, part.status(held, fields))
 

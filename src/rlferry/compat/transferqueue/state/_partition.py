@@ -16,6 +16,9 @@ log = logging.getLogger("rlferry.compat.transferqueue")
 
 NONE = np.array(None, dtype=object)
 """``None`` as an array, for element-wise tests of ``Partition.key_at``."""
+NO_KEYS = np.full(0, None, dtype=object)
+FEW = 8
+"""Batches of at most this many keys are dropped one by one (array calls cost more there)."""
 
 
 def _grow(a: np.ndarray, size: int) -> np.ndarray:
@@ -105,7 +108,7 @@ class Partition:
         self.fields: dict[str, Field] = {}
         self.custom: dict[int, dict[str, Any]] = {}
         self.keys: dict[str, int] = {}
-        self.key_at = np.full(0, None, dtype=object)
+        self.key_at = NO_KEYS  # replaced, not written, when it grows
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         key_of = state.pop("key_of", None)  # pickled by a shim that kept a dict of them
@@ -132,7 +135,7 @@ class Partition:
         then it names the last of its indexes, and the others have none."""
         size = int(indexes.max()) + 1
         if size > len(self.key_at):
-            grown = np.full(max(size, 2 * len(self.key_at), 64), None, dtype=object)
+            grown = np.empty(max(size, 2 * len(self.key_at), 64), dtype=object)  # all None
             grown[: len(self.key_at)] = self.key_at
             self.key_at = grown
         self.key_at[indexes] = np.array(keys, dtype=object)
@@ -145,6 +148,13 @@ class Partition:
 
     def unname(self, indexes: np.ndarray) -> None:
         """Drop the keys of ``indexes`` (those that have one)."""
+        if len(indexes) <= FEW:
+            for i in indexes.tolist():
+                key = self.key_at[i] if i < len(self.key_at) else None
+                if key is not None:
+                    self.key_at[i] = None
+                    del self.keys[key]
+            return
         indexes = indexes[indexes < len(self.key_at)]
         named = self.key_at[indexes]
         named = named[np.not_equal(named, NONE)]
@@ -161,7 +171,7 @@ class Partition:
 
     def set_keys(self, keys: dict[str, int]) -> None:
         """Hold exactly ``keys`` (key -> global index)."""
-        self.keys, self.key_at = {}, np.full(0, None, dtype=object)
+        self.keys, self.key_at = {}, NO_KEYS
         if keys:
             self.name(list(keys), np.fromiter(keys.values(), np.int64, len(keys)))
 
