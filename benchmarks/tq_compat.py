@@ -12,7 +12,11 @@ local Ray started the same way: its controller and storage units are Ray actors)
 1. TransferQueue's perftest workload (its ``scripts/performance_test/perftest.py`` "simple"
    case: 1024 samples x 9 float32 fields x 8192, 288 MiB) through its KV API:
    ``kv_batch_put`` then ``kv_batch_get`` of every key, a fresh partition per iteration.
-2. Metadata cost: tiny samples (one int64 each) through the client, 1k to 131k samples per
+2. The KV calls at metadata speed: ``kv_batch_put``, ``kv_batch_get`` and ``kv_clear`` of N
+   samples, one int64 field and a string key each (N = 1: the call's fixed cost; 1,024;
+   16,384), a fresh partition per repetition; and ``kv_batch_put`` / ``kv_batch_get`` of 64
+   samples x 1 MiB (one float32 field).
+3. Metadata cost: tiny samples (one int64 each) through the client, 1k to 131k samples per
    call: ``put`` (new samples), ``get_meta`` (fetch, one task), ``get_data``,
    ``clear_samples``; microseconds per sample.
 
@@ -37,6 +41,8 @@ from typing import Any
 
 B, FIELDS, SEQ = 1024, 9, 8192
 SIZES = (1024, 4096, 16384, 65536, 131072)
+KV_SIZES = (1, 1024, 16384)
+BIG_N, BIG_ROW = 64, 2**20 // 4  # 64 samples x 1 MiB of float32
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -46,6 +52,41 @@ def _stats(xs: list[float]) -> dict[str, float]:
         "p90": s[min(len(s) - 1, round(0.9 * (len(s) - 1)))],
         "max": s[-1],
     }
+
+
+def kv_calls(tq: Any, reps: int) -> dict[str, Any]:
+    """The KV section: seconds per call of put/get/clear at each of ``KV_SIZES`` keys, and
+    of put/get of 64 x 1 MiB (``reps`` each after one warm-up, two for 64 x 1 MiB; 1 key: 50
+    after 10)."""
+    import torch
+    from tensordict import TensorDict
+
+    def rounds(name: str, n: int, data: Any, warm: int, runs: int) -> dict[str, list[float]]:
+        keys = [f"{name}_{i}" for i in range(n)]
+        times: dict[str, list[float]] = {"put": [], "get": [], "clear": []}
+        for r in range(warm + runs):
+            pid = f"{name}_{n}_{r}"
+            t0 = time.perf_counter()
+            tq.kv_batch_put(keys=keys, partition_id=pid, fields=data)
+            t1 = time.perf_counter()
+            got = tq.kv_batch_get(keys=keys, partition_id=pid)
+            t2 = time.perf_counter()
+            tq.kv_clear(keys=keys, partition_id=pid)
+            t3 = time.perf_counter()
+            x = got["x"].values() if got["x"].is_nested else got["x"]  # rows of 1 MiB: jagged
+            assert torch.equal(x.reshape(-1), data["x"].reshape(-1))
+            if r >= warm:
+                for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                    times[k].append(dt)
+        return times
+
+    out: dict[str, Any] = {}
+    for n in KV_SIZES:  # 1 key: the fixed cost, the median of 50 calls at least, after 10
+        data = TensorDict({"x": torch.arange(n)}, batch_size=n)
+        out[str(n)] = rounds("key", n, data, 1 if n > 1 else 10, reps if n > 1 else max(reps, 50))
+    data = TensorDict({"x": torch.randn(BIG_N, BIG_ROW)}, batch_size=BIG_N)
+    out["big"] = rounds("big", BIG_N, data, 2, reps)  # the first jagged gets are slow
+    return out
 
 
 def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]:
@@ -65,6 +106,7 @@ def worker(impl: str, iters: int, reps: int, sizes: list[int]) -> dict[str, Any]
 
     tq.init()
     out: dict[str, Any] = {"perftest": {"put": [], "get": []}, "meta": {}}
+    out["kv"] = kv_calls(tq, reps)
     data = TensorDict({f"field_{i}": torch.randn(B, SEQ) for i in range(FIELDS)}, batch_size=B)
     keys = [f"key_{i}" for i in range(B)]
     for it in range(iters + 1):  # the first iteration warms up
@@ -158,6 +200,7 @@ def report(results: dict[str, dict[str, Any]], reps: int) -> str:
     if "tq" in results:
         header += [f"{NAMES[k]}/TQ speed" for k in results if k != "tq"]
     lines += [table(rows, header), ""]
+    lines += [kv_report(results, reps), ""]
     lines.append(f"metadata cost, us per sample (tiny int64 samples, {reps} reps: p50 [p90, max])")
     rows = []
     for n in results["shim"]["meta"]:
@@ -173,6 +216,40 @@ def report(results: dict[str, dict[str, Any]], reps: int) -> str:
         header += [f"{NAMES[k]}/TQ speed" for k in results if k != "tq"]
     lines.append(table(rows, header))
     return "\n".join(lines)
+
+
+def kv_report(results: dict[str, dict[str, Any]], reps: int) -> str:
+    """The KV section's table: us per sample (per call at 1 key), p50 [max] of ``reps``."""
+    from _common import table
+
+    rows = []
+    for n in map(str, KV_SIZES):
+        for op in ("put", "get", "clear"):
+            stats = {k: _stats(r["kv"][n][op]) for k, r in results.items()}
+            scale = 1e6 / int(n)
+            row = [f"kv_batch_{op}" if op != "clear" else "kv_clear", n]
+            row += [f"{s['p50'] * scale:.3f} [{s['max'] * scale:.3f}]" for s in stats.values()]
+            if "tq" in stats:
+                row += [_ratio(stats[k]["p50"], stats["tq"]["p50"]) for k in results if k != "tq"]
+            rows.append(row)
+    nbytes = BIG_N * BIG_ROW * 4
+    for op in ("put", "get"):
+        stats = {k: _stats(r["kv"]["big"][op]) for k, r in results.items()}
+        row = [f"kv_batch_{op}", f"{BIG_N} x 1 MiB"]
+        row += [
+            f"{s['p50'] * 1e3:.2f} ms ({nbytes / s['p50'] / 1e9:.2f} GB/s)" for s in stats.values()
+        ]
+        if "tq" in stats:
+            row += [_ratio(stats[k]["p50"], stats["tq"]["p50"]) for k in results if k != "tq"]
+        rows.append(row)
+    header = ["call", "keys", *[f"{NAMES[k]}: us/key p50 [max]" for k in results]]
+    if "tq" in results:
+        header += [f"{NAMES[k]}/TQ speed" for k in results if k != "tq"]
+    title = (
+        f"KV calls, one int64 field and a string key a sample ({reps} reps; 1 key: us a call, "
+        f"{max(reps, 50)} reps)"
+    )
+    return title + "\n" + table(rows, header)
 
 
 def main(argv: list[str] | None = None) -> None:

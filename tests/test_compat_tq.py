@@ -70,6 +70,72 @@ def test_install_resolves_transfer_queue_and_the_submodules_tests_import():
     assert get_seqlen_balanced_partitions([1, 2, 3, 4], 2, equal_size=True) == [[0, 3], [1, 2]]
 
 
+# TransferQueue 0.1.11's `transfer_queue.__all__`, copied from its __init__.py.
+TQ_ALL = [
+    "init",
+    "close",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "KVBatchMeta",
+    "save_checkpoint",
+    "load_checkpoint",
+    "StreamingDataset",
+    "StreamingDataLoader",
+    "get_client",
+    "BatchMeta",
+    "TransferQueueClient",
+    "StorageKeyNotFoundError",
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "SequentialSampler",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+]
+
+
+def test_the_installed_module_carries_what_transferqueues_does():
+    import importlib.util
+    import os
+
+    import rlferry
+
+    tq.install()
+    import transfer_queue
+
+    assert transfer_queue.__all__ == TQ_ALL
+    star: dict = {}
+    exec("from transfer_queue import *", star)
+    assert sorted(n for n in star if n != "__builtins__") == sorted(TQ_ALL)
+    assert transfer_queue.__version__ == "0.1.11"
+    assert transfer_queue.__rlferry_version__ == rlferry.__version__
+    assert os.path.isfile(transfer_queue.__file__)
+    assert importlib.util.find_spec("transfer_queue").origin == transfer_queue.__file__
+    for name, exported in [
+        ("transfer_queue.sampler", ["BaseSampler", "SequentialSampler", "GRPOGroupNSampler",
+                                    "RankAwareSampler", "SeqlenBalancedSampler"]),
+        ("transfer_queue.dataloader", ["StreamingDataset", "StreamingDataLoader"]),
+        ("transfer_queue.storage", ["StorageKeyNotFoundError"]),
+    ]:  # fmt: skip
+        mod = sys.modules[name]
+        assert mod.__all__ == exported
+        assert all(hasattr(mod, n) for n in exported)
+    for name in [n for n in sys.modules if n.startswith("transfer_queue.")]:
+        mod = sys.modules[name]
+        assert os.path.isfile(mod.__file__), name
+        assert mod.__spec__.name == name
+
+
 def test_get_meta_on_an_empty_partition_returns_when_a_put_lands(patient):
     got = {}
     asking = threading.Thread(
@@ -383,3 +449,31 @@ def test_a_put_after_an_async_get_meta_timed_out_on_a_closed_loop_succeeds(clien
     with pytest.raises(GetMetaTimeout):
         asyncio.run(client.async_get_meta(["x"], 1, "p", task_name="t"))
     assert client.put(rows(1), partition_id="p").size == 1
+
+
+def test_keys_put_cleared_put_again_mixed_and_through_a_checkpoint(client, tmp_path):
+    tq.kv_batch_put([f"k{i}" for i in range(4)], "p", rows(4))
+    tq.kv_clear(["k1", "k3", "nope"], "p")
+    assert sorted(tq.kv_list("p")["p"]) == ["k0", "k2"]
+    meta = tq.kv_batch_put(["k2", "k1", "k5"], "p", rows(3, start=10))  # one held, two new
+    assert meta.keys == ["k2", "k1", "k5"] and meta.tags == [{}, {}, {}]
+    assert meta.tags[0] is not meta.tags[1]
+    got = tq.kv_batch_get(["k5", "k0", "k1", "k2"], "p")
+    assert got["x"].reshape(-1).tolist() == [12.0, 0.0, 11.0, 10.0]
+    held = client.kv_retrieve_meta(["k0", "k5"], "p").global_indexes
+    assert client.kv_retrieve_keys(held, "p") == ["k0", "k5"]
+    with pytest.raises(RuntimeError):
+        client.kv_retrieve_keys([held[0], 10_000], "p")
+    tq.save_checkpoint(tmp_path / "ckpt")
+    client.clear_partition("p")
+    tq.load_checkpoint(tmp_path / "ckpt")
+    assert sorted(tq.kv_list("p")["p"]) == ["k0", "k1", "k2", "k5"]
+    assert client.kv_retrieve_keys(held, "p") == ["k0", "k5"]
+    tq.kv_clear(["k0", "k1", "k2", "k5"], "p")
+    assert tq.kv_list("p") == {"p": {}}
+
+
+def test_a_key_twice_in_one_kv_batch_put_is_refused_and_names_the_key(client):
+    with pytest.raises(ValueError) as e:
+        tq.kv_batch_put(["a", "b", "a"], "p", rows(3))
+    assert "['a']" in str(e.value)

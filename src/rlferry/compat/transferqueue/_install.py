@@ -3,6 +3,7 @@ TransferQueue's own tests import) resolve to this package."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from typing import Any
@@ -47,16 +48,84 @@ INTERFACE = [
 ``use_launcher``, ``current_backend``, ``attach`` and ``serve_workers``."""
 
 
-def _submodules() -> dict[str, dict[str, Any]]:
-    """Module name (under ``transfer_queue.``) -> the names it exposes."""
+TOP = [
+    "init",
+    "close",
+    "get_metrics_endpoint",
+    "kv_put",
+    "kv_batch_put",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_list",
+    "kv_clear",
+    "async_kv_put",
+    "async_kv_batch_put",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_list",
+    "async_kv_clear",
+    "KVBatchMeta",
+    "save_checkpoint",
+    "load_checkpoint",
+    "StreamingDataset",
+    "StreamingDataLoader",
+    "get_client",
+    "BatchMeta",
+    "TransferQueueClient",
+    "StorageKeyNotFoundError",
+    "BaseSampler",
+    "GRPOGroupNSampler",
+    "SequentialSampler",
+    "RankAwareSampler",
+    "SeqlenBalancedSampler",
+]
+"""``transfer_queue.__all__``: TransferQueue 0.1.11's, in its order."""
+
+EXPORTS = {
+    "sampler": [
+        "BaseSampler",
+        "SequentialSampler",
+        "GRPOGroupNSampler",
+        "RankAwareSampler",
+        "SeqlenBalancedSampler",
+    ],
+    "dataloader": ["StreamingDataset", "StreamingDataLoader"],
+    "storage": ["StorageKeyNotFoundError"],
+}
+"""The ``__all__`` of the submodules that have one in TransferQueue 0.1.11 (its
+``transfer_queue.storage`` also lists its storage classes, which the shim does not have)."""
+
+
+def _module(name: str, doc: str, source: Any, names: dict[str, Any]) -> types.ModuleType:
+    """A package module ``name`` holding ``names``, whose ``__file__`` is ``source``'s."""
+    mod = types.ModuleType(name, doc)
+    mod.__dict__.update(names)
+    origin = source.__file__
+    spec = importlib.machinery.ModuleSpec(name, None, origin=origin, is_package=True)
+    spec.has_location = True
+    mod.__dict__.update(
+        __file__=origin, __spec__=spec, __package__=name, __path__=[], **{_MARK: True}
+    )
+    exported = TOP if name == "transfer_queue" else EXPORTS.get(name.partition(".")[2])
+    if exported is not None:
+        mod.__dict__["__all__"] = list(exported)
+    return mod
+
+
+def _submodules() -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Module name (under ``transfer_queue.``) -> the module that implements it and the
+    names it exposes."""
     from . import _errors, client, metadata, samplers
 
-    sampler = _names(samplers, samplers.__all__)
-    dataloader = _names(client, DATALOADER)
+    sampler = (samplers, _names(samplers, samplers.__all__))
+    dataloader = (client, _names(client, DATALOADER))
     return {
-        "metadata": _names(metadata, ["BatchMeta", "extract_field_schema", "KVBatchMeta"]),
-        "client": _names(client, ["AsyncTransferQueueClient", "TransferQueueClient"]),
-        "interface": _names(client, INTERFACE),
+        "metadata": (
+            metadata,
+            _names(metadata, ["BatchMeta", "extract_field_schema", "KVBatchMeta"]),
+        ),
+        "client": (client, _names(client, ["AsyncTransferQueueClient", "TransferQueueClient"])),
+        "interface": (client, _names(client, INTERFACE)),
         "sampler": sampler,
         "sampler.base": sampler,
         "sampler.sequential_sampler": sampler,
@@ -66,7 +135,7 @@ def _submodules() -> dict[str, dict[str, Any]]:
         "dataloader": dataloader,
         "dataloader.streaming_dataset": dataloader,
         "dataloader.streaming_dataloader": dataloader,
-        "storage": _names(_errors, ["StorageKeyNotFoundError"]),
+        "storage": (_errors, _names(_errors, ["StorageKeyNotFoundError"])),
     }
 
 
@@ -87,21 +156,21 @@ def install() -> None:
             f"module ({getattr(present, '__file__', '?')}) already imported (call install() at "
             "start-up, before importing verl or transfer_queue)"
         )
+    from rlferry import __version__ as rlferry_version
+
     from . import __all__ as names
     from . import __name__ as package
     from . import __version__
 
-    top = types.ModuleType("transfer_queue", "TransferQueue's API on rlferry (installed shim)")
     source = sys.modules[package]
-    top.__dict__.update({n: getattr(source, n) for n in names})
-    top.__dict__.update(__version__=__version__, __path__=[], **{_MARK: True})
-    made = {"transfer_queue": top}
-    for dotted, exposed in _submodules().items():
+    exposed = {n: getattr(source, n) for n in names}
+    exposed.update(__version__=__version__, __rlferry_version__=rlferry_version)
+    doc = "TransferQueue's API on rlferry (installed shim)"
+    made = {"transfer_queue": _module("transfer_queue", doc, source, exposed)}
+    for dotted, (impl, names_of) in _submodules().items():
         name = f"transfer_queue.{dotted}"
-        mod = types.ModuleType(name, f"TransferQueue's `{name}` on rlferry (installed shim)")
-        mod.__dict__.update(exposed)
-        mod.__dict__.update(__path__=[], **{_MARK: True})
-        made[name] = mod
+        doc = f"TransferQueue's `{name}` on rlferry (installed shim)"
+        made[name] = _module(name, doc, impl, names_of)
     for name, mod in made.items():
         parent, _, child = name.rpartition(".")
         if parent:

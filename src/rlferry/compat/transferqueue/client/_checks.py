@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
 
 __all__ = ["check_get", "index_list", "key_list"]
@@ -40,8 +41,8 @@ def key_list(keys: Any) -> list[str]:
         raise TypeError(f"keys: expected a string or a list of strings, got {type(keys).__name__}")
     if not keys:
         raise ValueError("keys: expected at least one key, got an empty list")
-    bad = [k for k in keys if not isinstance(k, str)]
-    if bad:
+    if not all(map(isinstance, keys, repeat(str))):
+        bad = [k for k in keys if not isinstance(k, str)]
         raise TypeError(
             f"keys: expected strings, got {bad[:4]!r} (Not all elements in `keys` are "
             "strings: convert them with str())"

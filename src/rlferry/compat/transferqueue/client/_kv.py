@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,7 +12,7 @@ import torch
 
 from .._errors import NotInitialized
 from ..backends import RemoteController
-from ..metadata import KVBatchMeta
+from ..metadata import KVBatchMeta, kv_meta_owning
 from ._interface import api_client
 from ._process import current_backend
 
@@ -103,12 +104,17 @@ def _kv_put(
         meta = client.put(fields, meta, data_parser=data_parser)
     else:
         client.set_custom_meta(meta)
-    return KVBatchMeta(
-        keys=list(keys),
-        tags=meta.custom_meta,
-        partition_id=partition_id,
-        fields=meta.field_names,
-        extra_info=meta.extra_info,
+    if tags is not None:
+        return KVBatchMeta(
+            keys=list(keys),
+            tags=meta.custom_meta,
+            partition_id=partition_id,
+            fields=meta.field_names,
+            extra_info=meta.extra_info,
+        )
+    # tags and extra_info made for this call alone: no deep copy
+    return kv_meta_owning(
+        list(keys), meta.custom_meta, partition_id, meta.field_names, copy.deepcopy(meta.extra_info)
     )
 
 

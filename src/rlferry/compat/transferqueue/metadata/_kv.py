@@ -8,7 +8,7 @@ from typing import Any
 
 from ._extra import merge_extra
 
-__all__ = ["KVBatchMeta"]
+__all__ = ["KVBatchMeta", "kv_meta_owning"]
 
 
 @dataclasses.dataclass
@@ -22,16 +22,7 @@ class KVBatchMeta:
     extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if len(self.keys) != len(self.tags):
-            raise ValueError(
-                f"keys and tags must have same length, but got {len(self.keys)} and "
-                f"{len(self.tags)} (give one tag dict per key, {{}} for none)"
-            )
-        if len(self.keys) != len(set(self.keys)):
-            dup = sorted({k for k in self.keys if self.keys.count(k) > 1})
-            raise ValueError(f"keys: Got duplicated keys {dup} (each key names one sample)")
-        if self.fields is not None and len(self.fields) != len(set(self.fields)):
-            raise ValueError(f"fields: Got duplicated fields in {self.fields}")
+        _check(self)
         self.tags = copy.deepcopy(self.tags)
         self.extra_info = copy.deepcopy(self.extra_info)
 
@@ -115,3 +106,36 @@ class KVBatchMeta:
             fields=fields,
             extra_info=extra or None,
         )
+
+
+def kv_meta_owning(
+    keys: list[str],
+    tags: list[dict[str, Any]],
+    partition_id: str | None,
+    fields: list[str] | None,
+    extra_info: dict[str, Any] | None,
+) -> KVBatchMeta:
+    """A ``KVBatchMeta`` that takes ``keys``, ``tags`` and ``extra_info`` as they are (its
+    constructor deep-copies them): for values made for it alone.
+
+    Raises:
+        ValueError: tags not one per key, a key or a field twice.
+    """
+    out = KVBatchMeta.__new__(KVBatchMeta)
+    out.keys, out.tags, out.partition_id = keys, tags, partition_id
+    out.fields, out.extra_info = fields, extra_info
+    _check(out)
+    return out
+
+
+def _check(meta: KVBatchMeta) -> None:
+    if len(meta.keys) != len(meta.tags):
+        raise ValueError(
+            f"keys and tags must have same length, but got {len(meta.keys)} and "
+            f"{len(meta.tags)} (give one tag dict per key, {{}} for none)"
+        )
+    if len(meta.keys) != len(set(meta.keys)):
+        dup = sorted({k for k in meta.keys if meta.keys.count(k) > 1})
+        raise ValueError(f"keys: Got duplicated keys {dup} (each key names one sample)")
+    if meta.fields is not None and len(meta.fields) != len(set(meta.fields)):
+        raise ValueError(f"fields: Got duplicated fields in {meta.fields}")

@@ -276,11 +276,8 @@ class Controller:
             if part.custom:
                 for i in indexes.tolist():
                     part.custom.pop(i, None)
-            if part.key_of:
-                for i in indexes.tolist():
-                    key = part.key_of.pop(i, None)
-                    if key is not None:
-                        del part.keys[key]
+            if part.keys:
+                part.unname(indexes)
             self._indexes.give(indexes)
 
     def drop(self, pid: str) -> bool:
@@ -298,14 +295,16 @@ class Controller:
             part = self._partition(pid, create=create)
             if part is None:
                 return BatchMeta.empty()
-            found = [part.keys.get(k) for k in keys]
-            new = [k for k, i in zip(keys, found, strict=True) if i is None]
-            if new and create:
-                indexes = self._allocate(part, len(new))
-                for k, i in zip(new, indexes.tolist(), strict=True):
-                    part.keys[k], part.key_of[i] = i, k
-                found = [part.keys.get(k) for k in keys]
-            held = np.array([i for i in found if i is not None], dtype=np.int64)
+            held = part.find(keys)
+            lacking = held < 0
+            if create and lacking.any():
+                new = np.flatnonzero(lacking)
+                names = keys if len(new) == len(keys) else np.array(keys, object)[new].tolist()
+                held[new] = indexes = self._allocate(part, len(names))
+                if not part.name(names, indexes):  # a key twice: one sample holds it
+                    held = part.find(keys)
+            elif lacking.any():
+                held = held[~lacking]
             fields = [f for f, col in part.produced.items() if len(held) and col[held].all()]
             return self._meta(part, held, fields, part.status(held, fields))
 
@@ -314,8 +313,8 @@ class Controller:
             part = self._parts.get(pid)
             if part is None:
                 return []
-            keys = [part.key_of[i] for i in indexes if i in part.key_of]
-            return keys if len(keys) == len(indexes) else []
+            keys = part.keys_of(np.asarray(indexes, dtype=np.int64))
+            return [] if keys is None else keys
 
     def kv_list(self, pid: str | None) -> dict[str, dict[str, dict[str, Any]]]:
         with self._lock:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -10,6 +13,12 @@ import numpy as np
 __all__ = ["Field", "Indexes", "Partition"]
 
 log = logging.getLogger("rlferry.compat.transferqueue")
+
+NONE = np.array(None, dtype=object)
+"""``None`` as an array, for element-wise tests of ``Partition.key_at``."""
+NO_KEYS = np.full(0, None, dtype=object)
+FEW = 8
+"""Batches of at most this many keys are dropped one by one (array calls cost more there)."""
 
 
 def _grow(a: np.ndarray, size: int) -> np.ndarray:
@@ -83,6 +92,13 @@ class Field:
 
 
 class Partition:
+    """One partition: which global indexes it holds, what each has produced and each task
+    consumed (boolean arrays by global index), fields' schemas, custom meta and keys.
+
+    Keys: ``keys`` maps a key to its global index (a dict, read and written a batch at a
+    time by C-level ``map``/``zip``, no Python loop per key), ``key_at`` the other way (an
+    object array by global index, ``None`` where none)."""
+
     def __init__(self, pid: str) -> None:
         self.id = pid
         self.members = np.zeros(0, dtype=bool)  # active samples, by global index
@@ -92,7 +108,13 @@ class Partition:
         self.fields: dict[str, Field] = {}
         self.custom: dict[int, dict[str, Any]] = {}
         self.keys: dict[str, int] = {}
-        self.key_of: dict[int, str] = {}
+        self.key_at = NO_KEYS  # replaced, not written, when it grows
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        key_of = state.pop("key_of", None)  # pickled by a shim that kept a dict of them
+        self.__dict__.update(state)
+        if key_of is not None:
+            self.set_keys(self.keys)
 
     def ensure(self, size: int) -> None:
         self.members = _grow(self.members, size)
@@ -100,6 +122,58 @@ class Partition:
             self.produced[name] = _grow(a, size)
         for task, a in self.consumed.items():
             self.consumed[task] = _grow(a, size)
+
+    # ---- keys ----
+    def find(self, keys: Sequence[str]) -> np.ndarray:
+        """The global index of each key, -1 for keys the partition does not hold."""
+        if not self.keys:
+            return np.full(len(keys), -1, dtype=np.int64)
+        return np.fromiter(map(self.keys.get, keys, repeat(-1)), np.int64, len(keys))
+
+    def name(self, keys: Sequence[str], indexes: np.ndarray) -> bool:
+        """Give ``indexes`` the ``keys`` (one each, none held yet). False if a key came twice:
+        then it names the last of its indexes, and the others have none."""
+        size = int(indexes.max()) + 1
+        if size > len(self.key_at):
+            grown = np.empty(max(size, 2 * len(self.key_at), 64), dtype=object)  # all None
+            grown[: len(self.key_at)] = self.key_at
+            self.key_at = grown
+        self.key_at[indexes] = np.array(keys, dtype=object)
+        held = len(self.keys)
+        self.keys.update(zip(keys, indexes.tolist(), strict=True))
+        if len(self.keys) - held == len(keys):
+            return True
+        self.key_at[indexes[self.find(keys) != indexes]] = None
+        return False
+
+    def unname(self, indexes: np.ndarray) -> None:
+        """Drop the keys of ``indexes`` (those that have one)."""
+        if len(indexes) <= FEW:
+            for i in indexes.tolist():
+                key = self.key_at[i] if i < len(self.key_at) else None
+                if key is not None:
+                    self.key_at[i] = None
+                    del self.keys[key]
+            return
+        indexes = indexes[indexes < len(self.key_at)]
+        named = self.key_at[indexes]
+        named = named[np.not_equal(named, NONE)]
+        if len(named):
+            self.key_at[indexes] = None
+            deque(map(self.keys.pop, named.tolist()), maxlen=0)
+
+    def keys_of(self, indexes: np.ndarray) -> list[str] | None:
+        """The keys of ``indexes``; None if one of them has none."""
+        if len(indexes) and (indexes.min() < 0 or indexes.max() >= len(self.key_at)):
+            return None
+        named = self.key_at[indexes]
+        return None if np.equal(named, NONE).any() else named.tolist()
+
+    def set_keys(self, keys: dict[str, int]) -> None:
+        """Hold exactly ``keys`` (key -> global index)."""
+        self.keys, self.key_at = {}, NO_KEYS
+        if keys:
+            self.name(list(keys), np.fromiter(keys.values(), np.int64, len(keys)))
 
     def indexes(self) -> np.ndarray:
         """Every index of the partition, pre-allocated ones included, sorted."""

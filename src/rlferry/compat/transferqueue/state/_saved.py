@@ -124,8 +124,7 @@ def _partition_in(saved: dict[str, Any]) -> Partition:
     p.consumed = dict(saved["consumed"])
     p.fields = {name: _field_in(f) for name, f in saved["fields"].items()}
     p.custom = {int(i): unplain(c) for i, c in saved["custom"]}
-    p.keys = dict(saved["keys"])
-    p.key_of = {i: k for k, i in p.keys.items()}
+    p.set_keys(dict(saved["keys"]))
     return p
 
 
