@@ -140,7 +140,10 @@ class DemoConfig:
 
     def checkpoints(self) -> str | None:
         """The job's checkpoint directory: ``checkpoint_dir``, else the one ``resume``
-        names, else ``out/checkpoints`` (None without any of them)."""
+        names, else ``out/checkpoints``; None for a run that neither checkpoints nor
+        resumes."""
+        if self.checkpoint_every is None and self.resume is None:
+            return None
         if self.checkpoint_dir is not None:
             return self.checkpoint_dir
         if self.resume is not None:
