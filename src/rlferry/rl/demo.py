@@ -382,7 +382,7 @@ def main(args: Any) -> Path:
 
             def progress(row: StepRecord, bar: Any = bar) -> None:
                 bar.set_postfix(format_progress(row), refresh=False)
-                bar.update(1)
+                bar.update(row.step - bar.n)  # a resumed run's bar starts at its step
 
             run = run_demo(config, progress)
         if why := run.summary.get("gpu_busy_why"):
