@@ -520,23 +520,35 @@ def run_policy(p, times, n):
 
 def test_the_policy_measures_each_kind_then_pushes_the_faster_trying_the_other_later():
     p = _policy.Policy()
-    # a little slower: tried again after 8 pushes (the least wait)
-    assert run_policy(p, {"delta": 1.0, "full": 1.05}, 20) == "df" + "d" * 8 + "f" + "d" * 8 + "f"
+    # the first push of a kind after the other is not timed: the next, of the same kind, is;
+    # a little slower: tried again after 8 timed pushes (the least wait)
+    tries = "ff" + "d" * 9
+    assert run_policy(p, {"delta": 1.0, "full": 1.05}, 26) == "d" + tries * 2 + "ffd"
+
+
+def test_the_policy_keeps_the_slower_kind_out_when_a_switch_makes_one_push_slow():
+    p = _policy.Policy()
+    seen = []
+    for seconds in (2.0, 9.0, 1.0, 1.0):  # a delta; a full push paying the switch, then 1 s
+        kind = p.choose()
+        seen.append(kind[0])
+        p.timed(kind, seconds)
+    assert "".join(seen) == "dfff"  # full pushes measured at 1 s, not 9: they win
 
 
 def test_the_policy_tries_a_much_slower_kind_as_seldom_as_it_costs():
     p = _policy.Policy()
     p.refreshed(0.5)
     # a delta's try costs 9 s more and a copy of 0.5 s: 2% of 1 s pushes, 475 pushes apart
-    seen = run_policy(p, {"delta": 10.0, "full": 1.0}, 480)
-    assert seen == "df" + "f" * 475 + "dff"
+    seen = run_policy(p, {"delta": 10.0, "full": 1.0}, 482)
+    assert seen == "dff" + "f" * 475 + "ddff"
 
 
 def test_the_policy_swaps_kinds_when_the_faster_slows_past_the_other():
     p = _policy.Policy()
-    assert run_policy(p, {"delta": 1.0, "full": 2.0}, 5) == "dfddd"
+    assert run_policy(p, {"delta": 1.0, "full": 2.0}, 6) == "dffddd"
     # one slower delta (the mean: 2.5 s) and full pushes win
-    assert run_policy(p, {"delta": 4.0, "full": 2.0}, 4) == "dfff"
+    assert run_policy(p, {"delta": 4.0, "full": 2.0}, 5) == "dffff"
 
 
 def test_an_always_policy_chooses_deltas_and_keeps_the_base_up_whatever_the_times():
@@ -549,13 +561,16 @@ def test_an_always_policy_chooses_deltas_and_keeps_the_base_up_whatever_the_time
 def test_the_policy_keeps_the_base_up_only_when_the_next_push_may_be_a_delta():
     p = _policy.Policy()
     p.timed("delta", 1.1)
+    p.timed("full", 1.0)  # the switch: not timed
     p.timed("full", 1.0)  # full pushes faster, a delta's try 8 pushes apart
     keeps = []
-    for _ in range(11):
+    for _ in range(12):
         kind = p.choose()
         keeps.append((kind[0], p.keep_base() if kind == "full" else None))
         p.timed(kind, 1.1 if kind == "delta" else 1.0)
-    assert keeps == [("f", False)] * 7 + [("f", True), ("d", None)] + [("f", False)] * 2
+    assert (
+        keeps == [("f", False)] * 7 + [("f", True), ("d", None), ("d", None)] + [("f", False)] * 2
+    )
 
 
 # -- HFEngine --------------------------------------------------------------------------------

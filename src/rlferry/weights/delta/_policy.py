@@ -13,6 +13,10 @@ of the faster kind's time over the pushes since: after :data:`FIRST_WAIT` pushes
 least, :data:`MOST_WAIT` at most. When the faster kind slows past the other (more
 changes: a delta's dense tensors), the mean says so and the kinds swap with no try.
 
+The first push of a kind after a push of the other carries the switch's one-off costs (the
+packing buffers made again, handles exported): it is not timed, and the next push is of the
+same kind, timed. So each kind is measured in its steady state, and a try costs two pushes.
+
 While full pushes win, the base is not kept up (its copy would cost a memory pass per
 push, a quarter of a full push over gloo on a 2-core host: ``python
 benchmarks/weights_delta.py --transport gloo --scale 4``); the push before a try of a
@@ -42,6 +46,8 @@ class Policy:
         self.refresh = 0.0  # running mean of a copy of the base
         self._since = 0  # pushes of the faster kind since the slower was measured
         self._wait = FIRST_WAIT
+        self._last: str | None = None  # the kind of the last push
+        self._again: str | None = None  # a kind to push again: its last push was a switch
 
     def best(self) -> str | None:
         """The kind measured faster (None until both were measured)."""
@@ -55,6 +61,8 @@ class Policy:
         best = self.best()
         if self.always:
             return DELTA
+        if self._again is not None:
+            return self._again
         if best is None:
             return FULL if DELTA in self.seconds else DELTA
         if self._since >= self._wait:
@@ -64,6 +72,8 @@ class Policy:
     def keep_base(self) -> bool:
         """Whether a full push keeps the base up: the push after it may be a delta."""
         best = self.best()
+        if self._again is not None:
+            return self.always or self._again == DELTA
         return self.always or best != FULL or self._since + 1 >= self._wait
 
     def refreshed(self, seconds: float) -> None:
@@ -72,6 +82,10 @@ class Policy:
 
     def timed(self, kind: str, seconds: float) -> None:
         """A push of ``kind`` took ``seconds``."""
+        switched = self._last is not None and kind != self._last
+        self._last, self._again = kind, (kind if switched else None)
+        if switched:  # its time holds the switch's costs: the next push is timed instead
+            return
         before = self.best()
         self.seconds[kind] = _mean(self.seconds.get(kind), seconds)
         after = self.best()
