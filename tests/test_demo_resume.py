@@ -199,3 +199,24 @@ def test_a_rank_file_round_trips_parameters_optimizer_and_rng_and_refuses_anothe
     (tmp_path / "trainer-0.rlf").write_bytes(bytes(data))
     with pytest.raises(FileFormatError, match=r"trainer-0.rlf"):
         load_rank(tmp_path, 0, params, opt)
+
+
+def test_trainers_start_again_on_another_port_when_theirs_was_taken(monkeypatch):
+    from rlferry.rl import _processes
+
+    calls = []
+
+    def start(procs, settings):
+        calls.append(settings["port"])
+        if len(calls) == 1:
+            raise RuntimeError("trainer rank 0: DistNetworkError: ... EADDRINUSE ...")
+        return ["tcp://127.0.0.1:1"]
+
+    monkeypatch.setattr(_processes, "_start_trainers", start)
+    settings = {"port": 1}
+    assert _processes.start_trainers(_processes.Processes(), settings) == ["tcp://127.0.0.1:1"]
+    assert calls[0] == 1 and calls[1] == settings["port"] != 1
+    monkeypatch.setattr(_processes, "_start_trainers", lambda p, s: (_ for _ in ()).throw(
+        RuntimeError("trainer rank 0: ValueError: bad")))  # fmt: skip
+    with pytest.raises(RuntimeError, match="bad"):  # any other failure is told at once
+        _processes.start_trainers(_processes.Processes(), settings)

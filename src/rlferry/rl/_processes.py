@@ -90,6 +90,26 @@ def answer(conn: Connection) -> dict[str, Any]:
 
 
 def start_trainers(procs: Processes, settings: dict[str, Any]) -> list[str] | None:
+    """Start the trainer ranks; the rank 0's sender addresses (None without weight sync).
+    The ranks meet at ``settings["port"]``, chosen free beforehand: another process may take
+    it before rank 0 listens there, and then the ranks start again on another (twice at
+    most)."""
+    for attempt in range(3):
+        try:
+            return _start_trainers(procs, settings)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+            for proc, conn in procs.trainers:
+                proc.terminate()
+                proc.join(10)
+                conn.close()
+            procs.trainers.clear()
+            settings["port"] = free_port()
+    raise AssertionError("unreachable")
+
+
+def _start_trainers(procs: Processes, settings: dict[str, Any]) -> list[str] | None:
     ctx = mp.get_context("spawn")
     for rank in range(settings["dp"]):
         parent, child = ctx.Pipe()
