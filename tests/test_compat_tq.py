@@ -477,3 +477,12 @@ def test_a_key_twice_in_one_kv_batch_put_is_refused_and_names_the_key(client):
     with pytest.raises(ValueError) as e:
         tq.kv_batch_put(["a", "b", "a"], "p", rows(3))
     assert "['a']" in str(e.value)
+
+
+def test_a_queue_service_is_never_asked_to_unpickle_a_file():
+    from rlferry.compat.transferqueue.backends._remote import RemoteController, RemoteStore
+    from rlferry.errors import RequestError
+
+    for remote in (RemoteController(None, 1.0), RemoteStore(None)):  # refused before any call
+        with pytest.raises(RequestError, match="does not unpickle files on a request from"):
+            remote.load_from("ckpt.pt", trust_pickle=True)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlferry.errors import RequestError
 from rlferry.queue import SchemaError
 from rlferry.wire import (
     AsyncClient,
@@ -213,7 +214,8 @@ class RemoteController:
         self.link.call("save_controller", path)
 
     def load_from(self, path: str, trust_pickle: bool = False) -> None:
-        self.link.call("load_controller", path, trust_pickle)
+        _local_pickles_only(trust_pickle)
+        self.link.call("load_controller", path)
 
 
 class RemoteStore:
@@ -238,4 +240,15 @@ class RemoteStore:
         self.link.call("save_storage", path)
 
     def load_from(self, path: str, trust_pickle: bool = False) -> None:
-        self.link.call("load_storage", path, trust_pickle)
+        _local_pickles_only(trust_pickle)
+        self.link.call("load_storage", path)
+
+
+def _local_pickles_only(trust_pickle: bool) -> None:
+    """A service reads only the checked format: nothing is unpickled on a network request."""
+    if trust_pickle:
+        raise RequestError(
+            "trust_pickle: a queue service does not unpickle files on a request from the "
+            "network; load the pickled checkpoint in an embedded queue (this process) with "
+            "trust_pickle=True and save it again in rlferry's format"
+        )

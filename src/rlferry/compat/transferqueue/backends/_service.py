@@ -83,9 +83,11 @@ class Service:
             "store_drop": s.drop,
             # checkpoints are files of the service's host, at the paths the caller names
             "save_controller": c.save,
-            "load_controller": c.load_from,
+            # a service never unpickles on a caller's word: over the network, the checked
+            # format only (a pickled checkpoint loads embedded, with trust_pickle=True)
+            "load_controller": lambda path, trust_pickle=False: c.load_from(path),
             "save_storage": s.save,
-            "load_storage": s.load_from,
+            "load_storage": lambda path, trust_pickle=False: s.load_from(path),
         }
         for name, fn in sync.items():
             self._ops[name] = _as_async(fn)
