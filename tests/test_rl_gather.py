@@ -23,7 +23,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rlferry.rl._gather import gathered
+    from rlferry.rl.trainer._gather import gathered
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

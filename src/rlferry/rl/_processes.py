@@ -18,8 +18,7 @@ from typing import Any
 
 from rlferry.errors import RequestError
 
-from ._lora import lora_config
-from ._trainer import trainer_main
+from .trainer import lora_config, trainer_main
 
 __all__ = ["START_TIMEOUT", "Processes", "RayProcesses", "answer", "call", "free_port",
            "start_engine", "start_trainers"]  # fmt: skip
@@ -149,7 +148,7 @@ def start_engine(
     """Start engine ``i``; its URL once it answers. Its stderr and any other output (vLLM
     logs to stdout) go to ``model_dir/engine{i}.log``, read to the end by a thread, so a
     chatty engine never blocks on a full pipe. ``lora``: it serves an adapter of that rank
-    (``_lora.lora_config``)."""
+    (``trainer.lora_config``)."""
     cmd = [sys.executable, "-m", "rlferry.cli", "serve", "engine", "--model", model_dir,
            "--engine", engine, "--name", f"engine{i}", "--device", device,
            "--max-batch", str(max_batch), "--max-model-len", str(max_model_len)]  # fmt: skip

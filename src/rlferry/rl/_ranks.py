@@ -97,6 +97,7 @@ async def closing_figures(
             out["GPU busy, % of the run (NVML)"] = share
         else:
             out["gpu_busy_why"] = gpus.why
+    out.update(_step_figures(ranks))
     stats = coord.statistics()
     if stats.updates:  # where an update's time goes, ms per update
         n = stats.updates / 1e3
@@ -105,3 +106,29 @@ async def closing_figures(
         out["update: push (ms)"] = stats.push_seconds / n
         out["update: commit and resume (ms)"] = rest / n
     return out
+
+
+def _step_figures(ranks: list[Any]) -> dict[str, Any]:
+    """Rank 0's training step beside its roofline estimate: the median step after the
+    first (the allocator's and cuBLAS's first calls of an eager step)."""
+    for conn in ranks:
+        conn.send(("figures",))
+    answers = [answer(conn) for conn in ranks]  # every rank's, read
+    figures = answers[0]
+    times = sorted(figures["step_seconds"][1:] or figures["step_seconds"])
+    if not times:
+        return {}
+    roof = figures["roofline"]
+    peaks = roof["peaks"]
+    least = roof["flops"] / peaks["flops"] + roof["bytes"] / peaks["bandwidth"]
+    p50 = times[len(times) // 2]
+    return {
+        "train: step, p50 (ms)": 1e3 * p50,
+        "train: roofline estimate (ms)": 1e3 * least,
+        "train: step / roofline": p50 / least,
+        "train: TFLOP a step": roof["flops"] / 1e12,
+        "train: GB moved a step": roof["bytes"] / 1e9,
+        f"train: measured peak, {peaks['dtype']} (TFLOP/s)": peaks["flops"] / 1e12,
+        "train: measured bandwidth (GB/s)": peaks["bandwidth"] / 1e9,
+        "train: steps replayed as a CUDA graph": figures["replayed"],
+    }

@@ -146,6 +146,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "p2p": config.point_to_point(),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
+            # a batch's fixed width: the longest prompt (its letters, ">") and response
+            "width": task.length + 1 + task.max_tokens,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
             # actor then stepped in 0.32 s where a process takes 0.25 (one H100): it gets
             # the threads a process of its own would
@@ -360,7 +362,7 @@ def main(args: Any) -> Path:
         seed=args.seed, sync=not args.no_sync, launcher=args.launcher,
         ray_address=args.ray_address, lora=getattr(args, "lora", None), out=args.out,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-        resume=args.resume,
+        resume=args.resume, groups_per_step=args.groups_per_step,
     )  # fmt: skip
     configs = [base]
     if args.compare:

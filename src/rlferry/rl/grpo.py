@@ -35,8 +35,11 @@ from rlferry.errors import RequestError
 __all__ = [
     "GrpoBatch",
     "GrpoStats",
+    "GrpoTerms",
+    "PaddedBatch",
     "group_advantages",
     "grpo_loss",
+    "grpo_objective",
     "grpo_terms",
     "pad_batch",
     "sequence_logprobs",
@@ -115,43 +118,116 @@ class GrpoStats:
     tokens: int
 
 
-def pad_batch(
-    prompts: Sequence[Ids], responses: Sequence[Ids], *, pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``prompt + response`` rows right-padded with ``pad_id``: ``input_ids`` (int64),
-    ``attention_mask`` and ``response_mask`` (bool, true on the response's tokens), each
-    ``(n, longest)``. Right padding keeps every real token at its natural position."""
+def _placed(
+    prompts: Sequence[Ids], responses: Sequence[Ids], width: int | None, field: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Where each response token goes in rows of ``width`` columns (the longest row when
+    None): its flat position, the prompts' flat positions, the prompt and response ids
+    concatenated (int64), and the width. Vectorized: a few tensor ops whatever the rows."""
     if len(responses) != len(prompts) or not prompts:
         raise RequestError(
-            f"pad_batch.responses: expected {len(prompts)} rows (as prompts) and at least one, "
+            f"{field}.responses: expected {len(prompts)} rows (as prompts) and at least one, "
             f"got {len(responses)}"
         )
-    rows = [
-        (
-            torch.as_tensor(p, dtype=torch.long).view(-1),
-            torch.as_tensor(r, dtype=torch.long).view(-1),
+    p = [torch.as_tensor(x, dtype=torch.long).view(-1) for x in prompts]
+    r = [torch.as_tensor(x, dtype=torch.long).view(-1) for x in responses]
+    p_len = torch.tensor([len(x) for x in p], dtype=torch.long)
+    r_len = torch.tensor([len(x) for x in r], dtype=torch.long)
+    longest = int((p_len + r_len).max())
+    if width is None:
+        width = longest
+    elif longest > width:
+        i = int((p_len + r_len).argmax())
+        raise RequestError(
+            f"{field}.width: expected every prompt + response to fit in {width} tokens, row {i} "
+            f"has {longest} (pad to a wider width, or cap max_tokens)"
         )
-        for p, r in zip(prompts, responses, strict=True)
-    ]
-    width = max(len(p) + len(r) for p, r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    response_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (p, r) in enumerate(rows):
-        end = len(p) + len(r)
-        input_ids[i, : len(p)] = p
-        input_ids[i, len(p) : end] = r
-        attention_mask[i, :end] = True
-        response_mask[i, len(p) : end] = True
-    return input_ids, attention_mask, response_mask
+    start = torch.arange(len(p), dtype=torch.long) * width
+    at_p = _spans(start, p_len)
+    at_r = _spans(start + p_len, r_len)
+    return at_p, at_r, torch.cat([*p, *r]), width
+
+
+def _spans(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The positions ``starts[i] + j`` for ``j < lengths[i]``, row after row."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long)
+    offsets = torch.cumsum(lengths, 0) - lengths  # where row i begins in the result
+    first = torch.repeat_interleave(starts - offsets, lengths)
+    return first + torch.arange(total, dtype=torch.long)
+
+
+def pad_batch(
+    prompts: Sequence[Ids], responses: Sequence[Ids], *, pad_id: int = 0, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompt + response`` rows right-padded with ``pad_id`` to ``width`` columns (the
+    longest row's when None): ``input_ids`` (int64), ``attention_mask`` and
+    ``response_mask`` (bool, true on the response's tokens), each ``(n, width)``. Right
+    padding keeps every real token at its natural position."""
+    at_p, at_r, ids, width = _placed(prompts, responses, width, "pad_batch")
+    n = len(prompts)
+    input_ids = torch.full((n * width,), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(n * width, dtype=torch.bool)
+    response_mask = torch.zeros(n * width, dtype=torch.bool)
+    both = torch.cat([at_p, at_r])
+    input_ids[both] = ids
+    attention_mask[both] = True
+    response_mask[at_r] = True
+    return (input_ids.view(n, width), attention_mask.view(n, width),
+            response_mask.view(n, width))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A :class:`GrpoBatch` as fixed-shape tensors, right-padded to ``width`` columns:
+    ``input_ids`` (int64), ``response_mask`` (float32, 1 on response tokens), the engine's
+    ``logprobs`` at the response tokens (float32, 0 elsewhere), each ``(n, width)``;
+    ``advantages`` ``(n, 1)`` float32; ``count``, the response tokens as a 0-d float32
+    tensor (the loss divides by it on the device) and ``tokens`` the same as an int."""
+
+    input_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    count: torch.Tensor
+    tokens: int
+
+    @classmethod
+    def of(cls, batch: GrpoBatch, width: int | None = None) -> PaddedBatch:
+        """``batch`` padded to ``width`` (the longest row's when None), on the host."""
+        at_p, at_r, ids, width = _placed(batch.prompts, batch.responses, width, "PaddedBatch")
+        n = len(batch.prompts)
+        input_ids = torch.zeros(n * width, dtype=torch.long)
+        input_ids[torch.cat([at_p, at_r])] = ids
+        mask = torch.zeros(n * width, dtype=torch.float32)
+        mask[at_r] = 1.0
+        logprobs = torch.zeros(n * width, dtype=torch.float32)
+        if at_r.numel():
+            logprobs[at_r] = torch.cat(
+                [torch.as_tensor(x, dtype=torch.float32).view(-1) for x in batch.logprobs]
+            )
+        adv = torch.as_tensor(batch.advantages, dtype=torch.float32).view(n, 1)
+        tokens = at_r.numel()
+        return cls(input_ids.view(n, width), mask.view(n, width), logprobs.view(n, width), adv,
+                   torch.tensor(float(tokens)), tokens)  # fmt: skip
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five tensors, in the order of the fields."""
+        return self.input_ids, self.response_mask, self.logprobs, self.advantages, self.count
 
 
 def _logprobs_entropy(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position ``t >= 1``: log pi(input_ids[t] | input_ids[:t]) and the entropy of
-    that distribution (no gradient); position 0 is 0 in both."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
+    that distribution (no gradient); position 0 is 0 in both. Without ``attention_mask``
+    the rows are read as right-padded: under the causal mask no real token sees the pads
+    after it, and positions count from 0 as they do with the mask."""
+    if attention_mask is None:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     with torch.no_grad():
@@ -199,35 +275,50 @@ def grpo_terms(
     """:func:`grpo_loss` with its figures left on the device: read them with
     :meth:`GrpoTerms.stats` after the backward and the optimizer step are queued, so
     nothing waits for the forward before they launch."""
-    if not 0 < clip < 1:
-        raise RequestError(f"grpo_loss.clip: expected a number in (0, 1), got {clip!r}")
-    device = next(model.parameters()).device
-    padded = pad_batch(batch.prompts, batch.responses)
-    tokens = int(padded[2].sum())  # counted on the host, before the copy to the device
-    input_ids, attention_mask, response_mask = (t.to(device) for t in padded)
-    engine = torch.zeros(input_ids.shape, dtype=torch.float32)
-    for i, (p, lp) in enumerate(zip(batch.prompts, batch.logprobs, strict=True)):
-        engine[i, len(p) : len(p) + len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
-    engine = engine.to(device)
-    adv = torch.as_tensor(batch.advantages, dtype=torch.float32).to(device).view(-1, 1)
-
-    logp, entropy = _logprobs_entropy(model, input_ids, attention_mask)
-    mask = response_mask.float()
-    if tokens == 0:
+    _check_clip(clip)
+    padded = PaddedBatch.of(batch)
+    if padded.tokens == 0:
         raise RequestError(
             "grpo_loss.batch: expected at least one response token, got 0 (every response is empty)"
         )
-    diff = (logp - engine) * mask
+    device = next(model.parameters()).device
+    loss, values = grpo_objective(model, *(t.to(device) for t in padded.tensors()), clip=clip)
+    return loss, GrpoTerms(values, padded.tokens)
+
+
+def _check_clip(clip: float) -> None:
+    if not 0 < clip < 1:
+        raise RequestError(f"grpo_loss.clip: expected a number in (0, 1), got {clip!r}")
+
+
+def grpo_objective(
+    model: Any,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss on a :class:`PaddedBatch`'s tensors, on the model's device, and its figures
+    (loss, ratio_mean, clip_fraction, logp_diff, entropy) as one tensor. Device work
+    only: no host sync, fixed shapes, so a CUDA graph can capture it. ``count`` (0-d)
+    must be at least 1."""
+    logp, entropy = _logprobs_entropy(model, input_ids, None)
+    diff = (logp - logprobs) * response_mask
     ratio = torch.exp(diff)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip, 1 + clip) * adv
-    loss = -(torch.minimum(unclipped, clipped) * mask).sum() / tokens
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip, 1 + clip) * advantages
+    loss = -(torch.minimum(unclipped, clipped) * response_mask).sum() / count
 
     with torch.no_grad():
-        was_clipped = ((ratio > 1 + clip) & (adv > 0)) | ((ratio < 1 - clip) & (adv < 0))
+        was_clipped = ((ratio > 1 + clip) & (advantages > 0)) | (
+            (ratio < 1 - clip) & (advantages < 0)
+        )
         values = torch.stack([
-            loss.detach(), (ratio * mask).sum(), (was_clipped & response_mask).sum().float(),
-            diff.abs().sum(), (entropy * mask).sum(),
+            loss.detach(), (ratio * response_mask).sum(), (was_clipped * response_mask).sum(),
+            diff.abs().sum(), (entropy * response_mask).sum(),
         ])  # fmt: skip
-        values[1:] /= tokens
-    return loss, GrpoTerms(values, tokens)
+        values[1:] /= count
+    return loss, values

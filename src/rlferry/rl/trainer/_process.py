@@ -8,8 +8,9 @@ split GPU layout on 2 GPUs, keeps the plain model). It takes commands from the d
 a pipe:
 
 - ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
-  queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss, ack;
-  answer with the loss and its stats;
+  queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss
+  (``_step.TrainStep``: a CUDA graph on one GPU), ack; answer with the loss and its
+  stats;
 - ``("push", version, seconds)`` (every rank): every rank pushes its own shards
   through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU; on CUDA NCCL
   broadcast to the engines, or cuda_ipc for rank 0 beside them; ``settings["p2p"]``: a
@@ -29,12 +30,13 @@ a pipe:
   before the rank reports ready;
 - ``("fingerprint",)`` (both ranks): the digest of the full weights (rank 0 answers it;
   with an adapter: the base, then the adapter, as the engines hold them);
+- ``("figures",)``: each step's time (:class:`TrainStep`'s call, from the batch in
+  hand to its figures read) and the step's roofline estimate (``_roofline``);
 - ``("stop",)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -70,9 +72,11 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from rlferry.queue import GrpoGroups, Queue
     from rlferry.weights import WeightSender, WeightSyncError, fingerprint
 
+    from ..checkpoints import load_rank, save_rank
+    from ..grpo import GrpoBatch
     from ._profiling import traced
-    from .checkpoints import load_rank, save_rank
-    from .grpo import GrpoBatch, grpo_terms
+    from ._roofline import measure_peaks, step_roofline
+    from ._step import TrainStep
 
     torch.manual_seed(s["seed"] + rank)
     if s["threads"]:
@@ -93,8 +97,6 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         s["model_dir"], local_files_only=True, dtype=torch.float32
     )
-    low = serve != torch.float32
-    autocast = torch.autocast(device.type, dtype=serve) if low else contextlib.nullcontext()
     adapter: Any = None
     if s.get("lora"):  # an adapter on the frozen base, whole on every rank
         from ._lora import TrainedAdapter
@@ -106,9 +108,10 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         params = list(model.parameters())
     model.train()
     # on a GPU one fused kernel steps every parameter (the loop of per-tensor kernels is
-    # launch-bound on a small model)
+    # launch-bound on a small model); one rank replays its step as a CUDA graph
+    graphed = device.type == "cuda" and dp == 1 and adapter is None
     optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=0.0,
-                                  fused=device.type == "cuda")  # fmt: skip
+                                  fused=device.type == "cuda", capturable=graphed)  # fmt: skip
     if s.get("resume"):  # a job checkpoint's parameters, optimizer state and RNG
         load_rank(s["resume"], rank, params, optimizer)
     sender: Any = None
@@ -130,6 +133,15 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         told = [sender.addresses[e] for e in range(n)] if s.get("p2p") else [sender.address] * n
     conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
+    low = serve != torch.float32
+    roofline = step_roofline(model, groups_per_rank * s["group_size"], s["width"], low=low,
+                             peaks=measure_peaks(device, serve))  # fmt: skip
+    step_seconds: list[float] = []  # each step's TrainStep call
+    train = TrainStep(
+        model, params, optimizer, rows=groups_per_rank * s["group_size"], width=s["width"],
+        clip=s["clip"], autocast=serve if low else None, graphed=graphed,
+        adapter=adapter,
+    )  # fmt: skip
     mirror: list[tuple[str, torch.Tensor]] | None = None  # one rank: the engines' dtype
     while True:
         cmd = conn.recv()
@@ -145,6 +157,10 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
                 )
             )  # fmt: skip
             conn.send(("ok", {"fingerprint": digest}))
+            continue
+        if cmd[0] == "figures":  # the steps' times beside their roofline
+            conn.send(("ok", {"step_seconds": step_seconds, "replayed": train.replayed,
+                              "roofline": dataclasses.asdict(roofline)}))  # fmt: skip
             continue
         if cmd[0] == "save":  # this rank's part of a job checkpoint, into the directory
             conn.send(("ok", save_rank(cmd[1], rank, params, optimizer)))
@@ -172,17 +188,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         )  # fmt: skip
         got = time.perf_counter()
         with traced(rank, "train", step):
-            optimizer.zero_grad(set_to_none=True)
             d = batch.data
-            rows = GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
-            with autocast:
-                loss, terms = grpo_terms(model, rows, clip=s["clip"])
-            loss.backward()
-            if adapter is not None:  # FSDP averages the model's gradients; the adapter's here
-                adapter.average_gradients()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            stats = terms.stats()  # the step's one wait for the device
+            t_step = time.perf_counter()
+            stats = train(
+                GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
+            )  # fmt: skip
+            step_seconds.append(time.perf_counter() - t_step)
         client.ack(batch)
         conn.send(("ok", {
             **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got,
