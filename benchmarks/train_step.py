@@ -117,8 +117,9 @@ def main() -> None:
         models.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(table(rows_out, ["batch", "step", "made in s", "ms p50 / p90 / max", "vs eager", "roofline ms",
-                           "step / roofline"]))  # fmt: skip
+    head = ["batch", "step", "made in s", "ms p50 / p90 / max", "vs eager", "roofline ms",
+            "step / roofline"]  # fmt: skip
+    print(table(rows_out, head))
 
 
 if __name__ == "__main__":
