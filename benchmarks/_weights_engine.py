@@ -71,14 +71,17 @@ def _attention(p: str, hidden: int, heads: int, kv: int, head: int) -> Shapes:
 
 
 def model_shapes(model: str, scale: int = 1) -> Shapes:
-    """``qwen3-8b`` (399 tensors, 16.38 GB bf16) or ``qwen3-30b-a3b`` (18,867, 61.06 GB);
+    """``qwen3-8b`` (399 tensors, 16.38 GB bf16), ``qwen3-30b-a3b`` (18,867, 61.06 GB) or
+    ``qwen3-0.6b-demo`` (the demo's: 311 tensors, 0.88 GB);
     ``scale`` divides every width (not the counts): 4 makes the 8B about 1 GB."""
     s = scale
     if model == "qwen3-8b":
         return qwen3_dense(36, 4096 // s, 12288 // s, 32, 8, 128 // s, 151936 // s)
     if model == "qwen3-30b-a3b":
         return qwen3_moe(48, 2048 // s, 768 // s, 128, 32, 4, 128 // s, 151936 // s)
-    raise ValueError(f"--model: expected qwen3-8b or qwen3-30b-a3b, got {model!r}")
+    if model == "qwen3-0.6b-demo":  # the demo's model: Qwen3-0.6B, the task's 13 ids
+        return qwen3_dense(28, 1024 // s, 3072 // s, 16, 8, 128 // s, 13)
+    raise ValueError(f"--model: expected qwen3-8b, qwen3-30b-a3b or qwen3-0.6b-demo, got {model!r}")
 
 
 def make_state(shapes: Shapes, device: str, seed: int = 0) -> dict[str, torch.Tensor]:

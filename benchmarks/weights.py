@@ -392,7 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python benchmarks/weights.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--transport", choices=tuple(RUNS), default="shm")
-    p.add_argument("--model", default="qwen3-8b", help="qwen3-8b, qwen3-30b-a3b, or both (a,b)")
+    p.add_argument(
+        "--model",
+        default="qwen3-8b",
+        help="qwen3-8b, qwen3-30b-a3b, qwen3-0.6b-demo, or several (a,b)",
+    )
     p.add_argument("--scale", type=int, default=0, help="divide every width (default: 4 on CPU)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(

@@ -222,10 +222,16 @@ def _logprobs_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position ``t >= 1``: log pi(input_ids[t] | input_ids[:t]) and the entropy of
     that distribution (no gradient); position 0 is 0 in both. Without ``attention_mask``
-    the rows are read as right-padded: under the causal mask no real token sees the pads
-    after it, and positions count from 0 as they do with the mask."""
+    the rows are read as right-padded: under the causal mask alone no real token sees the
+    pads after it, and positions count from 0 as they do with the padding mask. That mask
+    goes to the model made (4-D, as ``transformers`` takes a prepared one): the model
+    then never reads the inputs to choose one, so the same code runs whether or not a
+    CUDA graph is being captured."""
     if attention_mask is None:
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        width = input_ids.shape[1]
+        causal = torch.ones((width, width), dtype=torch.bool, device=input_ids.device).tril()
+        logits = model(input_ids=input_ids, attention_mask=causal[None, None],
+                       use_cache=False).logits  # fmt: skip
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
