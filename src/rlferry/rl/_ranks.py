@@ -16,11 +16,17 @@ from .checkpoints import kill_point
 __all__ = ["closing_figures", "final_check", "pusher"]
 
 
-def pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
+def pusher(
+    ranks: list[Any], version: int, sent: list[list[int]], pushed: list[float] | None = None
+) -> Any:
     """The push of an update: every trainer rank pushes (its own shards, or its part of
     the gathers that rank 0 pushes) and answers once the engines loaded what it sent;
-    the bytes each sent go to ``sent``. A rank that failed fails the update, by name
-    (every rank's answer is read first: nothing is left unread)."""
+    the bytes each sent go to ``sent``, the slowest rank's seconds to ``pushed``. A rank
+    that failed fails the update, by name (every rank's answer is read first: nothing is
+    left unread)."""
+
+    if pushed is None:
+        pushed = []
 
     def push(seconds: float) -> dict[str, Any]:
         for conn in ranks:
@@ -36,7 +42,8 @@ def pusher(ranks: list[Any], version: int, sent: list[list[int]]) -> Any:
         if failed:
             raise failed[0]
         sent.append([a["bytes"] for a in answers])
-        return {"seconds": max(a["seconds"] for a in answers), "bytes": sent[-1]}
+        pushed.append(max(a["seconds"] for a in answers))
+        return {"seconds": pushed[-1], "bytes": sent[-1]}
 
     return push
 
@@ -73,7 +80,7 @@ async def final_check(
 async def closing_figures(
     engines: list[Any], ends: list[Any], coord: Coordinator, ranks: list[Any],
     config: DemoConfig, *, steps: int, sent: list[list[int]],
-    written: list[tuple[float, int]], gpus: Any,
+    written: list[tuple[float, int]], gpus: Any, pushed: list[float],
 ) -> dict[str, Any]:  # fmt: skip
     """The run's figures measured once, at its end (``steps`` run in this process):
     :func:`final_check`'s of ``engines`` (those that serve the last version), the bytes
@@ -97,7 +104,7 @@ async def closing_figures(
             out["GPU busy, % of the run (NVML)"] = share
         else:
             out["gpu_busy_why"] = gpus.why
-    out.update(_step_figures(ranks))
+    out.update(_step_figures(ranks, sum(sent[-1]) if sent else 0, pushed))
     stats = coord.statistics()
     if stats.updates:  # where an update's time goes, ms per update
         n = stats.updates / 1e3
@@ -108,9 +115,10 @@ async def closing_figures(
     return out
 
 
-def _step_figures(ranks: list[Any]) -> dict[str, Any]:
-    """Rank 0's training step beside its roofline estimate: the median step after the
-    first (the allocator's and cuBLAS's first calls of an eager step)."""
+def _step_figures(ranks: list[Any], nbytes: int, pushed: list[float]) -> dict[str, Any]:
+    """Rank 0's training step beside its roofline estimate (the median step after the
+    first: the allocator's and cuBLAS's first calls of an eager step), and the trainer's
+    push (median) beside a device copy of the bytes it sent at the measured bandwidth."""
     for conn in ranks:
         conn.send(("figures",))
     answers = [answer(conn) for conn in ranks]  # every rank's, read
@@ -122,7 +130,7 @@ def _step_figures(ranks: list[Any]) -> dict[str, Any]:
     peaks = roof["peaks"]
     least = roof["flops"] / peaks["flops"] + roof["bytes"] / peaks["bandwidth"]
     p50 = times[len(times) // 2]
-    return {
+    out = {
         "train: step, p50 (ms)": 1e3 * p50,
         "train: roofline estimate (ms)": 1e3 * least,
         "train: step / roofline": p50 / least,
@@ -132,3 +140,7 @@ def _step_figures(ranks: list[Any]) -> dict[str, Any]:
         "train: measured bandwidth (GB/s)": peaks["bandwidth"] / 1e9,
         "train: steps replayed as a CUDA graph": figures["replayed"],
     }
+    if pushed and nbytes:
+        out["update: the trainer's push, p50 (ms)"] = 1e3 * sorted(pushed)[len(pushed) // 2]
+        out["update: a device copy of its bytes (ms)"] = 1e3 * nbytes / peaks["bandwidth"]
+    return out

@@ -198,6 +198,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         batch = config.groups_per_step * config.group_size
         ranks = [conn for _, conn in procs.trainers]
         sent: list[list[int]] = []  # per update, the bytes each trainer rank pushed
+        pushed: list[float] = []  # per update, the slowest rank's push (its own seconds)
         coord = Coordinator(engines, batch_size=batch, max_staleness=config.max_staleness,
                             version=max(0, done - 1) if config.sync else 0)  # fmt: skip
         start, ended = ray_slots(procs.engine_actors) if on_ray else process_slots(procs, start_one)
@@ -287,7 +288,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    await slots.update(pusher(ranks, step, sent), version=step, timeout=120)
+                    await slots.update(pusher(ranks, step, sent, pushed), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
@@ -322,6 +323,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             record.summary.update(await closing_figures(
                 at_end, [e for e in await slots.statistics() if e is not None], coord, ranks,
                 config, steps=config.steps - done, sent=sent, written=written, gpus=gpus,
+                pushed=pushed,
             ))  # fmt: skip
         finally:
             await slots.close()

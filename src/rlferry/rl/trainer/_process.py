@@ -171,7 +171,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             try:
                 with traced(rank, "push", version):
                     sent, mirror = _push(sender, model, adapter, s, serve, version, seconds,
-                                         mirror)  # fmt: skip
+                                         mirror, train.served)  # fmt: skip
             except WeightSyncError as e:  # an engine lost mid-push: the update's to judge
                 conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}"))
                 continue
@@ -278,6 +278,7 @@ def _sharded(model: Any) -> Any:
 def _push(
     sender: Any, model: Any, adapter: Any, s: dict[str, Any], serve: torch.dtype, version: int,
     seconds: float, mirror: list[tuple[str, torch.Tensor]] | None,
+    served: list[tuple[str, torch.Tensor]] | None,
 ) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:  # fmt: skip
     """This rank's part of an update (see the module's ``push``); the bytes it sent."""
     from ._gather import gathered
@@ -290,7 +291,8 @@ def _push(
     if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
         return sender.push(model.state_dict(), version=version, timeout=seconds).bytes, mirror
     if sender is not None and s["dp"] == 1:  # one rank: its weights at fixed addresses
-        mirror = _served(model, serve, mirror)
+        # the step's own cast (a CUDA graph's), else one here
+        mirror = served if served is not None else _served(model, serve, mirror)
         return sender.push(mirror, version=version, timeout=seconds).bytes, mirror
     if sender is not None:
         layout = [  # global shapes, the engines' dtype

@@ -1,8 +1,8 @@
 """A trainer rank's optimizer step on a GRPO batch; on one GPU, a compiled CUDA graph.
 
 Every step's batch has the same shape: the rank's ``rows`` sequences right-padded to
-``width`` tokens (the task's longest prompt and response), no attention mask (under the
-causal mask no real token sees the pads after it). A step is the GRPO loss
+``width`` tokens (the task's longest prompt and response) under a causal mask alone (no
+real token sees the pads after it). A step is the GRPO loss
 (:func:`~rlferry.rl.grpo.grpo_objective`), its backward, gradient clipping to norm 1 and
 AdamW.
 
@@ -13,11 +13,12 @@ eager layer runs one by one, reading and writing the activations each time); the
 :data:`WARM_UP` steps on a batch of pads run eagerly on a side stream (they compile the
 layers' forward and backward and make AdamW's state and the allocator's, cuBLAS's and
 autograd's buffers), the weights and AdamW's state are put back as they were, and one
-step is captured: forward, loss, backward, clipping and the fused AdamW step (its step
-counts on the device: ``capturable``). Every step then copies its batch into the graph's
-inputs and replays it: one launch for the ~9,000 kernels of a Qwen3-0.6B step, which
-eagerly cost ~100 ms of Python and dispatch. FSDP's collectives (two ranks or more) and
-an adapter's gradient averaging run eagerly.
+step is captured: forward, loss, backward, clipping, the fused AdamW step (its step
+counts on the device: ``capturable``) and the cast of the weights into the dtype the
+engines serve (:attr:`TrainStep.served`, what a push sends). Every step then copies its
+batch into the graph's inputs and replays it: one launch for the ~9,000 kernels of a
+Qwen3-0.6B step, which eagerly cost ~100 ms of Python and dispatch. FSDP's collectives
+(two ranks or more) and an adapter's gradient averaging run eagerly.
 """
 
 from __future__ import annotations
@@ -68,10 +69,29 @@ class TrainStep:
             torch.zeros((rows, 1), dtype=torch.float32, device=device),
             torch.ones((), dtype=torch.float32, device=device),
         )
+        # the weights in the forward's dtype, as the engines serve them, at fixed addresses:
+        # a graph's step writes them after AdamW's (no cast at push time)
+        self._served: list[tuple[str, torch.Tensor]] | None = None
+        self._sources: list[torch.Tensor] = []
+        if graphed and autocast is not None:
+            named = list(model.state_dict().items())
+            self._served = [(n, torch.empty_like(t, dtype=autocast)) for n, t in named]
+            self._sources = [t.detach() for _, t in named]
         if graphed:
             for layer in model.model.layers:  # the same code: compiled once for all
                 layer.compile(dynamic=False)
             self._capture()
+            self._serve()  # the weights as they are now (a push may come before a step)
+
+    @property
+    def served(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The state dict in the forward's dtype, as of the last step (a graph's step
+        writes it), or None: a push casts the weights itself."""
+        return self._served
+
+    def _serve(self) -> None:
+        if self._served is not None:
+            torch._foreach_copy_([t for _, t in self._served], self._sources)
 
     @property
     def replayed(self) -> int:
@@ -156,4 +176,5 @@ class TrainStep:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             values = self._forward_backward()
             self.optimizer.step()
+            self._serve()
         self._graph, self._values = graph, values
