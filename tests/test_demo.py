@@ -182,6 +182,11 @@ def test_a_demo_setting_that_cannot_work_is_refused_before_anything_starts():
     assert out.stderr == "rlferry demo: engines: expected an int >= 1, got 0\n"
 
 
+def test_a_step_takes_16_groups_on_the_cpu_unless_told():
+    assert DemoConfig().groups_per_step == 16
+    assert DemoConfig(groups_per_step=4).groups_per_step == 4
+
+
 def test_demo_settings_that_cannot_work_name_the_setting_and_the_fix():
     with pytest.raises(ValueError) as e:
         DemoConfig(layout="split")

@@ -36,7 +36,9 @@ class DemoConfig:
     model: str = "tiny"
     seed: int = 0
     sync: bool = True
-    groups_per_step: int = 16  # GRPO groups per training step (half per DP rank)
+    # GRPO groups per training step (half per DP rank); 0: the device's, 16 on the CPU and
+    # 64 on CUDA (a GPU's batch: 512 sequences keep the step's matrix products large)
+    groups_per_step: int = 0
     group_size: int = 8
     lr: float | None = None  # None: the preset's (RL_LR)
     clip: float = 0.2
@@ -51,6 +53,8 @@ class DemoConfig:
     resume: str | None = None  # a checkpoint directory: continue its job from its last one
 
     def __post_init__(self) -> None:
+        if self.groups_per_step == 0:
+            object.__setattr__(self, "groups_per_step", 64 if self.device == "cuda" else 16)
         lows = {
             "steps": 1,
             "engines": 1,
