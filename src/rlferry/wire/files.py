@@ -51,6 +51,7 @@ __all__ = [
     "MAGIC",
     "PIECE",
     "FileFormatError",
+    "fsync_directory",
     "new_directory",
     "read_file",
     "whole_directory",
@@ -94,7 +95,8 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_directory(path: Path) -> None:
+def fsync_directory(path: StrPath) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -138,7 +140,7 @@ def write_file(path: StrPath, value: Any) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
     return len(head) + sum(m.nbytes for m in frames) + _DIGEST
 
 
@@ -269,10 +271,10 @@ def new_directory(path: StrPath, *, replaces: str | None = None) -> Iterator[Pat
         yield tmp
         for p in tmp.rglob("*"):
             if p.is_dir():
-                _fsync_directory(p)
+                fsync_directory(p)
             else:
                 _fsync_file(p)
-        _fsync_directory(tmp)
+        fsync_directory(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -282,7 +284,7 @@ def new_directory(path: StrPath, *, replaces: str | None = None) -> Iterator[Pat
             shutil.rmtree(old)
         target.rename(old)
     tmp.rename(target)
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
     shutil.rmtree(old, ignore_errors=True)
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlferry.errors import RequestError
-from rlferry.wire.files import read_file, write_file
+from rlferry.wire.files import fsync_directory, read_file, write_file
 
 from .._processes import call
 from ._faults import kill_point
@@ -100,25 +100,17 @@ class Checkpoints:
         """Rename ``tmp`` (whole) into place as step ``step``'s checkpoint; remove the
         checkpoints past the last ``keep`` and what unfinished writes left."""
         final = self.root / f"step-{step:08d}"
-        _fsync_dir(tmp)
+        fsync_directory(tmp)
         if final.exists():  # a resumed run writes the same step again
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(self.root)
+        fsync_directory(self.root)
         for _, old in self.whole()[: -self.keep]:
             shutil.rmtree(old)
         for p in self.root.glob(".step-*.tmp-*"):
             if p != tmp:
                 shutil.rmtree(p, ignore_errors=True)
         return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def job_state(path: Path) -> dict[str, Any]:
