@@ -59,6 +59,7 @@ from ._ranks import closing_figures, pusher
 from .checkpoints import Checkpoints, TrainedLog, check_resumable, job_state, kill_point, save_job
 from .faults import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from .report import RunRecord, StepRecord
+from .trainer import measure_peaks
 
 __all__ = ["DemoConfig", "run_demo", "run_hearing_ctrl_c"]
 
@@ -121,6 +122,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)
+        # the device's rates for the step's roofline, while nothing else runs on it
+        peaks = measure_peaks(torch.device(where), getattr(torch, serve_dtype))
         if on_ray:  # the queue's services as actors of the job, found by name
             stack.callback(procs.stop)
             queue = await asyncio.to_thread(procs.start_queue)
@@ -146,6 +149,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             "p2p": config.point_to_point(),
             "first_gpu": engine_gpus if config.layout == "split" else 0,
             "groups_per_step": config.groups_per_step, "group_size": config.group_size,
+            "peaks": dataclasses.asdict(peaks),
             # a batch's fixed width: the longest prompt (its letters, ">") and response
             "width": task.length + 1 + task.max_tokens,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
@@ -165,16 +169,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         else:
 
             def start_one(i: int) -> str:
-                return start_engine(
-                    procs,
-                    str(model_dir),
-                    i,
-                    config.engine_device(i),
-                    config.engine,
-                    max(64, per_engine),
-                    ENGINE_LEN,
-                    config.lora,
-                )
+                return start_engine(procs, str(model_dir), i, config.engine_device(i),
+                                    config.engine, max(64, per_engine), ENGINE_LEN,
+                                    config.lora)  # fmt: skip
 
             starting = asyncio.gather(
                 *(asyncio.to_thread(start_one, i) for i in range(config.engines))

@@ -3,5 +3,6 @@ optimizer step (a CUDA graph on one GPU), its pushes and its LoRA adapter."""
 
 from ._lora import TrainedAdapter, lora_config
 from ._process import trainer_main
+from ._roofline import Peaks, measure_peaks
 
-__all__ = ["TrainedAdapter", "lora_config", "trainer_main"]
+__all__ = ["Peaks", "TrainedAdapter", "lora_config", "measure_peaks", "trainer_main"]

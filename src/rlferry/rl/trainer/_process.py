@@ -75,7 +75,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     from ..checkpoints import load_rank, save_rank
     from ..grpo import GrpoBatch
     from ._profiling import traced
-    from ._roofline import measure_peaks, step_roofline
+    from ._roofline import Peaks, step_roofline
     from ._step import TrainStep
 
     torch.manual_seed(s["seed"] + rank)
@@ -134,8 +134,10 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
     low = serve != torch.float32
+    # the rates the driver measured on the device before the run (an engine starting beside
+    # this rank would slow a measurement here)
     roofline = step_roofline(model, groups_per_rank * s["group_size"], s["width"], low=low,
-                             peaks=measure_peaks(device, serve))  # fmt: skip
+                             peaks=Peaks(**s["peaks"]))  # fmt: skip
     step_seconds: list[float] = []  # each step's TrainStep call
     train = TrainStep(
         model, params, optimizer, rows=groups_per_rank * s["group_size"], width=s["width"],

@@ -16,8 +16,9 @@
 
 The estimate is ``FLOPs / peak FLOP rate + bytes / peak bandwidth`` (the matrix products
 and the optimizer's memory-bound pass run one after the other), at rates
-:func:`measure_peaks` measures on the device itself: the best of a few large matrix
-products in the forward's dtype and of a few device copies.
+:func:`measure_peaks` measures on the device itself (the demo's driver, before any other
+process uses it): the best of a few large matrix products in the forward's dtype and of a
+few device copies.
 """
 
 from __future__ import annotations
