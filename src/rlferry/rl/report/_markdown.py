@@ -216,7 +216,8 @@ def _markdown(runs: Sequence[RunRecord]) -> str:
         "Bars: the trainer's step, from the end of the one before (waiting for rollouts, "
         "training, weight sync, the rest). Line: the engines' generating time in that step "
         "(summed over the engines, divided by their number); where the line rises above "
-        "the grey, the engines generated while the trainer worked.",
+        "the grey, the engines generated while the trainer worked. A first step far longer "
+        "than the others (its one-off costs) is cut at the top, labelled with its seconds.",
         "",
         "![Seconds per phase of each step](phases.png)",
         "",

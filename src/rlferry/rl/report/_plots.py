@@ -117,6 +117,8 @@ def plot_reward(path: Path, runs: Sequence[RunRecord], *, by_time: bool) -> None
 
 def plot_phases(path: Path, runs: Sequence[RunRecord]) -> None:
     fig, axes = _figure(len(runs), (8.0, 0.9 + 2.7 * len(runs)), sharex=True, sharey=True)
+    firsts: list[tuple[Any, int, float]] = []  # each run's axes, first step and its height
+    later: list[float] = []  # the other steps' heights
     for ax, run in zip(axes, runs, strict=True):
         ax.set_title(run.name, fontsize="medium")
         ax.set_ylabel("seconds")
@@ -140,11 +142,28 @@ def plot_phases(path: Path, runs: Sequence[RunRecord]) -> None:
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         gen = [s.generate_seconds for s in run.steps]
         ax.plot(x, gen, color="black", lw=1.2, marker="o", ms=2.5, label="engines generating")
+        firsts.append((ax, x[0], max(bottom[0], gen[0])))
+        later += [max(b, g) for b, g in zip(bottom[1:], gen[1:], strict=True)]
+    _cut_first(firsts, later)
     axes[-1].set_xlabel("training step")
     axes[-1].xaxis.set_major_locator(_integers())
     _legend(fig, axes, ncols=3)
     fig.suptitle("Where the time goes: seconds of each step", fontsize="large")
     fig.savefig(path)
+
+
+def _cut_first(firsts: list[tuple[Any, int, float]], later: list[float]) -> None:
+    """A first step over 3x the highest other (its one-off costs) would flatten every other
+    bar: the axes end a little above the others, the first bar is cut there and labelled
+    with its seconds."""
+    if not later or max(h for _, _, h in firsts) <= 3 * max(later):
+        return
+    top = 1.3 * max(later)
+    for ax, x0, height in firsts:
+        ax.set_ylim(0, top)
+        if height > top:
+            ax.annotate(f"{height:.1f} s", (x0, top), xytext=(4, -12), textcoords="offset points",
+                        fontsize="small")  # fmt: skip
 
 
 def plot_staleness(path: Path, runs: Sequence[RunRecord]) -> None:
