@@ -23,21 +23,29 @@ def block_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return mask.view(blocks, BLOCK).sum(1, dtype=torch.int32)
 
 
+def _staged(
+    group: list[Entry], dev: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per entry: the integer views of its new tensor and of its base on ``dev`` (a base
+    elsewhere copied there, without a sync), or None without a base."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for _, new, base in group:
+        if base is None:
+            out.append(None)
+            continue
+        on = base if base.device == dev else base.to(dev, non_blocking=True)
+        a, b = int_view(new), int_view(on)
+        assert a is not None and b is not None
+        out.append((a, b))
+    return out
+
+
 def encode_on_device(group: list[Entry], out: Encoded) -> None:
     if kernels(group[0][1].device):
         encode_by_kernels(group, out)
         return
-    staged: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # (int views of new, base)
-    counts: list[torch.Tensor] = []
-    for _, new, base in group:
-        if base is None:
-            staged.append(None)
-            continue
-        on = base if base.device == new.device else base.to(new.device, non_blocking=True)
-        a, b = int_view(new), int_view(on)
-        assert a is not None and b is not None
-        staged.append((a, b))
-        counts.append(block_counts(a, b))
+    staged = _staged(group, group[0][1].device)  # (int views of new, base) each
+    counts = [block_counts(*v) for v in staged if v is not None]
     totals = torch.stack([c.sum() for c in counts]).tolist() if counts else []  # the one sync
     it = iter(zip(counts, totals, strict=True))
     for (name, new, base), views in zip(group, staged, strict=True):
@@ -62,16 +70,9 @@ def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
 
     dev = group[0][1].device
     rows: list[list[int]] = []  # a kept tensor's row of the kernels' table, its element size
-    views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # new's int view, base there
+    views = _staged(group, dev)  # (int views of new, base there) each
     blocks = 0
-    for _, new, base in group:
-        if base is None:
-            views.append(None)
-            continue
-        on = base if base.device == dev else base.to(dev, non_blocking=True)
-        a, b = int_view(new), int_view(on)
-        assert a is not None and b is not None
-        views.append((a, on))
+    for a, b in (v for v in views if v is not None):
         rows.append([a.data_ptr(), b.data_ptr(), a.numel(), blocks, 0, 0, 0, a.element_size()])
         blocks += -(-a.numel() // BLOCK)
     totals: list[int] = []
@@ -90,8 +91,8 @@ def encode_by_kernels(group: list[Entry], out: Encoded) -> None:
             out.add(name, new)
             continue
         row, n = next(it)
-        a, on = v
-        staged = on.view(new.dtype).view(new.shape)
+        a, b = v
+        staged = b.view(new.dtype).view(new.shape)
         if choose(name, new, staged, n, out):
             _, values_at, offsets_at, nbytes = layout(a.numel(), n, a.element_size())
             data = torch.empty(nbytes, dtype=torch.uint8, device=dev)
