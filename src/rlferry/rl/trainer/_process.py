@@ -131,7 +131,6 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     if sender is not None and rank == 0:
         n = s["engines"]
         told = [sender.addresses[e] for e in range(n)] if s.get("p2p") else [sender.address] * n
-    conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     groups_per_rank = s["groups_per_step"] // dp
     low = serve != torch.float32
     # the rates the driver measured on the device before the run (an engine starting beside
@@ -139,12 +138,14 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     roofline = step_roofline(model, groups_per_rank * s["group_size"], s["width"], low=low,
                              peaks=Peaks(**s["peaks"]))  # fmt: skip
     step_seconds: list[float] = []  # each step's TrainStep call
+    # made before the rank is ready (a CUDA graph: compiled and captured while the
+    # engines start), so that no step of the run waits for it
     train = TrainStep(
         model, params, optimizer, rows=groups_per_rank * s["group_size"], width=s["width"],
         clip=s["clip"], autocast=serve if low else None, graphed=graphed,
         adapter=adapter,
     )  # fmt: skip
-    mirror: list[tuple[str, torch.Tensor]] | None = None  # one rank: the engines' dtype
+    conn.send(("ready", {"sender": told, "pid": os.getpid()}))
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
@@ -172,8 +173,8 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             try:
                 with traced(rank, "push", version):
-                    sent, mirror = _push(sender, model, adapter, s, serve, version, seconds,
-                                         mirror, train.served)  # fmt: skip
+                    sent = _push(sender, model, adapter, s, serve, version, seconds,
+                                 train.served)  # fmt: skip
             except WeightSyncError as e:  # an engine lost mid-push: the update's to judge
                 conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}"))
                 continue
@@ -279,23 +280,23 @@ def _sharded(model: Any) -> Any:
 
 def _push(
     sender: Any, model: Any, adapter: Any, s: dict[str, Any], serve: torch.dtype, version: int,
-    seconds: float, mirror: list[tuple[str, torch.Tensor]] | None,
-    served: list[tuple[str, torch.Tensor]] | None,
-) -> tuple[int, list[tuple[str, torch.Tensor]] | None]:  # fmt: skip
+    seconds: float, served: list[tuple[str, torch.Tensor]] | None,
+) -> int:  # fmt: skip
     """This rank's part of an update (see the module's ``push``); the bytes it sent."""
     from ._gather import gathered
 
     if adapter is not None:  # the adapter alone, from rank 0
         if sender is None:
-            return 0, mirror
+            return 0
         named = adapter.named(serve)
-        return sender.push(named, version=version, timeout=seconds).bytes, mirror
+        return sender.push(named, version=version, timeout=seconds).bytes
     if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
-        return sender.push(model.state_dict(), version=version, timeout=seconds).bytes, mirror
+        return sender.push(model.state_dict(), version=version, timeout=seconds).bytes
     if sender is not None and s["dp"] == 1:  # one rank: its weights at fixed addresses
-        # the step's own cast (a CUDA graph's), else one here
-        mirror = served if served is not None else _served(model, serve, mirror)
-        return sender.push(mirror, version=version, timeout=seconds).bytes, mirror
+        # the graph's bf16 copy (its step casts the weights), else the weights as they are
+        # (a float32 model: no graph keeps a copy)
+        named = served if served is not None else list(model.state_dict().items())
+        return sender.push(named, version=version, timeout=seconds).bytes
     if sender is not None:
         layout = [  # global shapes, the engines' dtype
             (n, torch.empty(t.shape, dtype=serve, device="meta"))
@@ -304,23 +305,7 @@ def _push(
         report = sender.push(
             gathered(model, serve), version=version, timeout=seconds, layout=layout
         )
-        return report.bytes, mirror
+        return report.bytes
     for _ in gathered(model, serve):  # other ranks: their part of every gather
         pass
-    return 0, mirror
-
-
-def _served(
-    model: Any, dtype: torch.dtype, mirror: list[tuple[str, torch.Tensor]] | None
-) -> list[tuple[str, torch.Tensor]]:
-    """A single rank's weights in the engines' dtype, at addresses that stay from push to
-    push (a cuda_ipc receiver reads them in place, their handles opened once): the float32
-    master weights cast into ``mirror`` (made on the first push) by one grouped copy; the
-    weights themselves where they already are in that dtype."""
-    named = list(model.state_dict().items())
-    if all(t.dtype == dtype for _, t in named):
-        return named
-    if mirror is None:
-        mirror = [(n, torch.empty_like(t, dtype=dtype)) for n, t in named]
-    torch._foreach_copy_([m for _, m in mirror], [t.detach() for _, t in named])
-    return mirror
+    return 0
