@@ -227,6 +227,77 @@ def test_an_abort_mode_update_continues_each_rollout_from_its_partial_tokens():
     run(main())
 
 
+class Counted(HFEngine):
+    """An HFEngine that counts the coordinator's control calls to it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    async def pause(self, mode="keep"):
+        self.calls.append("pause")
+        return await super().pause(mode)
+
+    async def start_weight_update(self):
+        self.calls.append("start_weight_update")
+        return await super().start_weight_update()
+
+    async def finish_weight_update(self, version):
+        self.calls.append("finish_weight_update")
+        return await super().finish_weight_update(version)
+
+    async def resume(self):
+        self.calls.append("resume")
+        return await super().resume()
+
+
+def test_a_keep_update_of_engines_that_load_between_steps_is_the_push_alone():
+    """An HFEngine stops its own steps for a push: in ``keep`` mode the update is the push
+    (no pause, start, finish or resume), a rollout in flight goes on through it (its later
+    tokens on the new version) and the engines serve the trainer's weights bit for bit;
+    in ``wait`` mode the engines are paused and resumed as before."""
+
+    async def main():
+        from rlferry.weights import fingerprint
+
+        trainer = tiny_model(0)
+        engines = [Counted(tiny_model(0), name=f"e{i}") for i in range(2)]
+        sender = WeightSender(group="inflight", transport="shm", receivers=2)
+        for engine in engines:
+            await engine.init_weight_transfer("inflight", sender.address)
+        coord = Coordinator(engines, batch_size=2, max_staleness=1)
+        try:
+            assert (await engines[0].statistics()).loads_between_steps
+            long = await coord.submit([5, 6, 7], SamplingParams(max_tokens=60, temperature=0))
+            clock = await coord.submit([1, 2], SamplingParams(max_tokens=8, temperature=0))
+            await clock  # the long rollout is under way
+            new = perturbed(trainer, 1)
+            report = await coord.update_weights(
+                lambda t: sender.push(new.items(), version=1, timeout=t), version=1, timeout=30
+            )  # fmt: skip
+            assert [e.calls for e in engines] == [[], []]
+            assert report.pause_seconds < report.push_seconds
+            assert [await e.get_weight_version() for e in engines] == [1, 1]
+            want = fingerprint(list(new.items()))
+            assert [await e.fingerprint() for e in engines] == [want, want]
+            (got,) = (await long).completions
+            assert len(got.token_ids) == 60 and set(got.versions) == {0, 1}
+            assert got.versions == sorted(got.versions)
+            assert coord.statistics().version == 1
+            new = perturbed(trainer, 2)
+            await coord.update_weights(
+                lambda t: sender.push(new.items(), version=2, timeout=t), version=2,
+                mode="wait", timeout=30,
+            )  # fmt: skip
+            order = ["pause", "start_weight_update", "finish_weight_update", "resume"]
+            assert [e.calls for e in engines] == [order, order]
+            assert [await e.get_weight_version() for e in engines] == [2, 2]
+        finally:
+            await close_all(coord, engines, sender)
+
+    run(main())
+
+
 def test_finished_groups_go_into_the_queue_with_their_versions():
     from rlferry.control import put_groups
     from rlferry.queue import GrpoGroups, Queue

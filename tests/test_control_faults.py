@@ -238,7 +238,8 @@ TOO_LONG = (
 
 class DiesAtPause(HFEngine):
     """An engine that dies the moment the update pauses it (after the coordinator saw it
-    serve): closed, then paused as a closed engine is."""
+    serve): closed, then paused as a closed engine is. (In ``keep`` mode an HFEngine is
+    not paused: it loads between its own steps; the tests pause it with ``wait``.)"""
 
     async def pause(self, mode="keep"):
         self.close()
@@ -254,7 +255,7 @@ def test_an_update_whose_every_engine_dies_at_pause_fails_there_without_running_
             coord = Coordinator(engines, batch_size=2, max_staleness=1)
             pushed = []  # a push would wait its whole timeout for receivers that never join
             with pytest.raises(WeightUpdateError) as e:
-                await coord.update_weights(pushed.append, version=1, timeout=20)
+                await coord.update_weights(pushed.append, version=1, mode="wait", timeout=20)
             await coord.aclose()
             return pushed, e.value, coord.version
 

@@ -145,6 +145,13 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Token ids must be below it (None: the engine does not say; it checks itself)."""
     max_model_len: int | None = None
     """Prompt + ``max_tokens`` must fit in it (None: the engine does not say)."""
+    loads_between_steps: bool = False
+    """True: a push stops the engine's steps by itself (from its first bucket, at the end
+    of the step in progress) and the engine serves the version from the step after it
+    committed whole, or refuses to step while it holds a mix. An update in ``keep`` mode
+    then needs no ``pause``, ``start_weight_update``, ``finish_weight_update`` or
+    ``resume`` for it: its requests in flight go on, their later tokens on the new
+    version (``Completion.versions`` says which)."""
 
 
 @runtime_checkable

@@ -48,6 +48,7 @@ class Member:
     version: int | None = None  # the whole version it serves, as last heard
     vocab_size: int | None = None
     max_model_len: int | None = None
+    loads_between_steps: bool = False  # a push stops its steps by itself (no pause needed)
     running: int = 0
     calls: dict[str, asyncio.Future[object]] = field(default_factory=dict)  # generates
     removed: Moved | None = None  # what its requests do now that it left
@@ -163,6 +164,7 @@ class Fleet:
             return
         member.own, member.version = stats.name, stats.version
         member.vocab_size, member.max_model_len = stats.vocab_size, stats.max_model_len
+        member.loads_between_steps = stats.loads_between_steps
         self.place(member, version, max_staleness)
 
 

@@ -17,6 +17,11 @@ The rules (the README's control section states them for users):
   copy of the weights is kept to roll back to.
 - The trainer's version becomes the new one if any engine committed it; otherwise it
   stays, so the caller can retry the same version.
+- In ``keep`` mode an engine that loads between its own steps
+  (``EngineStatistics.loads_between_steps``) is neither paused nor resumed: the push stops
+  its steps for as long as it loads, and one that committed serves the new version from
+  its next step, so it is not asked to finish either. Only an engine the push did not
+  reach whole is asked for its version and told to finish on it, as above.
 """
 
 from __future__ import annotations
@@ -120,14 +125,17 @@ async def run_update(
     t0 = time.monotonic()
     deadline = t0 + timeout
     members = [m for m in fleet if m.state in ("serving", "behind")]
+    # engines a push stops by itself: nothing to pause, start, finish (once committed), resume
+    gated = {m.name for m in members if mode == "keep" and m.loads_between_steps}
+    stopped = [m for m in members if m.name not in gated]
     faults = _Faults()
     waiting: dict[str, str] = {}
     committed: list[Member] = []
     marks = [t0]
     try:
-        await _each(members, lambda m: m.engine.pause(mode), "pause", deadline, faults)
+        await _each(stopped, lambda m: m.engine.pause(mode), "pause", deadline, faults)
         await _each(
-            faults.ok(members), lambda m: m.engine.start_weight_update(), "start_weight_update",
+            faults.ok(stopped), lambda m: m.engine.start_weight_update(), "start_weight_update",
             deadline, faults,
         )  # fmt: skip
         marks.append(time.monotonic())
@@ -161,8 +169,9 @@ async def run_update(
             else held[m.name] for m in live
         }  # fmt: skip
         ending = _Faults()
+        told = [m for m in live if m.name not in gated or m.name not in got]
         await _each(
-            live, lambda m: m.engine.finish_weight_update(target[m.name]),
+            told, lambda m: m.engine.finish_weight_update(target[m.name]),
             "finish_weight_update", deadline, ending,
         )  # fmt: skip
         for m in live:
@@ -178,7 +187,7 @@ async def run_update(
         marks.append(time.monotonic())
     finally:
         end_by = max(deadline, time.monotonic() + RESUME_BOUND)
-        alive = [m for m in members if m.name not in faults.gone]
+        alive = [m for m in stopped if m.name not in faults.gone]
         await _each(alive, lambda m: m.engine.resume(), "resume", end_by, faults)
         after = version if committed else current
         text = faults.text()

@@ -357,7 +357,7 @@ class HFEngine(DecodeThread):
                 step_seconds=self._seconds["step"], paused_seconds=paused,
                 updates=self._counts["updates"], update_seconds=self._seconds["update"],
                 last_error=self._error, vocab_size=self.vocab_size,
-                max_model_len=self.max_model_len,
+                max_model_len=self.max_model_len, loads_between_steps=True,
             )  # fmt: skip
 
     # -- life ---------------------------------------------------------------------------
