@@ -88,6 +88,19 @@ def test_summarize_computes_each_figure_from_the_steps():
     assert summarize(RunRecord("r", {}, slower))["rest_share"] == pytest.approx(0.15)
 
 
+def test_the_step_and_its_phases_are_read_over_the_steps_after_the_first():
+    """A first step of 10 s (a compile, the engines' first batch) moves the wall time and
+    samples/s, not the step's time or the shares of its phases."""
+    steps = [step(1, wall=10.0, reward=0.5, sync_seconds=5.0)]
+    steps += [step(i, wall=9.0 + i, reward=0.5, wait=0.0) for i in range(2, 6)]
+    figures = summarize(RunRecord("r", {}, steps))
+    assert figures["wall_seconds"] == 14.0 and figures["samples_per_s"] == pytest.approx(40 / 14)
+    assert figures["step_seconds"] == pytest.approx(1.0)
+    assert figures["sync_seconds"] == pytest.approx(0.25)
+    assert figures["sync_share"] == pytest.approx(0.25)
+    assert figures["rest_share"] == pytest.approx(0.0)
+
+
 def test_reward_start_and_end_average_the_first_and_last_tenth_of_the_steps():
     twenty = RunRecord("r", {}, [step(i, wall=i, reward=i / 20) for i in range(1, 21)])
     figures = summarize(twenty)
@@ -164,12 +177,12 @@ def test_report_table_holds_each_runs_figures_side_by_side(mpl, tmp_path):
         "| reward at the end (mean, last 10% of steps) | 1.000 | 1.050 |",
         "| wall time (s) | 20.0 | 10.0 |",
         "| samples/s | 4.0 | 8.0 |",
-        "| wall time per step (s) | 2.000 | 1.000 |",
-        "| generate: engines busy (s per step) | 1.000 | 1.000 |",
-        "| wait for rollouts (s per step) | 1.000 | 0.000 |",
-        "| train (s per step) | 0.750 | 0.750 |",
-        "| weight sync (s per step) | 0.250 | 0.250 |",
-        "| weight-sync share of a step (%) | 12.5 | 25.0 |",
+        "| wall time per step, steps 2 on (s) | 2.000 | 1.000 |",
+        "| generate: engines busy (s per step, steps 2 on) | 1.000 | 1.000 |",
+        "| wait for rollouts (s per step, steps 2 on) | 1.000 | 0.000 |",
+        "| train (s per step, steps 2 on) | 0.750 | 0.750 |",
+        "| weight sync (s per step, steps 2 on) | 0.250 | 0.250 |",
+        "| weight-sync share of a step, steps 2 on (%) | 12.5 | 25.0 |",
         "| staleness mean (versions) | 0.00 | 1.00 |",
         "| staleness max (versions) | 0 | 2 |",
     ):

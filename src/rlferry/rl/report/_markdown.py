@@ -28,12 +28,15 @@ def summarize(run: RunRecord) -> dict[str, float]:
 
     ``steps``, ``samples`` (trained); ``reward_start`` / ``reward_end``: the mean
     ``reward_mean`` of the first / last 10% of the steps (at least one step);
-    ``wall_seconds``: at the end of the last step; ``samples_per_s``: samples over that;
-    ``step_seconds``: wall seconds per step; ``generate_seconds``, ``wait_seconds``,
-    ``train_seconds``, ``sync_seconds``: the mean of each phase per step; ``sync_share``:
-    weight sync's share of the wall time (0 to 1); ``rest_share``: the share of the wall
-    time that is neither waiting for rollouts, training nor weight sync (the driver's own
-    work: scoring, the queue's put, the coordinator); ``staleness_mean`` /
+    ``wall_seconds``: at the end of the last step; ``samples_per_s``: samples over that.
+    The step's time and its phases are read over the steps after the first (the first
+    pays one-off costs: the engines' first batch, a compiled step's capture, the first
+    push's plan; with one step, over it): ``step_seconds``: wall seconds per step;
+    ``generate_seconds``, ``wait_seconds``, ``train_seconds``, ``sync_seconds``: the mean
+    of each phase per step; ``sync_share``: weight sync's share of that wall time (0 to
+    1); ``rest_share``: the share of it that is neither waiting for rollouts, training
+    nor weight sync (the driver's own work: scoring, the queue's put, the coordinator);
+    ``staleness_mean`` /
     ``staleness_max``: over every trained sample's lag (over the steps' own figures where
     no step recorded its lags). A run without steps has 0 steps and samples and NaN for
     the rest.
@@ -46,6 +49,9 @@ def summarize(run: RunRecord) -> dict[str, float]:
         return {"steps": 0.0, "samples": 0.0} | dict.fromkeys(_FIGURES[2:], nan)
     k = max(1, math.ceil(n / 10))
     wall = steps[-1].wall
+    timed = steps[1:] if n > 1 else steps  # the steps after the first: no one-off costs
+    span = wall - steps[0].wall if n > 1 else wall
+    m = len(timed)
     lags = [lag for s in steps for lag in s.lags]
     if lags:
         staleness_mean, staleness_max = sum(lags) / len(lags), float(max(lags))
@@ -61,15 +67,15 @@ def summarize(run: RunRecord) -> dict[str, float]:
         "reward_end": sum(s.reward_mean for s in steps[-k:]) / k,
         "wall_seconds": wall,
         "samples_per_s": samples / wall if wall > 0 else math.nan,
-        "step_seconds": wall / n,
-        "generate_seconds": sum(s.generate_seconds for s in steps) / n,
-        "wait_seconds": sum(s.wait_seconds for s in steps) / n,
-        "train_seconds": sum(s.train_seconds for s in steps) / n,
-        "sync_seconds": sum(s.sync_seconds for s in steps) / n,
-        "sync_share": sum(s.sync_seconds for s in steps) / wall if wall > 0 else math.nan,
+        "step_seconds": span / m,
+        "generate_seconds": sum(s.generate_seconds for s in timed) / m,
+        "wait_seconds": sum(s.wait_seconds for s in timed) / m,
+        "train_seconds": sum(s.train_seconds for s in timed) / m,
+        "sync_seconds": sum(s.sync_seconds for s in timed) / m,
+        "sync_share": sum(s.sync_seconds for s in timed) / span if span > 0 else math.nan,
         "rest_share": (
-            1 - sum(s.wait_seconds + s.train_seconds + s.sync_seconds for s in steps) / wall
-            if wall > 0
+            1 - sum(s.wait_seconds + s.train_seconds + s.sync_seconds for s in timed) / span
+            if span > 0
             else math.nan
         ),
         "staleness_mean": staleness_mean,
@@ -170,14 +176,14 @@ _ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
     "reward_end": ("reward at the end (mean, last 10% of steps)", "{:.3f}".format),
     "wall_seconds": ("wall time (s)", "{:.1f}".format),
     "samples_per_s": ("samples/s", "{:.1f}".format),
-    "step_seconds": ("wall time per step (s)", "{:.3f}".format),
-    "generate_seconds": ("generate: engines busy (s per step)", "{:.3f}".format),
-    "wait_seconds": ("wait for rollouts (s per step)", "{:.3f}".format),
-    "train_seconds": ("train (s per step)", "{:.3f}".format),
-    "sync_seconds": ("weight sync (s per step)", "{:.3f}".format),
-    "sync_share": ("weight-sync share of a step (%)", lambda v: f"{v * 100:.1f}"),
+    "step_seconds": ("wall time per step, steps 2 on (s)", "{:.3f}".format),
+    "generate_seconds": ("generate: engines busy (s per step, steps 2 on)", "{:.3f}".format),
+    "wait_seconds": ("wait for rollouts (s per step, steps 2 on)", "{:.3f}".format),
+    "train_seconds": ("train (s per step, steps 2 on)", "{:.3f}".format),
+    "sync_seconds": ("weight sync (s per step, steps 2 on)", "{:.3f}".format),
+    "sync_share": ("weight-sync share of a step, steps 2 on (%)", lambda v: f"{v * 100:.1f}"),
     "rest_share": (
-        "the rest: neither waiting, training nor sync (% of a step)",
+        "the rest: neither waiting, training nor sync (% of a step, steps 2 on)",
         lambda v: f"{v * 100:.1f}",
     ),
     "staleness_mean": ("staleness mean (versions)", "{:.2f}".format),
