@@ -8,7 +8,6 @@ untrained prompts again, oldest first, then draws on where the checkpoint left o
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 from typing import Any
@@ -26,30 +25,17 @@ class Producer:
         self.rng = random.Random(seed)
         self.next = 0
         self.open: dict[int, Prompt] = {}  # drawn, not trained yet
-        self._go = asyncio.Event()  # cleared: hold new groups back (see hold)
-        self._go.set()
         if state is not None:
             version, internal, gauss = state["rng"]
             self.rng.setstate((version, tuple(internal), gauss))
             self.next = state["next"]
             self.open = {int(k): Prompt(**p) for k, p in state["open"]}
 
-    def hold(self) -> None:
-        """Submit no new group until :meth:`release` (a group already waiting for room
-        goes in). The driver holds the producer from a weight update to its next train
-        command: the room an update opens is a step's worth of groups, whose requests
-        take the driver tens of ms to start, and the trainer would wait behind them."""
-        self._go.clear()
-
-    def release(self) -> None:
-        self._go.set()
-
     async def run(self, coord: Coordinator, params: SamplingParams, n: int) -> None:
         """Submit the open prompts again (a resumed run's), then draw and submit forever."""
         for k in sorted(self.open):
             await coord.submit(self.open[k].ids, params, n=n, group=k)
         while True:
-            await self._go.wait()
             k = self.next
             prompt = self.task.sample(1, self.rng)[0]
             self.open[k] = prompt

@@ -254,9 +254,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             for step in range(done + 1, config.steps + 1):
                 t0 = time.monotonic()
                 slots.step = step
-                groups = await slots.batch(
-                    config.groups_per_step, timeout=600, waiting=produced.release
-                )  # fmt: skip
+                groups = await slots.batch(config.groups_per_step, timeout=600)
                 t_wait = time.monotonic() - t0
                 lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
                 rewards, uids = produced.score(groups)
@@ -270,7 +268,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 training = asyncio.gather(*(
                     asyncio.to_thread(call, conn, "train", step) for _, conn in procs.trainers
                 ))  # fmt: skip
-                produced.release()  # after the train command: see Producer.hold
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
                     kill_point("resumed", step)
@@ -288,7 +285,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
                 if config.sync:
-                    produced.hold()
                     await slots.update(pusher(ranks, step, sent, pushed), version=step, timeout=120)
                 t_sync = time.monotonic() - t2
                 asked = asyncio.ensure_future(slots.statistics())
@@ -307,7 +303,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 )  # fmt: skip
                 if ckpts is not None and config.checkpoint_every and (
                         step % config.checkpoint_every == 0):  # fmt: skip
-                    produced.release()
                     busy = await recorded(row, busy, asked)  # the record so far, whole
                     row = asked = None
                     written.append(await save_job(

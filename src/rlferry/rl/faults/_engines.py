@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 
 from rlferry.control import (
     Coordinator,
-    CoordinatorTimeout,
     EngineError,
     EngineGone,
     EngineStatistics,
@@ -191,22 +190,15 @@ class Engines:
         self._failed.result()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def batch(
-        self, groups: int, *, timeout: float, waiting: Callable[[], None] | None = None
-    ) -> list[Group]:
+    async def batch(self, groups: int, *, timeout: float) -> list[Group]:
         """``coord.batch``; while it waits, a fleet where no engine serves is brought to the
         trainer's version as soon as a replacement joined (``Coordinator.catch_up``: else
         no batch would come before the next update). Returns once no catch-up pushes (the
-        trainer ranks take one command at a time). ``waiting()`` is called before it waits
-        (not when the groups are ready now)."""
+        trainer ranks take one command at a time)."""
         assert self._coord is not None
         self._batching = True
         try:
             self._catch_up()
-            with contextlib.suppress(CoordinatorTimeout):
-                return await self._coord.batch(groups, timeout=0)  # ready now: no wait
-            if waiting is not None:
-                waiting()
             return await self.guard(self._coord.batch(groups, timeout=timeout))
         finally:
             self._batching = False
