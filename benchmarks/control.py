@@ -13,12 +13,17 @@
   as one ``/generate_many`` exchange, each completion pushed as it ends) against one
   HTTP exchange a request (``POST /generate``, the baseline). p50, p90 and max over
   ``--repeat`` bursts.
+- **Rollouts**: a training step's samples through a ``Coordinator`` (``--groups`` GRPO
+  groups of 8 one-token samples, each group submitted, then one ``batch``) against the same
+  requests straight through ``RemoteEngine``: the caller's CPU a sample, the difference
+  being the coordinator's own work (admission, routing, each sample's task, its group).
 - **Idle**: a coordinator (this process) and two engine processes with nothing to do for
   ``--idle`` seconds: CPU time of the three, as a share of one core.
-- **Update cycle**: ``Coordinator.update_weights`` (pause, push, commit, resume) against
+- **Update cycle**: ``Coordinator.update_weights`` (in ``keep`` mode an ``HFEngine``, which
+  loads between its own steps, is neither paused nor resumed: the push alone) against
   the bare ``WeightSender.push`` of the same weights, shm on the CPU (``--device cpu``)
   or cuda_ipc on one GPU (``--device cuda``), with the engine idle and while it
-  generates (its pause then waits for the decode step in flight). ``--model tiny`` or
+  generates (the push then waits for the decode step in flight). ``--model tiny`` or
   ``qwen3-0.6b`` (the Qwen3-0.6B shapes, random init, bf16 on CUDA).
 
     python benchmarks/control.py                         # CPU, about a minute
@@ -279,6 +284,72 @@ async def run_fanout(args: argparse.Namespace) -> str:
     )
 
 
+# -- rollouts ---------------------------------------------------------------------------------
+async def run_rollouts(args: argparse.Namespace) -> str:
+    """A training step's samples through a ``Coordinator`` (``--groups`` groups of 8
+    one-token samples: submit each group, then ``batch``) against the same requests sent
+    straight through ``RemoteEngine`` (the baseline): the caller's CPU a sample, which is
+    the coordinator's own work (admission, routing, the sample's task, its group)."""
+    n = 8
+    with tempfile.TemporaryDirectory() as d:
+        tiny().save_pretrained(d)
+        proc, url = serve(d, "roll")
+        remote = RemoteEngine(url, name="roll")
+        params = SamplingParams(max_tokens=1)
+        samples = args.groups * n
+
+        async def coordinated(k: int) -> tuple[float, float]:
+            coord = Coordinator([remote], batch_size=samples, max_staleness=0)
+            cpu, wall = time.thread_time(), time.perf_counter()
+            for g in range(args.groups):
+                await coord.submit([1, 2, 3 + g % 8], params, n=n, group=(k, g))
+            groups = await coord.batch(args.groups, timeout=60)
+            took = time.thread_time() - cpu, time.perf_counter() - wall
+            assert sum(len(x.completions) for x in groups) == samples
+            await coord.aclose()
+            return took
+
+        async def bare(k: int) -> tuple[float, float]:
+            reqs = [
+                GenerateRequest(request_id=f"b{k}-{i}", prompt_ids=[1, 2, 3 + i // n % 8],
+                                params=params)
+                for i in range(samples)
+            ]  # fmt: skip
+            cpu, wall = time.thread_time(), time.perf_counter()
+            done = await asyncio.gather(*(remote.generate(r) for r in reqs))
+            took = time.thread_time() - cpu, time.perf_counter() - wall
+            assert len(done) == samples
+            return took
+
+        runs: dict[str, list[tuple[float, float]]] = {"coordinator": [], "bare": []}
+        try:
+            for k in range(args.repeat + 2):  # alternate; the first two are warm-up
+                for name, call in (("coordinator", coordinated), ("bare", bare)):
+                    got = await call(k)
+                    if k >= 2:
+                        runs[name].append(got)
+        finally:
+            await remote.aclose()
+            proc.terminate()
+            proc.wait(30)
+    rows = []
+    for name, label in (("coordinator", "Coordinator: submit each group, then batch"),
+                        ("bare", "RemoteEngine alone, the same requests (baseline)")):  # fmt: skip
+        us = sorted(c / samples * 1e6 for c, _ in runs[name])
+        wall = [w for _, w in runs[name]]
+        rows.append([label, *(f"{x:.1f}" for x in (us[len(us) // 2], us[-1])),
+                     *stats_ms(wall, (0.5,))])  # fmt: skip
+    own = statistics.median(c for c, _ in runs["coordinator"]) - statistics.median(
+        c for c, _ in runs["bare"]
+    )
+    head = ("path", "caller CPU us a sample p50", "max", "wall ms p50", "wall max")
+    return (
+        f"Rollouts: {args.groups} groups of {n} one-token samples ({samples}), the caller's "
+        f"CPU a sample ({args.repeat} rounds; the coordinator's own: "
+        f"{own / samples * 1e6:.1f} us a sample)\n\n" + table(rows, head)
+    )
+
+
 # -- idle -------------------------------------------------------------------------------------
 async def run_idle(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as d:
@@ -331,7 +402,7 @@ async def run_update(args: argparse.Namespace) -> str:
             proc.terminate()
             proc.wait(60)
     return (
-        f"Update cycle (pause, push, commit, resume), {args.model} on {device}, {transport}; "
+        f"Update cycle (update_weights), {args.model} on {device}, {transport}; "
         f"one decode step of the running batch: {step:.1f} ms\n\n"
         + table(rows, ("path", "p50 ms", "p99 ms", "max ms"))
     )
@@ -396,16 +467,19 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--burst", type=int, default=64)
+    p.add_argument("--groups", type=int, default=64)
     p.add_argument("--idle", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.add_argument("--model", choices=("tiny", "qwen3-0.6b"), default="tiny")
-    p.add_argument("--only", choices=("delivery", "fanout", "idle", "update"), default=None)
+    p.add_argument("--only", choices=("delivery", "fanout", "rollouts", "idle", "update"),
+                   default=None)  # fmt: skip
     a = p.parse_args(argv)
     where = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else platform.node()
     print(f"{where}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}\n", flush=True)  # fmt: skip
-    parts: dict[str, Any] = {"delivery": run_delivery, "fanout": run_fanout, "idle": run_idle,
+    parts: dict[str, Any] = {"delivery": run_delivery, "fanout": run_fanout,
+                             "rollouts": run_rollouts, "idle": run_idle,
                              "update": run_update}  # fmt: skip
     for name, fn in parts.items():
         if a.only in (None, name):
