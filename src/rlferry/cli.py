@@ -135,7 +135,7 @@ def _demo_parser(sub: Any) -> None:
     d.add_argument("--model", choices=("tiny", "small", "qwen3-0.6b"), default="tiny")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
-        "--groups-per-step", type=int, default=0, metavar="N",
+        "--groups-per-step", type=int, default=argparse.SUPPRESS, metavar="N",
         help="GRPO groups of 8 samples a training step, even (default: 16 on the CPU, 64 with "
         "--device cuda)",
     )  # fmt: skip

@@ -361,7 +361,7 @@ def main(args: Any) -> Path:
         seed=args.seed, sync=not args.no_sync, launcher=args.launcher,
         ray_address=args.ray_address, lora=getattr(args, "lora", None), out=args.out,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-        resume=args.resume, groups_per_step=args.groups_per_step,
+        resume=args.resume, groups_per_step=getattr(args, "groups_per_step", 0),
     )  # fmt: skip
     configs = [base]
     if args.compare:
