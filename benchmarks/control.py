@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -236,6 +237,20 @@ async def polled_far(url: str, n: int) -> list[float]:
     return out
 
 
+async def alternated(
+    calls: dict[str, Callable[[int], Awaitable[tuple[float, float]]]], repeat: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Each of ``calls`` in turn (round ``k`` passed), ``repeat`` rounds after two of warm-up:
+    what each returned in the timed rounds, by name."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    for k in range(repeat + 2):
+        for name, call in calls.items():
+            got = await call(k)
+            if k >= 2:
+                runs[name].append(got)
+    return runs
+
+
 # -- fan-out ------------------------------------------------------------------------------
 async def run_fanout(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as d:
@@ -255,13 +270,11 @@ async def run_fanout(args: argparse.Namespace) -> str:
             assert [c.request_id for c in done] == [r.request_id for r in reqs]
             return time.process_time() - cpu, time.perf_counter() - wall
 
-        runs: dict[str, list[tuple[float, float]]] = {"batched": [], "each": []}
         try:
-            for k in range(args.repeat + 2):  # alternate; the first two are warm-up
-                for name, call in (("batched", remote.generate), ("each", each)):
-                    got = await burst(call, 2 * k + (name == "each"))
-                    if k >= 2:
-                        runs[name].append(got)
+            runs = await alternated({
+                "batched": lambda k: burst(remote.generate, 2 * k),
+                "each": lambda k: burst(each, 2 * k + 1),
+            }, args.repeat)  # fmt: skip
         finally:
             await remote.aclose()
             await session.close()
@@ -321,13 +334,8 @@ async def run_rollouts(args: argparse.Namespace) -> str:
             assert len(done) == samples
             return took
 
-        runs: dict[str, list[tuple[float, float]]] = {"coordinator": [], "bare": []}
         try:
-            for k in range(args.repeat + 2):  # alternate; the first two are warm-up
-                for name, call in (("coordinator", coordinated), ("bare", bare)):
-                    got = await call(k)
-                    if k >= 2:
-                        runs[name].append(got)
+            runs = await alternated({"coordinator": coordinated, "bare": bare}, args.repeat)
         finally:
             await remote.aclose()
             proc.terminate()
@@ -336,13 +344,13 @@ async def run_rollouts(args: argparse.Namespace) -> str:
     for name, label in (("coordinator", "Coordinator: submit each group, then batch"),
                         ("bare", "RemoteEngine alone, the same requests (baseline)")):  # fmt: skip
         us = sorted(c / samples * 1e6 for c, _ in runs[name])
+        at = [us[min(len(us) - 1, round(q * (len(us) - 1)))] for q in (0.5, 0.9)] + [us[-1]]
         wall = [w for _, w in runs[name]]
-        rows.append([label, *(f"{x:.1f}" for x in (us[len(us) // 2], us[-1])),
-                     *stats_ms(wall, (0.5,))])  # fmt: skip
+        rows.append([label, *(f"{x:.1f}" for x in at), *stats_ms(wall, (0.5, 0.9))])
     own = statistics.median(c for c, _ in runs["coordinator"]) - statistics.median(
         c for c, _ in runs["bare"]
     )
-    head = ("path", "caller CPU us a sample p50", "max", "wall ms p50", "wall max")
+    head = ("path", "caller CPU us a sample p50", "p90", "max", "wall ms p50", "p90", "max")
     return (
         f"Rollouts: {args.groups} groups of {n} one-token samples ({samples}), the caller's "
         f"CPU a sample ({args.repeat} rounds; the coordinator's own: "
