@@ -27,7 +27,7 @@ _COUNTERS = {
     "updates": "weight updates",
     "pause_seconds": "seconds engines took to pause, over all updates",
     "push_seconds": "seconds of weight pushes, over all updates",
-    "update_seconds": "seconds of whole updates (pause, push, commit, resume)",
+    "update_seconds": "seconds of whole updates (pause or push, to the last resume)",
 }
 
 

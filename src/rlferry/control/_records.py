@@ -64,7 +64,7 @@ class CoordinatorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     push_seconds: float
     """Seconds of the trainer's pushes, over all updates."""
     update_seconds: float
-    """Seconds of whole updates (pause, push, commit, resume)."""
+    """Seconds of whole updates (from the first pause, or the push, to the last resume)."""
     waiting_submits: int
     """``submit`` calls waiting for room in the staleness bound."""
     failed_groups: int = 0
