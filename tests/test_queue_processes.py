@@ -136,30 +136,26 @@ def test_killed_controller_wakes_a_waiting_get(served):
         raise AssertionError("storage units outlived their killed server")
 
 
-def _dist_rank(rank, address, port, conn):
+def _dist_rank(rank, address, store, conn):
     import torch.distributed as dist
 
     from rlferry.queue import get_broadcast
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     client = Queue.connect(address).client() if rank == 0 else None
     b = get_broadcast(client, "p", src=0, task="train", batch_size=3, fields=["x", "s"], timeout=30)
     conn.send([b.indexes, b.data["x"].tolist(), b.data["s"], b.meta])
     dist.destroy_process_group()
 
 
-def test_get_broadcast_gives_every_rank_the_source_ranks_batch():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_get_broadcast_gives_every_rank_the_source_ranks_batch(tmp_path):
+    store = str(tmp_path / "group")  # a file rendezvous: no port to race another process for
     with Queue(storage_units=1, tasks=("train",)) as q:
         q.client().put("p", {"x": torch.arange(3.0), "s": ["a", "b", "c"]}, meta={"g": [1, 2, 3]})
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(2)]
         procs = [
-            ctx.Process(target=_dist_rank, args=(r, q.address, port, pipes[r][1]), daemon=True)
+            ctx.Process(target=_dist_rank, args=(r, q.address, store, pipes[r][1]), daemon=True)
             for r in range(2)
         ]
         for p in procs:

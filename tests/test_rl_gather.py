@@ -1,7 +1,6 @@
 """FSDP2 shards gathered a bucket at a time equal DTensor's own gather, bit for bit."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,20 +12,14 @@ pytestmark = pytest.mark.slow  # a Ray cluster, processes killed on purpose, or 
 transformers = pytest.importorskip("transformers", reason="needs transformers (the [demo] extra)")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank(rank: int, port: int, out: dict) -> None:
+def _rank(rank: int, store: str, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from rlferry.rl.trainer._gather import gathered
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2)  # fmt: skip
     try:
         torch.manual_seed(0)
@@ -56,9 +49,9 @@ def _rank(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def test_bucketed_gathers_equal_full_tensor_for_uneven_shards_and_any_bucket_size():
+def test_bucketed_gathers_equal_full_tensor_for_uneven_shards_and_any_bucket_size(tmp_path):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(_port(), out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(str(tmp_path / "group"), out), nprocs=2, join=True)
         assert dict(out) == {0: "ok", 1: "ok"}

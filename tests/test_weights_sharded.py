@@ -5,7 +5,6 @@ import functools
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -78,14 +77,14 @@ class TinyLlama(torch.nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
-def _fsdp_trainer(rank, world, port, kind, tmp, conn):
+def _fsdp_trainer(rank, world, kind, tmp, conn):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+        "gloo", init_method=f"file://{tmp}/group", rank=rank, world_size=world
+    )  # a file rendezvous: no port for another process to take first
     torch.manual_seed(0)
     model = TinyLlama()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))  # not CUDA's, if one is seen
@@ -157,12 +156,6 @@ def _engine(rank, world, kind, specs, addresses, tmp, conn):
     r.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(target, *args):
     parent, child = CTX.Pipe()
     proc = CTX.Process(target=target, args=(*args, child), daemon=True)
@@ -185,8 +178,8 @@ def stop(*pairs):
 
 @pytest.mark.slow
 def test_four_fsdp2_ranks_to_two_engines_each_sends_only_its_shards_and_the_plan_once(tmp_path):
-    port, tmp = _free_port(), str(tmp_path)
-    trainers = [start(_fsdp_trainer, r, 4, port, "replicas", tmp) for r in range(4)]
+    tmp = str(tmp_path)
+    trainers = [start(_fsdp_trainer, r, 4, "replicas", tmp) for r in range(4)]
     hello = [recv(c) for _, c in trainers]
     addresses = [h[0] for h in hello]
     specs = hello[0][1]
@@ -822,12 +815,12 @@ def test_an_engine_rank_killed_mid_stream_fails_its_links_by_name_and_the_others
         stop(*engines, *trainers)
 
 
-def _placements(port, conn):
+def _placements(store, conn):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     t = torch.zeros(6, 4)
     cols = dtensor_layout([("w", DTensor.from_local(t, mesh, [Shard(1)]))], ranks=3)
@@ -842,8 +835,8 @@ def _placements(port, conn):
 
 
 @pytest.mark.slow
-def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused():
-    proc, conn = start(_placements, _free_port())
+def test_dtensor_placements_give_boxes_and_a_partial_one_is_refused(tmp_path):
+    proc, conn = start(_placements, str(tmp_path / "group"))
     cols, rep, error = recv(conn)
     proc.join(30)
     assert cols == ({"w": ((0, 6), (0, 4))}, {}, {})  # a 1-rank mesh: rank 0 holds it all
