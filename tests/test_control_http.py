@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from rlferry import errors
@@ -366,3 +367,28 @@ def test_engine_server_close_is_a_deprecated_alias_of_aclose():
                     await session.get(server.url + "/is_paused")
 
     asyncio.run(main())
+
+
+def test_a_generate_many_stream_read_in_any_cuts_gives_every_frame_once_in_order():
+    from rlferry.control._engine import Completion
+    from rlferry.control._http import LENGTH, Frame, split_frames
+
+    done = Completion(
+        request_id="a", prompt_ids=[1], token_ids=list(range(300)), logprobs=[0.0] * 300,
+        versions=[3] * 300, finish_reason="length", engine="e",
+    )  # fmt: skip
+    frames = [
+        Frame(at=0, done_ns=1, completion=done),
+        Frame(at=2, done_ns=2, kind="RequestError", message="bad prompt"),
+        Frame(at=1, done_ns=3, kind="EngineError", message="lost", gone=True),
+    ]
+    encoded = [msgspec.msgpack.encode(f) for f in frames]
+    stream = b"".join(LENGTH.pack(len(b)) + b for b in encoded)
+    for cut in (1, 3, 4, 5, 64, len(stream)):  # inside a length, a body, between frames
+        buf, got = bytearray(), []
+        for start in range(0, len(stream), cut):
+            buf += stream[start : start + cut]
+            whole, used = split_frames(buf)
+            del buf[:used]
+            got += whole
+        assert got == frames and not buf, cut

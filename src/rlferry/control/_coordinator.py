@@ -133,12 +133,14 @@ class Coordinator(AsyncResource):
         if requests == "continue" and calls and member.state != "broken":
             try:
                 await asyncio.wait_for(member.engine.abort_requests(list(calls)), timeout)
-                await asyncio.wait(calls.values(), timeout=timeout)
+                await asyncio.wait([c.returned for c in calls.values()], timeout=timeout)
             except (EngineError, SecurityError, asyncio.TimeoutError) as e:
                 log.warning("remove_engine(%r): its requests did not come back (%s); they "
                             "restart elsewhere", name, e)  # fmt: skip
         for call in calls.values():
-            call.cancel()  # what did not come back goes on elsewhere
+            if not call.returned.done():  # what did not come back goes on elsewhere
+                call.taken = True
+                call.task.cancel()
         if member.owned:  # made here from a URL: nobody else can close it
             await _aclose(member.engine)
 

@@ -30,13 +30,26 @@ from ._engine import Engine, EngineStatistics
 from ._errors import EngineError
 from ._remote import RemoteEngine
 
-__all__ = ["CHECK_TIMEOUT", "Fleet", "Member", "Moved", "State"]
+__all__ = ["CHECK_TIMEOUT", "Call", "Fleet", "Member", "Moved", "State"]
 
 CHECK_TIMEOUT = 30.0
 """Seconds a new engine has to answer ``statistics()`` before it is marked broken."""
 
 State = Literal["new", "serving", "behind", "broken"]
 Moved = Literal["continue", "restart"]
+
+
+@dataclass(eq=False)
+class Call:
+    """A request in flight on a member: the sample's task that awaits the engine's
+    ``generate`` (no task of its own: one per request costs the driver's CPU at hundreds
+    of samples a step), and ``returned``, done once that await ended however it did.
+    ``remove_engine`` marks it ``taken`` before it cancels the task: the sample then
+    goes on elsewhere."""
+
+    task: asyncio.Task[object]
+    returned: asyncio.Future[None]
+    taken: bool = False
 
 
 @dataclass(eq=False)
@@ -50,7 +63,7 @@ class Member:
     max_model_len: int | None = None
     loads_between_steps: bool = False  # a push stops its steps by itself (no pause needed)
     running: int = 0
-    calls: dict[str, asyncio.Future[object]] = field(default_factory=dict)  # generates
+    calls: dict[str, Call] = field(default_factory=dict)  # requests in flight, by id
     removed: Moved | None = None  # what its requests do now that it left
     owned: bool = False  # made here from a URL: closed with the coordinator
 

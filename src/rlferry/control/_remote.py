@@ -17,7 +17,7 @@ from rlferry.wire.lowlevel import AsyncResource
 
 from ._engine import Completion, EngineStatistics, GenerateRequest, PauseMode
 from ._errors import EngineClosed, EngineError, EngineGone
-from ._http import FRAME_DECODER, LENGTH, Abort, Pause, Transfer, Version
+from ._http import Abort, Frame, Pause, Transfer, Version, split_frames
 
 __all__ = ["CONNECT_TIMEOUT", "CONTROL_TIMEOUT", "RemoteEngine"]
 
@@ -147,20 +147,16 @@ class RemoteEngine(AsyncResource):
                         if not future.done():
                             future.set_exception(self._refused(path, resp.status, raw))
                     return
+                buf = bytearray()
                 while left:
-                    (size,) = LENGTH.unpack(await resp.content.readexactly(LENGTH.size))
-                    frame = FRAME_DECODER.decode(await resp.content.readexactly(size))
-                    future = left.pop(frame.at)
-                    if future.done():  # its caller stopped waiting (cancelled)
-                        continue
-                    if frame.completion is not None:
-                        future.set_result(frame.completion)
-                    elif frame.kind == "RequestError":
-                        future.set_exception(RequestError(frame.message, self.name))
-                    else:
-                        future.set_exception((EngineGone if frame.gone else EngineError)(
-                            self.name, f"{path}: {frame.kind}: {frame.message}"
-                        ))  # fmt: skip
+                    got = await resp.content.readany()
+                    if not got:  # the stream ended before every request did
+                        raise asyncio.IncompleteReadError(bytes(buf), None)
+                    buf += got
+                    frames, used = split_frames(buf)
+                    del buf[:used]
+                    for frame in frames:
+                        self._ended(frame, left.pop(frame.at), path)
         except (aiohttp.ClientError, asyncio.IncompleteReadError, msgspec.DecodeError,
                 KeyError, OSError) as e:  # fmt: skip
             why = (
@@ -175,6 +171,19 @@ class RemoteEngine(AsyncResource):
             for future in left.values():
                 if not future.done():
                     future.set_exception(self._closed_error(path))
+
+    def _ended(self, frame: Frame, future: asyncio.Future[Completion], path: str) -> None:
+        """Resolve a request's ``future`` with its frame's completion or error."""
+        if future.done():  # its caller stopped waiting (cancelled)
+            return
+        if frame.completion is not None:
+            future.set_result(frame.completion)
+        elif frame.kind == "RequestError":
+            future.set_exception(RequestError(frame.message, self.name))
+        else:
+            future.set_exception((EngineGone if frame.gone else EngineError)(
+                self.name, f"{path}: {frame.kind}: {frame.message}"
+            ))  # fmt: skip
 
     def _closed_error(self, path: str) -> EngineClosed:
         return EngineClosed(self.name, f"{path}: this RemoteEngine was closed (aclose())")

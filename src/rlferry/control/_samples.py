@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from rlferry.wire import SecurityError
 from ._changes import Changes
 from ._engine import Completion, FinishReason, GenerateRequest, SamplingParams
 from ._errors import EngineError
-from ._fleet import Fleet, Member
+from ._fleet import Call, Fleet, Member
 from ._records import Group
 from ._staleness import Staleness
 
@@ -48,6 +49,7 @@ class Unit:
     future: asyncio.Future[Group]
     completions: list[Completion | None] = field(default_factory=list)
     ended: int = 0  # samples finished or failed
+    version_start: int = 0  # its group's, once every sample finished
 
 
 class Samples:
@@ -148,15 +150,19 @@ class Samples:
             request_id=f"r{unit.id}-{i}-{len(tokens)}", prompt_ids=unit.prompt_ids + tokens,
             params=params,
         )  # fmt: skip
-        call: asyncio.Future[Completion] = asyncio.ensure_future(member.engine.generate(request))
-        member.calls[request.request_id] = call  # type: ignore[assignment]
+        task = asyncio.current_task()
+        assert task is not None  # a sample is a task (spawn)
+        call = Call(task, asyncio.get_running_loop().create_future())
+        member.calls[request.request_id] = call
         member.running += 1
         try:
-            return await call
+            return await member.engine.generate(request)
         except asyncio.CancelledError:
-            if self._changes.closed or member.removed is None or not call.cancelled():
+            if self._changes.closed or not call.taken:
                 raise
-            return None  # remove_engine took it back
+            if sys.version_info >= (3, 11):
+                task.uncancel()  # remove_engine took it back: the sample goes on
+            return None
         except (EngineError, SecurityError) as e:  # the engine's: out of rotation, on elsewhere
             why = e.reason if isinstance(e, EngineError) else str(e)
             self._fleet.mark(member, "broken", f"a request failed: {why}")
@@ -165,6 +171,7 @@ class Samples:
         finally:
             member.running -= 1
             member.calls.pop(request.request_id, None)
+            call.returned.set_result(None)
 
     def _ended(self, unit: Unit, done: Completion | None, error: BaseException | None) -> None:
         """A sample of ``unit`` finished, failed (``error``) or was cancelled (neither);
@@ -186,9 +193,14 @@ class Samples:
             else:
                 finished = [c for c in unit.completions if c is not None]
                 group = Group(group=unit.group, prompt_ids=unit.prompt_ids, completions=finished)
+                unit.version_start = group.version_start  # read at every take: once here
                 self.ready.append(unit)
                 unit.future.set_result(group)
-        self._changes.notify()
+        # what a waiter checks (a ready unit, the bound's room) changes only here: a sample
+        # that finished whole while others of its unit run changes neither (with no
+        # max_running, it moves from running to accepted)
+        if unit.ended == unit.n or done is None or self._bound.max_running is not None:
+            self._changes.notify()
 
     def take(self, groups: int, regenerate: bool) -> list[Unit] | None:
         """The ``groups`` oldest ready units that are fresh enough, once there are as many
@@ -197,7 +209,7 @@ class Samples:
         keep: deque[Unit] = deque()
         while self.ready:
             unit = self.ready.popleft()
-            if not self._bound.stale(unit.future.result().version_start):
+            if not self._bound.stale(unit.version_start):
                 keep.append(unit)
                 continue
             self._bound.discard(unit.n)
