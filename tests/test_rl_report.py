@@ -78,14 +78,22 @@ def test_summarize_computes_each_figure_from_the_steps():
             "train_seconds": 0.75,
             "sync_seconds": 0.25,
             "sync_share": 0.25,
+            "dispatch_seconds": 0.0,
             "rest_share": 0.0,
             "staleness_mean": 1.0,
             "staleness_max": 2,
         }
     )
-    # steps of 1 s with 0.6 s training and 0.25 s sync: 15% of a step is the driver's own
-    slower = [step(i, wall=1.0 * i, reward=0.5, wait=0.0, train_seconds=0.6) for i in (1, 2)]
-    assert summarize(RunRecord("r", {}, slower))["rest_share"] == pytest.approx(0.15)
+    # steps of 1 s with 0.6 s training and 0.25 s sync: 15% of a step is the driver's own,
+    # the requests an update let go among it
+    slower = [
+        step(i, wall=1.0 * i, reward=0.5, wait=0.0, train_seconds=0.6, dispatch_seconds=0.1)
+        for i in (1, 2)
+    ]
+    figures = summarize(RunRecord("r", {}, slower))
+    assert figures["rest_share"] == pytest.approx(0.15)
+    assert figures["dispatch_seconds"] == pytest.approx(0.1)
+    assert figures["sync_share"] == pytest.approx(0.25)
 
 
 def test_the_step_and_its_phases_are_read_over_the_steps_after_the_first():

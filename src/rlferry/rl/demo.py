@@ -284,9 +284,13 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                         time.monotonic() - t_begin)  # fmt: skip
                 t_train = time.monotonic() - t1
                 t2 = time.monotonic()
-                if config.sync:
-                    await slots.update(pusher(ranks, step, sent, pushed), version=step, timeout=120)
+                update = await slots.update(
+                    pusher(ranks, step, sent, pushed), version=step, timeout=120
+                ) if config.sync else None  # fmt: skip
+                # the update's own seconds; then the requests it let go start here, before
+                # the next train command (a partial update: all of it counts as sync)
                 t_sync = time.monotonic() - t2
+                t_update = t_sync if update is None else min(t_sync, update.seconds)
                 asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
                     gpus.read()
@@ -297,7 +301,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     samples_per_s=len(rewards) / max(1e-9, time.monotonic() - t0),
                     staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
                     generate_seconds=0.0, wait_seconds=t_wait,
-                    train_seconds=t_train, sync_seconds=t_sync,
+                    train_seconds=t_train, sync_seconds=t_update,
+                    dispatch_seconds=t_sync - t_update,
                     loss=sum(r["loss"] for r in results) / len(results), lags=lags,
                     version=coord.version,
                 )  # fmt: skip

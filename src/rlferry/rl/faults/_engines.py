@@ -35,6 +35,7 @@ from rlferry.control import (
     EngineStatistics,
     Group,
     RemoteEngine,
+    UpdateReport,
 )
 from rlferry.errors import RequestError
 
@@ -223,23 +224,27 @@ class Engines:
 
         self._catching = self._spawn(catch_up())
 
-    async def update(self, push: Any, *, version: int, timeout: float) -> None:
+    async def update(self, push: Any, *, version: int, timeout: float) -> UpdateReport | None:
         """``coord.update_weights`` to ``version``: an update that committed on some engines
         (the coordinator's version is ``version``) is done (the engines lost in it are
         replaced); one that committed nowhere is pushed again once a replacement joined,
-        :data:`UPDATE_TRIES` times at most."""
+        :data:`UPDATE_TRIES` times at most. Its report; None if it committed on some
+        engines only (a ``WeightUpdateError`` was heard)."""
         coord = self._coord
         assert coord is not None
         self._failed_in.clear()  # the last update's: their losses were heard since
-        for tries in range(1, UPDATE_TRIES + 1):
+        tries = 0
+        while True:
+            tries += 1
             try:
-                await self.guard(coord.update_weights(push, version=version, timeout=timeout))
-                return
+                return await self.guard(
+                    coord.update_weights(push, version=version, timeout=timeout)
+                )
             except EngineError as e:
                 for name in e.failures:
                     self._failed_in.setdefault(name, self.step)
                 if coord.version >= version:  # committed on the engines that serve
-                    return
+                    return None
                 if tries == UPDATE_TRIES:
                     raise
                 if not self._replacing:  # its watch may not have heard the loss yet

@@ -34,8 +34,9 @@ def summarize(run: RunRecord) -> dict[str, float]:
     push's plan; with one step, over it): ``step_seconds``: wall seconds per step;
     ``generate_seconds``, ``wait_seconds``, ``train_seconds``, ``sync_seconds``: the mean
     of each phase per step; ``sync_share``: weight sync's share of that wall time (0 to
-    1); ``rest_share``: the share of it that is neither waiting for rollouts, training
-    nor weight sync (the driver's own work: scoring, the queue's put, the coordinator);
+    1); ``dispatch_seconds``: the driver starting the requests an update let go, per
+    step; ``rest_share``: the share of it that is neither waiting for rollouts, training
+    nor weight sync (the driver's own work: those requests, scoring, the queue's put);
     ``staleness_mean`` /
     ``staleness_max``: over every trained sample's lag (over the steps' own figures where
     no step recorded its lags). A run without steps has 0 steps and samples and NaN for
@@ -73,6 +74,7 @@ def summarize(run: RunRecord) -> dict[str, float]:
         "train_seconds": sum(s.train_seconds for s in timed) / m,
         "sync_seconds": sum(s.sync_seconds for s in timed) / m,
         "sync_share": sum(s.sync_seconds for s in timed) / span if span > 0 else math.nan,
+        "dispatch_seconds": sum(s.dispatch_seconds for s in timed) / m,
         "rest_share": (
             1 - sum(s.wait_seconds + s.train_seconds + s.sync_seconds for s in timed) / span
             if span > 0
@@ -165,6 +167,7 @@ _FIGURES = (  # summarize's keys, in its table's order
     "train_seconds",
     "sync_seconds",
     "sync_share",
+    "dispatch_seconds",
     "rest_share",
     "staleness_mean",
     "staleness_max",
@@ -182,6 +185,10 @@ _ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
     "train_seconds": ("train (s per step, steps 2 on)", "{:.3f}".format),
     "sync_seconds": ("weight sync (s per step, steps 2 on)", "{:.3f}".format),
     "sync_share": ("weight-sync share of a step, steps 2 on (%)", lambda v: f"{v * 100:.1f}"),
+    "dispatch_seconds": (
+        "starting the requests an update let go (s per step, steps 2 on)",
+        "{:.3f}".format,
+    ),
     "rest_share": (
         "the rest: neither waiting, training nor sync (% of a step, steps 2 on)",
         lambda v: f"{v * 100:.1f}",

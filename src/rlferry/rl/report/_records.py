@@ -16,7 +16,9 @@ class StepRecord:
     divided by their number); ``wait_seconds``: the trainer waiting for rollouts (the
     batch not ready yet); ``train_seconds``: the trainer's forward, backward and
     optimizer step (the slower DP rank); ``sync_seconds``: the weight update (pause,
-    push, commit, resume). ``lags``: every trained sample's lag, in versions.
+    push, commit, resume); ``dispatch_seconds``: the driver starting the requests the
+    update let go (new rollouts wait while an update runs), before its next train
+    command. ``lags``: every trained sample's lag, in versions.
     """
 
     step: int
@@ -34,6 +36,7 @@ class StepRecord:
     loss: float
     lags: list[int] = field(default_factory=list)
     version: int = 0
+    dispatch_seconds: float = 0.0
 
 
 @dataclass
