@@ -292,6 +292,15 @@ def test_a_keep_update_of_engines_that_load_between_steps_is_the_push_alone():
             order = ["pause", "start_weight_update", "finish_weight_update", "resume"]
             assert [e.calls for e in engines] == [order, order]
             assert [await e.get_weight_version() for e in engines] == [2, 2]
+            # a push given as a function that returns its coroutine is awaited too
+            new = perturbed(trainer, 3)
+            await coord.update_weights(
+                lambda t: asyncio.to_thread(sender.push, new.items(), version=3, timeout=t),
+                version=3, timeout=30,
+            )  # fmt: skip
+            assert [await e.get_weight_version() for e in engines] == [3, 3]
+            want = fingerprint(list(new.items()))
+            assert [await e.fingerprint() for e in engines] == [want, want]
         finally:
             await close_all(coord, engines, sender)
 

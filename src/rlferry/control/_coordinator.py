@@ -273,8 +273,9 @@ class Coordinator(AsyncResource):
     ) -> UpdateReport:
         """Pause every engine that serves or lags, run ``push(seconds_left)`` (a function,
         run in a thread: e.g. ``lambda t: sender.push(model.state_dict().items(),
-        version=v, timeout=t)``; or a coroutine function, awaited), have each engine serve
-        what it committed, and resume every engine whatever happened.
+        version=v, timeout=t)``; or a coroutine function, or a function that returns an
+        awaitable, awaited), have each engine serve what it committed, and resume every
+        engine whatever happened.
 
         Raises:
             WeightUpdateError: (an :class:`EngineError`) a step failed; its ``stage``

@@ -233,7 +233,11 @@ async def _push(
     left = max(0.001, deadline - time.monotonic())
     try:
         pushing = push(left) if inspect.iscoroutinefunction(push) else asyncio.to_thread(push, left)
-        return await asyncio.wait_for(pushing, left + 1.0), False
+        result = await asyncio.wait_for(pushing, left + 1.0)
+        if inspect.isawaitable(result):  # a function that returned the push's coroutine
+            left = max(0.001, deadline - time.monotonic())
+            result = await asyncio.wait_for(result, left + 1.0)
+        return result, False
     except asyncio.TimeoutError:
         faults.add(PUSH, "push", f"did not return within {timeout} s")
         return None, True

@@ -20,8 +20,8 @@ from rlferry.errors import RequestError
 
 from .trainer import lora_config, trainer_main
 
-__all__ = ["START_TIMEOUT", "Processes", "RayProcesses", "answer", "call", "free_port",
-           "start_engine", "start_trainers"]  # fmt: skip
+__all__ = ["REPLY_TIMEOUT", "START_TIMEOUT", "Processes", "RayProcesses", "answer", "call",
+           "free_port", "start_engine", "start_trainers"]  # fmt: skip
 
 START_TIMEOUT = 300.0  # seconds a process may take to start (it imports torch)
 

@@ -5,15 +5,74 @@ run's closing figures."""
 from __future__ import annotations
 
 import asyncio
+from multiprocessing.connection import Connection
 from typing import Any
 
 from rlferry.control import Coordinator
 
 from ._config import DemoConfig
-from ._processes import answer
+from ._processes import REPLY_TIMEOUT, answer
 from .checkpoints import kill_point
 
-__all__ = ["closing_figures", "final_check", "pusher"]
+__all__ = ["ask", "closing_figures", "final_check", "pusher"]
+
+PUSH_MARGIN = 30.0
+"""Seconds a rank may take to answer a push beyond the push's own bound (it answers a
+failed push too, once its sender gave up)."""
+
+
+async def ask(conn: Any, rank: int, *cmd: Any, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
+    """Send trainer rank ``rank`` (at ``conn``) ``cmd`` and await its answer, at most
+    ``timeout`` seconds."""
+    await _send(conn, cmd)
+    return await _answer(conn, rank, timeout, cmd[0])
+
+
+async def _send(conn: Any, cmd: tuple[Any, ...]) -> None:
+    if isinstance(conn, Connection):  # a pipe: a command is a few bytes
+        conn.send(cmd)
+    else:  # a Ray actor's end: its call blocks
+        await asyncio.to_thread(conn.send, cmd)
+
+
+async def _answer(conn: Any, rank: int, timeout: float, what: str) -> dict[str, Any]:
+    """A rank's answer (``answer``): a pipe read once the event loop sees it readable (no
+    thread between the driver and the rank: a thread's hand-offs cost the driver's next
+    command time on busy cores); a Ray actor's end read on a thread.
+
+    Raises:
+        TimeoutError: no answer within ``timeout`` seconds (the rank is alive: its pipe
+            is open).
+        EOFError: the rank is gone (its pipe closed), naming it.
+        RuntimeError: the rank's own error, as it said it.
+    """
+    if not isinstance(conn, Connection):
+        return await asyncio.to_thread(answer, conn)
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+    fd = conn.fileno()
+
+    def seen() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(fd, seen)
+    try:
+        await asyncio.wait_for(readable, timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(
+            f"trainer rank {rank} did not answer {what!r} within {timeout:g} s (its process "
+            "is alive: see its output for where it stopped)"
+        ) from None
+    finally:
+        loop.remove_reader(fd)
+    try:
+        return answer(conn)
+    except EOFError:
+        raise EOFError(
+            f"trainer rank {rank} is gone: its pipe closed before it answered {what!r} (its "
+            "output says why)"
+        ) from None
 
 
 def pusher(
@@ -28,16 +87,16 @@ def pusher(
     if pushed is None:
         pushed = []
 
-    def push(seconds: float) -> dict[str, Any]:
+    async def push(seconds: float) -> dict[str, Any]:
         for conn in ranks:
-            conn.send(("push", version, seconds))
+            await _send(conn, ("push", version, seconds))
         kill_point("push", version)
         answers: list[dict[str, Any]] = []
         failed: list[BaseException] = []
-        for conn in ranks:
+        for rank, conn in enumerate(ranks):
             try:
-                answers.append(answer(conn))
-            except (RuntimeError, EOFError, OSError) as e:
+                answers.append(await _answer(conn, rank, seconds + PUSH_MARGIN, "push"))
+            except (RuntimeError, EOFError, OSError) as e:  # OSError: TimeoutError too
                 failed.append(e)
         if failed:
             raise failed[0]

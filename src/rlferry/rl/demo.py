@@ -49,13 +49,12 @@ from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
     Processes,
     RayProcesses,
-    call,
     free_port,
     start_engine,
     start_trainers,
 )
 from ._producer import Producer
-from ._ranks import closing_figures, pusher
+from ._ranks import ask, closing_figures, pusher
 from .checkpoints import Checkpoints, TrainedLog, check_resumable, job_state, kill_point, save_job
 from .faults import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from .report import RunRecord, StepRecord
@@ -266,7 +265,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 await client.put(f"train_{step}", data, meta=meta, timeout=60)
                 t1 = time.monotonic()
                 training = asyncio.gather(*(
-                    asyncio.to_thread(call, conn, "train", step) for _, conn in procs.trainers
+                    ask(conn, rank, "train", step) for rank, (_, conn) in enumerate(procs.trainers)
                 ))  # fmt: skip
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
