@@ -418,6 +418,7 @@ def _p2p_engine(rank, addresses, conn, device="cpu"):
         cmd, arg = msg if isinstance(msg, tuple) else ("wait", msg)
         if cmd == "hold":
             armed.set()
+            conn.send("armed")  # before the trainer ranks are told to push
             continue
         if cmd == "connect":  # trainer rank 1's replacement
             r.connect(1, arg, timeout=WAIT)
@@ -746,6 +747,8 @@ def push_3_and_kill(trainers, victim, arm, held):
     """Arm ``victim`` (a process and its pipe) to stop mid-stream, let the trainer ranks push
     version 3, kill it once it says ``held``; the time of the kill."""
     victim[1].send(arm)
+    if isinstance(arm, tuple):  # an engine rank: armed before a bucket of version 3 can come
+        assert recv(victim[1]) == "armed"  # (a trainer rank reads "hold" before its push)
     for _, c in trainers:
         c.send(3)
     assert recv(victim[1]) == held
