@@ -233,9 +233,7 @@ class Engines:
         coord = self._coord
         assert coord is not None
         self._failed_in.clear()  # the last update's: their losses were heard since
-        tries = 0
-        while True:
-            tries += 1
+        for tries in range(1, UPDATE_TRIES + 1):
             try:
                 return await self.guard(
                     coord.update_weights(push, version=version, timeout=timeout)
@@ -254,6 +252,7 @@ class Engines:
                 if not self._replacing:
                     raise
             await self.guard(self._joined())
+        raise AssertionError("unreachable")  # the last try returned or raised
 
     async def _loss_heard(self, timeout: float) -> None:
         """Return once a loss was heard, or after ``timeout`` seconds."""
