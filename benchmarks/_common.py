@@ -27,6 +27,21 @@ def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float
     return min(times), statistics.median(times)
 
 
+def device_ms(fn: Callable[[], object], repeat: int = 8) -> float:
+    """The median ms of ``fn`` to the CUDA device's end, after one warm-up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
 def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
     """Median time of one memcpy of ``nbytes`` between two pre-faulted buffers."""
     src = torch.ones(nbytes, dtype=torch.uint8)

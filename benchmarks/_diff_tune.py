@@ -12,19 +12,8 @@ from rlferry.weights.delta import _device_diff as E
 from rlferry.weights.delta import _diff_kernel as K
 
 sys.path.insert(0, "benchmarks")
+from _common import device_ms
 from _weights_engine import model_shapes
-
-
-def timed(fn, repeat=8):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -39,7 +28,7 @@ def main() -> None:
         flat[idx] ^= 1
         bases.append(b)
     total = sum(t.numel() * 2 for t in news)
-    copy = timed(lambda: [b.copy_(t) for b, t in zip(bases, news, strict=False)])
+    copy = device_ms(lambda: [b.copy_(t) for b, t in zip(bases, news, strict=False)])
     print(f"{len(news)} tensors, {total / 1e9:.2f} GB; copy {copy:.1f} ms")
     # restore the 1% difference after the copy
     for b in bases:
@@ -63,7 +52,7 @@ def main() -> None:
     ]:
         K.CHUNK = chunk
         shape = (tile, warps)
-        c = timed(lambda shape=shape: E._launch(K.count_blocks, rows, counts, dev, shape))
+        c = device_ms(lambda shape=shape: E._launch(K.count_blocks, rows, counts, dev, shape))
         starts = torch.zeros(blocks + 1, dtype=torch.int64, device=dev)
         torch.cumsum(counts, 0, out=starts[1:])
         sparse = []

@@ -55,6 +55,17 @@ def perturbed(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+async def produce(coord, rng, longest=60):
+    """Submit groups of 2 samples of random prompts forever: long and short rollouts, so
+    that updates land while some are running."""
+    k = 0
+    while True:
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
+        params = SamplingParams(max_tokens=rng.randrange(4, longest), temperature=1.0)
+        await coord.submit(prompt, params, n=2, group=k)
+        k += 1
+
+
 async def close_all(coord, engines, sender):
     await coord.aclose()
     for engine in engines:
@@ -69,15 +80,7 @@ def test_no_consumed_sample_lags_more_than_max_staleness(eta, stale):
         rng = random.Random(eta)
         coord = Coordinator(engines, batch_size=4, max_staleness=eta, stale=stale)
 
-        async def produce():
-            k = 0
-            while True:  # long and short rollouts, so updates land while some are running
-                prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
-                params = SamplingParams(max_tokens=rng.randrange(4, 60), temperature=1.0)
-                await coord.submit(prompt, params, n=2, group=k)
-                k += 1
-
-        producer = asyncio.ensure_future(produce())
+        producer = asyncio.ensure_future(produce(coord, rng))
         lags = []
         spanned = 0
         try:

@@ -192,14 +192,14 @@ class Coordinator(AsyncResource):
         """
         self._check_open("submit")
         params = params or SamplingParams()
-        request = GenerateRequest(request_id="check", prompt_ids=list(prompt_ids), params=params)
+        prompt = GenerateRequest(request_id="check", prompt_ids=list(prompt_ids)).prompt_ids
         most = self._bound.batch_size * (self._bound.max_staleness + 1)
         if type(n) is not int or not 1 <= n <= most:
             raise RequestError(
                 f"n: expected an int in [1, {most}] (batch_size x (max_staleness + 1)), got {n!r}"
             )
         await self._settle()
-        self._check_prompt(request)
+        self._fleet.check_prompt(prompt, params.max_tokens)
         self._waiting_submits += 1
         try:
             await self._changes.until(
@@ -210,34 +210,19 @@ class Coordinator(AsyncResource):
             )
         finally:
             self._waiting_submits -= 1
-        return self._samples.submit(group, request.prompt_ids, params, n).future
+        return self._samples.submit(group, prompt, params, n).future
 
-    def _check_prompt(self, request: GenerateRequest) -> None:
-        """Refuse a prompt that an engine of the fleet would refuse, before it is queued."""
-        vocab, length = self._fleet.limits()
-        prompt = request.prompt_ids
-        if vocab is not None:
-            bad = next((i for i, t in enumerate(prompt) if t >= vocab[0]), None)
-            if bad is not None:
-                raise RequestError(
-                    f"prompt_ids[{bad}]: expected a token id below {vocab[0]} (the vocab_size "
-                    f"of engine `{vocab[1]}`), got {prompt[bad]} (nothing was submitted)"
-                )
-        total = len(prompt) + request.params.max_tokens
-        if length is not None and total > length[0]:
-            raise RequestError(
-                f"prompt_ids, max_tokens: expected len(prompt_ids) + max_tokens <= {length[0]} "
-                f"(the max_model_len of engine `{length[1]}`), got {len(prompt)} + "
-                f"{request.params.max_tokens} = {total} (shorten the prompt or lower "
-                "max_tokens; nothing was submitted)"
-            )
-
-    async def batch(self, groups: int, *, timeout: float | None = None) -> list[Group]:
+    async def batch(
+        self, groups: int, *, timeout: float | None = None, trainer_version: int | None = None
+    ) -> list[Group]:
         """Take ``groups`` finished groups for one training step, oldest first.
 
-        A group that lags more than ``max_staleness`` versions now is dropped or
-        regenerated (``stale``), never returned: every returned group's
-        ``version_start`` is at least ``version - max_staleness``.
+        A group's lag is counted against the weights that train it: ``trainer_version``,
+        or the version now (None). Give ``version + 1`` to take the next step's batch while
+        this step trains, before its update (the update's push must end before that batch
+        trains). A group that lags more than ``max_staleness`` is dropped or regenerated
+        (``stale``), never returned: every returned group's ``version_start`` is at least
+        ``trainer_version - max_staleness``.
 
         Raises:
             CoordinatorTimeout: (a ``TimeoutError``) not enough fresh groups within
@@ -247,16 +232,23 @@ class Coordinator(AsyncResource):
         self._check_open("batch")
         if type(groups) is not int or groups < 1:
             raise RequestError(f"groups: expected an int >= 1, got {groups!r}")
-
+        if trainer_version is not None and (
+            type(trainer_version) is not int or trainer_version < self.version
+        ):
+            raise RequestError(
+                f"trainer_version: expected None or an int >= the version ({self.version}), "
+                f"got {trainer_version!r} (weights older than the version now do not train)"
+            )
+        regenerate = self.stale == "regenerate"
         units = await self._changes.until(
-            lambda: self._samples.take(groups, self.stale == "regenerate"),
+            lambda: self._samples.take(groups, regenerate, trainer_version),
             timeout,
             f"{groups} finished groups",
         )
         out = []
         for unit in units:
             group = unit.future.result()
-            lag = self._bound.lag(group.version_start)
+            lag = self._bound.lag(group.version_start, trainer_version)
             self._bound.consume(unit.n, lag)
             out.append(group)
         self._changes.notify()

@@ -158,6 +158,25 @@ class Fleet:
         length = [(m.max_model_len, m.name) for m in self if m.max_model_len is not None]
         return (min(vocab) if vocab else None), (min(length) if length else None)
 
+    def check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        """Refuse a prompt that a member would refuse, before it is queued."""
+        vocab, length = self.limits()
+        if vocab is not None:
+            bad = next((i for i, t in enumerate(prompt) if t >= vocab[0]), None)
+            if bad is not None:
+                raise RequestError(
+                    f"prompt_ids[{bad}]: expected a token id below {vocab[0]} (the vocab_size "
+                    f"of engine `{vocab[1]}`), got {prompt[bad]} (nothing was submitted)"
+                )
+        total = len(prompt) + max_tokens
+        if length is not None and total > length[0]:
+            raise RequestError(
+                f"prompt_ids, max_tokens: expected len(prompt_ids) + max_tokens <= {length[0]} "
+                f"(the max_model_len of engine `{length[1]}`), got {len(prompt)} + "
+                f"{max_tokens} = {total} (shorten the prompt or lower max_tokens; nothing "
+                "was submitted)"
+            )
+
     async def settle(self, version: int, max_staleness: int) -> None:
         """Ask every new member for its state, at once (one at a time across callers)."""
         async with self._lock:

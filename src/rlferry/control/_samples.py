@@ -202,16 +202,18 @@ class Samples:
         if unit.ended == unit.n or done is None or self._bound.max_running is not None:
             self._changes.notify()
 
-    def take(self, groups: int, regenerate: bool) -> list[Unit] | None:
-        """The ``groups`` oldest ready units that are fresh enough, once there are as many
-        (None before); the ready units that lag too much now are dropped or started again
-        (``regenerate``) first."""
+    def take(self, groups: int, regenerate: bool, trainer: int | None = None) -> list[Unit] | None:
+        """The ``groups`` oldest ready units that are fresh enough for the weights of version
+        ``trainer`` (None: the version now), once there are as many (None before); the ready
+        units that lag too much for it are dropped or started again (``regenerate``) first."""
         keep: deque[Unit] = deque()
+        stale = 0
         while self.ready:
             unit = self.ready.popleft()
-            if not self._bound.stale(unit.version_start):
+            if not self._bound.stale(unit.version_start, trainer):
                 keep.append(unit)
                 continue
+            stale += 1
             self._bound.discard(unit.n)
             if regenerate:
                 self._bound.regenerated += unit.n
@@ -221,6 +223,8 @@ class Samples:
                 )  # fmt: skip
                 self._start(again)
         self.ready = keep
+        if stale:  # the bound has room for what was dropped: a submit may go on
+            self._changes.notify()
         if len(self.ready) < groups:
             return None
         return [self.ready.popleft() for _ in range(groups)]

@@ -69,11 +69,13 @@ class Staleness:
         else:
             self.dropped += 1
 
-    def lag(self, version_start: int) -> int:
-        return self.version - version_start
+    def lag(self, version_start: int, trainer: int | None = None) -> int:
+        """How many versions the weights that train a sample (``trainer``; None: the
+        version now) are past those that started it."""
+        return (self.version if trainer is None else trainer) - version_start
 
-    def stale(self, version_start: int) -> bool:
-        return self.lag(version_start) > self.max_staleness
+    def stale(self, version_start: int, trainer: int | None = None) -> bool:
+        return self.lag(version_start, trainer) > self.max_staleness
 
     def consume(self, n: int, lag: int) -> None:
         self.consumed += n

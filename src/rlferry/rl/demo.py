@@ -10,7 +10,8 @@ every step:
    by event, while ``max_staleness`` would be exceeded);
 2. the driver takes the step's finished GRPO groups (``Coordinator.batch``: none staler
    than ``max_staleness``), scores them, computes group-normalized advantages and puts
-   them into the queue partition ``train_{step}`` (versions in the meta);
+   them into the queue partition ``train_{step}`` (versions in the meta); with
+   ``max_staleness >= 1``, the next step's while the ranks train this one (``_batches``);
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
 4. the coordinator pauses the engines, every trainer rank pushes its own shards through
@@ -38,10 +39,11 @@ from typing import Any
 
 import torch
 
-from rlferry.control import Coordinator, RemoteEngine, SamplingParams, rollout_columns
+from rlferry.control import Coordinator, RemoteEngine, SamplingParams
 from rlferry.errors import RequestError
 from rlferry.queue import Queue
 
+from ._batches import Batches
 from ._config import WARM, DemoConfig
 from ._gpu import GpuBusy
 from ._interrupts import run_hearing_ctrl_c
@@ -72,7 +74,6 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 
 
 async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
-    from .grpo import group_advantages
     from .model import make_model, warm_start
     from .task import ReverseTask
 
@@ -224,6 +225,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         stack.callback(gc.unfreeze)
         producer = asyncio.ensure_future(produced.run(coord, params, config.group_size))
         client = queue.async_client()
+        batches = Batches(slots, coord, produced, client, groups=config.groups_per_step,
+                          group_size=config.group_size, sync=config.sync)  # fmt: skip
         t_start = time.monotonic()
         wall0 = record.steps[-1].wall if record.steps else 0.0  # a resumed run's wall so far
         written: list[tuple[float, int]] = []  # each checkpoint's seconds and bytes
@@ -253,20 +256,17 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             for step in range(done + 1, config.steps + 1):
                 t0 = time.monotonic()
                 slots.step = step
-                groups = await slots.batch(config.groups_per_step, timeout=600)
-                t_wait = time.monotonic() - t0
-                lags = [coord.version - min(c.versions) for g in groups for c in g.completions]
-                rewards, uids = produced.score(groups)
-                data, meta = rollout_columns(groups)
-                adv = group_advantages(torch.tensor(rewards), config.group_size)
-                data["advantages"] = adv
-                meta["reward"] = rewards
-                asyncio.get_running_loop().call_soon(kill_point, "put", step)
-                await client.put(f"train_{step}", data, meta=meta, timeout=60)
+                taken = await batches.take(step)
+                rewards, uids, lags = taken.rewards, taken.uids, taken.lags
+                t_wait = max(0.0, taken.at - t0)
                 t1 = time.monotonic()
                 training = asyncio.gather(*(
                     ask(conn, rank, "train", step) for rank, (_, conn) in enumerate(procs.trainers)
                 ))  # fmt: skip
+                if config.max_staleness and step < config.steps and not (
+                        ckpts is not None and config.checkpoint_every
+                        and step % config.checkpoint_every == 0):  # fmt: skip
+                    batches.ahead(step + 1)  # a checkpoint holds no batch taken ahead
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
                     kill_point("resumed", step)
@@ -327,6 +327,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 pushed=pushed,
             ))  # fmt: skip
         finally:
+            batches.cancel()
             await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():

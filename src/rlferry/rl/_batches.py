@@ -1,0 +1,99 @@
+"""The demo's training batches: a step's finished groups taken from the coordinator,
+scored, and put into the queue for the trainer ranks; the next step's while this one
+trains.
+
+A batch taken ahead is counted against the weights that will train it, the next
+version's (``Coordinator.batch(trainer_version=...)``): the staleness bound holds as if
+it had been taken after the update. With it the trainer ranks start their next step as
+soon as the update ends, not after the driver took, scored and put a batch (29 ms a step
+of 512 samples on an H200 host, the ranks idle meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlferry.control import Coordinator, rollout_columns
+
+from ._producer import Producer
+from .checkpoints import kill_point
+from .faults import Engines
+from .grpo import group_advantages
+
+__all__ = ["Batches", "Taken"]
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A step's batch, in the queue: its rewards and uids (the producer's), each sample's
+    lag behind the weights that train it, and when its groups were taken (monotonic)."""
+
+    rewards: list[float]
+    uids: list[str]
+    lags: list[int]
+    at: float
+
+
+class Batches:
+    """Step ``s``'s batch goes into queue partition ``train_{s}`` (``client``: an async
+    queue client), ``groups`` GRPO groups of ``group_size`` samples a step. ``sync``: the
+    engines get each update (the version moves)."""
+
+    def __init__(
+        self, slots: Engines, coord: Coordinator, produced: Producer, client: Any, *,
+        groups: int, group_size: int, sync: bool,
+    ) -> None:  # fmt: skip
+        self._slots, self._coord, self._produced, self._client = slots, coord, produced, client
+        self._groups, self._size, self._sync = groups, group_size, sync
+        self._ahead: tuple[int, asyncio.Task[Taken], list[bool]] | None = None
+
+    async def take(self, step: int) -> Taken:
+        """Step ``step``'s batch, in the queue: the one taken ahead, or taken now. One
+        still waiting for its rollouts is taken again here, where a fleet that lost every
+        engine is caught up (the trainer ranks are idle)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            at, task, taken = ahead
+            assert at == step, f"a batch taken ahead for step {at}, asked for {step}"
+            if taken[0] or task.done():
+                return await task
+            task.cancel()  # still waiting in Coordinator.batch
+            await asyncio.wait([task])
+            if not task.cancelled():  # it took its groups as the cancel came: those
+                return task.result()
+        return await self._prepare(step, None, [False])
+
+    def ahead(self, step: int) -> None:
+        """Start taking step ``step``'s batch while the trainer ranks train the step before
+        (its update not pushed yet): counted against the version that update makes."""
+        trainer = self._coord.version + (1 if self._sync else 0)
+        taken = [False]
+        task = asyncio.ensure_future(self._prepare(step, trainer, taken))
+        self._ahead = (step, task, taken)
+
+    def cancel(self) -> None:
+        """Stop taking a batch ahead (the run ended before its step: its error is another)."""
+        if self._ahead is not None:
+            task = self._ahead[1]
+            self._ahead = None
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _prepare(self, step: int, trainer: int | None, taken: list[bool]) -> Taken:
+        groups = await self._slots.batch(self._groups, timeout=600, trainer_version=trainer)
+        taken[0] = True
+        at = time.monotonic()
+        version = self._coord.version if trainer is None else trainer
+        lags = [version - min(c.versions) for g in groups for c in g.completions]
+        rewards, uids = self._produced.score(groups)
+        data, meta = rollout_columns(groups)
+        data["advantages"] = group_advantages(torch.tensor(rewards), self._size)
+        meta["reward"] = rewards
+        asyncio.get_running_loop().call_soon(kill_point, "put", step)
+        await self._client.put(f"train_{step}", data, meta=meta, timeout=60)
+        return Taken(rewards, uids, lags, at)
