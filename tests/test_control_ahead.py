@@ -125,8 +125,8 @@ async def _batches(groups: int = 2, size: int = 2):
 @pytest.mark.parametrize("first_run", [False, True])
 def test_a_batch_taken_ahead_is_the_steps_batch_once(first_run):
     """``first_run``: the batch taken ahead ran (took its groups) before the step asked for
-    it; else the step asks first, which takes it anew. Either way one batch is consumed and
-    its rows are the partition's."""
+    it; else the step asks first and waits for it. Either way one batch is consumed and its
+    rows are the partition's."""
 
     async def main():
         batches, coord, client, close = await _batches()

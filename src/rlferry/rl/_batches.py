@@ -50,31 +50,24 @@ class Batches:
     ) -> None:  # fmt: skip
         self._slots, self._coord, self._produced, self._client = slots, coord, produced, client
         self._groups, self._size, self._sync = groups, group_size, sync
-        self._ahead: tuple[int, asyncio.Task[Taken], list[bool]] | None = None
+        self._ahead: tuple[int, asyncio.Task[Taken]] | None = None
 
     async def take(self, step: int) -> Taken:
-        """Step ``step``'s batch, in the queue: the one taken ahead, or taken now. One
-        still waiting for its rollouts is taken again here, where a fleet that lost every
-        engine is caught up (the trainer ranks are idle)."""
+        """Step ``step``'s batch, in the queue: the one taken ahead, or taken now. While
+        one taken ahead still waits for its rollouts, a fleet that lost every engine is
+        caught up (the trainer ranks are idle: ``Engines.idle``)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            at, task, taken = ahead
-            assert at == step, f"a batch taken ahead for step {at}, asked for {step}"
-            if taken[0] or task.done():
-                return await task
-            task.cancel()  # still waiting in Coordinator.batch
-            await asyncio.wait([task])
-            if not task.cancelled():  # it took its groups as the cancel came: those
-                return task.result()
-        return await self._prepare(step, None, [False])
+        if ahead is None:
+            return await self._prepare(step, None)
+        at, task = ahead
+        assert at == step, f"a batch taken ahead for step {at}, asked for {step}"
+        return await self._slots.idle(task)
 
     def ahead(self, step: int) -> None:
         """Start taking step ``step``'s batch while the trainer ranks train the step before
         (its update not pushed yet): counted against the version that update makes."""
         trainer = self._coord.version + (1 if self._sync else 0)
-        taken = [False]
-        task = asyncio.ensure_future(self._prepare(step, trainer, taken))
-        self._ahead = (step, task, taken)
+        self._ahead = (step, asyncio.ensure_future(self._prepare(step, trainer)))
 
     def cancel(self) -> None:
         """Stop taking a batch ahead (the run ended before its step: its error is another)."""
@@ -84,9 +77,8 @@ class Batches:
             task.cancel()
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _prepare(self, step: int, trainer: int | None, taken: list[bool]) -> Taken:
+    async def _prepare(self, step: int, trainer: int | None) -> Taken:
         groups = await self._slots.batch(self._groups, timeout=600, trainer_version=trainer)
-        taken[0] = True
         at = time.monotonic()
         version = self._coord.version if trainer is None else trainer
         lags = [version - min(c.versions) for g in groups for c in g.completions]

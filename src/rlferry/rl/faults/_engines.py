@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -34,14 +33,13 @@ from rlferry.control import (
     EngineGone,
     EngineStatistics,
     Group,
-    RemoteEngine,
     UpdateReport,
 )
 from rlferry.errors import RequestError
 
 log = logging.getLogger("rlferry.rl")
 
-__all__ = ["ENGINE_RESTARTS", "Engines", "Loss", "generating", "process_slots", "ray_slots"]
+__all__ = ["ENGINE_RESTARTS", "Engines", "Loss", "generating"]
 
 T = TypeVar("T")
 ENGINE_RESTARTS = 3
@@ -52,7 +50,6 @@ UPDATE_TIMEOUT = 120.0  # seconds a catch-up may take, as the demo's updates
 LOSS_GRACE = 10.0
 """Seconds an update that found no engine waits for the watches to hear their loss (an
 engine's process exit reaches the driver after its broken connection may)."""
-FOREVER = 365 * 86400.0  # a watch's bound: as long as the run
 
 Start = Callable[[int], Awaitable[Any]]  # a new engine for slot i, serving
 # why slot i's engine ended, once it did (None: it stopped as asked, not lost)
@@ -177,10 +174,9 @@ class Engines:
 
     async def guard(self, call: Coroutine[Any, Any, T]) -> T:
         """``call``'s outcome; if every engine is lost for good first, that error instead.
-        ``call`` runs in the caller's task (no task of its own): its result reaches the
-        caller before the tasks it woke run (an update's caller sends its next command
-        before the requests the update let go start: 10-12 ms a step of 512 samples on
-        an H200 host, which a task's hand-off put on the trainer's path)."""
+        ``call`` runs in the caller's task: its result reaches the caller before the tasks
+        it woke (the requests an update let go: 11 ms a step of 512 samples on an H200
+        host) start, not after, so the next command goes first."""
         if self._failed.done():
             call.close()
             self._failed.result()
@@ -209,20 +205,25 @@ class Engines:
     async def batch(
         self, groups: int, *, timeout: float, trainer_version: int | None = None
     ) -> list[Group]:
-        """``coord.batch``; while it waits, a fleet where no engine serves is brought to the
-        trainer's version as soon as a replacement joined (``Coordinator.catch_up``: else
-        no batch would come before the next update). Returns once no catch-up pushes (the
-        trainer ranks take one command at a time). A batch taken ahead for
-        ``trainer_version`` (while the ranks train) catches nothing up."""
+        """``coord.batch``; while it waits (the trainer ranks idle: see :meth:`idle`), a
+        fleet where no engine serves is caught up. One taken ahead for ``trainer_version``,
+        while the ranks train, catches nothing up."""
         assert self._coord is not None
-        if trainer_version is not None:
-            return await self.guard(
-                self._coord.batch(groups, timeout=timeout, trainer_version=trainer_version)
-            )
+        call = self.guard(
+            self._coord.batch(groups, timeout=timeout, trainer_version=trainer_version)
+        )  # fmt: skip
+        return await (call if trainer_version is not None else self.idle(call))
+
+    async def idle(self, waiting: Awaitable[T]) -> T:
+        """Await ``waiting`` (a batch) while the trainer ranks are idle: meanwhile a fleet
+        where no engine serves is brought to the trainer's version as soon as a
+        replacement joined (``Coordinator.catch_up``: else no batch would come before the
+        next update). Returns once no catch-up pushes (the ranks take one command at a
+        time)."""
         self._batching = True
         try:
             self._catch_up()
-            return await self.guard(self._coord.batch(groups, timeout=timeout))
+            return await waiting
         finally:
             self._batching = False
             if self._catching is not None:
@@ -350,50 +351,3 @@ def generating(before: list[Any], now: list[Any]) -> float:
             since = a.step_seconds if a is not None and a.step_seconds <= b.step_seconds else 0.0
             out += b.step_seconds - since
     return out
-
-
-def process_slots(procs: Any, start_one: Callable[[int], str]) -> tuple[Start, Ended]:
-    """Local launcher: a slot's new engine is a new process (``start_one(i)``: its URL;
-    ``procs.engine_of[i]``: its process), lost when the process exits other than as asked
-    (``rlferry serve engine`` exits 0 on SIGINT and SIGTERM: a Ctrl-C reaches the engines
-    of the run too, which then end with it)."""
-
-    async def start(i: int) -> Any:
-        url = await asyncio.to_thread(start_one, i)
-        return RemoteEngine(url, name=f"engine{i}")
-
-    async def ended(i: int, handle: Any) -> str | None:
-        proc = procs.engine_of[i]
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
-
-        def wait() -> None:  # a thread of its own: the loop's pool ends with the run
-            code = proc.wait()
-            with contextlib.suppress(RuntimeError):  # the run's loop closed: none waits
-                loop.call_soon_threadsafe(_settle, done, code)
-
-        threading.Thread(target=wait, name=f"rlferry-engine{i}-watch", daemon=True).start()
-        code = await done
-        if code == 0:  # it stopped on SIGINT or SIGTERM: asked to (a Ctrl-C reaches it too)
-            return None
-        return f"its process (pid {proc.pid}) exited with code {code}"
-
-    return start, ended
-
-
-def _settle(future: asyncio.Future[int], code: int) -> None:
-    if not future.done():  # a watch cancelled at the run's end is not told
-        future.set_result(code)
-
-
-def ray_slots(actors: Any) -> tuple[Start, Ended]:
-    """On Ray: a slot's new engine is its actor once Ray restarted it
-    (``RayEngines.restarted``), ended when Ray reports the actor dead."""
-
-    async def start(i: int) -> Any:
-        return await actors.restarted(i)
-
-    async def ended(i: int, handle: Any) -> str:
-        return f"actor `{handle.actor_name}` died: {await handle.ended(FOREVER)}"
-
-    return start, ended
