@@ -10,8 +10,7 @@ every step:
    by event, while ``max_staleness`` would be exceeded);
 2. the driver takes the step's finished GRPO groups (``Coordinator.batch``: none staler
    than ``max_staleness``), scores them, computes group-normalized advantages and puts
-   them into the queue partition ``train_{step}`` (versions in the meta); with
-   ``max_staleness >= 1``, the next step's while the ranks train this one (``_batches``);
+   them into the queue partition ``train_{step}`` (versions in the meta);
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
 4. the coordinator pauses the engines, every trainer rank pushes its own shards through
@@ -226,7 +225,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         producer = asyncio.ensure_future(produced.run(coord, params, config.group_size))
         client = queue.async_client()
         batches = Batches(slots, coord, produced, client, groups=config.groups_per_step,
-                          group_size=config.group_size, sync=config.sync)  # fmt: skip
+                          group_size=config.group_size)  # fmt: skip
         t_start = time.monotonic()
         wall0 = record.steps[-1].wall if record.steps else 0.0  # a resumed run's wall so far
         written: list[tuple[float, int]] = []  # each checkpoint's seconds and bytes
@@ -263,10 +262,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 training = asyncio.gather(*(
                     ask(conn, rank, "train", step) for rank, (_, conn) in enumerate(procs.trainers)
                 ))  # fmt: skip
-                if config.max_staleness and step < config.steps and not (
-                        ckpts is not None and config.checkpoint_every
-                        and step % config.checkpoint_every == 0):  # fmt: skip
-                    batches.ahead(step + 1)  # a checkpoint holds no batch taken ahead
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
                     kill_point("resumed", step)
@@ -327,7 +322,6 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 pushed=pushed,
             ))  # fmt: skip
         finally:
-            batches.cancel()
             await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():
