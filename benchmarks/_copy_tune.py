@@ -9,6 +9,7 @@ a flat device copy of the same bytes and ``torch._foreach_copy_``.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import sys
 
@@ -32,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--pairs-only", action="store_true", help="no sweep of the kernel's settings")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = model_shapes(args.model, 1)
@@ -45,6 +47,21 @@ def main() -> None:
     print(f"flat copy: {flat:.2f} ms ({2 * nbytes / flat / 1e6:.0f} GB/s read + write)")
     fe = device_ms(lambda: torch._foreach_copy_(dst, src), args.repeat)
     print(f"_foreach_copy_: {fe:.2f} ms, {fe / flat:.2f}x flat")
+
+    # the library's GroupedCopy on three pairings of the same tensors: into other tensors (a
+    # push's), among the sources rotated within each shape (weights.py's in-process row),
+    # each onto itself
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = collections.defaultdict(list)
+    for t in src:
+        groups[tuple(t.shape)].append(t)
+    rot_d = [t for g in groups.values() for t in g]
+    rot_s = [t for g in groups.values() for t in g[1:] + g[:1]]
+    for name, d, s in (("into other tensors", dst, src), ("rotated among the sources", rot_d,
+                       rot_s), ("each onto itself", src, src)):  # fmt: skip
+        ms = device_ms(C.GroupedCopy(d, s), args.repeat)
+        print(f"GroupedCopy, {name}: {ms:.2f} ms, {ms / flat:.2f}x flat")
+    if args.pairs_only:
+        return
 
     runs = [C.runs(d, s) for d, s in zip(dst, src, strict=True)]
     assert all(r is not None for r in runs)

@@ -284,7 +284,8 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
              "bandwidth of a 4 GiB copy, for these bytes"),
         _row("device-to-device copy, per tensor (_foreach_copy_)", per_tensor, nbytes, flat),
         _row("device-to-device copy, per tensor, one launch (GroupedCopy)", grouped, nbytes,
-             flat),
+             flat, "among the state's own tensors: each read and written in one launch "
+             "(into other tensors: ~14% less, _copy_tune.py --pairs-only)"),
         *[_row(n + " (baseline)", s, nbytes, flat) for n, s in base_rows],
         _row("rlferry cuda_ipc, packed (zero_copy=False: ping-pong, handles opened once)",
              packed, nbytes, flat, f"buckets of {pused / _GiB:.2f} GiB"),
