@@ -125,8 +125,16 @@ def test_broadcast_a_failing_load_keeps_the_group_in_step():
     assert list(e.value.failures) == ["bad"]
     assert e.value.failures["bad"].startswith("load raised ValueError: bad shard (at bucket 0 of ")
     assert e.value.report.receivers == ("good",) and good.equals(sd)
-    report = sender.push(sd.items(), version=2, timeout=60)
-    assert report.receivers == ("good", "bad") and (r0.version, r1.version) == (2, 2)
+    # the failed receiver takes part again once it asked for work; a push that starts
+    # before goes to the receivers ready (WeightSender.push), on a loaded machine "good"
+    version, deadline = 1, time.monotonic() + 30
+    while True:
+        version += 1
+        report = sender.push(sd.items(), version=version, timeout=60)
+        if report.receivers == ("good", "bad") or time.monotonic() > deadline:
+            break
+    assert report.receivers == ("good", "bad")
+    assert (r0.version, r1.version) == (version, version)
     r0.close()
     r1.close()
     sender.close()
