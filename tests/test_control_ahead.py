@@ -54,7 +54,8 @@ def test_a_batch_for_weights_older_than_the_version_is_refused():
                     await coord.batch(1, timeout=1, trainer_version=bad)
                 assert str(e.value) == (
                     f"trainer_version: expected None or an int >= the version (3), got "
-                    f"{bad!r} (weights older than the version now do not train)"
+                    f"{bad!r} (the version of the weights that will train the batch: None "
+                    "for those now, 4 to take it before the update)"
                 )
         engine.close()
 

@@ -237,7 +237,8 @@ class Coordinator(AsyncResource):
         ):
             raise RequestError(
                 f"trainer_version: expected None or an int >= the version ({self.version}), "
-                f"got {trainer_version!r} (weights older than the version now do not train)"
+                f"got {trainer_version!r} (the version of the weights that will train the "
+                f"batch: None for those now, {self.version + 1} to take it before the update)"
             )
         regenerate = self.stale == "regenerate"
         units = await self._changes.until(
