@@ -66,6 +66,14 @@ async def produce(coord, rng, longest=60):
         k += 1
 
 
+async def update_to(coord, sender, trainer, step, **kw):
+    """The trainer steps (its weights perturbed) and the coordinator pushes version ``step``."""
+    state = perturbed(trainer, step)
+    await coord.update_weights(
+        lambda t: sender.push(state.items(), version=step, timeout=t), version=step, **kw
+    )
+
+
 async def close_all(coord, engines, sender):
     await coord.aclose()
     for engine in engines:
@@ -92,11 +100,8 @@ def test_no_consumed_sample_lags_more_than_max_staleness(eta, stale):
                         lags.append(coord.version - min(c.versions))
                         spanned += len(set(c.versions)) > 1
                 await asyncio.sleep(rng.uniform(0, 0.05))  # the trainer's step
-                state = perturbed(trainer, step)
-                await coord.update_weights(
-                    lambda t, s=state, v=step: sender.push(s.items(), version=v, timeout=t),
-                    version=step, mode=rng.choice(["keep", "abort", "wait"]), timeout=60,
-                )  # fmt: skip
+                mode = rng.choice(["keep", "abort", "wait"])
+                await update_to(coord, sender, trainer, step, mode=mode, timeout=60)
         finally:
             producer.cancel()
             await close_all(coord, engines, sender)
@@ -159,11 +164,7 @@ def test_a_restored_coordinator_keeps_staleness_bounded():
             for k in range(2):
                 await coord.submit([1, 2], params, group=k)
             await coord.batch(2, timeout=30)
-            state = perturbed(trainer, step)
-            await coord.update_weights(
-                lambda t, s=state, v=step: sender.push(s.items(), version=v, timeout=t),
-                version=step, timeout=30,
-            )  # fmt: skip
+            await update_to(coord, sender, trainer, step, timeout=30)
         saved = coord.state_dict()
         await coord.aclose()
         again = Coordinator(engines, batch_size=2, max_staleness=1)

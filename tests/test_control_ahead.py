@@ -10,7 +10,7 @@ from rlferry.control import Coordinator, CoordinatorTimeout, SamplingParams
 
 pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 from rlferry.engines.hf import HFEngine
-from test_control import close_all, engines_with_sender, perturbed, produce, tiny_model
+from test_control import close_all, engines_with_sender, produce, tiny_model, update_to
 
 
 @pytest.mark.parametrize(("eta", "stale"), [(1, "drop"), (2, "regenerate"), (2, "drop")])
@@ -29,11 +29,7 @@ def test_a_batch_taken_before_the_update_lags_no_more_than_max_staleness_when_tr
                 trained_by = step - 1  # the weights that train this step's batch
                 lags += [trained_by - min(c.versions) for g in batch for c in g.completions]
                 ahead = await coord.batch(2, timeout=60, trainer_version=coord.version + 1)
-                state = perturbed(trainer, step)
-                await coord.update_weights(
-                    lambda t, s=state, v=step: sender.push(s.items(), version=v, timeout=t),
-                    version=step, timeout=60,
-                )  # fmt: skip
+                await update_to(coord, sender, trainer, step, timeout=60)
                 batch = ahead
         finally:
             producer.cancel()

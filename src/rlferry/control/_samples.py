@@ -223,7 +223,7 @@ class Samples:
                 )  # fmt: skip
                 self._start(again)
         self.ready = keep
-        if stale:  # the bound has room for what was dropped: a submit may go on
+        if stale and not regenerate:  # room for what was dropped: a submit may go on
             self._changes.notify()
         if len(self.ready) < groups:
             return None
