@@ -7,9 +7,11 @@ tokens, a response of 1-6), padded to 12 tokens. Both runs start from the same w
 and train on the same batches: the eager run (the baseline: what a rank of several runs)
 and the graphed one (one GPU's); their weights must agree after the last step. Prints
 p50 / p90 / max of each step after the first, their ratio, and the step's
-roofline estimate (FLOPs and bytes at the rates measured on the device).
+roofline estimate (FLOPs and bytes at the rates measured on the device). ``--profile N``:
+the N kernels of the graphed step that take the most device time (``torch.profiler`` over
+a few replays).
 
-    python benchmarks/train_step.py --device cuda --groups 16,64
+    python benchmarks/train_step.py --device cuda --groups 16,64 --profile 25
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from rlferry.rl.grpo import GrpoBatch
+from rlferry.rl.grpo import GrpoBatch, PaddedBatch
 from rlferry.rl.model import make_model
 from rlferry.rl.task import ReverseTask
 from rlferry.rl.trainer._roofline import measure_peaks, step_roofline
@@ -32,8 +34,9 @@ from _common import table
 
 
 def _batches(task: ReverseTask, rows: int, n: int, seed: int) -> list[GrpoBatch]:
-    """``n`` batches like the demo's: prompts, responses of 1 to max_tokens ids, engine
-    logprobs near the model's, advantages of either sign."""
+    """``n`` batches as a demo's rank gets them from the queue (a tensor a row): prompts,
+    responses of 1 to max_tokens ids, engine logprobs near the model's, advantages of
+    either sign."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -45,12 +48,15 @@ def _batches(task: ReverseTask, rows: int, n: int, seed: int) -> list[GrpoBatch]
         ]
         logprobs = [[-2.5 + 0.1 * rng.random() for _ in r] for r in responses]
         adv = [rng.gauss(0.0, 1.0) for _ in range(rows)]
-        out.append(GrpoBatch(prompts, responses, logprobs, adv))
+        rows_of = lambda xs, dt: [torch.tensor(x, dtype=dt) for x in xs]  # noqa: E731
+        out.append(GrpoBatch(rows_of(prompts, torch.long), rows_of(responses, torch.long),
+                             rows_of(logprobs, torch.float32), torch.tensor(adv)))  # fmt: skip
     return out
 
 
 def _run(model: torch.nn.Module, batches: list[GrpoBatch], rows: int, width: int,
-         graphed: bool, dtype: torch.dtype | None) -> tuple[list[float], float]:  # fmt: skip
+         graphed: bool, dtype: torch.dtype | None,
+         profile: int) -> tuple[list[float], float]:  # fmt: skip
     params = list(model.parameters())
     cuda = params[0].device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0, fused=cuda, capturable=graphed)
@@ -63,7 +69,34 @@ def _run(model: torch.nn.Module, batches: list[GrpoBatch], rows: int, width: int
         t0 = time.perf_counter()
         step(b)  # ends on the step's figures read: the device is done
         times.append(time.perf_counter() - t0)
+    if graphed and profile:
+        _profile(step, batches[-3:], profile)
     return times[1:], made
+
+
+def _profile(step: TrainStep, batches: list[GrpoBatch], top: int) -> None:
+    """Print the ``top`` kernels by device time over the replays of ``batches``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            t0 = time.perf_counter()
+            step(b)
+            walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for b in batches:
+        PaddedBatch.of(b, step.width)
+    host = (time.perf_counter() - t0) / len(batches)
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / len(batches)
+    kernels = sum(e.count for e in events) // len(batches)
+    print(
+        f"the graphed step: {kernels} kernels, {total / 1e3:.1f} ms of device time; the steps "
+        f"took {', '.join(f'{1e3 * w:.1f}' for w in walls)} ms, of which padding the batch on "
+        f"the host {1e3 * host:.1f} ms"
+    )
+    print(events.table(sort_by="device_time_total", row_limit=top, max_name_column_width=90))
 
 
 def main() -> None:
@@ -72,6 +105,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--groups", default="16", help="GRPO groups of 8 a step, comma-separated")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", type=int, default=0, help="print the graphed step's N top kernels")
     a = p.parse_args()
     device = torch.device(a.device)
     task = ReverseTask()
@@ -93,7 +127,9 @@ def main() -> None:
         models = {}
         for graphed in (False, True) if device.type == "cuda" else (False,):
             models[graphed] = copy.deepcopy(base)
-            runs[graphed], made[graphed] = _run(models[graphed], batches, rows, width, graphed, low)
+            runs[graphed], made[graphed] = _run(
+                models[graphed], batches, rows, width, graphed, low, a.profile
+            )
         if True in models:  # the same weights after the same steps
             worst = max(
                 float((x - y).detach().abs().max())

@@ -47,6 +47,74 @@ def test_padded_batch_places_every_token_and_the_engine_logprobs():
     assert response.tolist() == p.response_mask.bool().tolist()
 
 
+def test_padded_batch_is_the_same_from_lists_tensors_and_arrays():
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))] for _ in range(40)]
+    responses = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 5))] for _ in range(40)]
+    logprobs = [[-rng.random() for _ in r] for r in responses]
+    adv = [rng.gauss(0, 1) for _ in range(40)]
+    want = PaddedBatch.of(GrpoBatch(prompts, responses, logprobs, adv), 12)
+    as_rows = {  # the queue's ragged columns are a 1-D tensor a row
+        "tensors": lambda xs, dt: [torch.tensor(x, dtype=dt) for x in xs],
+        "column tensors": lambda xs, dt: [torch.tensor(x, dtype=dt).view(-1, 1) for x in xs],
+        "arrays": lambda xs, dt: [torch.tensor(x, dtype=dt).numpy() for x in xs],
+        "tuples": lambda xs, dt: [tuple(x) for x in xs],
+    }
+    for name, rows in as_rows.items():
+        got = PaddedBatch.of(GrpoBatch(rows(prompts, torch.long), rows(responses, torch.long),
+                                       rows(logprobs, torch.float32), adv), 12)  # fmt: skip
+        assert got.tokens == want.tokens, name
+        for a, b in zip(got.tensors(), want.tensors(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_short_attention_is_sdpa_forward_and_backward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlferry.rl.trainer._attention import SHORT, short_attention
+
+    class Layer(torch.nn.Module):  # what the attention functions read of a layer
+        is_causal = True
+        num_key_value_groups = 4
+
+    torch.manual_seed(0)
+    for rows, width in ((5, 1), (3, 12), (2, SHORT + 3)):  # the last goes to SDPA itself
+        q = torch.randn(rows, 8, width, 16, requires_grad=True)
+        kv = [torch.randn(rows, 2, width, 16, requires_grad=True) for _ in range(2)]
+        mask = torch.ones((width, width), dtype=torch.bool).tril()[None, None]
+        outs = []
+        for fn in (sdpa_attention_forward, short_attention):
+            out, _ = fn(Layer(), q, *kv, mask, scaling=0.3)
+            outs.append((out, torch.autograd.grad(out.square().sum(), (q, *kv))))
+        (want, want_grads), (got, grads) = outs
+        assert got.shape == want.shape == (rows, width, 8, 16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_attending_through_short_attention_trains_as_with_sdpa():
+    from rlferry.rl.trainer._attention import SHORT_ATTENTION, use_short_attention
+
+    tf = transformers_module()
+    config = model_config("qwen3-0.6b", VOCAB)
+    config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
+    torch.manual_seed(0)
+    base = tf.Qwen3ForCausalLM(config).train()
+    short = copy.deepcopy(base)
+    use_short_attention(short)
+    assert short.config._attn_implementation == SHORT_ATTENTION
+    batch = batches(8, 1, seed=2)[0]
+    grads = []
+    for model in (base, short):
+        loss, _ = grpo_loss(model, batch)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_a_row_longer_than_the_width_is_refused_naming_it():
     b = GrpoBatch([[3, 4], [5, 6, 7]], [[6, 1], [8, 9, 1]], [[0.0] * 2, [0.0] * 3], [1.0, 1.0])
     with pytest.raises(ValueError) as e:

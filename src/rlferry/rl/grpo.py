@@ -24,10 +24,12 @@ logprobs are ``log_softmax(logits)``, the same as :func:`sequence_logprobs`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlferry.errors import RequestError
@@ -129,10 +131,8 @@ def _placed(
             f"{field}.responses: expected {len(prompts)} rows (as prompts) and at least one, "
             f"got {len(responses)}"
         )
-    p = [torch.as_tensor(x, dtype=torch.long).view(-1) for x in prompts]
-    r = [torch.as_tensor(x, dtype=torch.long).view(-1) for x in responses]
-    p_len = torch.tensor([len(x) for x in p], dtype=torch.long)
-    r_len = torch.tensor([len(x) for x in r], dtype=torch.long)
+    p_len, p_ids = _joined(prompts, torch.long)
+    r_len, r_ids = _joined(responses, torch.long)
     longest = int((p_len + r_len).max())
     if width is None:
         width = longest
@@ -142,10 +142,31 @@ def _placed(
             f"{field}.width: expected every prompt + response to fit in {width} tokens, row {i} "
             f"has {longest} (pad to a wider width, or cap max_tokens)"
         )
-    start = torch.arange(len(p), dtype=torch.long) * width
+    start = torch.arange(len(prompts), dtype=torch.long) * width
     at_p = _spans(start, p_len)
     at_r = _spans(start + p_len, r_len)
-    return at_p, at_r, torch.cat([*p, *r]), width
+    return at_p, at_r, torch.cat([p_ids, r_ids]), width
+
+
+def _joined(
+    rows: Sequence[Ids] | Sequence[Floats], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' lengths (int64) and their values end to end in ``dtype``, without a tensor
+    a row: rows of tensors (the queue's ragged columns) in one ``torch.cat``, rows of
+    numbers read by numpy in one pass (512 rows of a few numbers: 0.24 ms, against 4.9 for
+    a tensor a row on a 2-core VM)."""
+    tensors = [x for x in rows if type(x) is torch.Tensor]
+    if len(tensors) == len(rows):
+        flat = [x if x.dim() == 1 else x.reshape(-1) for x in tensors]
+        lengths = torch.tensor([x.shape[0] for x in flat], dtype=torch.long)
+        return lengths, torch.cat(flat).to(dtype)
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=_NUMPY[dtype],
+                         count=int(counts.sum()))  # fmt: skip
+    return torch.from_numpy(counts), torch.from_numpy(values)
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32}
 
 
 def _spans(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -204,9 +225,7 @@ class PaddedBatch:
         mask[at_r] = 1.0
         logprobs = torch.zeros(n * width, dtype=torch.float32)
         if at_r.numel():
-            logprobs[at_r] = torch.cat(
-                [torch.as_tensor(x, dtype=torch.float32).view(-1) for x in batch.logprobs]
-            )
+            logprobs[at_r] = _joined(batch.logprobs, torch.float32)[1]
         adv = torch.as_tensor(batch.advantages, dtype=torch.float32).view(n, 1)
         tokens = at_r.numel()
         return cls(input_ids.view(n, width), mask.view(n, width), logprobs.view(n, width), adv,

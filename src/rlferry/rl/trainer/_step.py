@@ -9,7 +9,9 @@ AdamW.
 On CUDA with one rank and no adapter the step is a CUDA graph of compiled layers, made
 when the step is: each decoder layer is compiled by ``torch.compile`` (one layer's code
 serves them all: its chains of elementwise operators fuse into a few kernels, which an
-eager layer runs one by one, reading and writing the activations each time); then
+eager layer runs one by one, reading and writing the activations each time), its
+attention over rows of at most :data:`~rlferry.rl.trainer._attention.SHORT` tokens as
+two products and a fused softmax (``_attention``: SDPA's kernels tile for long rows); then
 :data:`WARM_UP` steps on a batch of pads run eagerly on a side stream (they compile the
 layers' forward and backward and make AdamW's state and the allocator's, cuBLAS's and
 autograd's buffers), the weights and AdamW's state are put back as they were, and one
@@ -31,6 +33,7 @@ import torch
 from rlferry.errors import RequestError
 
 from ..grpo import GrpoBatch, GrpoStats, GrpoTerms, PaddedBatch, grpo_objective
+from ._attention import SHORT, use_short_attention
 
 __all__ = ["WARM_UP", "TrainStep"]
 
@@ -78,6 +81,8 @@ class TrainStep:
             self._served = [(n, torch.empty_like(t, dtype=autocast)) for n, t in named]
             self._sources = [t.detach() for _, t in named]
         if graphed:
+            if width <= SHORT:  # the layers' attention as products the compiler fuses
+                use_short_attention(model)
             for layer in model.model.layers:  # the same code: compiled once for all
                 layer.compile(dynamic=False)
             self._capture()
