@@ -515,6 +515,32 @@ def test_shm_zero_copy_receivers_read_the_trainers_tensors_in_place(direct_sende
         r.close()
 
 
+def test_a_push_of_the_tensors_pushed_last_is_started_by_the_pushing_thread(direct_sender):
+    """The same tensors where they lay (as a dict, its items or a list) skip the wire loop's
+    round trips; a tensor found elsewhere is read where it lies now."""
+    sender = direct_sender
+    sd = contiguous_state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    forms = [sd.items(), sd, list(sd.items()), tuple(sd.items()), sd.items()]
+    for v, named in enumerate(forms, 1):
+        for t in sd.values():
+            t.add_(1)
+        sender.push(named, version=v, timeout=30)
+        assert all(e.equals(sd) for e in engines), v
+    here = sender.statistics().started_here
+    assert here >= len(forms) - 2  # the first push plans, the second may still wait for one
+    moved = torch.randn(128, 256).share_memory_()  # w1 replaced: other memory, same shape
+    sd["w1"] = moved
+    sender.push(sd.items(), version=9, timeout=30)
+    assert all(e.equals(sd) for e in engines) and sender.statistics().started_here == here
+    moved.mul_(-1)
+    sender.push(sd.items(), version=10, timeout=30)  # found where it lay now: from this thread
+    assert all(e.equals(sd) for e in engines) and sender.statistics().started_here == here + 1
+    for r in rs:
+        r.close()
+
+
 def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_not_shared(direct_sender):
     sender = direct_sender
     engines = [Engine(contiguous_state()), Engine(contiguous_state())]

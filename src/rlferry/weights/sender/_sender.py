@@ -10,6 +10,7 @@ import torch
 
 from .._config import SenderConfig
 from .._report import PushReport, SenderStatistics
+from ._again import Again
 from ._deltas import DeltaPushes
 from ._pusher import Pusher
 from ._turns import drain
@@ -106,6 +107,7 @@ class WeightSender:
             delta_policy=delta_policy,
         )
         self._pusher = Pusher(self.config)
+        self._again = Again()  # the same tensors pushed again: started by this thread
         measured_loses = delta_policy == "measured" and transport == "cuda_ipc"
         self._deltas = (
             DeltaPushes(self._pusher, delta_budget, delta_base, delta_policy == "always")
@@ -131,7 +133,10 @@ class WeightSender:
         as they come. A re-iterable input is read once for its layout first; a
         generator streams against the previous push's layout (its first push, or
         a layout change, needs ``layout=``: the names with anything that has
-        ``.shape`` and ``.dtype``, else the generator is read whole first).
+        ``.shape`` and ``.dtype``, else the generator is read whole first). A push of
+        the tensors the last push sent, where they lay (same names, shapes, addresses,
+        strides and dtypes: a trainer's parameters step after step), is not checked
+        again and, read in place by its receivers, is started by the calling thread.
 
         A push goes to the receivers ready when it starts: the first waits for
         ``receivers`` of them, later ones for one (and for a receiver that just
@@ -159,7 +164,12 @@ class WeightSender:
         if dtype is not None:
             named_tensors = [(n, _cast(t, dtype)) for n, t in named_tensors]
         if self._deltas is None:
-            return drain(self._pusher.steps(named_tensors, version, timeout, layout))
+            named = self._again.named(named_tensors)
+            try:
+                return drain(self._pusher.steps(named, version, timeout, layout))
+            except BaseException:
+                self._again.forget()
+                raise
         return self._deltas.push(list(named_tensors), version, timeout, full)
 
     def statistics(self) -> SenderStatistics:
