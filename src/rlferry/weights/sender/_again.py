@@ -14,7 +14,7 @@ same layout as the new ones, so reading either reads the same bytes.
 from __future__ import annotations
 
 import operator
-from collections.abc import ItemsView, Mapping
+from collections.abc import ItemsView
 from typing import Any
 
 import torch
@@ -28,30 +28,29 @@ class Again:
     """What a push's pairs are to the pusher: as given, or the last push's checked list."""
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[str, torch.Tensor]] | None = None
-        self._where: tuple[list[Any], ...] = ()
+        # the last push's list and where its tensors lay, swapped as one (pushes from
+        # several threads read a pair that belongs together)
+        self._last: tuple[list[tuple[str, torch.Tensor]], tuple[list[Any], ...]] | None = None
 
     def named(self, named: Any) -> Any:
-        """``named`` (a list, tuple, mapping or items view of ``(name, tensor)``) as a list,
-        or a callable giving the last push's list if its tensors lie where these do; any
-        other iterable (a generator streams) as it is."""
-        if isinstance(named, (Mapping, ItemsView)):
-            pairs = list(named.items() if isinstance(named, Mapping) else named)
-        elif isinstance(named, (list, tuple)):
-            pairs = list(named)
-        else:
-            self._pairs = None
+        """``named`` (a list, tuple or items view of ``(name, tensor)``) as a list, or a
+        callable giving the last push's list if its tensors lie where these do; any other
+        iterable (a generator streams) as it is."""
+        if not isinstance(named, (list, tuple, ItemsView)):
+            self._last = None
             return named
+        pairs = list(named)
         where = _where(pairs)
-        last = self._pairs
-        if last is not None and where and where == self._where:
-            return lambda: (last, True, None)
-        self._pairs, self._where = (pairs, where) if where else (None, ())
+        last = self._last
+        if last is not None and where and where == last[1]:
+            kept = last[0]
+            return lambda: (kept, True, None)
+        self._last = (pairs, where) if where else None
         return pairs
 
     def forget(self) -> None:
         """The last push failed: the next one is checked in full."""
-        self._pairs, self._where = None, ()
+        self._last = None
 
 
 def _where(pairs: list[Any]) -> tuple[list[Any], ...]:

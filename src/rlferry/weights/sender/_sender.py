@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -118,7 +118,7 @@ class WeightSender:
 
     def push(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         version: int,
         timeout: float = 60.0,
@@ -128,9 +128,9 @@ class WeightSender:
     ) -> PushReport:
         """Send every ``(name, tensor)`` to the group's receivers; returns when they committed.
 
-        ``named_tensors``: a ``state_dict().items()``, a list, or a generator (one
-        that gathers FSDP shards per bucket, say): tensors are packed in order
-        as they come. A re-iterable input is read once for its layout first; a
+        ``named_tensors``: a ``state_dict()`` or its ``.items()``, a list, or a
+        generator (one that gathers FSDP shards per bucket, say): tensors are packed in
+        order as they come. A re-iterable input is read once for its layout first; a
         generator streams against the previous push's layout (its first push, or
         a layout change, needs ``layout=``: the names with anything that has
         ``.shape`` and ``.dtype``, else the generator is read whole first). A push of
@@ -161,6 +161,8 @@ class WeightSender:
             SenderClosed: the sender was closed.
             ValueError: ``version`` is not an int.
         """
+        if isinstance(named_tensors, Mapping):  # a state_dict() itself: its pairs
+            named_tensors = named_tensors.items()
         if dtype is not None:
             named_tensors = [(n, _cast(t, dtype)) for n, t in named_tensors]
         if self._deltas is None:
