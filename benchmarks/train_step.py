@@ -54,9 +54,10 @@ def _batches(task: ReverseTask, rows: int, n: int, seed: int) -> list[GrpoBatch]
     return out
 
 
-def _run(model: torch.nn.Module, batches: list[GrpoBatch], rows: int, width: int,
-         graphed: bool, dtype: torch.dtype | None,
-         profile: int) -> tuple[list[float], float]:  # fmt: skip
+def _run(
+    model: torch.nn.Module, batches: list[GrpoBatch], rows: int, width: int, graphed: bool,
+    dtype: torch.dtype | None,
+) -> tuple[list[float], float, TrainStep]:  # fmt: skip
     params = list(model.parameters())
     cuda = params[0].device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=3e-5, weight_decay=0.0, fused=cuda, capturable=graphed)
@@ -69,9 +70,7 @@ def _run(model: torch.nn.Module, batches: list[GrpoBatch], rows: int, width: int
         t0 = time.perf_counter()
         step(b)  # ends on the step's figures read: the device is done
         times.append(time.perf_counter() - t0)
-    if graphed and profile:
-        _profile(step, batches[-3:], profile)
-    return times[1:], made
+    return times[1:], made, step
 
 
 def _profile(step: TrainStep, batches: list[GrpoBatch], top: int) -> None:
@@ -124,11 +123,11 @@ def main() -> None:
         roof = step_roofline(base, rows, width, low=low is not None, peaks=peaks)
         runs: dict[bool, list[float]] = {}
         made: dict[bool, float] = {}
-        models = {}
+        models, steps = {}, {}
         for graphed in (False, True) if device.type == "cuda" else (False,):
             models[graphed] = copy.deepcopy(base)
-            runs[graphed], made[graphed] = _run(
-                models[graphed], batches, rows, width, graphed, low, a.profile
+            runs[graphed], made[graphed], steps[graphed] = _run(
+                models[graphed], batches, rows, width, graphed, low
             )
         if True in models:  # the same weights after the same steps
             worst = max(
@@ -137,6 +136,8 @@ def main() -> None:
             )
             if worst > 1e-3:
                 raise SystemExit(f"graphed and eager weights differ by {worst} ({a.steps} steps)")
+            if a.profile:  # after the check: the profiled replays step the weights further
+                _profile(steps[True], batches[-3:], a.profile)
         eager = statistics.median(runs[False])
         for graphed, times in runs.items():
             t = sorted(times)
@@ -151,6 +152,7 @@ def main() -> None:
         for m in models.values():
             del m
         models.clear()
+        steps.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     head = ["batch", "step", "made in s", "ms p50 / p90 / max", "vs eager", "roofline ms",
