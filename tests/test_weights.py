@@ -413,7 +413,7 @@ def test_a_generator_that_changes_layout_midway_aborts_and_nobody_commits(sender
     with pytest.raises(WeightSyncError) as e:
         sender.push(changed(), version=2, timeout=30)
     assert str(e.value) == (
-        f"push of version 2: named tensor {list(sd).index('step')}: expected `step` shape [] "
+        f"push of version 2: named_tensors[{list(sd).index('step')}]: expected `step` shape [] "
         "int64 (the layout), got `step` shape [3] float32"
     )
     assert [r.version for r in rs] == [1, 1]
@@ -539,6 +539,28 @@ def test_a_push_of_the_tensors_pushed_last_is_started_by_the_pushing_thread(dire
     assert all(e.equals(sd) for e in engines) and sender.statistics().started_here == here + 1
     for r in rs:
         r.close()
+
+
+def test_a_push_of_what_is_not_name_tensor_pairs_is_refused_naming_it():
+    sender = WeightSender(group="rollout", transport="shm", receivers=1)
+    sd = contiguous_state()
+    engine = Engine(sd)
+    r = start(sender, engine, "r0")
+    fix = " (give a state_dict(), its .items(), or a list of (name, tensor) pairs)"
+    for bad, got in (
+        ({"w0": 3}, "(str, int)"),  # a dict of other values
+        ([sd["w0"]], "Tensor"),  # tensors without their names
+        ([("w0", "x")], "(str, str)"),
+    ):
+        with pytest.raises(WeightSyncError) as e:
+            sender.push(bad, version=1, timeout=5)
+        assert str(e.value) == (
+            f"named_tensors[0]: expected a (str, torch.Tensor) pair, got {got}{fix}"
+        )
+    sender.push(sd, version=1, timeout=30)  # the state dict itself, pushed
+    assert engine.equals(sd) and engine.commits == [1]
+    r.close()
+    sender.close()
 
 
 def test_shm_zero_copy_moves_tensors_once_and_packs_other_tensors_not_shared(direct_sender):

@@ -227,7 +227,7 @@ def test_broadcast_a_bad_tensor_in_the_first_bucket_fails_that_push_and_the_next
     bad = ((n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(sd.items()))
     with pytest.raises(WeightSyncError) as err:
         sender.push(bad, version=3, timeout=30, layout=layout)
-    assert str(err.value).startswith("push of version 3: named tensor 0: expected `")
+    assert str(err.value).startswith("push of version 3: named_tensors[0]: expected `")
     assert r.version == 2
     for t in sd.values():
         if t.dtype.is_floating_point:

@@ -69,13 +69,17 @@ class TensorSpec:
         return f"shape {list(self.shape)} {dtype_name(self.dtype)}"
 
 
+_PAIRS = " (give a state_dict(), its .items(), or a list of (name, tensor) pairs)"
+
+
 def named_pair(item: Any, index: int) -> tuple[str, Any]:
     """``item`` as a ``(name, tensor)`` pair, or an error naming what came."""
     try:
         name, tensor = item
     except (TypeError, ValueError):
         raise WeightSyncError(
-            f"named tensor {index}: expected a (str, torch.Tensor) pair, got {type(item).__name__}"
+            f"named_tensors[{index}]: expected a (str, torch.Tensor) pair, got "
+            f"{type(item).__name__}{_PAIRS}"
         ) from None
     if not isinstance(name, str) or not hasattr(tensor, "shape") or not hasattr(tensor, "dtype"):
         spec_of(name, tensor, index)  # raises, naming what came
@@ -85,8 +89,8 @@ def named_pair(item: Any, index: int) -> tuple[str, Any]:
 def spec_of(name: Any, tensor: Any, index: int) -> TensorSpec:
     if not isinstance(name, str) or not hasattr(tensor, "shape") or not hasattr(tensor, "dtype"):
         raise WeightSyncError(
-            f"named tensor {index}: expected a (str, torch.Tensor) pair, got "
-            f"({type(name).__name__}, {type(tensor).__name__})"
+            f"named_tensors[{index}]: expected a (str, torch.Tensor) pair, got "
+            f"({type(name).__name__}, {type(tensor).__name__}){_PAIRS}"
         )
     return TensorSpec(name, tuple(int(d) for d in tensor.shape), tensor.dtype)
 
@@ -142,7 +146,7 @@ def iterate_checked(plan: Plan, named: Iterable[Any]) -> Iterator[tuple[int, tor
         if name != s.name or tuple(tensor.shape) != s.shape or tensor.dtype != s.dtype:
             got = spec_of(name, tensor, i)
             raise WeightSyncError(
-                f"named tensor {i}: expected `{s.name}` {s.describe()} (the layout), "
+                f"named_tensors[{i}]: expected `{s.name}` {s.describe()} (the layout), "
                 f"got `{got.name}` {got.describe()}"
             )
         yield i, tensor
