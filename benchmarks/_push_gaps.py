@@ -18,25 +18,9 @@ import time
 import torch
 
 from rlferry.weights import WeightSender
-from weights import Engine
+from weights import Engine, flat_copy_seconds
 
 import _weights_engine as eng
-
-
-def _flat_ms(nbytes: int, dev: str) -> float:
-    n = min(nbytes, 4 << 30)
-    a = torch.empty(n, dtype=torch.uint8, device=dev).random_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(8):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del a, b
-    torch.cuda.empty_cache()
-    return statistics.median(times[2:]) * nbytes / n * 1e3
 
 
 def run(model: str, gap_s: float) -> str:
@@ -44,7 +28,7 @@ def run(model: str, gap_s: float) -> str:
     dev = "cuda:0"
     torch.cuda.set_device(dev)
     nbytes = sum(s.nbytes for s in eng.specs_of(shapes))
-    flat = _flat_ms(nbytes, dev)
+    flat = flat_copy_seconds(nbytes, dev, 6).p50 * 1e3
     state = eng.make_state(shapes, dev)
     engine = Engine(eng.engine_main, shapes, dev)
     sender = WeightSender(group="bench", transport="cuda_ipc", receivers=1)

@@ -206,7 +206,9 @@ def _table(rows: list[list[str]], ratio: str) -> str:
 # -- cuda_ipc (one GPU) ----------------------------------------------------------------------
 
 
-def _flat_copy_seconds(nbytes: int, device: str, repeat: int) -> Timing:
+def flat_copy_seconds(nbytes: int, device: str, repeat: int) -> Timing:
+    """One device-to-device copy of ``nbytes`` (timed on at most 4 GiB, scaled): the raw
+    limit every cuda_ipc row is put beside."""
     n = min(nbytes, 4 * _GiB)
     bufs = [torch.empty(n, dtype=torch.uint8, device=device).random_() for _ in range(2)]
 
@@ -248,7 +250,7 @@ def run_cuda_ipc(model: str, scale: int, repeat: int, bucket: int | None, engine
     torch.cuda.set_device(dev)
     nbytes = sum(spec.nbytes for spec in eng.specs_of(shapes))
     _progress(f"{model}: flat copy")
-    flat = _flat_copy_seconds(nbytes, dev, repeat)
+    flat = flat_copy_seconds(nbytes, dev, repeat)
     state = eng.make_state(shapes, dev)
     _progress("engine")
     engine = Engine(eng.engine_main, shapes, dev)

@@ -7,6 +7,7 @@ any bucket moves, and a streamed push's tensors are checked against them one by 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,10 @@ __all__ = [
     "same_layout",
     "spec_of",
     "specs_of",
+    "where_of",
 ]
 
+_DTYPE = operator.attrgetter("dtype")
 _SHOWN = 3  # differing tensors named in an error before "and N more"
 
 
@@ -186,3 +189,16 @@ def key_of(named: Iterable[Any]) -> list[tuple[str, Any, torch.dtype]]:
     if key and all(type(k[0]) is str for k in key):
         return key
     return [(n, t.shape, t.dtype) for n, t in (named_pair(x, i) for i, x in enumerate(named))]
+
+
+def where_of(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
+    """Where each tensor lies (address, strides, dtype; names and shapes are read apart):
+    one pass over the push's tensors for every stream (views cut from them stay valid
+    while it and the shapes are equal). ``plain``: all are tensors, read attribute by
+    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each takes
+    8.7 on two CPU cores, and no tuple a tensor is kept for the collector to scan)."""
+    if plain:
+        return (list(map(torch.Tensor.data_ptr, tensors)),
+                list(map(torch.Tensor.stride, tensors)), list(map(_DTYPE, tensors)))  # fmt: skip
+    return ([(t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
+             for t in tensors],)  # fmt: skip

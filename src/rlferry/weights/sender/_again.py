@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from ..planning._specs import where_of
+
 __all__ = ["Again"]
 
-_shape, _dtype, _device = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
+_shape, _device = operator.attrgetter("shape"), operator.attrgetter("device")
 
 
 class Again:
@@ -54,8 +56,8 @@ class Again:
 
 
 def _where(pairs: list[Any]) -> tuple[list[Any], ...]:
-    """Names, shapes, addresses, strides, dtypes and devices of plain ``(str, Tensor)``
-    pairs, a list each (read attribute by attribute: no tuple a tensor); () for others."""
+    """Names, shapes, devices and :func:`where_of` (addresses, strides, dtypes) of plain
+    ``(str, Tensor)`` pairs, a list each (no tuple a tensor); () for others."""
     try:
         names, tensors = (list(x) for x in zip(*pairs, strict=True))
     except (TypeError, ValueError):
@@ -64,6 +66,5 @@ def _where(pairs: list[Any]) -> tuple[list[Any], ...]:
         return ()
     if not all(type(n) is str for n in names):
         return ()
-    return (names, list(map(_shape, tensors)), list(map(torch.Tensor.data_ptr, tensors)),
-            list(map(torch.Tensor.stride, tensors)), list(map(_dtype, tensors)),
-            list(map(_device, tensors)))  # fmt: skip
+    return (names, list(map(_shape, tensors)), list(map(_device, tensors)),
+            *where_of(tensors, plain=True))  # fmt: skip

@@ -34,7 +34,7 @@ class Cuts:
     """Trainer rank ``rank``'s cuts, by stream (-1: the shared one; else an engine rank's
     link), for ``plan``; ``views``, by stream, the pieces cut from the last push's tensors
     (views of the same memory); ``where`` those tensors lay (address, strides, dtype; see
-    ``_ready.where_of``) and their names and ``shapes`` (checked once a push);
+    ``planning._specs.where_of``) and their names and ``shapes`` (checked once a push);
     ``on_gpu``: the last push's tensors were on a GPU."""
 
     def __init__(self, rank: int) -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ..planning._shard_plan import ShardPlan
+from ..planning._specs import where_of
 from ._cuts import Cuts
 
-__all__ = ["Guard", "Ready", "local_tensors", "moved", "where_of"]
+__all__ = ["Guard", "Ready", "local_tensors", "moved"]
 
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
@@ -123,19 +124,6 @@ class Guard:
                 tensors[i] = view
                 out.append(i)
         return out
-
-
-def where_of(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
-    """Where each tensor lies (address, strides, dtype; names and shapes are read apart):
-    one pass over the push's tensors for every stream (views cut from them stay valid
-    while it and the shapes are equal). ``plain``: all are tensors, read attribute by
-    attribute into lists of their own (18,867 tensors: 4.6 ms where a tuple each takes
-    8.7 on two CPU cores, and no tuple a tensor is kept for the collector to scan)."""
-    if plain:
-        return (list(map(torch.Tensor.data_ptr, tensors)),
-                list(map(torch.Tensor.stride, tensors)), list(map(_dtype_of, tensors)))  # fmt: skip
-    return ([(t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
-             for t in tensors],)  # fmt: skip
 
 
 def moved(tensors: list[Any], where: tuple[list[Any], ...]) -> bool:
