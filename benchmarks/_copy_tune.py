@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--pairs-only", action="store_true", help="no sweep of the kernel's settings")
+    ap.add_argument("--warps", default="8", help="the pairings' kernel warps, comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = model_shapes(args.model, 1)
@@ -56,10 +57,12 @@ def main() -> None:
         groups[tuple(t.shape)].append(t)
     rot_d = [t for g in groups.values() for t in g]
     rot_s = [t for g in groups.values() for t in g[1:] + g[:1]]
-    for name, d, s in (("into other tensors", dst, src), ("rotated among the sources", rot_d,
-                       rot_s), ("each onto itself", src, src)):  # fmt: skip
-        ms = device_ms(C.GroupedCopy(d, s), args.repeat)
-        print(f"GroupedCopy, {name}: {ms:.2f} ms, {ms / flat:.2f}x flat")
+    for warps in map(int, args.warps.split(",")):
+        K._WARPS = warps
+        for name, d, s in (("into other tensors", dst, src), ("rotated among the sources",
+                           rot_d, rot_s), ("each onto itself", src, src)):  # fmt: skip
+            ms = device_ms(C.GroupedCopy(d, s), args.repeat)
+            print(f"GroupedCopy, {warps} warps, {name}: {ms:.2f} ms, {ms / flat:.2f}x flat")
     if args.pairs_only:
         return
 

@@ -174,6 +174,43 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(model, kv)
     assert alone.logprobs == pytest.approx(logp, abs=1e-4)
 
 
+def test_rows_of_one_prompt_share_its_prefill_and_decode_as_each_would_alone(model, kv):
+    """A GRPO group: eight rows of one prompt (four greedy, four sampled with their own
+    seeds) beside two other prompts, admitted in one prefill; with slots the prompt runs
+    once and its keys and values are copied to the other rows' slots. Each row's tokens
+    and logprobs are what it gets alone; the rows' slots move as rows end at their own
+    lengths (a stop token)."""
+    a = PROMPTS["a"]
+    greedy, _ = reference(model, a, 12)
+    stop = greedy[5]  # the greedy rows end at their sixth token
+
+    def group():
+        return [req(f"g{i}", a, max_tokens=12, stop_token_ids=(stop,)) for i in range(4)] + [
+            req(f"s{i}", a, max_tokens=12, temperature=0.9, seed=i) for i in range(4)
+        ]
+
+    async def main():
+        with HFEngine(model, **kv) as engine:
+            alone = [await engine.generate(r) for r in group()]
+            before = await steps(engine)
+            together = await asyncio.gather(
+                *(engine.generate(r) for r in group()),
+                engine.generate(req("b", PROMPTS["b"], max_tokens=12)),
+                engine.generate(req("c", PROMPTS["c"], max_tokens=12)),
+            )
+            return alone, together, await steps(engine) - before
+
+    alone, together, taken = asyncio.run(main())
+    assert taken == 12  # one prefill for the ten rows, then 11 decode steps
+    for one, many in zip(alone, together, strict=False):
+        assert many.token_ids == one.token_ids
+        assert many.logprobs == pytest.approx(one.logprobs, abs=1e-5)
+    assert [c.token_ids for c in together[:4]] == [greedy[:6]] * 4
+    assert len({tuple(c.token_ids) for c in together[4:8]}) > 1  # seeds of their own
+    assert together[8].token_ids == reference(model, PROMPTS["b"], 12)[0]
+    assert together[9].token_ids == reference(model, PROMPTS["c"], 12)[0]
+
+
 def test_top_p_samples_only_from_the_nucleus(model, kv):
     async def main():
         with HFEngine(model, **kv) as engine:

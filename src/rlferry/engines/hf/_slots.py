@@ -4,7 +4,8 @@ Every row owns a slot: its own columns of a cache allocated once (layers x slots
 heads x ``max_len`` x head dim), from column 0, with no padding. Rows join by a prefill
 of their prompts (left padded to a common width), whose keys and values each layer
 writes straight into the rows' slots (padding goes to one scratch slot past the
-others); they leave by moving the last row into the slot they free, so the rows always
+others; rows of one prompt, a GRPO group's samples, share one row of the prefill, whose
+keys and values are then copied to their slots); they leave by moving the last row into the slot they free, so the rows always
 hold slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
 bucket, a power of two or every slot, that holds the rows): each row writes its new key
 and value at its own column (``pos``), sees the columns before it through an additive
@@ -34,79 +35,9 @@ import torch
 from ._batch import Row, record
 from ._model import cache_kw
 from ._sampling import Sampling, sample, sampling, uniforms
+from ._slot_caches import PrefillCache, SlotCache
 
-__all__ = ["PrefillCache", "SlotBatch", "SlotCache"]
-
-
-def _cache_class() -> Any:
-    from transformers.cache_utils import Cache
-
-    return Cache
-
-
-class SlotCache(_cache_class()):  # type: ignore[misc]
-    """The cache the model sees in a decode step over slots ``[0, B)`` and columns
-    ``[0, W)``: row ``i`` writes its new key and value at column ``pos[i]`` of its slot
-    and attends over those ``W`` columns (the mask hides those it does not use)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor):
-        super().__init__(layers=[])
-        self.k, self.v, self.pos = keys, values, pos
-        self.slots = torch.arange(keys[0].shape[0], device=keys[0].device)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any,
-        **kw: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        k[self.slots, :, self.pos] = key_states[:, :, 0]
-        v[self.slots, :, self.pos] = value_states[:, :, 0]
-        return k, v
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions and the mask are given: nothing is derived from it
-
-    def get_mask_sizes(self, *a: Any, **kw: Any) -> tuple[int, int]:
-        return self.k[0].shape[2], 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return len(self.k)
-
-
-class PrefillCache(_cache_class()):  # type: ignore[misc]
-    """The cache a prefill sees: each layer writes the prompt's keys and values straight
-    into the rows' slots (position ``j`` of row ``i`` to ``slot[i, j]``, column
-    ``col[i, j]``) and attends over the prompt's own (nothing was cached before it)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 slot: torch.Tensor, col: torch.Tensor) -> None:  # fmt: skip
-        super().__init__(layers=[])
-        self.k, self.v, self.slot, self.col = keys, values, slot, col
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any,
-        **kw: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        self.k[layer_idx][self.slot, :, self.col] = key_states.transpose(1, 2)
-        self.v[layer_idx][self.slot, :, self.col] = value_states.transpose(1, 2)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, *a: Any, **kw: Any) -> tuple[int, int]:
-        return self.col.shape[1], 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return len(self.k)
+__all__ = ["SlotBatch"]
 
 
 class SlotBatch:
@@ -130,10 +61,17 @@ class SlotBatch:
                         use_cache=True, **{self._kw: probe})  # fmt: skip
         logits_like = out.logits[0, -1]
         shapes = [(lay.keys.shape, lay.keys.dtype) for lay in probe.layers]
-        # slot max_batch: scratch, where a prefill's padding writes (no decode reads it)
-        self.k = [torch.zeros((max_batch + 1, s[1], max_len, s[3]), dtype=d, device=device)
-                  for s, d in shapes]  # fmt: skip
-        self.v = [torch.zeros_like(k) for k in self.k]
+        # slot max_batch: scratch, where a prefill's padding writes (no decode reads it).
+        # Layers of one shape and dtype (most models) are views of one tensor, whose slots
+        # move and copy in one indexing for every layer's keys and values.
+        per = [((max_batch + 1, s[1], max_len, s[3]), d) for s, d in shapes]
+        self._kv: torch.Tensor | None = None
+        if len(set(per)) == 1:
+            self._kv = torch.zeros((2 * len(per), *per[0][0]), dtype=per[0][1], device=device)
+            self.k, self.v = list(self._kv[: len(per)]), list(self._kv[len(per) :])
+        else:
+            self.k = [torch.zeros(shape, dtype=d, device=device) for shape, d in per]
+            self.v = [torch.zeros_like(k) for k in self.k]
         self._min = torch.finfo(self.k[0].dtype).min
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)  # next column
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # next input
@@ -206,20 +144,29 @@ class SlotBatch:
         return self._bucket(rows) * self._width(width)
 
     def prefill(self, rows: Sequence[Row], version: int) -> list[Row]:
-        """One forward pass over the prompts of ``rows`` (left padded), whose keys and
-        values fill their slots; the rows that ended at their first token."""
+        """One forward pass over the distinct prompts of ``rows`` (left padded), whose keys
+        and values fill their slots; the rows that ended at their first token.
+
+        Rows of one prompt (a GRPO group's samples) share its pass: the first row's keys
+        and values are copied to the others' slots, and each samples its first token from
+        the same logits (the demo's 512 rows a step are 64 prompts: one eighth of the
+        tokens)."""
         r, first = len(rows), len(self.rows)
         lengths = [len(row.request.prompt_ids) for row in rows]
-        key = (self._bucket(r), self._width(max(lengths)))
+        leads: dict[tuple[int, ...], int] = {}  # a prompt's first row (its pass's row)
+        lead = [leads.setdefault(tuple(row.request.prompt_ids), i) for i, row in enumerate(rows)]
+        unique = list(leads.values())
+        u = len(unique)
+        key = (self._bucket(u), self._width(max(lengths)))
         graph = self._prefill_graphs.get(key)
-        b, w = key if graph is not None else (r, max(lengths))  # eager: no padding rows
+        b, w = key if graph is not None else (u, max(lengths))  # eager: no padding rows
         ids = torch.zeros((b, w), dtype=torch.long)
         starts = torch.full((b,), w, dtype=torch.long)  # padding rows: no token of their own
-        for i, row in enumerate(rows):
-            starts[i] = w - lengths[i]
-            ids[i, w - lengths[i] :] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
-        slots = torch.arange(first, first + b).clamp_(max=self.max_batch)
-        slots[r:] = self.max_batch
+        slots = torch.full((b,), self.max_batch, dtype=torch.long)
+        for j, i in enumerate(unique):
+            starts[j] = w - lengths[i]
+            ids[j, w - lengths[i] :] = torch.tensor(rows[i].request.prompt_ids, dtype=torch.long)
+            slots[j] = first + i
         if graph is not None:
             for dst, src in zip(self._prefill_in[key], (ids, starts, slots), strict=True):
                 dst.copy_(src, non_blocking=True)
@@ -227,7 +174,15 @@ class SlotBatch:
             logits = self._prefill_logits[key]
         else:  # on the CPU
             logits = self._prefill_step(*(t.to(self.device) for t in (ids, starts, slots)))
-        logits = logits[:r]
+        if u < r:
+            row_of = {i: j for j, i in enumerate(unique)}
+            logits = logits[torch.tensor([row_of[i] for i in lead], device=self.device)]
+            shared = [i for i in range(r) if lead[i] != i]
+            self._copy_slots(
+                [first + i for i in shared], [first + lead[i] for i in shared], max(lengths)
+            )
+        else:
+            logits = logits[:r]
         at = torch.arange(first, first + r, device=self.device)
         n = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
         self.mask[at] = torch.where(self._columns < n[:, None], 0.0, self._min).to(self.mask.dtype)[
@@ -242,6 +197,18 @@ class SlotBatch:
         ended = record(self, tokens, logprobs, version, first)
         self._reached()
         return ended
+
+    def _copy_slots(self, dst: list[int], src: list[int], columns: int | None = None) -> None:
+        """Every layer's keys and values of slots ``src`` into slots ``dst`` (their first
+        ``columns`` columns; None: all)."""
+        d = torch.tensor(dst, device=self.device)
+        s_ = torch.tensor(src, device=self.device)
+        cut = slice(None) if columns is None else slice(0, columns)
+        if self._kv is not None:  # one indexing for every layer
+            self._kv[:, d, :, cut] = self._kv[:, s_, :, cut]
+            return
+        for t in (*self.k, *self.v):
+            t[d, :, cut] = t[s_, :, cut]
 
     def _prefill_step(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
                       ) -> torch.Tensor:  # fmt: skip
@@ -362,9 +329,10 @@ class SlotBatch:
         holes = [i for i, r in enumerate(self.rows[:n]) if id(r) in gone]
         movers = [i for i in range(n, len(self.rows)) if id(self.rows[i]) not in gone]
         if holes:
+            self._copy_slots(holes, movers)
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
-            for t in (*self.k, *self.v, self.mask, self.pos, self.ids):
+            for t in (self.mask, self.pos, self.ids):
                 t[dst] = t[src]
             for h, m in zip(holes, movers, strict=True):
                 self.rows[h] = self.rows[m]
