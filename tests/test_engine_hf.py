@@ -211,6 +211,23 @@ def test_rows_of_one_prompt_share_its_prefill_and_decode_as_each_would_alone(mod
     assert together[9].token_ids == reference(model, PROMPTS["c"], 12)[0]
 
 
+def test_a_prefills_token_budget_counts_the_prompts_its_rows_share(model):
+    """With slots a prefill runs each distinct prompt once, so its ``max_prefill_tokens``
+    counts prompts, not rows: eight rows of one prompt join in one prefill of 16 tokens
+    (one padded row), where a row each would take eight."""
+
+    async def main():
+        with HFEngine(model, kv_cache="slots", max_prefill_tokens=16) as engine:
+            done = await asyncio.gather(
+                *(engine.generate(req(f"r{i}", PROMPTS["a"], max_tokens=4)) for i in range(8))
+            )
+            return done, await steps(engine)
+
+    done, taken = asyncio.run(main())
+    assert taken == 4  # one prefill, three decode steps
+    assert {tuple(c.token_ids) for c in done} == {tuple(reference(model, PROMPTS["a"], 4)[0])}
+
+
 def test_top_p_samples_only_from_the_nucleus(model, kv):
     async def main():
         with HFEngine(model, **kv) as engine:

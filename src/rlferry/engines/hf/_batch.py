@@ -113,6 +113,9 @@ class Batch:
         self._padded = False
         self._sampling()
 
+    shares_prompts = False
+    """Rows of one prompt each run their own prefill row (see ``SlotBatch``)."""
+
     @staticmethod
     def prefill_tokens(rows: int, width: int) -> int:
         """The tokens a prefill of ``rows`` prompts of at most ``width`` tokens runs on."""

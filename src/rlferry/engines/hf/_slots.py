@@ -1,15 +1,15 @@
 """The running batch of an :class:`~rlferry.engines.hf.HFEngine` on a preallocated KV cache.
 
-Every row owns a slot: its own columns of a cache allocated once (layers x slots x KV
-heads x ``max_len`` x head dim), from column 0, with no padding. Rows join by a prefill
-of their prompts (left padded to a common width), whose keys and values each layer
-writes straight into the rows' slots (padding goes to one scratch slot past the
-others; rows of one prompt, a GRPO group's samples, share one row of the prefill, whose
-keys and values are then copied to their slots); they leave by moving the last row into the slot they free, so the rows always
-hold slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
-bucket, a power of two or every slot, that holds the rows): each row writes its new key
-and value at its own column (``pos``), sees the columns before it through an additive
-mask, and its position id is its length.
+Every row owns a slot: its own columns of a cache allocated once (layers x slots x KV heads
+x ``max_len`` x head dim), from column 0, with no padding. Rows join by a prefill of their
+prompts (left padded to a common width), whose keys and values each layer writes straight
+into the rows' slots (padding goes to one scratch slot past the others; rows of one prompt,
+a GRPO group's samples, share one row of the prefill, whose keys and values are then copied
+to their slots); they leave by moving the last row into the slot they free, so the rows
+always hold slots ``[0, n)``. A decode step feeds the first ``B`` slots (``B`` the smallest
+bucket, a power of two or every slot, that holds the rows): each row writes its new key and
+value at its own column (``pos``), sees the columns before it through an additive mask, and
+its position id is its length.
 
 A decode step runs on the columns its longest row reaches (a span: see ``_span``), not
 the whole cache. On CUDA each (rows bucket, span) decode step is captured as a CUDA graph
@@ -137,6 +137,9 @@ class SlotBatch:
         if n <= step:
             return min(max(16, 1 << (n - 1).bit_length()), self.max_len)
         return min(-(-n // step) * step, self.max_len)
+
+    shares_prompts = True
+    """Rows of one prompt share one prefill row: a prefill's budget counts its prompts."""
 
     def prefill_tokens(self, rows: int, width: int) -> int:
         """The tokens a prefill of ``rows`` prompts of at most ``width`` tokens runs on

@@ -261,13 +261,17 @@ class DecodeThread:
 
     def _admit(self) -> list[Row]:
         """The waiting rows that join at this boundary (under ``_cond``): as many as fit
-        (``max_batch`` rows, ``max_prefill`` padded prompt tokens), when :func:`joining`
-        says so."""
+        (``max_batch`` rows, ``max_prefill`` padded prompt tokens: of the distinct prompts
+        where the batch shares them), when :func:`joining` says so."""
         room = self._max_batch - len(self._batch.rows)
         n = width = 0
+        prompts: set[tuple[int, ...]] = set()  # a batch that shares them: the distinct ones
         for row in itertools.islice(self._waiting, max(0, room)):
             w = max(width, len(row.request.prompt_ids))
-            if n and self._batch.prefill_tokens(n + 1, w) > self._max_prefill:
+            if self._batch.shares_prompts:
+                prompts.add(tuple(row.request.prompt_ids))
+            runs = len(prompts) if self._batch.shares_prompts else n + 1
+            if n and self._batch.prefill_tokens(runs, w) > self._max_prefill:
                 break
             n, width = n + 1, w
         if not joining(len(self._batch.rows), n, self._deferred):
