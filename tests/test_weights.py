@@ -528,8 +528,12 @@ def test_a_push_of_the_tensors_pushed_last_is_started_by_the_pushing_thread(dire
             t.add_(1)
         sender.push(named, version=v, timeout=30)
         assert all(e.equals(sd) for e in engines), v
-    here = sender.statistics().started_here
+    stats = sender.statistics()
+    here = stats.started_here
     assert here >= len(forms) - 2  # the first push plans, the second may still wait for one
+    # each announced on the receivers' start lines (the hub answered none of their requests)
+    assert stats.started_on_lines == here
+    assert [r.statistics().version for r in rs] == [len(forms)] * 2
     moved = torch.randn(128, 256).share_memory_()  # w1 replaced: other memory, same shape
     sd["w1"] = moved
     sender.push(sd.items(), version=9, timeout=30)
@@ -537,6 +541,32 @@ def test_a_push_of_the_tensors_pushed_last_is_started_by_the_pushing_thread(dire
     moved.mul_(-1)
     sender.push(sd.items(), version=10, timeout=30)  # found where it lay now: from this thread
     assert all(e.equals(sd) for e in engines) and sender.statistics().started_here == here + 1
+    for r in rs:
+        r.close()
+
+
+def test_a_push_whose_start_line_refuses_it_is_announced_through_the_hub(direct_sender):
+    """A start line that cannot take a datagram (its queue full, say) leaves that receiver
+    to the hub: its parked request is answered with the buckets, and the push commits."""
+    sender = direct_sender
+    sd = contiguous_state()
+    engines = [Engine(sd), Engine(sd)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    for v in (1, 2, 3):
+        sender.push(sd.items(), version=v, timeout=30)
+    starter = sender._pusher.parts.hub.starter
+    lines, here = sender.statistics().started_on_lines, sender.statistics().started_here
+    refused = {m.line for m in sender._pusher.parts.hub.members.values()}
+    sent = starter.send
+    starter.send = lambda name, data: "refused" if name in refused and data else sent(name, data)
+    for v in (4, 5):
+        for t in sd.values():
+            t.add_(1)
+        sender.push(sd.items(), version=v, timeout=30)
+        assert all(e.equals(sd) for e in engines), v
+    stats = sender.statistics()
+    assert stats.started_here == here + 2 and stats.started_on_lines == lines
+    assert [r.statistics().version for r in rs] == [5, 5]
     for r in rs:
         r.close()
 

@@ -60,7 +60,9 @@ class SenderStatistics:
     buffer_bytes: int
     plans_sent: int
     groups_formed: int
-    started_on_lines: int = 0  # pushes whose receivers' streams started on their lines
+    # pushes whose receivers were started on their start lines (a collective's streams; a
+    # mailbox push started by the pushing thread alone: its every bucket announced there)
+    started_on_lines: int = 0
     # mailbox pushes this thread started alone, no hop to the wire loop (their receivers
     # committed the last push, hold its plan and read the tensors in place)
     started_here: int = 0

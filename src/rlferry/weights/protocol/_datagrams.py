@@ -15,9 +15,14 @@ sender's pushing thread sends ``Stream`` there (one ``sendto`` a receiver, no lo
 and tells its hub after. The receiver's thread waits on its parked request and on
 this socket at once. The kernel names the process that sent each datagram: one that
 is not from the sender's process (``Welcome.pid``) is dropped, as is anything that is
-not a ``Stream``. The hub probes a line when its receiver joins (an empty datagram): a
-line it cannot reach (another host or network namespace, not Linux) is not used, and
-that receiver's pushes start through the loop.
+not a start (``Stream``, ``Bucket``). The hub probes a line when its receiver joins (an
+empty datagram): a line it cannot reach (another host or network namespace, not Linux)
+is not used, and that receiver's pushes start through the loop.
+
+A mailbox push (shm, cuda_ipc) that the pushing thread starts alone (its receivers
+committed the last push and read the tensors in place: ``Launcher.lean``) announces
+its every bucket on the lines the same way: one ``Bucket`` naming them all, sent once
+the tensors are ready; the hub then answers no parked request of a receiver told there.
 
 **The commit line**, the other way: a mailbox sender (shm, cuda_ipc) listens on one
 too, named in its ``Welcome``; a receiver that committed a push says so there first
@@ -42,14 +47,14 @@ from typing import Any
 
 import msgspec
 
-from ._messages import Committed, Stream, encode
+from ._messages import Bucket, Committed, Stream, encode
 
 __all__ = ["Commits", "Line", "Starter"]
 
 log = logging.getLogger("rlferry.weights")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_stream = msgspec.msgpack.Decoder(Stream)
+_start = msgspec.msgpack.Decoder(Stream | Bucket)
 _committed = msgspec.msgpack.Decoder(Committed)
 
 
@@ -102,10 +107,10 @@ class Line(_Bound):
     def socket(self) -> socket.socket | None:
         return self._sock
 
-    def take(self, sender_pid: int) -> Stream | None:
-        """The last ``Stream`` waiting on the line from process ``sender_pid``, or None
-        (probes, strays and malformed datagrams are dropped)."""
-        got = None
+    def take(self, sender_pid: int) -> Stream | Bucket | None:
+        """The last start (``Stream`` or ``Bucket``) waiting on the line from process
+        ``sender_pid``, or None (probes, strays and malformed datagrams are dropped)."""
+        got: Stream | Bucket | None = None
         while self._sock is not None:
             try:
                 data, pid = _receive(self._sock)
@@ -117,7 +122,7 @@ class Line(_Bound):
                 log.warning("start line: dropped a datagram from pid %d (not the sender's)", pid)
                 continue
             try:
-                got = _stream.decode(data)
+                got = _start.decode(data)
             except msgspec.DecodeError as e:
                 log.warning("start line: dropped a malformed datagram: %s", e)
         return got

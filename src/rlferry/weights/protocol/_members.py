@@ -70,6 +70,9 @@ class Push:
     direct: bool = False  # its members were started on their lines, not through the hub
     delta: dict[str, Any] | None = None  # a delta push's header, for every member's Setup
     unstarted: dict[str, str] = field(default_factory=dict)  # members whose start did not go
+    # a mailbox push's members told of its every bucket on their lines (by the pushing
+    # thread: see Finisher): the hub does not answer their parked requests with buckets
+    lined: set[bytes] = field(default_factory=set)
     ready: int = 0  # buckets announced
     streaming: bool = False
     aborted: str | None = None

@@ -15,7 +15,7 @@ from rlferry.wire import Client, PeerGone, RemoteError, RequestTimeout, Security
 from .._config import ReceiverConfig
 from .._errors import SenderGone, WeightSyncError
 from ..protocol._datagrams import Line, Starter
-from ..protocol._messages import Ack, Join, Leave, Stream, Welcome, decode_reply, encode
+from ..protocol._messages import Ack, Bucket, Join, Leave, Stream, Welcome, decode_reply, encode
 
 __all__ = ["Connection"]
 
@@ -89,7 +89,7 @@ class Connection:
         self._commits = reply.commits
         if self._commits and self._teller is None:
             self._teller = Starter()
-        if not reply.line and self._line is not None:  # not reached, or not a collective's
+        if not reply.line and self._line is not None:  # the sender could not reach it
             self._line.close()
             self._line = None
         return reply
@@ -99,7 +99,7 @@ class Connection:
         assert self.client is not None
         return self.client.wait(rid, also=self._line.socket if self._line is not None else None)
 
-    def take_start(self) -> Stream | None:
+    def take_start(self) -> Stream | Bucket | None:
         """The start waiting on the start line (see ``Line.take``)."""
         assert self._line is not None
         return self._line.take(self._sender_pid)

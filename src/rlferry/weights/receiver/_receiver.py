@@ -25,6 +25,7 @@ from ..protocol._messages import (
     IDLE,
     Abort,
     Ack,
+    Bucket,
     Stream,
     Welcome,
     decode_reply,
@@ -328,7 +329,7 @@ class WeightReceiver:
             if ack.step == DONE:  # said first where it is awaited
                 conn.say_committed(ack.seq)
             if lined:
-                assert isinstance(msg, Stream)
+                assert isinstance(msg, (Stream, Bucket))
                 self._lined = msg.seq
             broke = self._loader.take_broke()
             if broke is not None:

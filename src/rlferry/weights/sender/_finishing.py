@@ -16,6 +16,7 @@ from .._report import PushReport
 from ..copies._pack import bucketed
 from ..planning._buckets import Plan
 from ..protocol._members import Member, Push
+from ..protocol._messages import Bucket, encode
 from ..transports._base import checksum
 from ._launching import Launcher
 from ._parts import SenderParts
@@ -93,10 +94,12 @@ class Finisher:
         self, push: Push, plan: Plan, named: Iterable[Any], checked: bool, t0: float,
         deadline: float, buckets: Iterator[tuple[int, list[Any]]] | None = None,
         packed: bool = False, direct: list[torch.Tensor] | None = None, written: bool = False,
+        lines: bool = False,
     ) -> Generator[bool | None, None, PushReport]:  # fmt: skip
         """Stream the buckets of a started push and wait for the members' commits.
         ``buckets``: ``named`` already bucketed (bucket 0 taken, and ``packed`` into
-        buffer 0 if the push went the fast way; else packed again)."""
+        buffer 0 if the push went the fast way; else packed again). ``lines``: a zero-copy
+        push this thread started alone tells its members on their start lines."""
         parts = self.parts
         mail, coll, verify, version = parts.mailbox, parts.collective, push.verify, push.version
         hub, course, counts = parts.hub, parts.course, parts.counts
@@ -108,7 +111,9 @@ class Finisher:
                 if not written:
                     mail.ready(direct, [m.key for m in push.members if m.error is None])
                 # receivers read the tensors in place (or the sender wrote them into theirs):
-                # every bucket is ready, in one answer
+                # every bucket is ready, in one word (on a member's line, else the hub's)
+                if lines:
+                    self._tell_on_lines(push, plan.buckets)
                 call(course.announce_all, plan.buckets)
             elif coll is not None:
                 buckets = buckets or bucketed(plan, named, checked)
@@ -156,6 +161,22 @@ class Finisher:
                 report,
             )
         return report
+
+    def _tell_on_lines(self, push: Push, buckets: int) -> None:
+        """Tell each member of ``push`` on its start line that its ``buckets`` buckets are
+        all ready (one ``Bucket``; see ``protocol._datagrams``), before the hub is asked
+        to: a member whose line took it is not answered by the hub. The hops the line
+        skips (to the wire loop, its answer, ZeroMQ's I/O threads) took 0.9 ms of a
+        Qwen3-8B push's 10.5 on an H200."""
+        starter = self.parts.hub.starter
+        if starter is None:
+            return
+        msg = encode(Bucket(push.seq, push.version, 0, None, buckets - 1))
+        for m in push.members:
+            if m.line and m.error is None and starter.send(m.line, msg) is None:
+                push.lined.add(m.key)
+        if len(push.lined) == len(push.members):
+            self.parts.counts.lines += 1
 
     def _stream_mailbox(
         self, plan: Plan, buckets: Iterator[tuple[int, list[Any]]], verify: bool,

@@ -65,7 +65,7 @@ class Hub:
         self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
         # a ShardedSender's rank: the group of every rank it is part of (see Describe)
         self.description: Described | None = None
-        self.starter: Starter | None = None  # a collective sender's, for its members' lines
+        self.starter: Starter | None = None  # for its members' start lines (see _line)
         self.commits: Commits | None = None  # a mailbox sender's commit line (see _line)
 
     # -- requests ---------------------------------------------------------------
@@ -256,6 +256,8 @@ class Hub:
         if p.collective:
             if m.step == PLAN and not p.direct:
                 m.parked.set_result(Stream(p.seq, p.version, p.verify))
+            return
+        if m.key in p.lined:  # told on its line: its request stays parked
             return
         nxt = max(m.step + 1, m.want or 0)
         if nxt < p.ready:  # every bucket ready goes in one answer (one per answer with checksums)

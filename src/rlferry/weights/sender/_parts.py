@@ -51,9 +51,9 @@ class SenderParts:
         self.hub = hub = self.loop.run(self._make_hub())
         hub.on_leave = tr.receiver_left
         self.course = Course(hub, tr.deadline_passed)
+        hub.starter = Starter()  # its members' start lines (see protocol._datagrams)
         if self.collective is not None:  # broadcast with a secret: the group meets here
             hub.store = self.collective.kv
-            hub.starter = Starter()
         else:
             hub.commits = Commits()
         bind = config.bind or default_address("tcp" if config.transport == "broadcast" else "ipc")

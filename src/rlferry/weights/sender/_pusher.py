@@ -280,10 +280,10 @@ class Pusher:
         """A push of :meth:`Launcher.lean`'s members, started by this thread: the hub takes
         part (a callback, not waited for), the tensors are made ready (written into
         receivers that offered theirs; ``written``: already, see
-        :meth:`Launcher.write_ahead`), then every bucket is announced, each member's parked
-        request answered once. Given up before the hub took part, it is registered and
-        aborted all the same (see :meth:`Finisher.abandon`): its receivers may have been
-        written."""
+        :meth:`Launcher.write_ahead`), then every bucket is announced at once: on each
+        member's start line, else its parked request answered. Given up before the hub
+        took part, it is registered and aborted all the same (see
+        :meth:`Finisher.abandon`): its receivers may have been written."""
         plan = self.preparer.plan
         assert plan is not None
         push = Push(seq, version, None, plan.fingerprint, members, {}, False, False)
@@ -296,7 +296,7 @@ class Pusher:
         self._moving = True
         self.launcher.started_here()
         return (yield from self.finisher.finish(
-            push, plan, named, False, t0, deadline, direct=direct, written=written
+            push, plan, named, False, t0, deadline, direct=direct, written=written, lines=True
         ))  # fmt: skip
 
     def _guarded(
