@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -541,6 +542,38 @@ def test_a_push_of_the_tensors_pushed_last_is_started_by_the_pushing_thread(dire
     moved.mul_(-1)
     sender.push(sd.items(), version=10, timeout=30)  # found where it lay now: from this thread
     assert all(e.equals(sd) for e in engines) and sender.statistics().started_here == here + 1
+    for r in rs:
+        r.close()
+
+
+def test_new_tensors_where_the_last_pushs_lay_before_it_moved_them_are_pushed_themselves(
+    direct_sender,
+):
+    """A push over shm moves tensors that are not in shared memory there; new tensors where
+    they lay, holding other values, are pushed themselves, not the moved ones (same names,
+    shapes, strides and dtypes: only where each lies now tells them apart)."""
+    sender = direct_sender
+    shapes = {f"w{i}": (128, 256) for i in range(4)}
+    n = sum(a * b for a, b in shapes.values())
+
+    def views(flat):
+        out, at = {}, 0
+        for k, (a, b) in shapes.items():
+            out[k] = flat[at : at + a * b].view(a, b)
+            at += a * b
+        return out
+
+    owner = np.random.default_rng(0).standard_normal(n, dtype=np.float32)  # keeps its memory
+    flat = torch.from_numpy(owner)
+    first = views(flat)
+    engines = [Engine(first), Engine(first)]
+    rs = [start(sender, e, f"r{i}") for i, e in enumerate(engines)]
+    sender.push(first.items(), version=1, timeout=30)
+    assert flat.untyped_storage().is_shared() and flat.data_ptr() != owner.ctypes.data  # moved
+    owner += 1  # other values where ``first`` lay at its push
+    again = views(torch.from_numpy(owner))
+    sender.push(again.items(), version=2, timeout=30)
+    assert all(e.equals(again) for e in engines)
     for r in rs:
         r.close()
 
