@@ -26,6 +26,7 @@ __all__ = [
     "dtype_name",
     "iterate_checked",
     "key_of",
+    "moved",
     "named_pair",
     "same_layout",
     "spec_of",
@@ -202,3 +203,14 @@ def where_of(tensors: list[Any], plain: bool) -> tuple[list[Any], ...]:
                 list(map(torch.Tensor.stride, tensors)), list(map(_DTYPE, tensors)))  # fmt: skip
     return ([(t.data_ptr(), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (id(t),)
              for t in tensors],)  # fmt: skip
+
+
+def moved(tensors: list[Any], where: tuple[list[Any], ...]) -> bool:
+    """Whether a tensor's storage moved since ``where`` was taken (addresses only: the
+    cheap part of :func:`where_of`, checked after every push that may move them)."""
+    if len(where) == 3:
+        return list(map(torch.Tensor.data_ptr, tensors)) != where[0]
+    return any(
+        isinstance(t, torch.Tensor) and t.data_ptr() != w[0]
+        for t, w in zip(tensors, where[0], strict=True)
+    )

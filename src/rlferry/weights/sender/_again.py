@@ -2,13 +2,14 @@
 
 A trainer pushes the same tensors step after step (its parameters, or the copy its step
 casts them into): same names, shapes, addresses, strides and dtypes. :class:`Again` reads
-those of a push's pairs and of the last push's in a pass of attribute reads each and, when
-they are equal, hands the pusher the last push's own list, checked (``(pairs, True,
-None)``, as :meth:`Pusher.steps` takes a callable): its layout is not checked again and,
-over a mailbox transport whose receivers read the tensors in place, the pushing thread
-starts the push itself, without the wire loop's round trips to pick the receivers and tell
-them (:meth:`Launcher.lean`). The old list's tensors view the same memory in the same
-layout as the new ones, so reading either reads the same bytes."""
+those of a push's pairs in one pass of attribute reads and, when they equal the last push's
+and none of the last push's tensors moved since (their addresses), hands the pusher the
+last push's own list, checked (``(pairs, True, None)``, as :meth:`Pusher.steps` takes a
+callable): its layout is not checked again and, over a mailbox transport whose receivers
+read the tensors in place, the pushing thread starts the push itself, without the wire
+loop's round trips to pick the receivers and tell them (:meth:`Launcher.lean`). The old
+list's tensors view the same memory in the same layout as the new ones, so reading either
+reads the same bytes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..planning._specs import where_of
+from ..planning._specs import moved, where_of
 
 __all__ = ["Again"]
 
@@ -29,25 +30,29 @@ class Again:
     """What a push's pairs are to the pusher: as given, or the last push's checked list."""
 
     def __init__(self) -> None:
-        self._last: list[tuple[str, torch.Tensor]] | None = None  # the last push's list
+        # the last push's list, its tensors and where they lay when it was given, swapped
+        # as one (pushes from several threads read a triple that belongs together)
+        self._last: tuple[list[Any], list[torch.Tensor], tuple[list[Any], ...]] | None = None
 
     def named(self, named: Any) -> Any:
         """``named`` (a list, tuple or items view of ``(name, tensor)``) as a list, or a
-        callable giving the last push's list if its tensors lie where these do now; any
-        other iterable (a generator streams) as it is.
+        callable giving the last push's list if its tensors lie where these do; any other
+        iterable (a generator streams) as it is.
 
-        Where the last list's tensors lie is read now, not kept from its push: a push may
-        move them (shm zero copy moves a tensor that is not in shared memory there), and a
-        new tensor may then be made where one of them lay, holding other values."""
+        The last list is taken only if none of its tensors moved since it was given (their
+        addresses read again): a push may move them (shm zero copy moves a tensor that is
+        not in shared memory there), and a new tensor may then lie where one of them lay,
+        holding other values."""
         if not isinstance(named, (list, tuple, ItemsView)):
             self._last = None
             return named
         pairs = list(named)
         where = _where(pairs)
-        kept = self._last
-        if kept is not None and where and where == _where(kept):
+        last = self._last
+        if last is not None and where and where == last[2] and not moved(last[1], where[3:]):
+            kept = last[0]
             return lambda: (kept, True, None)
-        self._last = pairs if where else None
+        self._last = (pairs, [t for _, t in pairs], where) if where else None
         return pairs
 
     def forget(self) -> None:

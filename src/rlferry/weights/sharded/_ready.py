@@ -22,7 +22,7 @@ from ..planning._shard_plan import ShardPlan
 from ..planning._specs import where_of
 from ._cuts import Cuts
 
-__all__ = ["Guard", "Ready", "local_tensors", "moved"]
+__all__ = ["Guard", "Ready", "local_tensors"]
 
 _shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
@@ -124,17 +124,6 @@ class Guard:
                 tensors[i] = view
                 out.append(i)
         return out
-
-
-def moved(tensors: list[Any], where: tuple[list[Any], ...]) -> bool:
-    """Whether a tensor's storage moved since ``where`` was taken (addresses only: the
-    cheap part of :func:`where_of`, checked after every push that may move them)."""
-    if len(where) == 3:
-        return list(map(torch.Tensor.data_ptr, tensors)) != where[0]
-    return any(
-        isinstance(t, torch.Tensor) and t.data_ptr() != w[0]
-        for t, w in zip(tensors, where[0], strict=True)
-    )
 
 
 def local_tensors(

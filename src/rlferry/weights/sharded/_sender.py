@@ -37,13 +37,13 @@ from ..planning._budget import (
 )
 from ..planning._layouts import EngineLayout, TrainerLayout
 from ..planning._shard_plan import ShardPlan
-from ..planning._specs import where_of
+from ..planning._specs import moved, where_of
 from ..sender._pusher import Pusher
 from ..sender._turns import drain, take_turns
 from ._cuts import Cuts
 from ._group import described
 from ._plans import Plans, check_rank, link_group
-from ._ready import Ready, moved
+from ._ready import Ready
 
 __all__ = ["ShardedSender"]
 
