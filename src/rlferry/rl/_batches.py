@@ -4,9 +4,9 @@ scored, and put into the queue for the trainer ranks.
 The next step's batch is not taken while this one trains (``Coordinator.batch(
 trainer_version=...)`` allows it): on one GPU the driver's time between steps lets the
 engine generate alone; taken ahead, the ranks' and the engine's kernels overlap more and
-the asynchronous step took 218 ms against 209 (``rlferry demo --compare --device cuda
---model qwen3-0.6b --steps 40 --engines 1``, one H200, both in one call); on the CPU,
-98-100 ms a step either way.
+the asynchronous step took 156 and 177 ms against 167 and 171 (``rlferry demo --device cuda
+--model qwen3-0.6b --steps 40 --engines 1``, one H200, alternated in one call), the ranks'
+step 115-124 ms against 99; on the CPU, 98-100 ms a step either way.
 """
 
 from __future__ import annotations
