@@ -211,6 +211,24 @@ def test_rows_of_one_prompt_share_its_prefill_and_decode_as_each_would_alone(mod
     assert together[9].token_ids == reference(model, PROMPTS["c"], 12)[0]
 
 
+def test_rows_that_move_into_freed_slots_keep_every_column_they_hold(model, kv):
+    """Short rows end first and the long rows after them move into their slots (with slots:
+    a mover's columns are copied up to its length, not the slot's whole length): each
+    long row's tokens are what it generates alone."""
+    long_prompt = list(range(20, 44))  # 24 tokens: past the short rows' columns
+    short = [req(f"s{i}", PROMPTS["b"], max_tokens=2) for i in range(3)]
+    long = [req("c", PROMPTS["c"], max_tokens=16), req("l", long_prompt, max_tokens=16)]
+
+    async def main():
+        with HFEngine(model, max_model_len=64, **kv) as engine:
+            return await asyncio.gather(*(engine.generate(r) for r in short + long))
+
+    done = asyncio.run(main())
+    assert [len(c.token_ids) for c in done] == [2, 2, 2, 16, 16]
+    assert done[3].token_ids == reference(model, PROMPTS["c"], 16)[0]
+    assert done[4].token_ids == reference(model, long_prompt, 16)[0]
+
+
 def test_a_prefills_token_budget_counts_the_prompts_its_rows_share(model):
     """With slots a prefill runs each distinct prompt once, so its ``max_prefill_tokens``
     counts prompts, not rows: eight rows of one prompt join in one prefill of 16 tokens

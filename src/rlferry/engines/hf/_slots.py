@@ -331,8 +331,10 @@ class SlotBatch:
         n = len(keep)
         holes = [i for i, r in enumerate(self.rows[:n]) if id(r) in gone]
         movers = [i for i in range(n, len(self.rows)) if id(self.rows[i]) not in gone]
-        if holes:
-            self._copy_slots(holes, movers)
+        if holes:  # a mover's columns up to its length (a slot holds max_len of them)
+            reach = max(len(self.rows[m].request.prompt_ids) + len(self.rows[m].tokens)
+                        for m in movers)  # fmt: skip
+            self._copy_slots(holes, movers, min(reach, self.max_len))
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
             for t in (self.mask, self.pos, self.ids):
