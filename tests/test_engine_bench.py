@@ -35,3 +35,17 @@ def test_bench_engine_attention_times_the_sdpa_paths_this_machine_runs():
     assert "| math, grouped view |" in out.stdout
     assert "not run" not in lines["math, grouped view"]  # the CPU runs math; says why not others
     assert "not run" in lines["cuDNN, enable_gqa"]  # a CPU: the reason is printed
+
+
+def test_engine_demo_bench_times_the_demos_generation_and_its_steps_parts():
+    """`benchmarks/_engine_demo.py` on the CPU (the demo's tiny model, the slot cache): its
+    rounds, the timed parts of the decode thread's steps and the profiled round."""
+    args = "--device cpu --model tiny --kv-cache slots --groups 4 --rounds 2 --top 3"
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "_engine_demo.py"), *args.split()],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    assert "# 32 samples a round, 2 rounds: wall ms p50" in out.stdout
+    for part in ("prefill (whole)", "decode (whole)", "record (", "between steps"):
+        assert part in out.stdout
+    assert "# profiled round: wall" in out.stdout
