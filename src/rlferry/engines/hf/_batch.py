@@ -40,6 +40,7 @@ class Row:
         "logprobs",
         "loop",
         "max_tokens",
+        "prompt",
         "request",
         "rng",
         "stop",
@@ -54,6 +55,9 @@ class Row:
     ) -> None:
         p = request.params
         self.request = request
+        # its prompt, hashable: rows of one prompt share a prefill (see SlotBatch), made
+        # here, in the caller's thread, not in the decode thread's admissions and prefills
+        self.prompt = tuple(request.prompt_ids)
         self.loop = loop
         self.future = future
         self.tokens: list[int] = []

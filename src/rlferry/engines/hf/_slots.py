@@ -157,7 +157,7 @@ class SlotBatch:
         r, first = len(rows), len(self.rows)
         lengths = [len(row.request.prompt_ids) for row in rows]
         leads: dict[tuple[int, ...], int] = {}  # a prompt's first row (its pass's row)
-        lead = [leads.setdefault(tuple(row.request.prompt_ids), i) for i, row in enumerate(rows)]
+        lead = [leads.setdefault(row.prompt, i) for i, row in enumerate(rows)]
         unique = list(leads.values())
         u = len(unique)
         key = (self._bucket(u), self._width(max(lengths)))
@@ -182,7 +182,9 @@ class SlotBatch:
             logits = logits[torch.tensor([row_of[i] for i in lead], device=self.device)]
             shared = [i for i in range(r) if lead[i] != i]
             self._copy_slots(
-                [first + i for i in shared], [first + lead[i] for i in shared], max(lengths)
+                torch.tensor([first + i for i in shared], device=self.device),
+                torch.tensor([first + lead[i] for i in shared], device=self.device),
+                max(lengths),
             )
         else:
             logits = logits[:r]
@@ -201,17 +203,14 @@ class SlotBatch:
         self._reached()
         return ended
 
-    def _copy_slots(self, dst: list[int], src: list[int], columns: int | None = None) -> None:
-        """Every layer's keys and values of slots ``src`` into slots ``dst`` (their first
-        ``columns`` columns; None: all)."""
-        d = torch.tensor(dst, device=self.device)
-        s_ = torch.tensor(src, device=self.device)
-        cut = slice(None) if columns is None else slice(0, columns)
+    def _copy_slots(self, dst: torch.Tensor, src: torch.Tensor, columns: int) -> None:
+        """Every layer's keys and values of slots ``src`` into slots ``dst`` (indexes on the
+        device), their first ``columns`` columns."""
         if self._kv is not None:  # one indexing for every layer
-            self._kv[:, d, :, cut] = self._kv[:, s_, :, cut]
+            self._kv[:, dst, :, :columns] = self._kv[:, src, :, :columns]
             return
         for t in (*self.k, *self.v):
-            t[d, :, cut] = t[s_, :, cut]
+            t[dst, :, :columns] = t[src, :, :columns]
 
     def _prefill_step(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor
                       ) -> torch.Tensor:  # fmt: skip
@@ -331,12 +330,12 @@ class SlotBatch:
         n = len(keep)
         holes = [i for i, r in enumerate(self.rows[:n]) if id(r) in gone]
         movers = [i for i in range(n, len(self.rows)) if id(self.rows[i]) not in gone]
-        if holes:  # a mover's columns up to its length (a slot holds max_len of them)
-            reach = max(len(self.rows[m].request.prompt_ids) + len(self.rows[m].tokens)
-                        for m in movers)  # fmt: skip
-            self._copy_slots(holes, movers, min(reach, self.max_len))
+        if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
+            # a mover's columns up to its length (a slot holds max_len of them)
+            reach = max(len(self.rows[m].prompt) + len(self.rows[m].tokens) for m in movers)
+            self._copy_slots(dst, src, min(reach, self.max_len))
             for t in (self.mask, self.pos, self.ids):
                 t[dst] = t[src]
             for h, m in zip(holes, movers, strict=True):

@@ -269,7 +269,7 @@ class DecodeThread:
         for row in itertools.islice(self._waiting, max(0, room)):
             w = max(width, len(row.request.prompt_ids))
             if self._batch.shares_prompts:
-                prompts.add(tuple(row.request.prompt_ids))
+                prompts.add(row.prompt)
             runs = len(prompts) if self._batch.shares_prompts else n + 1
             if n and self._batch.prefill_tokens(runs, w) > self._max_prefill:
                 break
