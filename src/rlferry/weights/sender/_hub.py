@@ -65,7 +65,7 @@ class Hub:
         self.store: Any = None  # a KeyValue when the broadcast group meets on this channel
         # a ShardedSender's rank: the group of every rank it is part of (see Describe)
         self.description: Described | None = None
-        self.starter: Starter | None = None  # for its members' start lines (see _line)
+        self.starter = Starter()  # to its members' start lines (see _line)
         self.commits: Commits | None = None  # a mailbox sender's commit line (see _line)
 
     # -- requests ---------------------------------------------------------------
@@ -88,7 +88,7 @@ class Hub:
             if old is not None:
                 self._leave(old, "joined again")
             new = self.members[peer] = Member(peer, msg)
-            if self.starter is not None and msg.line and self.starter.probe(msg.line):
+            if msg.line and self.starter.probe(msg.line):
                 new.line = msg.line
             asyncio.get_running_loop().call_later(JOIN_GRACE, self._grace_over, new)
             self._changed.set()

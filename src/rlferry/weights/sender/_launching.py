@@ -79,7 +79,7 @@ class Launcher:
         last, self.committed = self.committed, None
         self.lining = None
         starter = parts.hub.starter
-        if fast is not None and last is not None and starter is not None and parts.collective:
+        if fast is not None and last is not None and parts.collective is not None:
             # this thread's snapshot of the hub's members: one that leaves from here on
             # fails the push as a receiver that dies mid-stream does
             now = list(parts.hub.members.values())

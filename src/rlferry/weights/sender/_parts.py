@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rlferry.wire import Server, default_address, wire_loop
 
 from .._config import SenderConfig
-from ..protocol._datagrams import Commits, Starter
+from ..protocol._datagrams import Commits
 from ..transports import make_sender
 from ..transports._base import CollectiveSender, MailboxSender
 from ._course import Course
@@ -51,7 +51,6 @@ class SenderParts:
         self.hub = hub = self.loop.run(self._make_hub())
         hub.on_leave = tr.receiver_left
         self.course = Course(hub, tr.deadline_passed)
-        hub.starter = Starter()  # its members' start lines (see protocol._datagrams)
         if self.collective is not None:  # broadcast with a secret: the group meets here
             hub.store = self.collective.kv
         else:
@@ -68,7 +67,6 @@ class SenderParts:
         """Stop serving; let the transport and the lines go."""
         self.loop.run(self.server.aclose())
         self.transport.close()
-        if self.hub.starter is not None:
-            self.hub.starter.close()
+        self.hub.starter.close()
         if self.hub.commits is not None:
             self.hub.commits.close()
