@@ -1,5 +1,7 @@
 """The demo's GPU busy share (NVML's utilization samples, through the real nvidia-ml-py)."""
 
+import time
+
 import pytest
 import torch
 
@@ -27,5 +29,11 @@ def test_a_gpu_kept_busy_reads_busy():
     torch.cuda.synchronize()
     busy.read()
     share = busy.percent()
-    busy.close()
     assert share is not None and 50 <= share <= 100, busy.why
+    time.sleep(2.5)  # the GPU idle: samples of 0%
+    busy.read(every=60)  # within a minute of the last read: skipped
+    assert busy.percent() == share
+    busy.read()
+    idle = busy.percent()
+    busy.close()
+    assert idle is not None and idle < share

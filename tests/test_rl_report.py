@@ -79,20 +79,37 @@ def test_summarize_computes_each_figure_from_the_steps():
             "sync_seconds": 0.25,
             "sync_share": 0.25,
             "dispatch_seconds": 0.0,
+            "put_seconds": 0.0,
+            "get_seconds": 0.0,
+            "optimize_seconds": 0.0,
             "rest_share": 0.0,
             "staleness_mean": 1.0,
             "staleness_max": 2,
         }
     )
     # steps of 1 s with 0.6 s training and 0.25 s sync: 15% of a step is the driver's own,
-    # the requests an update let go among it
+    # the requests an update let go and the batch's put among it; the ranks' get and
+    # optimizer step are parts of training
     slower = [
-        step(i, wall=1.0 * i, reward=0.5, wait=0.0, train_seconds=0.6, dispatch_seconds=0.1)
-        for i in (1, 2)
+        step(
+            i,
+            wall=1.0 * i,
+            reward=0.5,
+            wait=0.0,
+            train_seconds=0.6,
+            dispatch_seconds=0.1,
+            put_seconds=0.04,
+            get_seconds=0.02 * i,
+            optimize_seconds=0.5,
+        )
+        for i in (1, 2, 3)
     ]
     figures = summarize(RunRecord("r", {}, slower))
     assert figures["rest_share"] == pytest.approx(0.15)
     assert figures["dispatch_seconds"] == pytest.approx(0.1)
+    assert figures["put_seconds"] == pytest.approx(0.04)
+    assert figures["get_seconds"] == pytest.approx(0.05)  # steps 2 and 3
+    assert figures["optimize_seconds"] == pytest.approx(0.5)
     assert figures["sync_share"] == pytest.approx(0.25)
 
 

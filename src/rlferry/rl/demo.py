@@ -48,6 +48,7 @@ from ._gpu import GpuBusy
 from ._interrupts import run_hearing_ctrl_c
 from ._memory import ENGINE_LEN, check_memory
 from ._processes import (
+    ONE_THREAD,
     Processes,
     RayProcesses,
     free_port,
@@ -117,10 +118,10 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         del model
         if config.device == "cuda":
             torch.cuda.empty_cache()
-        if config.device == "cpu":  # the run's processes share the cores: one thread each
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            stack.callback(torch.set_num_threads, threads)
+        # the run's processes share the cores: one thread each (see ONE_THREAD)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(ONE_THREAD)
+        stack.callback(torch.set_num_threads, threads)
         # the device's rates for the step's roofline, while nothing else runs on it
         peaks = measure_peaks(torch.device(where), getattr(torch, serve_dtype))
         if on_ray:  # the queue's services as actors of the job, found by name
@@ -152,9 +153,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             # a batch's fixed width: the longest prompt (its letters, ">") and response
             "width": task.length + 1 + task.max_tokens,
             # Ray sets OMP_NUM_THREADS=1 in an actor of a fractional CPU: on CUDA a trainer
-            # actor then stepped in 0.32 s where a process takes 0.25 (one H100): it gets
-            # the threads a process of its own would
-            "threads": 1 if config.device == "cpu" else torch.get_num_threads() if on_ray else 0,
+            # actor then stepped in 0.32 s where a process of 16 threads took 0.25 (one
+            # H100, an eager step): there it gets the threads of the machine
+            "threads": ONE_THREAD if config.device == "cpu" or not on_ray else threads,
         }  # fmt: skip
         per_engine = -(-config.groups_per_step * config.group_size // config.engines)
         engines: list[Any]
@@ -287,7 +288,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 t_update = t_sync if update is None else min(t_sync, update.seconds)
                 asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
-                    gpus.read()
+                    gpus.read(every=1.0)
                 row = StepRecord(
                     step=step, wall=wall0 + time.monotonic() - t_start,
                     reward_mean=sum(rewards) / len(rewards),
@@ -296,7 +297,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
                     generate_seconds=0.0, wait_seconds=t_wait,
                     train_seconds=t_train, sync_seconds=t_update,
-                    dispatch_seconds=t_sync - t_update,
+                    dispatch_seconds=t_sync - t_update, put_seconds=t1 - taken.at,
+                    get_seconds=max(r["get_seconds"] for r in results),
+                    optimize_seconds=max(r["step_seconds"] for r in results),
                     loss=sum(r["loss"] for r in results) / len(results), lags=lags,
                     version=coord.version,
                 )  # fmt: skip
@@ -314,6 +317,8 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 kill_point("step", step)
             if row is not None and asked is not None:
                 await recorded(row, busy, asked)
+            if gpus is not None:
+                gpus.read()  # the samples to the last step's end
             at_end = await slots.at(coord.version)  # the engines that serve the last version
             record.summary.update(slots.summary())
             record.summary.update(await closing_figures(

@@ -37,6 +37,8 @@ def summarize(run: RunRecord) -> dict[str, float]:
     1); ``dispatch_seconds``: the driver starting the requests an update let go, per
     step; ``rest_share``: the share of it that is neither waiting for rollouts, training
     nor weight sync (the driver's own work: those requests, scoring, the queue's put);
+    ``put_seconds`` (scoring and the put), ``get_seconds`` and ``optimize_seconds`` (the
+    ranks' get and optimizer step, within training): the mean per step;
     ``staleness_mean`` /
     ``staleness_max``: over every trained sample's lag (over the steps' own figures where
     no step recorded its lags). A run without steps has 0 steps and samples and NaN for
@@ -75,6 +77,9 @@ def summarize(run: RunRecord) -> dict[str, float]:
         "sync_seconds": sum(s.sync_seconds for s in timed) / m,
         "sync_share": sum(s.sync_seconds for s in timed) / span if span > 0 else math.nan,
         "dispatch_seconds": sum(s.dispatch_seconds for s in timed) / m,
+        "put_seconds": sum(s.put_seconds for s in timed) / m,
+        "get_seconds": sum(s.get_seconds for s in timed) / m,
+        "optimize_seconds": sum(s.optimize_seconds for s in timed) / m,
         "rest_share": (
             1 - sum(s.wait_seconds + s.train_seconds + s.sync_seconds for s in timed) / span
             if span > 0
@@ -164,7 +169,10 @@ _FIGURES = (  # summarize's keys, in its table's order
     "step_seconds",
     "generate_seconds",
     "wait_seconds",
+    "put_seconds",
     "train_seconds",
+    "get_seconds",
+    "optimize_seconds",
     "sync_seconds",
     "sync_share",
     "dispatch_seconds",
@@ -182,7 +190,13 @@ _ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
     "step_seconds": ("wall time per step, steps 2 on (s)", "{:.3f}".format),
     "generate_seconds": ("generate: engines busy (s per step, steps 2 on)", "{:.3f}".format),
     "wait_seconds": ("wait for rollouts (s per step, steps 2 on)", "{:.3f}".format),
+    "put_seconds": ("score and put the batch (s per step, steps 2 on)", "{:.3f}".format),
     "train_seconds": ("train (s per step, steps 2 on)", "{:.3f}".format),
+    "get_seconds": ("train: the ranks' get (s per step, steps 2 on)", "{:.3f}".format),
+    "optimize_seconds": (
+        "train: the ranks' optimizer step (s per step, steps 2 on)",
+        "{:.3f}".format,
+    ),
     "sync_seconds": ("weight sync (s per step, steps 2 on)", "{:.3f}".format),
     "sync_share": ("weight-sync share of a step, steps 2 on (%)", lambda v: f"{v * 100:.1f}"),
     "dispatch_seconds": (
@@ -190,7 +204,7 @@ _ROWS: dict[str, tuple[str, Callable[[float], str]]] = {
         "{:.3f}".format,
     ),
     "rest_share": (
-        "the rest: neither waiting, training nor sync (% of a step, steps 2 on)",
+        "the rest: neither waiting, training nor sync (% of a step, steps 2 on; the put among it)",
         lambda v: f"{v * 100:.1f}",
     ),
     "staleness_mean": ("staleness mean (versions)", "{:.2f}".format),

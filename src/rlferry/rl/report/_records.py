@@ -18,7 +18,11 @@ class StepRecord:
     optimizer step (the slower DP rank); ``sync_seconds``: the weight update (pause,
     push, commit, resume); ``dispatch_seconds``: the driver starting the requests the
     update let go (new rollouts wait while an update runs), before its next train
-    command. ``lags``: every trained sample's lag, in versions.
+    command. Parts of those: ``put_seconds``, the driver scoring the batch and putting it
+    into the queue (between waiting and training); ``get_seconds`` and
+    ``optimize_seconds``, within training, the slower rank's get of its share from the
+    queue and its optimizer step (forward, backward, update). ``lags``: every trained
+    sample's lag, in versions.
     """
 
     step: int
@@ -37,6 +41,9 @@ class StepRecord:
     lags: list[int] = field(default_factory=list)
     version: int = 0
     dispatch_seconds: float = 0.0
+    put_seconds: float = 0.0
+    get_seconds: float = 0.0
+    optimize_seconds: float = 0.0
 
 
 @dataclass

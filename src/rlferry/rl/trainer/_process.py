@@ -200,7 +200,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         client.ack(batch)
         conn.send(("ok", {
             **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got,
-            "get_seconds": got - t0,
+            "get_seconds": got - t0, "step_seconds": step_seconds[-1],
         }))  # fmt: skip
     client.close()
     if sender is not None:
