@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire import WireError, encode
+from rlferry.wire import RaggedRows, WireError, encode
 from rlferry.wire.lowlevel import brief, check_address, tensor_refusal
 
 from ._columns import (
@@ -69,6 +69,9 @@ def check_timeout(timeout: Any) -> None:
 def _travels(where: str, values: Any) -> None:
     """Refuse plain values the wire cannot carry, naming where they are."""
     if isinstance(values, list):
+        flat = values.flat if type(values) is RaggedRows else None
+        if flat is not None and tensor_refusal(flat) is None:  # its rows are views of it
+            return
         kinds = set(map(type, values))
         if kinds <= _SCALARS:
             return

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlferry.wire import PackedStrings, pack_strings, shared_copies, shared_empty
+from rlferry.wire import PackedStrings, RaggedRows, pack_strings, shared_copies, shared_empty
 from rlferry.wire.lowlevel import bytes_copy, copy_many, materialized, tensor_refusal
 
 from ._errors import SchemaError
@@ -170,6 +170,8 @@ def nbytes(value: Any) -> int:
             value = value.values()
         return value.numel() * value.element_size()
     if isinstance(value, list):
+        if type(value) is RaggedRows and value.flat is not None:  # no row read
+            return value.flat.numel() * value.flat.element_size()
         if set(map(type, value)) <= _TEXT:  # prompts, responses: at C speed (10x)
             return sum(map(len, value))
         return sum(nbytes(v) for v in value)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from rlferry.errors import RequestError
+from rlferry.wire import RaggedRows
 
 __all__ = [
     "GrpoBatch",
@@ -155,6 +156,9 @@ def _joined(
     a row: rows of tensors (the queue's ragged columns) in one ``torch.cat``, rows of
     numbers read by numpy in one pass (512 rows of a few numbers: 0.24 ms, against 4.9 for
     a tensor a row on a 2-core VM)."""
+    if isinstance(rows, RaggedRows) and rows.flat is not None:  # the queue's ragged column,
+        offsets = torch.tensor(rows.offsets, dtype=torch.long)  # whole: no row read
+        return offsets[1:] - offsets[:-1], rows.flat.to(dtype)
     tensors = [x for x in rows if type(x) is torch.Tensor]
     if len(tensors) == len(rows):
         flat = [x if x.dim() == 1 else x.reshape(-1) for x in tensors]

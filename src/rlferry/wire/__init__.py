@@ -19,8 +19,8 @@ from ._errors import (
 from ._loop import wire_loop
 from ._refs import TensorRef
 from ._server import Server
-from ._strings import PackedStrings, pack_strings
 from ._sync_client import Client
+from .columns import PackedStrings, RaggedRows, pack_strings
 from .memory._segments import shared_copies, shared_empty
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "FileFormatError",
     "PackedStrings",
     "PeerGone",
+    "RaggedRows",
     "RemoteError",
     "RequestTimeout",
     "SecurityError",

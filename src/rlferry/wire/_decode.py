@@ -29,7 +29,7 @@ from ._codec import (
 )
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
-from ._strings import KINDS, PackedStrings, check_offsets
+from .columns import KINDS, PackedStrings, RaggedRows, check_offsets
 from .memory._bulk import BulkFrame
 
 __all__ = ["decode"]
@@ -230,8 +230,7 @@ class _Decoding:
                 f"frame {index} has {view.nbytes}"
             )
         whole = _as_tensor(view, torch.uint8, [view.nbytes]).view(dtype)
-        parts = whole.split([size // dtype.itemsize for size in sizes])  # views, made at once
-        return [p if len(s) == 1 else p.reshape(s) for p, s in zip(parts, shapes, strict=True)]
+        return RaggedRows(whole, shapes)  # views of it, made at once
 
     def jagged(self, node: Any) -> torch.Tensor:
         if not (isinstance(node, list) and len(node) == 3 and type(node[2]) is int):

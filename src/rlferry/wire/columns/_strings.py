@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ._errors import WireError
-from .memory._copies import THREADS, copy_many, fastcopy, side_by_side
-from .memory._segments import BULK_MIN, shared_empty
+from .._errors import WireError
+from ..memory._copies import THREADS, copy_many, fastcopy, side_by_side
+from ..memory._segments import BULK_MIN, shared_empty
 
 __all__ = ["PackedStrings", "pack_strings"]
 
