@@ -93,9 +93,9 @@ def test_a_flat_tensor_that_cannot_travel_is_named_by_its_first_row():
         c.put("p", {"x": r})
 
 
-def groups():
+def groups(n=3):
     out = []
-    for k in range(3):
+    for k in range(n):
         done = [
             Completion(request_id=f"{k}-{i}", prompt_ids=[1, 2, k], token_ids=[k] * (i + 1),
                        logprobs=[-0.5] * (i + 1), versions=[0] * (i + 1), finish_reason="stop")
@@ -124,3 +124,21 @@ def test_rollout_columns_go_through_the_queue_whole_into_the_same_grpo_batch():
         [c.logprobs for g in groups() for c in g.completions], data["advantages"]))  # fmt: skip
     for a, b in zip(whole.tensors(), rows.tensors(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_each_rank_of_two_gets_its_groups_rows_with_their_values():
+    data, meta = rollout_columns(groups(4))
+    want = dict(enumerate(data["response_ids"]))
+    with Queue(storage_units=2, tasks=("train",)) as q, q.client() as c:
+        c.put("train_0", {"response_ids": data["response_ids"]}, meta=meta, timeout=10)
+        got = [
+            c.get("train_0", task="train", batch_size=8, dp_rank=r, dp_size=2,
+                  sampler=GrpoGroups(group_size=4), fields=["response_ids"], timeout=10)
+            for r in range(2)
+        ]  # fmt: skip
+    seen = [i for b in got for i in b.indexes]
+    assert sorted(seen) == list(range(16))
+    for b in got:
+        assert isinstance(b.data["response_ids"], list)
+        for i, row in zip(b.indexes, b.data["response_ids"], strict=True):
+            assert torch.equal(row, want[i])
