@@ -11,6 +11,7 @@ from rlferry.control import Completion, Group, rollout_columns
 from rlferry.queue import GrpoGroups, Queue, SchemaError
 from rlferry.rl.grpo import GrpoBatch, PaddedBatch
 from rlferry.wire import RaggedRows, decode, encode
+from rlferry.wire.lowlevel import PackedRows
 
 
 def roundtrip(value):
@@ -142,3 +143,38 @@ def test_each_rank_of_two_gets_its_groups_rows_with_their_values():
         assert isinstance(b.data["response_ids"], list)
         for i, row in zip(b.indexes, b.data["response_ids"], strict=True):
             assert torch.equal(row, want[i])
+
+
+def test_a_service_that_forwards_holds_packed_rows_without_a_tensor_a_row():
+    r = rows()
+    held = decode([bytes(f) for f in encode(r)], forward=True)
+    assert type(held) is PackedRows and len(held) == 4 and held.nbytes == 48
+    part = held[1:3]
+    assert part.shapes == [[0], [2, 2]] and torch.equal(part.flat, torch.arange(3.0, 7.0))
+    both = PackedRows.concat([held[3:4], held[0:1]])
+    assert both.offsets == [0, 5, 8]
+    back = roundtrip(both)  # sent on whole, as rows
+    assert type(back) is RaggedRows
+    assert torch.equal(back[0], torch.arange(7.0, 12.0)) and torch.equal(back[1], r[0])
+    assert all(torch.equal(a, b) for a, b in zip(held.tolist(), r, strict=True))
+    with pytest.raises(ValueError, match="PackedRows: expected a slice of step 1, got step 2"):
+        held[::2]
+
+
+def test_a_get_across_puts_joins_their_rows_and_keeps_each_puts_dtype():
+    ints = RaggedRows(torch.arange(6), [[2], [4]])
+    more = [torch.arange(3), torch.arange(1)]  # a plain list: packed on the wire too
+    floats = RaggedRows(torch.linspace(0, 1, 3), [[1], [2]])
+    with Queue(storage_units=1, tasks=("a", "b")) as q, q.client() as c:
+        c.put("p", {"x": ints}, timeout=10)
+        c.put("p", {"x": more}, timeout=10)
+        same = c.get("p", task="a", batch_size=4, fields=["x"], timeout=10).data["x"]
+        c.put("q", {"x": ints}, timeout=10)
+        c.put("q", {"x": floats}, timeout=10)
+        mixed = c.get("q", task="b", batch_size=4, fields=["x"], timeout=10).data["x"]
+    assert type(same) is RaggedRows and same.flat is not None  # one flat tensor, joined
+    for a, b in zip(same, [*ints, *more], strict=True):
+        assert torch.equal(a, b)
+    assert [t.dtype for t in mixed] == [torch.int64] * 2 + [torch.float32] * 2
+    for a, b in zip(mixed, [*ints, *floats], strict=True):
+        assert torch.equal(a, b)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlferry.wire import PackedStrings, RaggedRows, pack_strings, shared_copies, shared_empty
-from rlferry.wire.lowlevel import bytes_copy, copy_many, materialized, tensor_refusal
+from rlferry.wire.lowlevel import PackedRows, bytes_copy, copy_many, materialized, tensor_refusal
 
 from ._errors import SchemaError
 
@@ -76,7 +76,9 @@ def kind_of(field: str, value: Any) -> str:
 
 
 def rows_of(value: Any) -> int:
-    return len(value) if isinstance(value, (list, PackedStrings)) else int(value.shape[0])
+    return len(value) if isinstance(value, (list, PackedStrings, PackedRows)) else int(
+        value.shape[0]
+    )  # fmt: skip
 
 
 def signature(kind: str, value: Any) -> list[Any]:
@@ -203,11 +205,15 @@ def take(pieces: Sequence[tuple[Any, int, int]]) -> Any:
         return jagged_cat(nested)
     if all(isinstance(col, PackedStrings) for col, _, _ in pieces):
         return PackedStrings.concat([col[a:b] for col, a, b in pieces])
-    if isinstance(first, (list, PackedStrings)):  # small puts came as lists, large ones packed
-        return [
+    if all(type(col) is PackedRows for col, _, _ in pieces) and (
+        len({col.flat.dtype for col, _, _ in pieces}) == 1
+    ):  # ragged tensors of one dtype, as a storage unit holds them
+        return PackedRows.concat([col[a:b] for col, a, b in pieces])
+    if isinstance(first, (list, PackedStrings, PackedRows)):  # small puts came as lists,
+        return [  # large ones packed
             row
             for col, a, b in pieces
-            for row in (col[a:b].tolist() if isinstance(col, PackedStrings) else col[a:b])
+            for row in (col[a:b] if isinstance(col, list) else col[a:b].tolist())
         ]
     n = sum(b - a for _, a, b in pieces)
     out: Any

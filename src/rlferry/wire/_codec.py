@@ -33,7 +33,7 @@ from rlferry.errors import RlferryError
 
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, TensorRef
-from .columns import PackedStrings, RaggedRows, pack_strings
+from .columns import PackedRows, PackedStrings, RaggedRows, pack_strings
 from .memory._copies import in_order
 from .memory._segments import BULK_MIN, exports, shared_empty
 
@@ -214,6 +214,8 @@ class _Encoder:
             return self.items(obj)
         if isinstance(obj, PackedStrings):
             return self.strings(obj)
+        if type(obj) is PackedRows:
+            return self._packed(obj.flat, [obj.flat], obj.shapes)
         if isinstance(obj, tuple):
             return msgspec.msgpack.Ext(EXT_TUPLE, self._packer.encode(self.items(obj)))
         if type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":

@@ -29,7 +29,7 @@ from ._codec import (
 )
 from ._errors import WireError
 from ._refs import DTYPE_NAMES, DTYPES, TensorRef, address_of
-from .columns import KINDS, PackedStrings, RaggedRows, check_offsets
+from .columns import KINDS, PackedRows, PackedStrings, RaggedRows, check_offsets
 from .memory._bulk import BulkFrame
 
 __all__ = ["decode"]
@@ -217,7 +217,7 @@ class _Decoding:
             base = self.bases[(id(whole), dtype)] = raw.view(dtype)
         return base.as_strided(shape, strides, at // size)
 
-    def ragged(self, node: Any) -> list[torch.Tensor]:
+    def ragged(self, node: Any) -> RaggedRows | PackedRows:
         if not (isinstance(node, list) and len(node) == 3 and isinstance(node[1], list)):
             raise WireError("malformed message: a ragged node is not [dtype, shapes, frame]")
         name, shapes, index = node
@@ -230,6 +230,8 @@ class _Decoding:
                 f"frame {index} has {view.nbytes}"
             )
         whole = _as_tensor(view, torch.uint8, [view.nbytes]).view(dtype)
+        if self.forward:  # stored and sent on: no tensor a row
+            return PackedRows(whole, shapes)
         return RaggedRows(whole, shapes)  # views of it, made at once
 
     def jagged(self, node: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ._codec import tensor_buffer, tensor_refusal
 from ._errors import brief
 from ._lifecycle import AsyncResource
 from ._refs import materialized
+from .columns import PackedRows
 from .memory._copies import BulkCopy, bytes_copy, copy_many
 from .memory._segments import AVAILABLE as SHARED_MEMORY
 from .memory._segments import MEMFD_NAME, Memory, exports
@@ -23,6 +24,7 @@ __all__ = [
     "AsyncResource",
     "BulkCopy",
     "Memory",
+    "PackedRows",
     "brief",
     "bytes_copy",
     "check_address",

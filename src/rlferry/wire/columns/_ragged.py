@@ -9,6 +9,10 @@ such a list whose rows lie end to end in one flat tensor, as a ragged frame deco
 flat tensor once. It is a list in every way; a change to the list itself (a row set,
 added or removed) makes it forget the flat tensor (its rows are then read one by one, as
 any list's), while a row's values changed in place are the flat tensor's own.
+
+A service that only stores and forwards such columns (a storage unit, which decodes with
+``forward=True``) holds them as :class:`PackedRows`: the flat tensor and the rows' shapes,
+without a tensor a row, sliced and joined as they are and sent on whole.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any, SupportsIndex
 
 import torch
 
-__all__ = ["RaggedRows"]
+from ..memory._segments import shared_empty
+
+__all__ = ["PackedRows", "RaggedRows"]
 
 
 class RaggedRows(list[Any]):
@@ -131,3 +137,47 @@ class RaggedRows(list[Any]):
     def reverse(self) -> None:
         self._changed()
         list.reverse(self)
+
+
+class PackedRows:
+    """A ragged column held by a service that stores and forwards it: ``flat`` (1-d) holds
+    the rows ``flat[offsets[i]:offsets[i+1]]`` of shapes ``shapes[i]``; no tensor a row is
+    made. :meth:`tolist` gives its :class:`RaggedRows`."""
+
+    __slots__ = ("flat", "offsets", "shapes")
+
+    def __init__(
+        self, flat: torch.Tensor, shapes: list[list[int]], offsets: list[int] | None = None
+    ) -> None:
+        self.flat, self.shapes = flat, shapes
+        self.offsets = (
+            [0, *itertools.accumulate(math.prod(s) for s in shapes)] if offsets is None else offsets
+        )
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, rows: slice) -> PackedRows:
+        """Rows ``rows`` (a slice of step 1): a view of their part of ``flat``."""
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError(f"PackedRows: expected a slice of step 1, got step {step}")
+        stop = max(start, stop)
+        a, b = self.offsets[start], self.offsets[stop]
+        return PackedRows(self.flat[a:b], self.shapes[start:stop],
+                          [o - a for o in self.offsets[start : stop + 1]])  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def tolist(self) -> RaggedRows:
+        return RaggedRows(self.flat, self.shapes)
+
+    @staticmethod
+    def concat(parts: Sequence[PackedRows]) -> PackedRows:
+        """``parts`` one after another (of one dtype): one copy of their values, into warm
+        shared memory."""
+        total = sum(p.flat.numel() for p in parts)
+        flat = torch.cat([p.flat for p in parts], out=shared_empty([total], parts[0].flat.dtype))
+        return PackedRows(flat, [s for p in parts for s in p.shapes])
