@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         _plan_weights(a)
         return
     if a.command == "demo":
-        from rlferry.rl.demo import main as demo
+        from rlferry.rl.command import main as demo
 
         try:
             report = demo(a)
