@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlferry.control import Completion, Group, rollout_columns
+from rlferry.errors import RequestError
 from rlferry.queue import GrpoGroups, Queue, SchemaError
 from rlferry.rl.grpo import GrpoBatch, PaddedBatch
 from rlferry.wire import RaggedRows, decode, encode
@@ -77,9 +78,9 @@ def test_a_slice_views_its_part_of_the_flat_tensor_and_other_copies_are_plain_li
 
 
 def test_wrong_flat_tensors_are_refused_naming_the_field_and_the_fix():
-    with pytest.raises(ValueError, match=r"RaggedRows.flat: expected a 1-d contiguous tensor"):
+    with pytest.raises(RequestError, match=r"RaggedRows.flat: expected a 1-d contiguous tensor"):
         RaggedRows(torch.zeros(2, 3), [[6]])
-    with pytest.raises(ValueError, match=r"RaggedRows.shapes: expected shapes of 6 values"):
+    with pytest.raises(RequestError, match=r"RaggedRows.shapes: expected shapes of 6 values"):
         RaggedRows(torch.zeros(6), [[2], [3]])
 
 
@@ -157,7 +158,7 @@ def test_a_service_that_forwards_holds_packed_rows_without_a_tensor_a_row():
     assert type(back) is RaggedRows
     assert torch.equal(back[0], torch.arange(7.0, 12.0)) and torch.equal(back[1], r[0])
     assert all(torch.equal(a, b) for a, b in zip(held.tolist(), r, strict=True))
-    with pytest.raises(ValueError, match="PackedRows: expected a slice of step 1, got step 2"):
+    with pytest.raises(RequestError, match="PackedRows: expected a slice of step 1, got step 2"):
         held[::2]
 
 

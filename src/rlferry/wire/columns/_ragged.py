@@ -24,6 +24,8 @@ from typing import Any, SupportsIndex
 
 import torch
 
+from rlferry.errors import RequestError
+
 from ..memory._segments import shared_empty
 
 __all__ = ["PackedRows", "RaggedRows"]
@@ -37,13 +39,13 @@ class RaggedRows(list[Any]):
 
     def __init__(self, flat: torch.Tensor, shapes: Sequence[list[int]]) -> None:
         if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError(
+            raise RequestError(
                 f"RaggedRows.flat: expected a 1-d contiguous tensor, got shape "
                 f"{list(flat.shape)} (reshape(-1) it)"
             )
         sizes = [math.prod(s) for s in shapes]
         if sum(sizes) != flat.numel():
-            raise ValueError(
+            raise RequestError(
                 f"RaggedRows.shapes: expected shapes of {flat.numel()} values in all (the "
                 f"flat tensor's), got {sum(sizes)}"
             )
@@ -161,7 +163,7 @@ class PackedRows:
         """Rows ``rows`` (a slice of step 1): a view of their part of ``flat``."""
         start, stop, step = rows.indices(len(self))
         if step != 1:
-            raise ValueError(f"PackedRows: expected a slice of step 1, got step {step}")
+            raise RequestError(f"PackedRows: expected a slice of step 1, got step {step}")
         stop = max(start, stop)
         a, b = self.offsets[start], self.offsets[stop]
         return PackedRows(self.flat[a:b], self.shapes[start:stop],
