@@ -54,9 +54,10 @@ class GpuBusy:
     def read(self, every: float = 0.0) -> None:
         """Take every GPU's utilization samples since the last read, unless that read was
         less than ``every`` seconds ago (the buffer holds seconds of samples)."""
-        if self.why is not None or time.monotonic() - self._read_at < every:
+        now = time.monotonic()
+        if self.why is not None or now - self._read_at < every:
             return
-        self._read_at = time.monotonic()
+        self._read_at = now
         nvml = self._nvml
         try:
             for i, handle in enumerate(self._handles):

@@ -141,7 +141,7 @@ engines and the trainer ranks (on Ray, see the demo). Their CPU work is small te
 operations (scoring, the queue's columns, a batch's padding, sampling's inputs); with a
 pool per process as wide as the machine, the pools' waiting threads took the cores from
 each other: on one H200 with 16 cores the asynchronous step took 0.156 s with the default
-pools and 0.139 with one thread each (the trainer's step 90 against 81 ms beside
+pools and 0.139 with one thread each (the trainer's step 89 against 79 ms beside
 generation), and the synchronous one 0.223 against 0.202."""
 
 ENGINE_NICE = 10

@@ -12,7 +12,7 @@ from ._codec import tensor_buffer, tensor_refusal
 from ._errors import brief
 from ._lifecycle import AsyncResource
 from ._refs import materialized
-from .columns import PackedRows
+from .columns import PackedRows, joined_numbers
 from .memory._copies import BulkCopy, bytes_copy, copy_many
 from .memory._segments import AVAILABLE as SHARED_MEMORY
 from .memory._segments import MEMFD_NAME, Memory, exports
@@ -32,6 +32,7 @@ __all__ = [
     "copy_many",
     "curve_keys",
     "exports",
+    "joined_numbers",
     "materialized",
     "tensor_buffer",
     "tensor_refusal",

@@ -3,7 +3,7 @@ offsets (``_strings``: :class:`PackedStrings`), a list of tensors as the one fla
 its rows view (``_ragged``: :class:`RaggedRows`, and :class:`PackedRows` where a service only
 stores and forwards it)."""
 
-from ._ragged import PackedRows, RaggedRows
+from ._ragged import PackedRows, RaggedRows, joined_numbers
 from ._strings import KINDS, PackedStrings, check_offsets, pack_strings
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "PackedStrings",
     "RaggedRows",
     "check_offsets",
+    "joined_numbers",
     "pack_strings",
 ]
