@@ -145,6 +145,11 @@ def _demo_parser(sub: Any) -> None:
         help="a synchronous run, then an asynchronous one, in one report",
     )  # fmt: skip
     d.add_argument(
+        "--no-mps", action="store_true",
+        help="colocated on CUDA, run without NVIDIA MPS (by default the run starts an MPS "
+        "daemon of its own, so that the engines' and the trainer's kernels run side by side)",
+    )  # fmt: skip
+    d.add_argument(
         "--no-sync", action="store_true",
         help="engines never receive weights (the control run: the reward stays flat)",
     )  # fmt: skip

@@ -51,6 +51,9 @@ class DemoConfig:
     checkpoint_dir: str | None = None  # None: OUT/checkpoints
     checkpoint_keep: int = 2  # whole checkpoints kept
     resume: str | None = None  # a checkpoint directory: continue its job from its last one
+    # how the processes share the GPU through NVIDIA MPS, as ``rlferry demo`` found it (its
+    # daemon, or why none): None where nothing is shared (the CPU, split, Ray)
+    mps: str | None = None
 
     def __post_init__(self) -> None:
         if self.groups_per_step == 0:

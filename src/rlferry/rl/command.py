@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
@@ -12,21 +13,42 @@ from typing import Any
 from rlferry.errors import RequestError
 
 from ._config import DemoConfig
+from ._mps import mps_for, private_mps
 from .demo import run_demo
 from .report import RunRecord, StepRecord
 
 __all__ = ["main"]
 
+# seconds the child of an MPS run may take to stop its processes once Ctrl-C came
+CHILD_STOP_BOUND = 120.0
+
 
 def main(args: Any) -> Path:
     """``rlferry demo``: one run (or, with ``--compare``, synchronous then asynchronous),
-    a progress bar per run, the report in ``--out``; returns the report's path."""
+    a progress bar per run, the report in ``--out``; returns the report's path. Colocated
+    on CUDA the runs go under NVIDIA MPS (:mod:`._mps`), in a child process of their own."""
     # the demo's bars only: transformers' loading and saving bars (read by huggingface_hub
     # when first imported, here and in the processes the demo starts) would cut into them
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    configs = _configs(args)
+    base = configs[0]
+    mps = mps_for(base.device, base.layout, base.launcher, getattr(args, "no_mps", False))
+    if mps is None:
+        return _runs(configs, args.out)
+    if not mps.start:
+        if not mps.on:
+            print(f"rlferry demo: MPS {mps.why}", file=sys.stderr)
+        return _runs([dataclasses.replace(c, mps=mps.why) for c in configs], args.out)
+    with private_mps() as mps:
+        configs = [dataclasses.replace(c, mps=mps.why) for c in configs]
+        if not mps.on:
+            print(f"rlferry demo: MPS {mps.why}; the run goes on without it", file=sys.stderr)
+            return _runs(configs, args.out)
+        return _in_child(configs, args.out, mps.env)
 
-    from .report import write_report
 
+def _configs(args: Any) -> list[DemoConfig]:
+    """The runs' settings from the command line (checked: a wrong one raises here)."""
     base = DemoConfig(
         steps=args.steps, engines=args.engines, max_staleness=args.max_staleness,
         device=args.device, engine=args.engine, layout=args.layout, model=args.model,
@@ -35,22 +57,72 @@ def main(args: Any) -> Path:
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
         resume=args.resume, groups_per_step=getattr(args, "groups_per_step", 0),
     )  # fmt: skip
-    configs = [base]
-    if args.compare:
-        if args.checkpoint_every is not None or args.resume is not None:
-            raise RequestError(
-                "compare: runs two jobs; --checkpoint-every and --resume take one (drop "
-                "--compare, or them)"
-            )
-        asynchronous = (
-            base if base.max_staleness > 0 else dataclasses.replace(base, max_staleness=2)
-        )  # each run's trained.jsonl in OUT/sync and OUT/async
-        configs = [
-            dataclasses.replace(base, max_staleness=0, out=str(Path(args.out) / "sync")),
-            dataclasses.replace(asynchronous, out=str(Path(args.out) / "async")),
-        ]
-    runs = [_one_run(config) for config in configs]
-    return write_report(Path(args.out), runs)
+    if not args.compare:
+        return [base]
+    if args.checkpoint_every is not None or args.resume is not None:
+        raise RequestError(
+            "compare: runs two jobs; --checkpoint-every and --resume take one (drop "
+            "--compare, or them)"
+        )
+    asynchronous = (
+        base if base.max_staleness > 0 else dataclasses.replace(base, max_staleness=2)
+    )  # each run's trained.jsonl in OUT/sync and OUT/async
+    return [
+        dataclasses.replace(base, max_staleness=0, out=str(Path(args.out) / "sync")),
+        dataclasses.replace(asynchronous, out=str(Path(args.out) / "async")),
+    ]
+
+
+def _runs(configs: list[DemoConfig], out: str) -> Path:
+    """Every run of ``configs``, one after the other, then the report."""
+    from .report import write_report
+
+    return write_report(Path(out), [_one_run(config) for config in configs])
+
+
+def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
+    """:func:`_runs` in a child process whose environment holds ``env`` (the MPS daemon's
+    address: its processes, and theirs, are its clients; this one stays out, so that the
+    daemon can quit once the child has exited). The child's error is told by the child;
+    here its exit status: 130 (Ctrl-C) as ``KeyboardInterrupt``, another as
+    ``SystemExit``."""
+    ctx = mp.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a spawned child's environment is this one's when it starts
+    try:
+        child = ctx.Process(target=_child_main, args=(configs, out), name="rlferry-demo")
+        child.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        child.join()
+    except KeyboardInterrupt:  # the child heard it too: it stops every process it started
+        child.join(CHILD_STOP_BOUND)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        raise
+    if child.exitcode == 130:
+        raise KeyboardInterrupt
+    if child.exitcode:
+        raise SystemExit(child.exitcode)
+    return Path(out) / "report.md"  # write_report's
+
+
+def _child_main(configs: list[DemoConfig], out: str) -> None:
+    """The child of :func:`_in_child`: the runs, their errors told as ``rlferry demo``
+    tells them."""
+    try:
+        _runs(configs, out)
+    except ValueError as e:
+        print(f"rlferry demo: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def _one_run(config: DemoConfig) -> RunRecord:
