@@ -282,21 +282,17 @@ def test_a_push_of_another_layout_is_rejected_before_any_bucket_moves():
     assert done.versions == [0] * 3
 
 
-@pytest.mark.parametrize(("seed", "stage_pushes"), [(0, False), (1, False), (2, False),
-                                                   (3, True), (4, True)])  # fmt: skip
-def test_random_pauses_aborts_and_pushes_end_every_request_and_never_mix(seed, stage_pushes):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_pauses_aborts_and_pushes_end_every_request_and_never_mix(seed):
     """A random run: requests come and go while pauses of every mode, resumes, aborts,
     cancels and pushes (coordinated and bare) interleave. Every request ends (none
     hangs), within its max_tokens, its versions never go down, and only committed
-    versions appear; the engine ends with the last version's weights (with
-    ``stage_pushes``: those that came mid-step too, once loaded)."""
+    versions appear."""
     rng = random.Random(seed)
     states = {v: tiny_model(v).state_dict() for v in (1, 2, 3, 4)}
 
     async def main():
-        engine, sender = await joined(
-            tiny_model(0), f"random-{seed}", bucket_bytes=8192, stage_pushes=stage_pushes
-        )
+        engine, sender = await joined(tiny_model(0), f"random-{seed}", bucket_bytes=8192)
         with engine, sender:
             tasks = {}
             version = 0
@@ -332,8 +328,6 @@ def test_random_pauses_aborts_and_pushes_end_every_request_and_never_mix(seed, s
             done = await asyncio.wait_for(
                 asyncio.gather(*(t for _, t in tasks.values()), return_exceptions=True), 60
             )
-            await engine.fingerprint()  # waits for a staged push to load
-            assert version == 0 or same_weights(engine, states[version])
             return [(n, d) for (n, _), d in zip(tasks.values(), done, strict=True)], version
 
     results, last = asyncio.run(main())

@@ -12,9 +12,8 @@ first bucket to its commit), and a failed ``finish_weight_update``. ``is_paused(
 is true while any of them holds.
 
 Weights and the load-failure rule: the engine serves only versions committed whole.
-From the first bucket of a push no step runs until the push commits, and a bucket
-loads once the step in progress ended (or, staged, is copied aside and loaded at its
-end: ``._gate``), so a token never comes from a mix of versions. A push that
+The first bucket of a push waits for the step in progress to end and no step runs
+until the push commits, so a token never comes from a mix of versions. A push that
 fails after some of its buckets were loaded leaves the model holding a mix: the engine
 refuses to step (requests wait, ``is_paused()`` is true, ``statistics().last_error``
 says why) until a later push commits a whole version. A push that fails before it
@@ -29,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,11 +47,10 @@ from ..lora import LoraConfig
 from ._batch import Row
 from ._bridge import Waiter
 from ._cache import choose_batch
-from ._gate import LoadGate
 from ._lora import ServedAdapter
-from ._model import check_options, check_request, load_model
+from ._model import NonFinite, check_finite, check_options, check_request, load_model
 from ._receivers import join_senders
-from ._thread import STEP_BOUND
+from ._thread import STEP_BOUND, DecodeThread
 
 __all__ = ["HFEngine"]
 
@@ -61,7 +59,7 @@ _names = itertools.count()
 _MODES = ("keep", "abort", "wait")
 
 
-class HFEngine(LoadGate):
+class HFEngine(DecodeThread):
     """A ``transformers`` causal LM generating with its own batched decode loop.
 
     ``model``: a causal LM object (``PreTrainedModel``) or a local directory (loaded with
@@ -77,10 +75,7 @@ class HFEngine(LoadGate):
     forward (exact: the base weights stay as they are); pushes of the adapter's tensors
     (PEFT's names) load into its slots, and a push that does not fit them is refused
     (``LoraMismatch``) before any byte moves. No adapter is served before the first;
-    ``adapter.tensors()`` holds the one served. ``stage_pushes`` (default: on CUDA, without
-    ``lora``): a push that comes while a step runs is copied aside and loaded when the step
-    ends, instead of waiting for it (its sender goes on; the copies cost the pushed
-    tensors' bytes again on the device, kept for the next push).
+    ``adapter.tensors()`` holds the one served.
 
     Requests made in one event-loop iteration (an ``asyncio.gather`` of a group) are
     prefilled together. Greedy rows equal ``model.generate`` for the same prompt (up
@@ -126,7 +121,6 @@ class HFEngine(LoadGate):
         kv_cache: str | None = None,
         cuda_graphs: bool = True,
         lora: LoraConfig | None = None,
-        stage_pushes: bool | None = None,
     ) -> None:
         check_options(
             max_batch=max_batch, max_prefill_tokens=max_prefill_tokens, version=version,
@@ -153,8 +147,6 @@ class HFEngine(LoadGate):
         super().__init__(
             name or f"hf-{os.getpid()}-{next(_names)}", chosen.batch, version=version,
             max_batch=max_batch, max_prefill=max_prefill_tokens,
-            stage_pushes=stage_pushes if stage_pushes is not None else (
-                self.device.type == "cuda" and lora is None),
         )  # fmt: skip
         self._receiver: WeightReceiver | ShardedReceiver | None = None
         self._thread.start()
@@ -319,12 +311,33 @@ class HFEngine(LoadGate):
     async def get_weight_version(self) -> int | None:
         return self._version
 
+    def _commit(self, version: int) -> None:
+        if self.adapter is not None:
+            self.adapter.committed()
+        self._on_commit(version)
+
+    def _load(
+        self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        items: list[tuple[str, torch.Tensor]],
+    ) -> None:  # fmt: skip
+        """The receiver's ``load``: stop stepping at the push's first bucket, then copy.
+        Sharded, every trainer rank's bucket comes on a thread of its own: each waits for
+        the step in progress to end (the first one to come stopped the next ones)."""
+        self._stop_for_load()
+        try:
+            if self._check_finite:
+                check_finite(items)
+            loader(items)
+        except Exception as e:
+            self._load_failed(e, refused=isinstance(e, NonFinite))
+            raise
+        self._loaded()
+
     # -- state --------------------------------------------------------------------------
     async def fingerprint(self) -> str:
         """:func:`rlferry.weights.fingerprint` of the weights served: the model's state dict
         (then, with ``lora``, the adapter's tensors as ``LoraLayers.tensors`` orders them),
         equal to the trainer's when the engine holds its weights bit for bit."""
-        await asyncio.to_thread(self._wait_loaded)  # a staged push: loaded at the step's end
         named = list(self.model.state_dict().items())
         if self.adapter is not None:
             named += self.adapter.tensors().items()

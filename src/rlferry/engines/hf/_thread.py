@@ -142,9 +142,63 @@ class DecodeThread:
             if not r.future.done():
                 r.future.set_exception(self._gone(self.name, self._dead))
 
-    # -- a push's gate: the load itself in LoadGate (._gate) ----------
-    def _step_ended(self) -> None:
-        """A step ended (under ``_cond``, before anyone waiting for it hears it)."""
+    # -- a push's gate (the receiver's threads) ---------------------------------------------
+    def _stop_for_load(self) -> None:
+        """Stop stepping (at a push's first bucket) and wait for the step in progress to
+        end; raise ``EngineError`` if it does not within ``STEP_BOUND``."""
+        with self._cond:
+            first = not self._loading
+            if first:
+                self._loading = True
+                self._load_error = None
+                if self._update_since is None:
+                    self._update_since = time.monotonic()
+                self._gate_changed()
+            if not self._cond.wait_for(lambda: not self._in_step, STEP_BOUND):
+                if first:
+                    self._loading = False
+                    self._gate_changed()
+                raise EngineError(
+                    self.name, f"its decode step did not end within {STEP_BOUND:g} s, so "
+                    "the push was not loaded (a step that long is a bug: please report it)",
+                )  # fmt: skip
+
+    def _loaded(self) -> None:
+        """A bucket of the push loaded."""
+        with self._cond:
+            self._since_commit += 1
+
+    def _load_failed(self, e: Exception, *, refused: bool) -> None:
+        """A bucket failed to load: ``refused`` before anything was copied (the model is
+        still whole if no bucket of the push loaded before), else the model holds a mix
+        and no step runs until a version commits whole."""
+        with self._cond:
+            self._load_error = f"{type(e).__name__}: {e}"
+            if refused and self._since_commit == 0:
+                self._loading = False  # nothing was loaded: the model is still whole
+                if not self._updating:
+                    self._update_since = None
+                self._error = f"weights: a push was refused before loading ({e})"
+            else:
+                self._error = (
+                    f"weights: a push failed after {self._since_commit} of its buckets "
+                    f"were loaded ({type(e).__name__}: {e}); the model holds a mix of "
+                    "versions: no step runs until a version commits whole"
+                )
+            self._gate_changed()
+
+    def _on_commit(self, version: int) -> None:
+        """The receiver committed ``version`` whole: it is served from the next step."""
+        with self._cond:
+            self._version = version
+            self._loading = False
+            self._refusing = None
+            self._load_error = None
+            self._since_commit = 0
+            self._counts["updates"] += 1
+            if not self._updating:
+                self._update_done()
+            self._gate_changed()
 
     def _update_done(self) -> None:
         """Account the update's seconds (under ``_cond``)."""
@@ -237,7 +291,6 @@ class DecodeThread:
             failed, ended = e, []
         with self._cond:
             self._in_step = False
-            self._step_ended()
             self._counts["steps"] += 1
             self._seconds["step"] += time.perf_counter() - t0
             if failed is None:
