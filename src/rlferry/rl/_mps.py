@@ -4,12 +4,12 @@ Colocated on CUDA, the engines and trainer rank 0 are processes of their own on 
 Without MPS the GPU time-slices between their contexts: the trainer's step beside
 generation takes its own time plus the engine's kernels. Under MPS (the Multi-Process
 Service: one server runs every client's kernels side by side) the asynchronous run of the
-one-GPU demo took 0.119 s a step against 0.140 (RESULTS.md). The demo starts a daemon of
-its own (its pipe and log directories in a temporary directory, so only its processes
-connect), runs in a child process whose children inherit the daemon's address, and stops
-the daemon once that child has exited (MPS's ``quit`` waits for every client). A daemon
-the caller runs (``CUDA_MPS_PIPE_DIRECTORY`` set, or the system's at its default place)
-is used as it is."""
+one-GPU demo took 0.116 s a step against 0.142 on one H200 (RESULTS.md). The demo starts a
+daemon of its own (its pipe and log directories in a temporary directory, so only its
+processes connect), runs in a child process whose children inherit the daemon's address,
+and stops the daemon once that child has exited (MPS's ``quit`` waits for every client). A
+daemon the caller runs (``CUDA_MPS_PIPE_DIRECTORY`` set, or the system's at its default
+place) is used as it is."""
 
 from __future__ import annotations
 
