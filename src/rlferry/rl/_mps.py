@@ -89,9 +89,10 @@ def private_mps() -> Iterator[Mps]:
     for d in env.values():
         os.mkdir(d)
     full = {**os.environ, **env}
-    why = _start(full, tmp / "log")
+    why, running = _start(full, tmp / "log")
     if why is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not running:  # else its pipes stay, so that the command said can still stop it
+            shutil.rmtree(tmp, ignore_errors=True)
         yield Mps(False, f"off ({why})", {})
         return
     try:
@@ -104,17 +105,18 @@ def private_mps() -> Iterator[Mps]:
             print(f"rlferry demo: {failed}", file=sys.stderr)
 
 
-def _start(env: dict[str, str], logs: Path) -> str | None:
-    """Start the daemon and serve a first client; None, or why it failed (a daemon that
-    started told to quit again)."""
+def _start(env: dict[str, str], logs: Path) -> tuple[str | None, bool]:
+    """Start the daemon and serve a first client: None, or why it failed (a daemon that
+    started told to quit again), and whether a daemon is left running (it did not quit)."""
     try:
         done = subprocess.run(
             [CONTROL, "-d"], env=env, capture_output=True, text=True, timeout=MPS_BOUND
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{CONTROL} -d did not start the daemon: {e}"
+        return f"{CONTROL} -d did not start the daemon: {e}", False
     if done.returncode:
-        return f"{CONTROL} -d exited with {done.returncode}: {done.stderr.strip()[-300:]}"
+        why = f"{CONTROL} -d exited with {done.returncode}: {done.stderr.strip()[-300:]}"
+        return why, False
     try:
         probe = subprocess.run(
             [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
@@ -124,11 +126,12 @@ def _start(env: dict[str, str], logs: Path) -> str | None:
     except subprocess.TimeoutExpired:
         failed = f"a first client did not connect within {MPS_BOUND:g} s"
     if failed is None:
-        return None
-    _quit(env)
+        return None, True
+    stuck = _quit(env)
     log = logs / "server.log"
     tail = log.read_text(errors="replace").strip()[-300:] if log.exists() else ""
-    return failed + (f"; the server's log ends: {tail}" if tail else "")
+    why = failed + (f"; the server's log ends: {tail}" if tail else "")
+    return why + (f"; {stuck}" if stuck else ""), stuck is not None
 
 
 def _quit(env: dict[str, str]) -> str | None:

@@ -99,7 +99,7 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
             else:
                 os.environ[k] = v
     try:
-        child.join()
+        child.join()  # the runs' own length: every wait inside them has its bound
     except KeyboardInterrupt:  # the child heard it too: it stops every process it started
         child.join(CHILD_STOP_BOUND)
         if child.exitcode is None:
@@ -108,6 +108,10 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
         raise
     if child.exitcode == 130:
         raise KeyboardInterrupt
+    if child.exitcode is not None and child.exitcode < 0:  # no word of its own came
+        print(f"rlferry demo: the run's process was killed by signal {-child.exitcode}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(1)
     if child.exitcode:
         raise SystemExit(child.exitcode)
     return Path(out) / "report.md"  # write_report's
