@@ -135,11 +135,25 @@ def _session_processes(sid: int) -> list[int]:
     return out
 
 
+# the runs in a child process of their own, as under MPS (``rlferry demo`` colocated on CUDA)
+_IN_A_CHILD = """import sys
+from rlferry.rl.command import _in_child
+from rlferry.rl.demo import DemoConfig
+try:
+    _in_child([DemoConfig(steps=500, engines=2)], sys.argv[1], {})
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
 @pytest.mark.timeout(240)  # its start alone takes up to 70 s on a loaded machine
-def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_path):
+@pytest.mark.parametrize("where", ["here", "in_a_child"])
+def test_ctrl_c_stops_every_process_of_the_demo_and_leaves_no_shared_memory(tmp_path, where):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     cmd = [sys.executable, "-m", "rlferry.cli", "demo", "--steps", "500", "--engines", "2",
            "--out", str(tmp_path)]  # fmt: skip
+    if where == "in_a_child":  # a terminal's Ctrl-C reaches the command, which tells the child
+        cmd = [sys.executable, "-c", _IN_A_CHILD, str(tmp_path)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         preexec_fn=_terminal_sigint,

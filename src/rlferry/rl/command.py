@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,7 +102,10 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
                 os.environ[k] = v
     try:
         child.join()  # the runs' own length: every wait inside them has its bound
-    except KeyboardInterrupt:  # the child heard it too: it stops every process it started
+    except KeyboardInterrupt:  # told to the child (a group of its own): it stops its processes
+        if child.exitcode is None and child.pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(child.pid, signal.SIGINT)
         child.join(CHILD_STOP_BOUND)
         if child.exitcode is None:
             child.kill()
@@ -119,7 +124,9 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
 
 def _child_main(configs: list[DemoConfig], out: str) -> None:
     """The child of :func:`_in_child`: the runs, their errors told as ``rlferry demo``
-    tells them."""
+    tells them. Its process group is its own (its processes', too): a terminal's Ctrl-C
+    reaches the command's process, which tells it once."""
+    os.setpgid(0, 0)
     try:
         _runs(configs, out)
     except ValueError as e:
