@@ -34,7 +34,7 @@ def main(args: Any) -> Path:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     configs = _configs(args)
     base = configs[0]
-    mps = mps_for(base.device, base.layout, base.launcher, getattr(args, "no_mps", False))
+    mps = mps_for(base.device, base.layout, base.launcher, args.no_mps)
     if mps is None:
         return _runs(configs, args.out)
     if not mps.start:
