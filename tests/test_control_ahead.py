@@ -1,5 +1,5 @@
 """A batch taken ahead (``Coordinator.batch(trainer_version=...)``, while the trainer still
-trains the step before), and the room that dropping stale groups makes."""
+trains the step before), and the demo's batches taken that way (``rl._batches``)."""
 
 import asyncio
 import random
@@ -7,6 +7,11 @@ import random
 import pytest
 
 from rlferry.control import Coordinator, CoordinatorTimeout, SamplingParams
+from rlferry.queue import Queue
+from rlferry.rl._batches import Batches
+from rlferry.rl._producer import Producer
+from rlferry.rl.faults import Engines
+from rlferry.rl.task import ReverseTask
 
 pytest.importorskip("transformers", reason="needs transformers (the [hf] extra)")
 from rlferry.engines.hf import HFEngine
@@ -77,5 +82,69 @@ def test_a_submit_waiting_for_room_goes_on_once_a_batch_drops_stale_groups():
         assert coord.statistics().dropped in (4, 6)
         await coord.aclose()
         engine.close()
+
+    asyncio.run(main())
+
+
+async def _batches(groups: int = 2, size: int = 2):
+    """The demo's batches over a real engine, coordinator and queue (no weight sync)."""
+    task = ReverseTask()
+    engine = HFEngine(tiny_model(0), name="e0")
+    coord = Coordinator([engine], batch_size=groups * size, max_staleness=2)
+
+    async def never(i):
+        raise AssertionError("no engine is lost in this test")
+
+    async def ended(i, handle):
+        await asyncio.Event().wait()
+
+    slots = Engines([engine], start=never, ended=ended, weights=None)
+    slots.attach(coord)
+    produced = Producer(task, seed=0)
+    params = SamplingParams(max_tokens=task.max_tokens, temperature=1.0)
+    producer = asyncio.ensure_future(produced.run(coord, params, size))
+    queue = Queue()
+    client = queue.async_client()
+    batches = Batches(slots, coord, produced, client, groups=groups, group_size=size, sync=False)
+
+    async def close():
+        batches.cancel()
+        producer.cancel()
+        await slots.close()
+        await coord.aclose()
+        await client.aclose()
+        queue.close()
+        engine.close()
+
+    return batches, coord, client, close
+
+
+@pytest.mark.parametrize("first_run", [False, True])
+def test_a_batch_taken_ahead_is_the_steps_batch_once(first_run):
+    """``first_run``: the batch taken ahead ran (took its groups) before the step asked for
+    it; else the step asks first and waits for it. Either way one batch is consumed and its
+    rows are the partition's."""
+
+    async def main():
+        batches, coord, client, close = await _batches()
+        try:
+            taken = await batches.take(1)
+            while coord.statistics().ready_groups < 2:  # step 2's groups are ready
+                await asyncio.sleep(0.01)
+            batches.ahead(2)
+            if first_run:
+                await asyncio.sleep(0)
+            second = await batches.take(2)
+            stats = coord.statistics()
+            assert stats.consumed == 2 * 4
+            assert len(taken.uids) == len(second.uids) == 4
+            assert not set(taken.uids) & set(second.uids)
+            got = await client.get(
+                "train_2", task="train", batch_size=4, fields=["advantages"], timeout=10
+            )
+            assert len(got.data["advantages"]) == 4
+            assert max(second.lags) <= 2
+        finally:
+            await close()
 
     asyncio.run(main())

@@ -1,12 +1,16 @@
 """The demo's training batches: a step's finished groups taken from the coordinator,
-scored, and put into the queue for the trainer ranks.
+scored, and put into the queue for the trainer ranks; the next step's while this one
+trains.
 
-The next step's batch is not taken while this one trains (``Coordinator.batch(
-trainer_version=...)`` allows it): on one GPU the driver's time between steps lets the
-engine generate alone; taken ahead, the ranks' and the engine's kernels overlap more and
-the asynchronous step took 156 and 177 ms against 167 and 171 (``rlferry demo --device cuda
---model qwen3-0.6b --steps 40 --engines 1``, one H200, alternated in one call), the ranks'
-step 115-124 ms against 99; on the CPU, 98-100 ms a step either way.
+A batch taken ahead is counted against the weights that will train it, the next
+version's (``Coordinator.batch(trainer_version=...)``): the staleness bound holds as if
+it had been taken after the update. With it the trainer ranks start their next step as
+soon as the update ends, not after the driver took, scored and put a batch: on one H200
+under MPS (``rlferry demo --device cuda --model qwen3-0.6b --steps 40 --engines 1``,
+alternated in one call) 0.103 and 0.102 s a step against 0.113 and 0.116 taken after
+the update, the GPU busy 71% against 62%; the driver's 15-18 ms of scoring and putting
+leave the ranks' path (and the requests the update let go start after the next train
+command, not before it: ``Engines.guard``).
 """
 
 from __future__ import annotations
@@ -41,20 +45,47 @@ class Taken:
 
 class Batches:
     """Step ``s``'s batch goes into queue partition ``train_{s}`` (``client``: an async
-    queue client), ``groups`` GRPO groups of ``group_size`` samples a step."""
+    queue client), ``groups`` GRPO groups of ``group_size`` samples a step. ``sync``: the
+    engines get each update (the version moves)."""
 
     def __init__(
         self, slots: Engines, coord: Coordinator, produced: Producer, client: Any, *,
-        groups: int, group_size: int,
+        groups: int, group_size: int, sync: bool,
     ) -> None:  # fmt: skip
         self._slots, self._coord, self._produced, self._client = slots, coord, produced, client
-        self._groups, self._size = groups, group_size
+        self._groups, self._size, self._sync = groups, group_size, sync
+        self._ahead: tuple[int, asyncio.Task[Taken]] | None = None
 
     async def take(self, step: int) -> Taken:
-        """Step ``step``'s batch, in the queue."""
-        groups = await self._slots.batch(self._groups, timeout=600)
+        """Step ``step``'s batch, in the queue: the one taken ahead, or taken now. While
+        one taken ahead still waits for its rollouts, a fleet that lost every engine is
+        caught up (the trainer ranks are idle: ``Engines.idle``)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return await self._prepare(step, None)
+        at, task = ahead
+        assert at == step, f"a batch taken ahead for step {at}, asked for {step}"
+        return await self._slots.idle(task)
+
+    def ahead(self, step: int) -> None:
+        """Start taking step ``step``'s batch while the trainer ranks train the step before
+        (its update not pushed yet): counted against the version that update makes."""
+        trainer = self._coord.version + (1 if self._sync else 0)
+        self._ahead = (step, asyncio.ensure_future(self._prepare(step, trainer)))
+
+    def cancel(self) -> None:
+        """Stop taking a batch ahead (the run ended before its step: its error is another)."""
+        if self._ahead is not None:
+            task = self._ahead[1]
+            self._ahead = None
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _prepare(self, step: int, trainer: int | None) -> Taken:
+        groups = await self._slots.batch(self._groups, timeout=600, trainer_version=trainer)
         at = time.monotonic()
-        lags = [self._coord.version - min(c.versions) for g in groups for c in g.completions]
+        version = self._coord.version if trainer is None else trainer
+        lags = [version - min(c.versions) for g in groups for c in g.completions]
         rewards, uids = self._produced.score(groups)
         data, meta = rollout_columns(groups)
         data["advantages"] = group_advantages(torch.tensor(rewards), self._size)

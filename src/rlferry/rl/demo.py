@@ -10,7 +10,8 @@ every step:
    by event, while ``max_staleness`` would be exceeded);
 2. the driver takes the step's finished GRPO groups (``Coordinator.batch``: none staler
    than ``max_staleness``), scores them, computes group-normalized advantages and puts
-   them into the queue partition ``train_{step}`` (versions in the meta);
+   them into the queue partition ``train_{step}`` (versions in the meta); with
+   ``max_staleness >= 1``, the next step's while the ranks train this one (``_batches``);
 3. each trainer rank gets its whole groups (``GrpoGroups``), takes one optimizer step on
    the clipped GRPO loss, and acks;
 4. the coordinator pauses the engines, every trainer rank pushes its own shards through
@@ -224,7 +225,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
         producer = asyncio.ensure_future(produced.run(coord, params, config.group_size))
         client = queue.async_client()
         batches = Batches(slots, coord, produced, client, groups=config.groups_per_step,
-                          group_size=config.group_size)  # fmt: skip
+                          group_size=config.group_size, sync=config.sync)  # fmt: skip
         t_start = time.monotonic()
         wall0 = record.steps[-1].wall if record.steps else 0.0  # a resumed run's wall so far
         written: list[tuple[float, int]] = []  # each checkpoint's seconds and bytes
@@ -256,11 +257,18 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 slots.step = step
                 taken = await batches.take(step)
                 rewards, uids, lags = taken.rewards, taken.uids, taken.lags
-                t_wait = max(0.0, taken.at - t0)
                 t1 = time.monotonic()
+                # this step's own wait: a batch taken ahead, while the step before
+                # trained, was scored and put off this step's time
+                t_wait = max(0.0, min(taken.at, t1) - t0)
+                t_put = t1 - max(t0, taken.at)
                 training = asyncio.gather(*(
                     ask(conn, rank, "train", step) for rank, (_, conn) in enumerate(procs.trainers)
                 ))  # fmt: skip
+                if config.max_staleness and step < config.steps and not (
+                        ckpts is not None and config.checkpoint_every
+                        and step % config.checkpoint_every == 0):  # fmt: skip
+                    batches.ahead(step + 1)  # a checkpoint holds no batch taken ahead
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
                     kill_point("resumed", step)
@@ -295,7 +303,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
                     generate_seconds=0.0, wait_seconds=t_wait,
                     train_seconds=t_train, sync_seconds=t_update,
-                    dispatch_seconds=t_sync - t_update, put_seconds=t1 - taken.at,
+                    dispatch_seconds=t_sync - t_update, put_seconds=t_put,
                     get_seconds=max(r["get_seconds"] for r in results),
                     optimize_seconds=max(r["step_seconds"] for r in results),
                     loss=sum(r["loss"] for r in results) / len(results), lags=lags,
@@ -325,6 +333,7 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 pushed=pushed,
             ))  # fmt: skip
         finally:
+            batches.cancel()
             await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():

@@ -172,32 +172,58 @@ class Engines:
                 failures=dict(self._dead),
             ))  # fmt: skip
 
-    async def guard(self, call: Awaitable[T]) -> T:
-        """``call``'s outcome; if every engine is lost for good first, that error instead."""
-        task = asyncio.ensure_future(call)
+    async def guard(self, call: Coroutine[Any, Any, T]) -> T:
+        """``call``'s outcome; if every engine is lost for good first, that error instead.
+        ``call`` runs in the caller's task: its result reaches the caller before the tasks
+        it woke (the requests an update let go: 11 ms a step of 512 samples on an H200
+        host) start, not after, so the next command goes first."""
+        if self._failed.done():
+            call.close()
+            self._failed.result()
+        task = asyncio.current_task()
+        assert task is not None
+        lost = False
+
+        def on_failed(_: asyncio.Future[None]) -> None:
+            nonlocal lost
+            lost = True
+            task.cancel()
+
+        self._failed.add_done_callback(on_failed)
         try:
-            ends: list[asyncio.Future[Any]] = [task, self._failed]
-            await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+            return await call
+        except asyncio.CancelledError:
+            if not lost:
+                raise
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        if not task.cancelled() and task.done():
-            return task.result()
+            self._failed.remove_done_callback(on_failed)
+            if lost and hasattr(task, "uncancel"):  # Python 3.11+: the cancel was ours
+                task.uncancel()
         self._failed.result()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def batch(self, groups: int, *, timeout: float) -> list[Group]:
-        """``coord.batch``; while it waits, a fleet where no engine serves is brought to the
-        trainer's version as soon as a replacement joined (``Coordinator.catch_up``: else
-        no batch would come before the next update). Returns once no catch-up pushes (the
-        trainer ranks take one command at a time)."""
+    async def batch(
+        self, groups: int, *, timeout: float, trainer_version: int | None = None
+    ) -> list[Group]:
+        """``coord.batch``; while it waits (the trainer ranks idle: see :meth:`idle`), a
+        fleet where no engine serves is caught up. One taken ahead for ``trainer_version``,
+        while the ranks train, catches nothing up."""
         assert self._coord is not None
+        call = self.guard(
+            self._coord.batch(groups, timeout=timeout, trainer_version=trainer_version)
+        )  # fmt: skip
+        return await (call if trainer_version is not None else self.idle(call))
+
+    async def idle(self, waiting: Awaitable[T]) -> T:
+        """Await ``waiting`` (a batch) while the trainer ranks are idle: meanwhile a fleet
+        where no engine serves is brought to the trainer's version as soon as a
+        replacement joined (``Coordinator.catch_up``: else no batch would come before the
+        next update). Returns once no catch-up pushes (the ranks take one command at a
+        time)."""
         self._batching = True
         try:
             self._catch_up()
-            return await self.guard(self._coord.batch(groups, timeout=timeout))
+            return await waiting
         finally:
             self._batching = False
             if self._catching is not None:

@@ -19,7 +19,8 @@ class StepRecord:
     push, commit, resume); ``dispatch_seconds``: the driver starting the requests the
     update let go (new rollouts wait while an update runs), before its next train
     command. Parts of those: ``put_seconds``, the driver scoring the batch and putting it
-    into the queue (between waiting and training); ``get_seconds`` and
+    into the queue, as far as the step waited for it (between waiting and training: a
+    batch taken ahead, while the step before trained, costs none); ``get_seconds`` and
     ``optimize_seconds``, within training, the slower rank's get of its share from the
     queue and its optimizer step (forward, backward, update). ``lags``: every trained
     sample's lag, in versions.
