@@ -140,7 +140,7 @@ _IN_A_CHILD = """import sys
 from rlferry.rl.command import _in_child
 from rlferry.rl.demo import DemoConfig
 try:
-    _in_child([DemoConfig(steps=500, engines=2)], sys.argv[1], {})
+    _in_child([DemoConfig(steps=500, engines=2, out=sys.argv[1])], {})
 except KeyboardInterrupt:
     sys.exit(130)
 """

@@ -1,7 +1,9 @@
 """`rlferry demo` under NVIDIA MPS: when a run wants it, a daemon that cannot start or serve
 (the run goes on without, saying why), a real daemon on a GPU, and the runs in a child."""
 
-import json
+import argparse
+import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_cuda
-from rlferry.rl._mps import CONTROL, mps_for, private_mps
+from rlferry.rl._mps import CONTROL, Mps, mps_for, private_mps
 
 
 def test_mps_is_wanted_only_where_the_runs_processes_share_a_gpu(monkeypatch):
@@ -101,18 +103,50 @@ def test_on_a_gpu_the_runs_daemon_serves_its_processes_and_quits_after_them():
 
 
 @pytest.mark.slow
-def test_runs_in_a_child_write_the_report_and_leave_this_environment_as_it_was(tmp_path):
+def test_runs_in_a_child_come_back_and_leave_this_environment_as_it_was(tmp_path):
     pytest.importorskip("transformers", reason="needs transformers (the [demo] extra)")
-    pytest.importorskip("matplotlib", reason="needs matplotlib (the [demo] extra)")
     from rlferry.rl.command import _in_child
     from rlferry.rl.demo import DemoConfig
 
     config = DemoConfig(
         steps=2, engines=1, max_staleness=1, groups_per_step=2, group_size=4, warm_steps=0,
-        mps="the test's",
+        mps="the test's", out=str(tmp_path),
     )  # fmt: skip
-    report = _in_child([config], str(tmp_path), {"RLFERRY_TEST_CHILD": "1"})
-    assert report == tmp_path / "report.md" and "the test's" in report.read_text()
-    (run,) = json.loads((tmp_path / "runs.json").read_text())
-    assert [s["step"] for s in run["steps"]] == [1, 2]
+    (run,) = _in_child([config], {"RLFERRY_TEST_CHILD": "1"})
+    assert [s.step for s in run.steps] == [1, 2] and run.config["mps"] == "the test's"
     assert "RLFERRY_TEST_CHILD" not in os.environ  # set while the child started only
+
+
+def test_a_synchronous_run_goes_without_mps_and_an_asynchronous_one_under_it(monkeypatch, tmp_path):
+    """``--compare`` on one GPU: the synchronous run in a child without the daemon's
+    address, started before the daemon; the asynchronous one in a child with it; one report
+    of both (the runs themselves replaced: no GPU here)."""
+    from rlferry import cli
+    from rlferry.rl import command
+
+    monkeypatch.setattr(command, "mps_for", lambda *a: Mps(True, "own", {}, start=True))
+    seen = []
+
+    @contextlib.contextmanager
+    def daemon():
+        seen.append("daemon")
+        yield Mps(True, "a daemon of the run's own", {"CUDA_MPS_PIPE_DIRECTORY": "/p"})
+
+    def in_child(configs, env):
+        seen.append([(c.max_staleness, c.mps, dict(env)) for c in configs])
+        return [command.RunRecord(name=c.name, config=dataclasses.asdict(c)) for c in configs]
+
+    monkeypatch.setattr(command, "private_mps", daemon)
+    monkeypatch.setattr(command, "_in_child", in_child)
+    monkeypatch.setattr(command, "write_report", lambda out, runs: out / "report.md")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)  # the settings' check of a GPU
+    parser = argparse.ArgumentParser()
+    cli._demo_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["demo", "--compare", "--device", "cuda", "--out", str(tmp_path)])
+    report = command.main(args)
+    assert seen == [
+        [(0, command.SYNCHRONOUS, {})],
+        "daemon",
+        [(2, "a daemon of the run's own", {"CUDA_MPS_PIPE_DIRECTORY": "/p"})],
+    ]
+    assert report == tmp_path / "report.md"

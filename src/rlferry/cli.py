@@ -146,8 +146,9 @@ def _demo_parser(sub: Any) -> None:
     )  # fmt: skip
     d.add_argument(
         "--no-mps", action="store_true",
-        help="colocated on CUDA, run without NVIDIA MPS (by default the run starts an MPS "
-        "daemon of its own, so that the engines' and the trainer's kernels run side by side)",
+        help="colocated on CUDA, run without NVIDIA MPS (by default an asynchronous run "
+        "starts an MPS daemon of its own, so that the engines' and the trainer's kernels run "
+        "side by side; a synchronous run goes without)",
     )  # fmt: skip
     d.add_argument(
         "--no-sync", action="store_true",

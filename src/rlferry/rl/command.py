@@ -17,23 +17,27 @@ from rlferry.errors import RequestError
 from ._config import DemoConfig
 from ._mps import mps_for, private_mps
 from .demo import run_demo
-from .report import RunRecord, StepRecord
+from .report import RunRecord, StepRecord, write_report
 
 __all__ = ["main"]
 
 # seconds the child of an MPS run may take to stop its processes once Ctrl-C came
 CHILD_STOP_BOUND = 120.0
+# a synchronous run's MPS setting: its engines and ranks take turns on the GPU
+SYNCHRONOUS = "off (a synchronous run: its processes take turns on the GPU)"
 
 
 def main(args: Any) -> Path:
     """``rlferry demo``: one run (or, with ``--compare``, synchronous then asynchronous),
     a progress bar per run, the report in ``--out``; returns the report's path. Colocated
-    on CUDA the runs go under NVIDIA MPS (:mod:`._mps`), in a child process of their own."""
+    on CUDA an asynchronous run goes under NVIDIA MPS (:mod:`._mps`), in a child process
+    of its own; a synchronous one does not (its engines and ranks take turns on the GPU:
+    nothing runs side by side, and MPS made its step slower)."""
     # the demo's bars only: transformers' loading and saving bars (read by huggingface_hub
     # when first imported, here and in the processes the demo starts) would cut into them
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     configs = _configs(args)
-    base = configs[0]
+    base = configs[-1]
     mps = mps_for(base.device, base.layout, base.launcher, args.no_mps)
     if mps is None:
         return _runs(configs, args.out)
@@ -41,12 +45,20 @@ def main(args: Any) -> Path:
         if not mps.on:
             print(f"rlferry demo: MPS {mps.why}", file=sys.stderr)
         return _runs([dataclasses.replace(c, mps=mps.why) for c in configs], args.out)
+    plain = [dataclasses.replace(c, mps=SYNCHRONOUS) for c in configs if c.max_staleness == 0]
+    shared = [c for c in configs if c.max_staleness > 0]
+    if not shared:
+        return _runs(plain, args.out)
+    # a child of its own: its CUDA context is gone before the daemon starts
+    records = _in_child(plain, {}) if plain else []
     with private_mps() as mps:
-        configs = [dataclasses.replace(c, mps=mps.why) for c in configs]
+        shared = [dataclasses.replace(c, mps=mps.why) for c in shared]
         if not mps.on:
             print(f"rlferry demo: MPS {mps.why}; the run goes on without it", file=sys.stderr)
-            return _runs(configs, args.out)
-        return _in_child(configs, args.out, mps.env)
+            records += [_one_run(c) for c in shared]
+        else:
+            records += _in_child(shared, mps.env)
+    return write_report(Path(args.out), records)
 
 
 def _configs(args: Any) -> list[DemoConfig]:
@@ -77,22 +89,21 @@ def _configs(args: Any) -> list[DemoConfig]:
 
 def _runs(configs: list[DemoConfig], out: str) -> Path:
     """Every run of ``configs``, one after the other, then the report."""
-    from .report import write_report
-
     return write_report(Path(out), [_one_run(config) for config in configs])
 
 
-def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
-    """:func:`_runs` in a child process whose environment holds ``env`` (the MPS daemon's
-    address: its processes, and theirs, are its clients; this one stays out, so that the
-    daemon can quit once the child has exited). The child's error is told by the child;
-    here its exit status: 130 (Ctrl-C) as ``KeyboardInterrupt``, another as
-    ``SystemExit``."""
+def _in_child(configs: list[DemoConfig], env: dict[str, str]) -> list[RunRecord]:
+    """Every run of ``configs`` (:func:`_one_run`) in a child process whose environment
+    holds ``env`` (the MPS daemon's address: its processes, and theirs, are its clients;
+    this one stays out, so that the daemon can quit once the child has exited); their
+    records. The child's error is told by the child; here its exit status: 130 (Ctrl-C)
+    as ``KeyboardInterrupt``, another as ``SystemExit``."""
     ctx = mp.get_context("spawn")
+    records, sent = ctx.Pipe(duplex=False)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # a spawned child's environment is this one's when it starts
     try:
-        child = ctx.Process(target=_child_main, args=(configs, out), name="rlferry-demo")
+        child = ctx.Process(target=_child_main, args=(configs, sent), name="rlferry-demo")
         child.start()
     finally:
         for k, v in saved.items():
@@ -100,8 +111,12 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        sent.close()  # the child's end: the read below ends when the child's does
+    runs: list[RunRecord] | None = None
     try:
-        child.join()  # the runs' own length: every wait inside them has its bound
+        with contextlib.suppress(EOFError):  # the child ended without its records
+            runs = records.recv()  # the runs' own length: every wait inside has its bound
+        child.join()
     except KeyboardInterrupt:  # told to the child (a group of its own): it stops its processes
         if child.exitcode is None and child.pid is not None:
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
@@ -111,6 +126,8 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
             child.kill()
             child.join()
         raise
+    finally:
+        records.close()
     if child.exitcode == 130:
         raise KeyboardInterrupt
     if child.exitcode is not None and child.exitcode < 0:  # no word of its own came
@@ -119,21 +136,25 @@ def _in_child(configs: list[DemoConfig], out: str, env: dict[str, str]) -> Path:
         raise SystemExit(1)
     if child.exitcode:
         raise SystemExit(child.exitcode)
-    return Path(out) / "report.md"  # write_report's
+    if runs is None:
+        raise SystemExit("rlferry demo: the run's process ended without its records")
+    return runs
 
 
-def _child_main(configs: list[DemoConfig], out: str) -> None:
-    """The child of :func:`_in_child`: the runs, their errors told as ``rlferry demo``
-    tells them. Its process group is its own (its processes', too): a terminal's Ctrl-C
-    reaches the command's process, which tells it once."""
+def _child_main(configs: list[DemoConfig], sent: Any) -> None:
+    """The child of :func:`_in_child`: the runs, their records sent back, their errors
+    told as ``rlferry demo`` tells them. Its process group is its own (its processes',
+    too): a terminal's Ctrl-C reaches the command's process, which tells it once."""
     os.setpgid(0, 0)
     try:
-        _runs(configs, out)
+        sent.send([_one_run(config) for config in configs])
     except ValueError as e:
         print(f"rlferry demo: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        sent.close()
 
 
 def _one_run(config: DemoConfig) -> RunRecord:
