@@ -129,8 +129,14 @@ def _wrapped(fn: Any, name: str, stamp: Any) -> Any:
 
 def summary(out_dir: str, show: int = 0) -> str:
     """The pushes' ms, ``show`` of them in full, and each stamp's median offset."""
+    paths = glob.glob(os.path.join(out_dir, "*.log"))
+    if not paths:
+        return (
+            f"no stamps in {out_dir!r}: run the demo with RLFERRY_STAMPS={out_dir} and "
+            "benchmarks/_stamps on PYTHONPATH"
+        )
     lines = []
-    for path in glob.glob(os.path.join(out_dir, "*.log")):
+    for path in paths:
         with open(path) as f:
             lines += [(int(x[0]), *x[1:]) for x in map(str.split, f) if len(x) == 5]
     lines.sort()
