@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import collections
-import functools
 import glob
 import inspect
 import os
@@ -28,6 +27,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import _trace
 
 # (module, Class.method): a push at both ends, the engine's steps, the trainer's step
 TARGETS = [
@@ -77,7 +78,7 @@ def install(out_dir: str) -> None:
             fn = inspect.getattr_static(cls, attr, None) if cls is not None else None
             if fn is None or getattr(fn, "_stamped", False):
                 continue
-            wrapped = _wrapped(fn, qual, stamp)
+            wrapped = _trace.wrapped(fn, qual, stamp)
             wrapped._stamped = True  # type: ignore[attr-defined]
             setattr(cls, attr, wrapped)
 
@@ -90,41 +91,6 @@ def install(out_dir: str) -> None:
         return module
 
     builtins.__import__ = importing
-
-
-def _wrapped(fn: Any, name: str, stamp: Any) -> Any:
-    if inspect.isgeneratorfunction(fn):
-
-        @functools.wraps(fn)
-        def steps(*a: Any, **k: Any) -> Any:
-            stamp("B", name)
-            try:
-                return (yield from fn(*a, **k))
-            finally:
-                stamp("E", name)
-
-        return steps
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def awaited(*a: Any, **k: Any) -> Any:
-            stamp("B", name)
-            try:
-                return await fn(*a, **k)
-            finally:
-                stamp("E", name)
-
-        return awaited
-
-    @functools.wraps(fn)
-    def called(*a: Any, **k: Any) -> Any:
-        stamp("B", name)
-        try:
-            return fn(*a, **k)
-        finally:
-            stamp("E", name)
-
-    return called
 
 
 def summary(out_dir: str, show: int = 0) -> str:

@@ -68,33 +68,45 @@ def install(out_dir: str) -> None:
         raw = inspect.getattr_static(owner, attr)
         static = isinstance(raw, staticmethod)
         fn = raw.__func__ if static else raw
-        wrapped = _async_wrap(fn, qual, stamp) if inspect.iscoroutinefunction(fn) else None
-        wrapped = wrapped or _wrap(fn, qual, stamp)
-        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+        w = wrapped(fn, qual, stamp)
+        setattr(owner, attr, staticmethod(w) if static else w)
 
 
-def _wrap(fn: Any, name: str, stamp: Any) -> Any:
+def wrapped(fn: Any, name: str, stamp: Any) -> Any:
+    """``fn`` with ``stamp("B", name)`` at its entry and ``stamp("E", name)`` at its exit
+    (a coroutine's and a generator's exit: when it ends, not when it is made)."""
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def steps(*a: Any, **k: Any) -> Any:
+            stamp("B", name)
+            try:
+                return (yield from fn(*a, **k))
+            finally:
+                stamp("E", name)
+
+        return steps
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def awaited(*a: Any, **k: Any) -> Any:
+            stamp("B", name)
+            try:
+                return await fn(*a, **k)
+            finally:
+                stamp("E", name)
+
+        return awaited
+
     @functools.wraps(fn)
-    def traced(*a: Any, **k: Any) -> Any:
+    def called(*a: Any, **k: Any) -> Any:
         stamp("B", name)
         try:
             return fn(*a, **k)
         finally:
             stamp("E", name)
 
-    return traced
-
-
-def _async_wrap(fn: Any, name: str, stamp: Any) -> Any:
-    @functools.wraps(fn)
-    async def traced(*a: Any, **k: Any) -> Any:
-        stamp("B", name)
-        try:
-            return await fn(*a, **k)
-        finally:
-            stamp("E", name)
-
-    return traced
+    return called
 
 
 def timeline(out_dir: str, back: int = 2) -> str:
