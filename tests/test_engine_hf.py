@@ -599,6 +599,24 @@ def test_rotary_on_q_and_k_together_gives_transformers_values_bit_for_bit(family
     assert torch.equal(before, after)
 
 
+@pytest.mark.slow  # inductor's C++ compiler here, ~20 s; Triton on CUDA
+def test_compiled_norms_and_mlps_give_the_values_of_transformers_operators():
+    """A slot cache on CUDA compiles its norms and its MLPs' ``silu(gate) * up``; compiled
+    (here for the CPU) they give the values of transformers' operators."""
+    from rlferry.engines.hf import _kernels as k
+
+    torch.manual_seed(0)
+    model = _family_model("qwen3").to(torch.bfloat16).eval()
+    assert k.fuse_rms_norms(model, compiled=True) == 4 * 2 + 1 and k.fuse_mlps(model) == 2
+    norm, mlp = model.model.layers[0].self_attn.q_norm, model.model.layers[0].mlp
+    for rows in ((3, 7), (1, 1), (5, 1)):  # rows and widths of one compilation
+        x = torch.randn(*rows, 4, 8, dtype=torch.bfloat16) * 3
+        want = type(norm).forward(norm, x)  # transformers' own
+        torch.testing.assert_close(norm(x), want)
+        x = torch.randn(*rows, 32, dtype=torch.bfloat16)
+        torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x))
+
+
 def test_a_decode_steps_span_follows_its_longest_row_as_rows_join_and_leave(model):
     """The columns a step runs on are tracked without a pass over the rows per step: they
     equal the span of the longest row (prompt and tokens) at every step."""

@@ -13,7 +13,7 @@ import torch
 from rlferry.errors import RequestError
 
 from ._batch import Batch
-from ._kernels import GQA_SDPA, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
+from ._kernels import GQA_SDPA, fuse_mlps, fuse_rms_norms, fuse_rotary, use_gqa_sdpa
 from ._model import Loaded
 from ._slots import SlotBatch
 
@@ -81,9 +81,13 @@ def choose_batch(
     check_room(model, device, max_batch, length)
     if impl == "sdpa":  # the same attention, without copying the cache per step
         use_gqa_sdpa(model)
-    fuse_rms_norms(model)  # the same values, in fewer kernels
-    if cuda_graphs and device.type == "cuda":  # for the process: see fuse_rotary
+    # the same values in fewer kernels; with graphs, compiled (their host costs vanish in
+    # the graphs; the compilations are made by the captures' warm-up runs)
+    graphed = cuda_graphs and device.type == "cuda"
+    fuse_rms_norms(model, compiled=graphed)
+    if graphed:  # for the process: see fuse_rotary
         fuse_rotary(model)
+        fuse_mlps(model)
     slots = SlotBatch(
         model, device, max_batch=max_batch, max_len=length,
         graphs=cuda_graphs and device.type == "cuda", max_prefill=max_prefill,

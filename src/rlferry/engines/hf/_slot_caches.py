@@ -26,15 +26,17 @@ class SlotCache(_cache_class()):  # type: ignore[misc]
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor):
         super().__init__(layers=[])
         self.k, self.v, self.pos = keys, values, pos
-        self.slots = torch.arange(keys[0].shape[0], device=keys[0].device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any,
         **kw: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         k, v = self.k[layer_idx], self.v[layer_idx]
-        k[self.slots, :, self.pos] = key_states[:, :, 0]
-        v[self.slots, :, self.pos] = value_states[:, :, 0]
+        # row i's key and value to column pos[i] of slot i: a scatter along the columns
+        # (one small kernel; an indexing by slots and columns took 9 us on an H200)
+        at = self.pos.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+        k.scatter_(2, at, key_states)
+        v.scatter_(2, at, value_states)
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
