@@ -5,12 +5,12 @@ Without MPS the GPU time-slices between their contexts: the trainer's step besid
 generation takes its own time plus the engine's kernels. Under MPS (the Multi-Process
 Service: one server runs every client's kernels side by side) the ranks' step beside
 generation took 60-62 ms against 71-79 on one H200, the asynchronous step 0.104 s against
-0.105-0.112 (RESULTS.md). A synchronous run's processes take turns on the GPU: under MPS
-its step was slower (0.177 s against 0.153), so the command runs it without. The demo
-starts a daemon of its own (its pipe and log directories in a temporary directory, so only
-its processes connect), runs in a child process whose children inherit the daemon's
-address, and stops the daemon once that child has exited (MPS's ``quit`` waits for every
-client). A daemon the caller runs (``CUDA_MPS_PIPE_DIRECTORY`` set, or the system's at its
+0.105-0.112 without it (RESULTS.md, C-N). A synchronous run's processes take turns on the
+GPU: under MPS its step was slower (0.177 s against 0.153), so the command runs it without.
+The demo starts a daemon of its own (its pipe and log directories in a temporary
+directory, so only its processes connect), runs in a child process whose children inherit
+the daemon's address, and stops the daemon once that child has exited (MPS's ``quit`` waits
+for every client). A daemon the caller runs (``CUDA_MPS_PIPE_DIRECTORY`` set, or the system's at its
 default place) is used as it is, by every run."""
 
 from __future__ import annotations
