@@ -1,4 +1,5 @@
-"""The demo's driver asking its trainer ranks: an answer, a rank that dies, one that hangs."""
+"""The demo's driver asking its trainer ranks: an answer, a rank that dies, one that hangs;
+a step held while the update before it pushes on the rank's thread."""
 
 import asyncio
 import multiprocessing as mp
@@ -59,3 +60,133 @@ def test_a_rank_that_dies_or_hangs_fails_the_call_at_once_or_at_its_bound(rank):
         "trainer rank 1 did not answer 'push' within 2 s (its process is alive: see its output "
         "for where it stopped)"
     )
+
+
+def _pushing_rank(conn, fail_version):
+    """A rank's command loop as the demo's (``Pushes``), with a push that takes 0.2 s (or
+    fails for ``fail_version``): the commands its loop got (those of a held step go to
+    ``Pushes.hold``), in order, and the pushes that ended before its step."""
+    import time
+
+    import torch
+
+    from rlferry.rl.trainer._pushing import Pushes
+    from rlferry.weights import WeightSyncError
+
+    received, ended = [], []
+
+    def push(version, seconds):
+        time.sleep(0.2)
+        if version == fail_version:
+            raise WeightSyncError("engine0 is gone mid-push")
+        ended.append(version)
+        return 100 * version
+
+    pushes = Pushes(0, conn, push, torch.device("cpu"))
+    while True:
+        cmd = conn.recv()
+        received.append(cmd[0])
+        if cmd[0] == "push":
+            pushes.start(cmd[1], cmd[2])
+            continue
+        hold = cmd[0] == "train" and cmd[2]
+        if not hold:
+            pushes.join()
+        if cmd[0] == "stop":
+            break
+        if hold and not pushes.hold(conn):  # its "go" or "stop", and the pushes meanwhile
+            received.append("stop")
+            break
+        pushes.send(("ok", {"ended": list(ended), "held_seconds": 0.0}))
+    pushes.wait()
+    conn.send(("ended", received, ended))
+
+
+@pytest.fixture
+def pushing_rank():
+    started = []
+
+    def start(fail_version=None):
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_pushing_rank, args=(child, fail_version), daemon=True)
+        proc.start()
+        started.append(proc)
+        return parent
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.join(10)
+
+
+def test_a_held_step_gets_its_batch_while_the_update_pushes_and_steps_once_it_ended(
+    pushing_rank,
+):
+    from rlferry.rl._ranks import pusher, train
+
+    conn = pushing_rank()
+
+    async def main():
+        sent, pushed = [], []
+        pushing = asyncio.Event()
+        update = asyncio.ensure_future(pusher([conn], 3, sent, pushed, pushing)(5.0))
+        [answer] = await train([conn], 4, update, pushing)
+        assert update.result() == {"seconds": pushed[0], "bytes": [300]}
+        return answer["ended"]
+
+    # the push command went first (the rank pushes on its thread while it gets its batch),
+    # and the step came once the push ended and the driver said go
+    assert asyncio.run(main()) == [3]
+    conn.send(("stop",))
+    assert conn.recv() == ("ended", ["push", "train", "stop"], [3])  # "go": read by hold
+
+
+def test_a_held_step_runs_an_update_pushed_again_and_a_failed_push_is_the_steps_error(
+    pushing_rank,
+):
+    from rlferry.rl._ranks import pusher, train
+
+    conn = pushing_rank(fail_version=3)
+
+    async def main():
+        pushing = asyncio.Event()
+
+        async def update():  # the first push fails (an engine lost): pushed again
+            with pytest.raises(RuntimeError) as e:
+                await pusher([conn], 3, [], None, pushing)(5.0)
+            assert str(e.value) == "trainer rank 0: WeightSyncError: engine0 is gone mid-push"
+            return await pusher([conn], 5, [], None)(5.0)
+
+        [answer] = await train([conn], 4, asyncio.ensure_future(update()), pushing)
+        return answer["ended"]
+
+    assert asyncio.run(main()) == [5]
+    conn.send(("stop",))
+    assert conn.recv() == ("ended", ["push", "train", "stop"], [5])  # hold ran push 5
+
+    conn = pushing_rank(fail_version=3)  # an update that fails for good fails the step
+
+    async def failing():
+        pushing = asyncio.Event()
+        update = asyncio.ensure_future(pusher([conn], 3, [], None, pushing)(5.0))
+        with pytest.raises(RuntimeError, match="engine0 is gone mid-push"):
+            await train([conn], 4, update, pushing)
+
+    asyncio.run(failing())
+
+
+def test_a_rank_held_for_an_update_stops_when_told(pushing_rank):
+    from rlferry.rl._ranks import pusher
+
+    conn = pushing_rank()
+
+    async def main():
+        pushing = asyncio.Event()
+        push = asyncio.ensure_future(pusher([conn], 3, [], None, pushing)(5.0))
+        await pushing.wait()
+        conn.send(("train", 4, True))
+        await push
+        conn.send(("stop",))
+
+    asyncio.run(main())
+    assert conn.recv() == ("ended", ["push", "train", "stop"], [3])

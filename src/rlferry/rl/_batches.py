@@ -67,10 +67,15 @@ class Batches:
         assert at == step, f"a batch taken ahead for step {at}, asked for {step}"
         return await self._slots.idle(task)
 
+    def ready(self, step: int) -> bool:
+        """Whether step ``step``'s batch was taken ahead and is in the queue."""
+        return self._ahead is not None and self._ahead[0] == step and self._ahead[1].done()
+
     def ahead(self, step: int) -> None:
         """Start taking step ``step``'s batch while the trainer ranks train the step before
-        (its update not pushed yet): counted against the version that update makes."""
-        trainer = self._coord.version + (1 if self._sync else 0)
+        (its update not pushed yet, the update before it maybe still pushing): counted
+        against the version that step's update makes (the demo's versions are its steps)."""
+        trainer = step - 1 if self._sync else self._coord.version
         self._ahead = (step, asyncio.ensure_future(self._prepare(step, trainer)))
 
     def cancel(self) -> None:

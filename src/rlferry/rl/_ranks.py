@@ -1,6 +1,6 @@
-"""What the demo's driver asks of its trainer ranks besides training: each update's push,
-and, at the end, the fingerprint of the weights they hold against the engines' and the
-run's closing figures."""
+"""What the demo's driver asks of its trainer ranks: a step (held while the update before
+it pushes), each update's push, and, at the end, the fingerprint of the weights they hold
+against the engines' and the run's closing figures."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ._config import DemoConfig
 from ._processes import REPLY_TIMEOUT, answer
 from .checkpoints import kill_point
 
-__all__ = ["ask", "closing_figures", "final_check", "pusher"]
+__all__ = ["ask", "closing_figures", "final_check", "pusher", "train"]
 
 PUSH_MARGIN = 30.0
 """Seconds a rank may take to answer a push beyond the push's own bound (it answers a
@@ -26,6 +26,31 @@ async def ask(conn: Any, rank: int, *cmd: Any, timeout: float = REPLY_TIMEOUT) -
     ``timeout`` seconds."""
     await _send(conn, cmd)
     return await _answer(conn, rank, timeout, cmd[0])
+
+
+async def train(
+    ranks: list[Any], step: int, update: asyncio.Future[Any] | None, pushing: asyncio.Event
+) -> list[dict[str, Any]]:
+    """Every rank's step ``step``; their answers. With ``update`` (the update of the step
+    before, in flight) the train command follows its push command (``pushing``: set by its
+    :func:`pusher`; the push runs on each rank's thread), so the ranks get their batches
+    while it pushes; they step once it ended (``("go",)``, sent whatever its outcome: its
+    error is this call's)."""
+    if update is not None:
+        sent = asyncio.ensure_future(pushing.wait())
+        await asyncio.wait([sent, update], return_when=asyncio.FIRST_COMPLETED)
+        sent.cancel()
+    for conn in ranks:
+        await _send(conn, ("train", step, update is not None))
+    if update is not None:
+        try:
+            await update
+        finally:
+            for conn in ranks:
+                await _send(conn, ("go",))
+    return list(await asyncio.gather(*(
+        _answer(conn, rank, REPLY_TIMEOUT, "train") for rank, conn in enumerate(ranks)
+    )))  # fmt: skip
 
 
 async def _send(conn: Any, cmd: tuple[Any, ...]) -> None:
@@ -76,13 +101,14 @@ async def _answer(conn: Any, rank: int, timeout: float, what: str) -> dict[str, 
 
 
 def pusher(
-    ranks: list[Any], version: int, sent: list[list[int]], pushed: list[float] | None = None
-) -> Any:
+    ranks: list[Any], version: int, sent: list[list[int]], pushed: list[float] | None = None,
+    pushing: asyncio.Event | None = None,
+) -> Any:  # fmt: skip
     """The push of an update: every trainer rank pushes (its own shards, or its part of
     the gathers that rank 0 pushes) and answers once the engines loaded what it sent;
-    the bytes each sent go to ``sent``, the slowest rank's seconds to ``pushed``. A rank
-    that failed fails the update, by name (every rank's answer is read first: nothing is
-    left unread)."""
+    the bytes each sent go to ``sent``, the slowest rank's seconds to ``pushed``;
+    ``pushing`` is set once every rank was told to push. A rank that failed fails the
+    update, by name (every rank's answer is read first: nothing is left unread)."""
 
     if pushed is None:
         pushed = []
@@ -90,6 +116,8 @@ def pusher(
     async def push(seconds: float) -> dict[str, Any]:
         for conn in ranks:
             await _send(conn, ("push", version, seconds))
+        if pushing is not None:
+            pushing.set()
         kill_point("push", version)
         answers: list[dict[str, Any]] = []
         failed: list[BaseException] = []

@@ -55,7 +55,7 @@ from ._processes import (
     start_trainers,
 )
 from ._producer import Producer
-from ._ranks import ask, closing_figures, pusher
+from ._ranks import closing_figures, pusher, train
 from .checkpoints import Checkpoints, TrainedLog, check_resumable, job_state, kill_point, save_job
 from .faults import ENGINE_RESTARTS, Engines, generating, process_slots, ray_slots
 from .report import RunRecord, StepRecord
@@ -249,12 +249,18 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             return now
 
         asked: asyncio.Future[list[Any]] | None = None  # the engines' statistics, coming
+        # an asynchronous run's update, in flight while the next step's ranks get their batch
+        pending: asyncio.Future[Any] | None = None
+        pushing = asyncio.Event()  # set once its push was sent to the ranks
         try:
             busy = await slots.statistics()
             row: StepRecord | None = None
             for step in range(done + 1, config.steps + 1):
                 t0 = time.monotonic()
                 slots.step = step
+                if pending is not None and not batches.ready(step):  # rollouts to wait for:
+                    await pending  # the update ends meanwhile (a catch-up waits for it)
+                    pending = None
                 taken = await batches.take(step)
                 rewards, uids, lags = taken.rewards, taken.uids, taken.lags
                 t1 = time.monotonic()
@@ -262,13 +268,17 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 # trained, was scored and put off this step's time
                 t_wait = max(0.0, min(taken.at, t1) - t0)
                 t_put = t1 - max(t0, taken.at)
-                training = asyncio.gather(*(
-                    ask(conn, rank, "train", step) for rank, (_, conn) in enumerate(procs.trainers)
-                ))  # fmt: skip
-                if config.max_staleness and step < config.steps and not (
-                        ckpts is not None and config.checkpoint_every
-                        and step % config.checkpoint_every == 0):  # fmt: skip
-                    batches.ahead(step + 1)  # a checkpoint holds no batch taken ahead
+                training = asyncio.ensure_future(train(ranks, step, pending, pushing))
+                pending = None
+                # asynchronous, the next step's batch is taken while this one trains, and
+                # its ranks get it while this step's update pushes; a checkpoint's step (no
+                # batch held, the weights saved) and the last are taken and updated whole
+                ahead = bool(config.max_staleness) and step < config.steps and not (
+                    ckpts is not None and config.checkpoint_every
+                    and step % config.checkpoint_every == 0
+                )  # fmt: skip
+                if ahead:
+                    batches.ahead(step + 1)
                 kill_point("train", step)
                 if step == done + 1 and job is not None:
                     kill_point("resumed", step)
@@ -283,14 +293,20 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                 if step == done + 1 and job is not None:
                     record.summary["resume: seconds to the first trained step"] = (
                         time.monotonic() - t_begin)  # fmt: skip
-                t_train = time.monotonic() - t1
+                # what the ranks' step waited for the update before it is weight sync
+                held = max(r["held_seconds"] for r in results)
+                t_train = time.monotonic() - t1 - held
                 t2 = time.monotonic()
-                update = await slots.update(
-                    pusher(ranks, step, sent, pushed), version=step, timeout=120
-                ) if config.sync else None  # fmt: skip
+                pushing = asyncio.Event()
+                push = pusher(ranks, step, sent, pushed, pushing)
+                update = None
+                if config.sync and ahead:
+                    pending = asyncio.ensure_future(slots.update(push, version=step, timeout=120))
+                elif config.sync:
+                    update = await slots.update(push, version=step, timeout=120)
                 # the update's own seconds; then the requests it let go start here, before
                 # the next train command (a partial update: all of it counts as sync)
-                t_sync = time.monotonic() - t2
+                t_sync = 0.0 if pending is not None else time.monotonic() - t2
                 t_update = t_sync if update is None else min(t_sync, update.seconds)
                 asked = asyncio.ensure_future(slots.statistics())
                 if gpus is not None:
@@ -302,12 +318,12 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
                     samples_per_s=len(rewards) / max(1e-9, time.monotonic() - t0),
                     staleness_mean=sum(lags) / len(lags), staleness_max=max(lags),
                     generate_seconds=0.0, wait_seconds=t_wait,
-                    train_seconds=t_train, sync_seconds=t_update,
+                    train_seconds=t_train, sync_seconds=t_update + held,
                     dispatch_seconds=t_sync - t_update, put_seconds=t_put,
                     get_seconds=max(r["get_seconds"] for r in results),
                     optimize_seconds=max(r["step_seconds"] for r in results),
                     loss=sum(r["loss"] for r in results) / len(results), lags=lags,
-                    version=coord.version,
+                    version=step if pending is not None else coord.version,
                 )  # fmt: skip
                 if ckpts is not None and config.checkpoint_every and (
                         step % config.checkpoint_every == 0):  # fmt: skip
@@ -334,6 +350,9 @@ async def _run(config: DemoConfig, progress: Any = None) -> RunRecord:
             ))  # fmt: skip
         finally:
             batches.cancel()
+            if pending is not None and not pending.done():  # a step failed: its error is told
+                pending.cancel()
+                pending.add_done_callback(lambda t: t.cancelled() or t.exception())
             await slots.close()
             producer.cancel()
             if asked is not None and not asked.done():

@@ -94,6 +94,9 @@ class Engines:
         self._replacing: dict[int, asyncio.Task[Any]] = {}
         self._coord: Coordinator | None = None
         self.push_at: Callable[[int], Any] | None = None  # the trainer's push of a version
+        # the step of the update that runs (its version: the demo's versions are its
+        # steps; it may run into the next step): no catch-up beside it, one push at a time
+        self._updating: int | None = None
         self._batching = False  # the driver waits for a batch: the trainer ranks are idle
         self._catching: asyncio.Task[Any] | None = None
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -127,7 +130,8 @@ class Engines:
     def lost(self, i: int, why: str) -> None:
         """Note that slot ``i``'s engine was lost (``why``) and start its replacement."""
         name = self.handles[i].name
-        step = self._failed_in.pop(name, self.step)  # its update's, if one failed it first
+        # its update's, if one failed it first or runs
+        step = self._failed_in.pop(name, self.step if self._updating is None else self._updating)
         loss = Loss(name, step, why, time.monotonic() - self._t0)
         self.losses.append(loss)
         self._heard.set()
@@ -233,6 +237,7 @@ class Engines:
         coord = self._coord
         if (
             coord is None or self.push_at is None or not self._batching or self._closed
+            or self._updating is not None
             or (self._catching is not None and not self._catching.done())
             or coord.statistics().engines_serving
         ):  # fmt: skip
@@ -256,6 +261,16 @@ class Engines:
         coord = self._coord
         assert coord is not None
         self._failed_in.clear()  # the last update's: their losses were heard since
+        self._updating = version
+        try:
+            return await self._update(coord, push, version, timeout)
+        finally:
+            self._updating = None
+            self._catch_up()  # a batch that waits while no engine serves
+
+    async def _update(
+        self, coord: Any, push: Any, version: int, timeout: float
+    ) -> UpdateReport | None:
         for tries in range(1, UPDATE_TRIES + 1):
             try:
                 return await self.guard(
@@ -263,7 +278,7 @@ class Engines:
                 )
             except EngineError as e:
                 for name in e.failures:
-                    self._failed_in.setdefault(name, self.step)
+                    self._failed_in.setdefault(name, version)  # the update's step
                 if coord.version >= version:  # committed on the engines that serve
                     return None
                 if tries == UPDATE_TRIES:

@@ -7,11 +7,13 @@ other ranks (gloo on the CPU, NCCL on CUDA) and shards the model with FSDP2
 split GPU layout on 2 GPUs, keeps the plain model). It takes commands from the driver on
 a pipe:
 
-- ``("train", step)``: get this rank's share of partition ``train_{step}`` from the
+- ``("train", step, held)``: get this rank's share of partition ``train_{step}`` from the
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss
   (``_step.TrainStep``: a CUDA graph on one GPU), ack; answer with the loss and its
-  stats;
-- ``("push", version, seconds)`` (every rank): every rank pushes its own shards
+  stats. ``held``: an update is in flight (its push runs on the rank's thread): the batch
+  is got meanwhile, and the step waits for the driver's ``("go",)`` (``_pushing.Pushes``);
+- ``("push", version, seconds)`` (every rank, on a thread, one push at a time; the
+  answer comes from it): every rank pushes its own shards
   through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU; on CUDA NCCL
   broadcast to the engines, or cuda_ipc for rank 0 beside them; ``settings["p2p"]``: a
   link per engine, for engines sharing GPU 0) and answers once the engines loaded its
@@ -70,11 +72,12 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     import transformers
 
     from rlferry.queue import GrpoGroups, Queue
-    from rlferry.weights import WeightSender, WeightSyncError, fingerprint
+    from rlferry.weights import WeightSender, fingerprint
 
     from ..checkpoints import load_rank, save_rank
     from ..grpo import GrpoBatch
     from ._profiling import traced
+    from ._pushing import Pushes
     from ._roofline import Peaks, step_roofline
     from ._step import TrainStep
 
@@ -146,62 +149,68 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
         adapter=adapter,
     )  # fmt: skip
     conn.send(("ready", {"sender": told, "pid": os.getpid()}))
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "stop":
-            break
-        if cmd[0] == "fingerprint":
-            # every rank gathers, rank 0 answers; tensor by tensor with DTensor's own
-            # gather, apart from the pushes' bucketed one: a check of it too
-            digest = fingerprint(
-                adapter.served(serve) if adapter is not None else (
-                    (n, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(serve))
-                    for n, t in model.state_dict().items()
-                )
-            )  # fmt: skip
-            conn.send(("ok", {"fingerprint": digest}))
-            continue
-        if cmd[0] == "figures":  # the steps' times beside their roofline
-            conn.send(("ok", {"step_seconds": step_seconds, "replayed": train.replayed,
-                              "roofline": dataclasses.asdict(roofline)}))  # fmt: skip
-            continue
-        if cmd[0] == "save":  # this rank's part of a job checkpoint, into the directory
-            conn.send(("ok", save_rank(cmd[1], rank, params, optimizer)))
-            continue
-        if cmd[0] == "push":
-            _, version, seconds = cmd
-            t0 = time.perf_counter()
-            try:
-                with traced(rank, "push", version):
-                    sent = _push(sender, model, adapter, s, serve, version, seconds,
-                                 train.served)  # fmt: skip
-            except WeightSyncError as e:  # an engine lost mid-push: the update's to judge
-                conn.send(("error", f"trainer rank {rank}: {type(e).__name__}: {e}"))
-                continue
-            conn.send(("ok", {"seconds": time.perf_counter() - t0, "bytes": sent}))
-            continue
 
-        _, step = cmd
-        t0 = time.perf_counter()
-        batch = client.get(
-            f"train_{step}", task="train", batch_size=groups_per_rank * s["group_size"],
-            fields=["prompt_ids", "response_ids", "logprobs", "advantages"],
-            dp_rank=rank, dp_size=dp, sampler=GrpoGroups(group_size=s["group_size"]),
-            timeout=600,
-        )  # fmt: skip
-        got = time.perf_counter()
-        with traced(rank, "train", step):
-            d = batch.data
-            t_step = time.perf_counter()
-            stats = train(
-                GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
+    def push(version: int, seconds: float) -> int:
+        with traced(rank, "push", version):
+            return _push(sender, model, adapter, s, serve, version, seconds, train.served)
+
+    pushes = Pushes(rank, conn, push, device)
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "push":  # on a thread: the next command (a step's train) comes meanwhile
+                pushes.start(cmd[1], cmd[2])
+                continue
+            hold = cmd[0] == "train" and len(cmd) > 2 and cmd[2]
+            if not hold:  # a step held for the update in flight gets its batch meanwhile
+                pushes.join()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "fingerprint":
+                # every rank gathers, rank 0 answers; tensor by tensor with DTensor's own
+                # gather, apart from the pushes' bucketed one: a check of it too
+                digest = fingerprint(
+                    adapter.served(serve) if adapter is not None else (
+                        (n, (t.full_tensor() if hasattr(t, "full_tensor") else t).to(serve))
+                        for n, t in model.state_dict().items()
+                    )
+                )  # fmt: skip
+                pushes.send(("ok", {"fingerprint": digest}))
+                continue
+            if cmd[0] == "figures":  # the steps' times beside their roofline
+                pushes.send(("ok", {"step_seconds": step_seconds, "replayed": train.replayed,
+                                    "roofline": dataclasses.asdict(roofline)}))  # fmt: skip
+                continue
+            if cmd[0] == "save":  # this rank's part of a job checkpoint, into the directory
+                pushes.send(("ok", save_rank(cmd[1], rank, params, optimizer)))
+                continue
+            step = cmd[1]
+            t0 = time.perf_counter()
+            batch = client.get(
+                f"train_{step}", task="train", batch_size=groups_per_rank * s["group_size"],
+                fields=["prompt_ids", "response_ids", "logprobs", "advantages"],
+                dp_rank=rank, dp_size=dp, sampler=GrpoGroups(group_size=s["group_size"]),
+                timeout=600,
             )  # fmt: skip
-            step_seconds.append(time.perf_counter() - t_step)
-        client.ack(batch)
-        conn.send(("ok", {
-            **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got,
-            "get_seconds": got - t0, "step_seconds": step_seconds[-1],
-        }))  # fmt: skip
+            got = time.perf_counter()
+            # held: the update in flight ends before this step changes the weights it pushes
+            if hold and not pushes.hold(conn):
+                break
+            held = time.perf_counter() - got
+            with traced(rank, "train", step):
+                d = batch.data
+                t_step = time.perf_counter()
+                stats = train(
+                    GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
+                )  # fmt: skip
+                step_seconds.append(time.perf_counter() - t_step)
+            client.ack(batch)
+            pushes.send(("ok", {
+                **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got - held,
+                "get_seconds": got - t0, "step_seconds": step_seconds[-1], "held_seconds": held,
+            }))  # fmt: skip
+    finally:  # a push answers before the rank's last word
+        pushes.wait()
     client.close()
     if sender is not None:
         sender.close()
