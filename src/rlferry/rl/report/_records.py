@@ -15,15 +15,17 @@ class StepRecord:
     ``generate_seconds``: the engines' busy time during the step (summed over engines,
     divided by their number); ``wait_seconds``: the trainer waiting for rollouts (the
     batch not ready yet); ``train_seconds``: the trainer's forward, backward and
-    optimizer step (the slower DP rank); ``sync_seconds``: the weight update (pause,
-    push, commit, resume); ``dispatch_seconds``: the driver starting the requests the
-    update let go (new rollouts wait while an update runs), before its next train
-    command. Parts of those: ``put_seconds``, the driver scoring the batch and putting it
-    into the queue, as far as the step waited for it (between waiting and training: a
-    batch taken ahead, while the step before trained, costs none); ``get_seconds`` and
-    ``optimize_seconds``, within training, the slower rank's get of its share from the
-    queue and its optimizer step (forward, backward, update). ``lags``: every trained
-    sample's lag, in versions.
+    optimizer step (the slower DP rank); ``sync_seconds``: what the step waited for weight
+    updates: its own (pause, push, commit, resume), or, in an asynchronous run, the update
+    of the step before, pushing while the ranks got their batch, as far as their step
+    waited for it (the ranks' ``held_seconds``); ``dispatch_seconds``: the driver
+    starting the requests the update let go (new rollouts wait while an update runs),
+    before its next train command. Parts of those: ``put_seconds``, the driver scoring
+    the batch and putting it into the queue, as far as the step waited for it (between
+    waiting and training: a batch taken ahead, while the step before trained, costs
+    none); ``get_seconds`` and ``optimize_seconds``, within training, the slower rank's
+    get of its share from the queue and its optimizer step (forward, backward, update).
+    ``lags``: every trained sample's lag, in versions.
     """
 
     step: int
