@@ -117,8 +117,8 @@ def test_an_engine_killed_mid_update_is_replaced_and_the_update_commits_on_the_o
     pushes = demo.pusher
     killed: list[int] = []
 
-    def pusher(ranks, version, sent, pushed=None):  # engine0 dies in the push (paused)
-        push = pushes(ranks, version, sent, pushed)
+    def pusher(ranks, version, sent, pushed=None, pushing=None):  # engine0 dies in the push
+        push = pushes(ranks, version, sent, pushed, pushing)
 
         def killing(seconds):
             if version == 3:
