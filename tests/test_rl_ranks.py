@@ -25,12 +25,14 @@ def _rank(conn, how):
 
 
 @pytest.fixture
-def rank():
+def spawned():
+    """``start(target, *args)``: ``target(conn, *args)`` in a process; the driver's end of
+    its pipe. Every process is killed at the test's end."""
     started = []
 
-    def start(how):
+    def start(target, *args):
         parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_rank, args=(child, how), daemon=True)
+        proc = CTX.Process(target=target, args=(child, *args), daemon=True)
         proc.start()
         started.append(proc)
         return parent
@@ -39,6 +41,11 @@ def rank():
     for proc in started:
         proc.kill()
         proc.join(10)
+
+
+@pytest.fixture
+def rank(spawned):
+    return lambda how: spawned(_rank, how)
 
 
 def test_a_rank_answers_and_its_error_comes_as_it_said(rank):
@@ -94,7 +101,7 @@ def _pushing_rank(conn, fail_version):
             pushes.join()
         if cmd[0] == "stop":
             break
-        if hold and not pushes.hold(conn):  # its "go" or "stop", and the pushes meanwhile
+        if hold and not pushes.hold():  # its "go" or "stop", and the pushes meanwhile
             received.append("stop")
             break
         pushes.send(("ok", {"ended": list(ended), "held_seconds": 0.0}))
@@ -103,20 +110,8 @@ def _pushing_rank(conn, fail_version):
 
 
 @pytest.fixture
-def pushing_rank():
-    started = []
-
-    def start(fail_version=None):
-        parent, child = CTX.Pipe()
-        proc = CTX.Process(target=_pushing_rank, args=(child, fail_version), daemon=True)
-        proc.start()
-        started.append(proc)
-        return parent
-
-    yield start
-    for proc in started:
-        proc.kill()
-        proc.join(10)
+def pushing_rank(spawned):
+    return lambda fail_version=None: spawned(_pushing_rank, fail_version)
 
 
 def test_a_held_step_gets_its_batch_while_the_update_pushes_and_steps_once_it_ended(

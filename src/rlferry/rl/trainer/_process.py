@@ -194,7 +194,7 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
             )  # fmt: skip
             got = time.perf_counter()
             # held: the update in flight ends before this step changes the weights it pushes
-            if hold and not pushes.hold(conn):
+            if hold and not pushes.hold():
                 break
             held = time.perf_counter() - got
             with traced(rank, "train", step):

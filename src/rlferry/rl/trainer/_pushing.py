@@ -70,9 +70,7 @@ class Pushes:
     def join(self) -> None:
         """Return once no push runs; a push that failed other than by an engine's loss
         raises its error here (the rank ends with it)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.wait()
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
@@ -83,12 +81,12 @@ class Pushes:
             self._thread.join()
             self._thread = None
 
-    def hold(self, conn: Any) -> bool:
+    def hold(self) -> bool:
         """Wait for the driver's ``("go",)`` (the update in flight done), starting the pushes
         it sends meanwhile (an update pushed again once a lost engine was replaced); then
         return once no push runs. False: the driver said ``("stop",)``."""
         while True:
-            cmd = conn.recv()
+            cmd = self._conn.recv()
             if cmd[0] == "go":
                 self.join()
                 return True
