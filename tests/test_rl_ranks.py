@@ -185,3 +185,48 @@ def test_a_rank_held_for_an_update_stops_when_told(pushing_rank):
 
     asyncio.run(main())
     assert conn.recv() == ("ended", ["push", "train", "stop"], [3])
+
+
+def _rank_told_to_stop(conn, engine_pid):
+    """Answers ``stop`` with whether the engine ``engine_pid`` was gone by then."""
+    conn.send(("ready",))
+    assert conn.recv() == ("stop",)
+    try:
+        os.kill(engine_pid, 0)
+    except ProcessLookupError:
+        conn.send(("ok", {"engine gone": True}))
+    else:
+        conn.send(("ok", {"engine gone": False}))
+
+
+def test_the_run_stops_its_engines_before_its_ranks():
+    """An engine reads the weights a rank exports (cuda_ipc) until it exits: a rank told to
+    stop first would exit with its memory still opened elsewhere."""
+    import subprocess
+    import sys
+
+    from rlferry.rl._processes import Processes
+
+    procs = Processes()
+    engine = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys; print('up', flush=True); signal.pause()"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert engine.stdout is not None and engine.stdout.readline() == "up\n"
+    procs.add_engine(engine)
+    parent, child = CTX.Pipe()
+    trainer = CTX.Process(target=_rank_told_to_stop, args=(child, engine.pid), daemon=True)
+    trainer.start()
+    procs.trainers.append((trainer, parent))
+    try:
+        assert parent.poll(60) and parent.recv() == ("ready",)
+        procs.stop()
+        assert parent.poll(10), "the rank never answered the stop"
+        assert parent.recv() == ("ok", {"engine gone": True})
+        assert engine.returncode == -15 and trainer.exitcode == 0
+    finally:
+        engine.kill()
+        trainer.kill()
+        engine.wait(10)
+        trainer.join(10)
+        engine.stdout.close()

@@ -105,3 +105,7 @@ def serve_engine(
 
     EngineServer.check_bind(host, token)
     asyncio.run(main())
+    # the engine's objects freed while the process lives (gc.freeze kept their cycles): what
+    # it opened of a trainer's GPU memory (cuda_ipc) is let go of, and the trainer can free it
+    gc.unfreeze()
+    gc.collect()

@@ -53,12 +53,22 @@ class Processes:
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
-        for _, conn in self.trainers:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(("stop",))
+        # the engines first: an engine reads the weights a trainer exports (cuda_ipc) until
+        # it exits, and a trainer that exits while its memory is still opened elsewhere
+        # cannot free it (torch warns at its exit)
         for proc in self.engines:
             if proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self.engines:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for _, conn in self.trainers:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
         deadline = time.monotonic() + 2  # a trainer between steps stops at once; else:
         for proc, _ in self.trainers:
             proc.join(max(0.1, deadline - time.monotonic()))
@@ -68,12 +78,6 @@ class Processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        for proc in self.engines:
-            try:
-                proc.wait(max(0.1, deadline + 5 - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
 
 
 def call(conn: Connection, *cmd: Any) -> dict[str, Any]:
