@@ -147,32 +147,6 @@ def test_the_eager_step_is_grpo_loss_backward_clipping_and_adamw():
     assert step.replayed == 0
 
 
-def test_before_update_runs_after_the_backward_with_the_weights_unchanged():
-    """A held step's forward and backward run beside the update's push; it waits only
-    before it changes the weights (a False from the hook: the step ends there)."""
-    model = make_model("tiny", VOCAB, seed=0).train()
-    params = list(model.parameters())
-    step = TrainStep(model, params, torch.optim.AdamW(params, lr=1e-3), rows=8, width=WIDTH,
-                     clip=0.2, autocast=None, graphed=False)  # fmt: skip
-    before = [p.detach().clone() for p in params]
-    unchanged = lambda: all(torch.equal(p, b) for p, b in zip(params, before, strict=True))  # noqa: E731
-    seen = []
-
-    def hook(go):
-        def ready():
-            seen.append((all(p.grad is not None for p in params), unchanged()))
-            return go
-
-        return ready
-
-    batch = batches(8, 1)[0]
-    assert step(batch, hook(False)) is None
-    assert seen == [(True, True)] and unchanged()
-    stats = step(batch, hook(True))
-    assert seen == [(True, True), (True, True)] and stats is not None and stats.tokens > 0
-    assert not unchanged()
-
-
 def test_a_step_refuses_a_batch_of_another_size_or_without_response_tokens():
     model = make_model("tiny", VOCAB, seed=0).train()
     params = list(model.parameters())

@@ -11,9 +11,7 @@ a pipe:
   queue (whole GRPO groups, ``GrpoGroups``), one optimizer step on the GRPO loss
   (``_step.TrainStep``: a CUDA graph on one GPU), ack; answer with the loss and its
   stats. ``held``: an update is in flight (its push runs on the rank's thread): the batch
-  is got meanwhile (and the step's forward and backward, where the push takes no
-  collective of the ranks'), and the step waits for the driver's ``("go",)`` before it
-  changes the weights (``_pushing.Pushes``);
+  is got meanwhile, and the step waits for the driver's ``("go",)`` (``_pushing.Pushes``);
 - ``("push", version, seconds)`` (every rank, on a thread, one push at a time; the
   answer comes from it): every rank pushes its own shards
   through its ``ShardedSender`` (``settings["sharded"]``: shm on the CPU; on CUDA NCCL
@@ -143,11 +141,6 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     roofline = step_roofline(model, groups_per_rank * s["group_size"], s["width"], low=low,
                              peaks=Peaks(**s["peaks"]))  # fmt: skip
     step_seconds: list[float] = []  # each step's TrainStep call
-    # a held step runs its forward and backward beside the update's push (waiting only
-    # before its optimizer step) where the push takes no collective of the ranks' group nor
-    # an NCCL stream of theirs: one rank, or ranks on the CPU each pushing its own shards
-    # (or rank 0 its adapter); else it waits before it starts
-    beside = dp == 1 or (device.type == "cpu" and (s["sharded"] or adapter is not None))
     # made before the rank is ready (a CUDA graph: compiled and captured while the
     # engines start), so that no step of the run waits for it
     train = TrainStep(
@@ -157,24 +150,11 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
     )  # fmt: skip
     conn.send(("ready", {"sender": told, "pid": os.getpid()}))
 
-    # the weights a push reads: the same tensors every step (the optimizer steps them in
-    # place), listed once, so that no push calls state_dict() beside the step's forward
-    # (FSDP2 registers other tensors on the modules while one runs)
-    state = list(model.state_dict().items())
-
     def push(version: int, seconds: float) -> int:
         with traced(rank, "push", version):
-            return _push(sender, model, state, adapter, s, serve, version, seconds, train.served)
+            return _push(sender, model, adapter, s, serve, version, seconds, train.served)
 
     pushes = Pushes(rank, conn, push, device)
-    waited: list[float] = []  # a held step's wait for the update in flight
-
-    def ready() -> bool:  # the update in flight ends before the step changes the weights
-        t = time.perf_counter()
-        go = pushes.hold()
-        waited.append(time.perf_counter() - t)
-        return go
-
     try:
         while True:
             cmd = conn.recv()
@@ -213,20 +193,17 @@ def _serve(rank: int, conn: Connection, s: dict[str, Any]) -> None:
                 timeout=600,
             )  # fmt: skip
             got = time.perf_counter()
-            waited.clear()
-            if hold and not beside and not ready():
+            # held: the update in flight ends before this step changes the weights it pushes
+            if hold and not pushes.hold():
                 break
+            held = time.perf_counter() - got
             with traced(rank, "train", step):
                 d = batch.data
                 t_step = time.perf_counter()
                 stats = train(
-                    GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"]),
-                    ready if hold and beside else None,
+                    GrpoBatch(d["prompt_ids"], d["response_ids"], d["logprobs"], d["advantages"])
                 )  # fmt: skip
-                if stats is None:  # told to stop while held
-                    break
-                held = sum(waited)
-                step_seconds.append(time.perf_counter() - t_step - (held if beside else 0.0))
+                step_seconds.append(time.perf_counter() - t_step)
             client.ack(batch)
             pushes.send(("ok", {
                 **dataclasses.asdict(stats), "train_seconds": time.perf_counter() - got - held,
@@ -311,8 +288,8 @@ def _sharded(model: Any) -> Any:
 
 
 def _push(
-    sender: Any, model: Any, state: list[tuple[str, Any]], adapter: Any, s: dict[str, Any],
-    serve: torch.dtype, version: int, seconds: float, served: list[tuple[str, torch.Tensor]] | None,
+    sender: Any, model: Any, adapter: Any, s: dict[str, Any], serve: torch.dtype, version: int,
+    seconds: float, served: list[tuple[str, torch.Tensor]] | None,
 ) -> int:  # fmt: skip
     """This rank's part of an update (see the module's ``push``); the bytes it sent."""
     from ._gather import gathered
@@ -323,11 +300,11 @@ def _push(
         named = adapter.named(serve)
         return sender.push(named, version=version, timeout=seconds).bytes
     if s["sharded"]:  # this rank's shards, as they are (cast to the engines' dtype)
-        return sender.push(state, version=version, timeout=seconds).bytes
+        return sender.push(model.state_dict(), version=version, timeout=seconds).bytes
     if sender is not None and s["dp"] == 1:  # one rank: its weights at fixed addresses
         # the graph's bf16 copy (its step casts the weights), else the weights as they are
         # (a float32 model: no graph keeps a copy)
-        named = served if served is not None else state
+        named = served if served is not None else list(model.state_dict().items())
         return sender.push(named, version=version, timeout=seconds).bytes
     if sender is not None:
         layout = [  # global shapes, the engines' dtype

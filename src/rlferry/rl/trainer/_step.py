@@ -26,7 +26,6 @@ Qwen3-0.6B step, which eagerly cost ~100 ms of Python and dispatch. FSDP's colle
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,13 +103,7 @@ class TrainStep:
         """How many steps replayed the CUDA graph."""
         return self._replays
 
-    def __call__(
-        self, batch: GrpoBatch, before_update: Callable[[], bool] | None = None
-    ) -> GrpoStats | None:
-        """One step. ``before_update``, called before the step changes the weights (an
-        eager step: after its backward; a graph: before its replay), may wait: an update
-        still reading the weights ends meanwhile. None when it returns False: the step
-        stops there, the weights as they were."""
+    def __call__(self, batch: GrpoBatch) -> GrpoStats:
         padded = PaddedBatch.of(batch, self.width)
         if len(batch.prompts) != self.rows:
             raise RequestError(
@@ -125,23 +118,17 @@ class TrainStep:
         for mine, given in zip(self._inputs, padded.tensors(), strict=True):
             mine.copy_(given, non_blocking=False)
         if self._graph is None:
-            values = self._eager(before_update)
-            if values is None:
-                return None
+            values = self._eager()
         else:
-            if before_update is not None and not before_update():
-                return None
             self._graph.replay()
             self._replays += 1
             assert self._values is not None
             values = self._values
         return GrpoTerms(values, padded.tokens).stats()  # the step's one wait for the device
 
-    def _eager(self, before_update: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    def _eager(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         values = self._forward_backward()
-        if before_update is not None and not before_update():
-            return None
         self.optimizer.step()
         return values
 
